@@ -1,0 +1,20 @@
+"""plait: distributed training strategies in readable Python on PyTorch."""
+
+from plait import comm
+from plait.launch import RankError, RankPool, RankTimeout, spawn
+from plait.runtime import init, is_initialized, new_group, shutdown, world
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RankError",
+    "RankPool",
+    "RankTimeout",
+    "comm",
+    "init",
+    "is_initialized",
+    "new_group",
+    "shutdown",
+    "spawn",
+    "world",
+]

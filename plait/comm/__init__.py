@@ -1,0 +1,51 @@
+"""plait's collective-communication layer.
+
+Collectives (``broadcast``, ``reduce``, ``all_reduce``, ``reduce_scatter``, ``all_gather``,
+``all_to_all``, ``barrier``) and point-to-point ``send``/``recv`` on explicit groups, with
+plait's own algorithms (``comm/ring.py``, ``tree.py``, ``halving_doubling.py``,
+``naive.py``, ``hierarchical.py``) built on point-to-point messages, beside the backend's
+``"native"`` ones, and ``"auto"`` choosing between them (``tuner.py``).
+"""
+
+from plait.comm.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from plait.comm.group import CommStat, Group, Handle, reset_stats, stats
+from plait.comm.ops import (
+    ALGORITHMS,
+    SUPPORTED,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    recv,
+    reduce,
+    reduce_scatter,
+    send,
+)
+from plait.comm.reduce_op import ReduceOp
+from plait.runtime import new_group, world
+
+__all__ = [
+    "ALGORITHMS",
+    "SUPPORTED",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "CommStat",
+    "Group",
+    "Handle",
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reset_stats",
+    "send",
+    "stats",
+    "world",
+]

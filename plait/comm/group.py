@@ -1,0 +1,339 @@
+"""Groups of ranks and the point-to-point channel every plait algorithm is written on.
+
+A :class:`Group` wraps one ``torch.distributed`` process group. It numbers the collectives
+issued on it (the sequence number every rank agrees on), runs asynchronous collectives on
+one worker thread in issue order, and hands each collective a :class:`Channel`: group-local
+ranks, a tag of its own, a timeout, and byte counters. Algorithms (``ring.py``,
+``tree.py``, ...) only ever call ``Channel.send/recv/exchange`` and never see the process
+group, so what they send is what the counters say they sent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.comm import progress
+from plait.comm.errors import CollectiveError, CollectiveTimeout
+
+# Collective messages carry tags with this bit set, so they never match a user's send/recv.
+COLLECTIVE_TAG_BIT = 1 << 30
+
+
+@dataclass
+class CommStat:
+    """What one rank did for one (collective, algorithm) pair since the last reset."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    payload_bytes: int = 0  # sum of the user tensors' sizes, for reference
+
+
+_stats: dict[tuple[str, str], CommStat] = {}
+_stats_lock = threading.Lock()
+
+
+def stats(reset: bool = False) -> dict[tuple[str, str], CommStat]:
+    """Bytes this rank sent and received, per ``(collective, algorithm)``.
+
+    plait's own algorithms count every byte they hand to the transport. ``"native"``
+    collectives are counted in ``calls`` and ``payload_bytes`` only: what the backend sends
+    internally is not visible to plait, so their sent/received stay 0.
+    """
+    with _stats_lock:
+        snapshot = {k: CommStat(**vars(v)) for k, v in _stats.items()}
+        if reset:
+            _stats.clear()
+    return snapshot
+
+
+def reset_stats() -> None:
+    stats(reset=True)
+
+
+@dataclass
+class Call:
+    """One collective as issued: its identity, tag and byte counters."""
+
+    group: Group
+    collective: str
+    algorithm: str
+    seq: int
+    payload_bytes: int = 0
+    sent: int = 0
+    received: int = 0
+    tag: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tag = COLLECTIVE_TAG_BIT | (self.seq % COLLECTIVE_TAG_BIT)
+
+    def describe(self) -> str:
+        return (
+            f"{self.collective} #{self.seq} on group {self.group.name!r} "
+            f"(algorithm {self.algorithm!r})"
+        )
+
+    def commit(self) -> None:
+        with _stats_lock:
+            s = _stats.setdefault((self.collective, self.algorithm), CommStat())
+            s.calls += 1
+            s.bytes_sent += self.sent
+            s.bytes_received += self.received
+            s.payload_bytes += self.payload_bytes
+
+
+class _Pending:
+    __slots__ = ("work", "peer", "verb")
+
+    def __init__(self, work: Any, peer: int, verb: str) -> None:
+        self.work = work
+        self.peer = peer
+        self.verb = verb
+
+
+class Channel:
+    """Point-to-point messages among some ranks of a group, for one collective call.
+
+    Ranks are numbered ``0 .. size-1`` inside the channel. ``members[i]`` is the group rank
+    of channel rank ``i``; :meth:`view` makes a channel over a subset (hierarchical and
+    halving-doubling algorithms use this to run a phase among some ranks only). Messages
+    between two ranks are matched in order, under the call's tag.
+    """
+
+    __slots__ = ("call", "group", "members", "rank", "size")
+
+    def __init__(self, call: Call, members: Sequence[int] | None = None) -> None:
+        self.call = call
+        self.group = call.group
+        self.members = tuple(range(self.group.size)) if members is None else tuple(members)
+        self.rank = self.members.index(self.group.rank)
+        self.size = len(self.members)
+
+    def view(self, members: Sequence[int]) -> Channel:
+        """A channel over ``members`` (channel ranks of this one); this rank must be in it."""
+        return Channel(self.call, [self.members[m] for m in members])
+
+    def global_rank(self, peer: int) -> int:
+        return self.group.ranks[self.members[peer]]
+
+    # --- non-blocking --------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, peer: int) -> _Pending | None:
+        """Start sending ``tensor`` (contiguous) to channel rank ``peer``; empty sends are skipped."""
+        n = tensor.numel()
+        if n == 0:
+            return None
+        self.call.sent += n * tensor.element_size()
+        work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
+        return _Pending(work, peer, "send to")
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> _Pending | None:
+        """Start receiving into ``tensor`` (contiguous) from channel rank ``peer``."""
+        n = tensor.numel()
+        if n == 0:
+            return None
+        self.call.received += n * tensor.element_size()
+        work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
+        return _Pending(work, peer, "receive from")
+
+    def wait(self, *pending: _Pending | None) -> None:
+        """Wait for started sends/receives; raises a named error past the group's timeout."""
+        timeout = self.group.timeout_delta
+        for p in pending:
+            if p is None:
+                continue
+            try:
+                p.work.wait(timeout)
+            except RuntimeError as exc:
+                raise self.failure(p.peer, p.verb, exc) from exc
+
+    # --- blocking ------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.wait(self.isend(tensor, peer))
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        self.wait(self.irecv(tensor, peer))
+
+    def exchange(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
+    ) -> None:
+        """Send to ``dst`` and receive from ``src`` at the same time (one ring step)."""
+        r = self.irecv(recv, src)
+        s = self.isend(send, dst)
+        self.wait(r, s)
+
+    # --- errors --------------------------------------------------------------------------
+    def failure(self, peer: int | None, verb: str, exc: BaseException) -> CollectiveError:
+        """The error to raise when waiting to ``verb`` channel rank ``peer`` failed
+        (``peer=None``: a native collective of the whole group)."""
+        group = self.group
+        me = group.global_rank
+        whom = "the group" if peer is None else f"rank {self.global_rank(peer)}"
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            missing = progress.missing_ranks(group, self.call.seq)
+            if not missing and peer is not None:
+                missing = [self.global_rank(peer)]
+            return CollectiveTimeout(
+                f"{self.call.describe()}: rank {me} waited {group.timeout:g}s to {verb} "
+                f"{whom}. Ranks that did not arrive at #{self.call.seq}: {missing}. "
+                f"{progress.describe(group)}Check that every rank of the group calls the "
+                f"same collectives in the same order, or raise the timeout "
+                f"(plait.init(timeout=...)).",
+                missing,
+            )
+        first_line = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+        return CollectiveError(
+            f"{self.call.describe()}: rank {me} failed to {verb} {whom} ({first_line}). "
+            f"A peer probably crashed or exited; look at its log."
+        )
+
+
+class Group:
+    """A set of ranks with a process group, a collective counter and a worker thread.
+
+    Build groups with :func:`plait.comm.world` and :func:`plait.comm.new_group`; pass them
+    explicitly as ``group=`` to every collective.
+    """
+
+    def __init__(
+        self,
+        *,
+        pg: Any,
+        ranks: Sequence[int],
+        global_rank: int,
+        name: str,
+        backend: str,
+        timeout: float,
+        debug: bool = False,
+        node_size: int | None = None,
+    ) -> None:
+        if global_rank not in ranks:
+            raise ValueError(f"rank {global_rank} is not in group {name!r} (ranks {list(ranks)})")
+        self.pg = pg
+        self.ranks = tuple(ranks)
+        self.rank = self.ranks.index(global_rank)
+        self.size = len(self.ranks)
+        self.name = name
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.timeout_delta = datetime.timedelta(seconds=self.timeout)
+        self.debug = debug
+        self.node_size = node_size
+        self.seq = 0
+        self.entered: tuple[int, str] = (0, "")
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last: concurrent.futures.Future[Any] | None = None
+        self._node_of: list[str] | None = None
+        progress.register(self)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def run(
+        self,
+        collective: str,
+        algorithm: str,
+        body: Callable[[Channel], Any],
+        *,
+        async_op: bool,
+        payload_bytes: int,
+        signature: str,
+    ) -> Handle | None:
+        """Issue one collective: number it, check it (debug), run ``body`` on a channel.
+
+        Sequence numbers are taken here, on the calling thread, so they follow issue order
+        on every rank even when the collective runs later on the worker thread.
+        """
+        self.seq += 1
+        call = Call(self, collective, algorithm, self.seq, payload_bytes)
+        if self.debug:
+            from plait.comm import debug
+
+            debug.check_signature(call, signature)
+
+        def task() -> Any:
+            self.entered = (call.seq, collective)
+            result = body(Channel(call))
+            call.commit()
+            return result
+
+        if async_op:
+            return Handle(self._submit(task))
+        if self._last is not None and not self._last.done():
+            self._submit(task).result()  # keep issue order behind pending async work
+        else:
+            task()
+        return None
+
+    def _submit(self, task: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"plait-{self.name}"
+            )
+        self._last = self._executor.submit(task)
+        return self._last
+
+    def synchronize(self) -> None:
+        """Wait for every asynchronous collective issued on this group so far."""
+        if self._last is not None:
+            self._last.result()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        progress.unregister(self)
+
+
+class Handle:
+    """Returned by ``async_op=True``: ``wait()`` blocks until the collective is done."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future[Any] | None) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done and re-raise its error; ``timeout`` in seconds (None: no limit).
+
+        The collective itself is bounded by its group's timeout, so this never hangs
+        forever even with ``timeout=None``.
+        """
+        if self._future is not None:
+            self._future.result(timeout)
+
+    def is_completed(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def get_future(self) -> torch.futures.Future[None]:
+        """A ``torch.futures.Future`` completed (or failed) with the collective."""
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        if self._future is None:
+            fut.set_result(None)
+            return fut
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+        self._future.add_done_callback(done)
+        return fut
+
+
+COMPLETED = Handle(None)
+

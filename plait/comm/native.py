@@ -1,0 +1,97 @@
+"""The backend's own collectives (gloo's or NCCL's), behind plait's interface.
+
+Same arguments and results as plait's algorithms, so ``algorithm="native"`` is one more
+choice and the benchmark can put the two side by side. plait cannot see what the backend
+sends internally, so the byte counters record only the call and its payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.group import Channel
+from plait.comm.reduce_op import TO_TORCH, ReduceOp
+
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _wait(ch: Channel, work: Any) -> None:
+    try:
+        work.wait(ch.group.timeout_delta)
+    except RuntimeError as exc:
+        raise ch.failure(None, "finish", exc) from exc
+
+
+def _adjacent(chunks: list[torch.Tensor]) -> torch.Tensor | None:
+    """The single buffer ``chunks`` are equal, adjacent views of, if they are."""
+    first = chunks[0]
+    if any(c.numel() != first.numel() for c in chunks):
+        return None
+    if any(
+        c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        or c.storage_offset() != first.storage_offset() + i * first.numel()
+        for i, c in enumerate(chunks)
+    ):
+        return None
+    return first.as_strided((first.numel() * len(chunks),), (1,), first.storage_offset())
+
+
+def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
+    _wait(ch, dist.all_reduce(flat, TO_TORCH[op], group=ch.group.pg, async_op=True))
+
+
+def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:
+    _wait(ch, dist.broadcast(flat, ch.global_rank(root), group=ch.group.pg, async_op=True))
+
+
+def reduce(ch: Channel, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
+    # backends may use the non-root buffers as scratch; plait leaves them unchanged
+    buf = flat if ch.rank == root else flat.clone()
+    work = dist.reduce(buf, ch.global_rank(root), TO_TORCH[op], group=ch.group.pg, async_op=True)
+    _wait(ch, work)
+
+
+def reduce_scatter(
+    ch: Channel, inputs: list[torch.Tensor], output: torch.Tensor, op: ReduceOp
+) -> None:
+    whole = _adjacent(inputs)
+    pg = ch.group.pg
+    if whole is not None:
+        work = _reduce_scatter_single(output, whole, TO_TORCH[op], group=pg, async_op=True)
+    else:
+        work = dist.reduce_scatter(output, list(inputs), TO_TORCH[op], group=pg, async_op=True)
+    _wait(ch, work)
+
+
+def all_gather(ch: Channel, chunks: list[torch.Tensor]) -> None:
+    whole = _adjacent(chunks)
+    mine = chunks[ch.rank].clone()
+    pg = ch.group.pg
+    if whole is not None:
+        work = _all_gather_single(whole, mine, group=pg, async_op=True)
+    else:
+        work = dist.all_gather(list(chunks), mine, group=pg, async_op=True)
+    _wait(ch, work)
+
+
+def all_to_all(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    out = torch.cat(outputs) if outputs else torch.empty(0)
+    work = dist.all_to_all_single(
+        out,
+        torch.cat(inputs),
+        [t.numel() for t in outputs],
+        [t.numel() for t in inputs],
+        group=ch.group.pg,
+        async_op=True,
+    )
+    _wait(ch, work)
+    for o, piece in zip(outputs, torch.split(out, [t.numel() for t in outputs]), strict=True):
+        o.copy_(piece)
+
+
+def barrier(ch: Channel) -> None:
+    _wait(ch, dist.barrier(group=ch.group.pg, async_op=True))

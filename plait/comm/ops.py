@@ -1,0 +1,576 @@
+"""The public collectives: check the arguments, pick the algorithm, run it on the group.
+
+Every collective takes ``group=`` (default: the world group of ``plait.init``),
+``algorithm=`` (``"auto"`` by default; see :data:`SUPPORTED`) and ``async_op=``: with
+``async_op=True`` it returns a :class:`~plait.comm.group.Handle` at once and runs on the
+group's worker thread, in issue order; otherwise it returns ``None`` when done. Ranks
+(``src``, ``dst``) are ranks *within the group*.
+
+Arguments are checked before anything is sent: a wrong type, shape or device raises
+``TypeError``/``ValueError`` on the rank that passed it, naming what to change. All ranks
+of the group must call the same collectives in the same order with matching shapes;
+``PLAIT_DEBUG=1`` checks that too. Every call blocks on other ranks for at most the group's
+timeout, then raises :class:`~plait.comm.errors.CollectiveTimeout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from plait.comm import (
+    barrier as dissemination,
+)
+from plait.comm import (
+    halving_doubling,
+    hierarchical,
+    naive,
+    native,
+    ring,
+    tree,
+    tuner,
+)
+from plait.comm.chunks import split
+from plait.comm.group import COLLECTIVE_TAG_BIT, COMPLETED, Channel, Group, Handle
+from plait.comm.reduce_op import ReduceOp, parse_op
+
+ALGORITHMS: dict[str, ModuleType] = {
+    "ring": ring,
+    "tree": tree,
+    "halving_doubling": halving_doubling,
+    "naive": naive,
+    "hierarchical": hierarchical,
+    "native": native,
+}
+
+# Which algorithm implements which collective (plain data, printed in the README).
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("ring", "tree", "halving_doubling", "naive", "hierarchical", "native"),
+    "reduce_scatter": ("ring", "halving_doubling", "naive", "native"),
+    "all_gather": ("ring", "halving_doubling", "naive", "native"),
+    "broadcast": ("ring", "tree", "naive", "hierarchical", "native"),
+    "reduce": ("ring", "tree", "naive", "hierarchical", "native"),
+    "all_to_all": ("ring", "naive", "native"),
+}
+
+DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+
+
+# --- checks -------------------------------------------------------------------------------
+def _group(group: Group | None) -> Group:
+    if group is not None:
+        if not isinstance(group, Group):
+            raise TypeError(
+                f"group must be a plait.comm.Group (from plait.comm.world() or "
+                f"plait.comm.new_group()), got {type(group).__name__}"
+            )
+        return group
+    from plait import runtime
+
+    return runtime.world()
+
+
+def _check_tensor(collective: str, name: str, t: Any, group: Group) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{collective}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+        raise TypeError(f"{collective}: {name} has dtype {t.dtype}; supported: {allowed}")
+    if group.backend == "nccl" and t.device.type != "cuda":
+        raise ValueError(
+            f"{collective}: {name} is on {t.device} but group {group.name!r} uses NCCL; "
+            f"move it to this rank's GPU with .cuda()"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{collective}: {name} is on {t.device}; use a CPU or CUDA tensor")
+
+
+def _check_same(collective: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    (name0, t0), *rest = tensors
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(
+                f"{collective}: {name} has dtype {t.dtype} but {name0} has {t0.dtype}; "
+                f"pass tensors of one dtype"
+            )
+        if t.device != t0.device:
+            raise ValueError(
+                f"{collective}: {name} is on {t.device} but {name0} is on {t0.device}; "
+                f"put them on one device"
+            )
+
+
+def _check_op(collective: str, op: ReduceOp, t: torch.Tensor) -> None:
+    if op is ReduceOp.AVG and not t.dtype.is_floating_point:
+        raise TypeError(
+            f"{collective}: op 'avg' needs a floating-point tensor, got {t.dtype}; "
+            f"use op='sum' and divide"
+        )
+
+
+def _check_root(collective: str, name: str, root: int, group: Group) -> None:
+    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < group.size:
+        raise ValueError(
+            f"{collective}: {name}={root!r} is not a rank of group {group.name!r}, which has "
+            f"ranks 0..{group.size - 1} (ranks are counted within the group)"
+        )
+
+
+def _choose(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
+    if algorithm == "auto":
+        algorithm = tuner.choose(collective, nbytes, group.size)
+    if algorithm not in SUPPORTED[collective]:
+        known = "', '".join(SUPPORTED[collective])
+        if algorithm in ALGORITHMS:
+            raise ValueError(
+                f"{collective}: algorithm {algorithm!r} does not implement {collective}; "
+                f"use 'auto' or one of '{known}'"
+            )
+        raise ValueError(f"{collective}: unknown algorithm {algorithm!r}; use 'auto' or '{known}'")
+    return algorithm
+
+
+def _lowered(op: ReduceOp) -> ReduceOp:
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+# --- buffers ------------------------------------------------------------------------------
+class _Flat:
+    """A contiguous 1-D host view of ``t`` (a copy when ``t`` is strided or on a GPU
+    with gloo), and ``done()`` to write results back into ``t``."""
+
+    __slots__ = ("t", "flat", "copied")
+
+    def __init__(self, t: torch.Tensor, group: Group, *, load: bool = True) -> None:
+        self.t = t
+        staged = t.device.type == "cuda" and group.backend == "gloo"
+        if staged:
+            self.flat = t.detach().reshape(-1).cpu() if load else torch.empty(t.numel(), dtype=t.dtype)
+        elif t.is_contiguous():
+            self.flat = t.detach().view(-1)
+        else:
+            self.flat = t.detach().reshape(-1).clone() if load else t.new_empty(t.numel())
+        self.copied = staged or not t.is_contiguous()
+
+    def done(self) -> None:
+        if self.copied:
+            with torch.no_grad():
+                self.t.copy_(self.flat.view(self.t.shape))
+
+
+def _signature(*parts: Any) -> Callable[[], str]:
+    return lambda: " ".join(str(p) for p in parts)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape={tuple(t.shape)} dtype={str(t.dtype).replace('torch.', '')}"
+
+
+def _run(
+    group: Group,
+    collective: str,
+    algorithm: str,
+    body: Callable[[Channel], None],
+    async_op: bool,
+    nbytes: int,
+    signature: Callable[[], str],
+) -> Handle | None:
+    return group.run(
+        collective,
+        algorithm,
+        body,
+        async_op=async_op,
+        payload_bytes=nbytes,
+        signature=signature() if group.debug else "",
+    )
+
+
+# --- collectives --------------------------------------------------------------------------
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Reduce ``tensor`` over the group, in place, on every rank.
+
+    Every rank ends with bitwise the same result.
+    """
+    g = _group(group)
+    rop = parse_op(op)
+    _check_tensor("all_reduce", "tensor", tensor, g)
+    _check_op("all_reduce", rop, tensor)
+    if g.size == 1:
+        return COMPLETED if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _choose("all_reduce", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].all_reduce
+
+    def body(ch: Channel) -> None:
+        if tensor.numel() == 0:
+            return
+        buf = _Flat(tensor, g)
+        impl(ch, buf.flat, _lowered(rop))
+        if rop is ReduceOp.AVG:
+            buf.flat.div_(g.size)
+        buf.done()
+
+    sig = _signature(algo, rop.value, _describe(tensor))
+    return _run(g, "all_reduce", algo, body, async_op, nbytes, sig)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Copy ``tensor`` from group rank ``src`` into ``tensor`` on every rank."""
+    g = _group(group)
+    _check_tensor("broadcast", "tensor", tensor, g)
+    _check_root("broadcast", "src", src, g)
+    if g.size == 1:
+        return COMPLETED if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _choose("broadcast", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].broadcast
+
+    def body(ch: Channel) -> None:
+        if tensor.numel() == 0:
+            return
+        buf = _Flat(tensor, g, load=ch.rank == src)
+        impl(ch, buf.flat, src)
+        buf.done()
+
+    sig = _signature(algo, f"src={src}", _describe(tensor))
+    return _run(g, "broadcast", algo, body, async_op, nbytes, sig)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = "sum",
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Reduce ``tensor`` over the group into ``tensor`` on group rank ``dst``.
+
+    ``tensor`` is left unchanged on the other ranks.
+    """
+    g = _group(group)
+    rop = parse_op(op)
+    _check_tensor("reduce", "tensor", tensor, g)
+    _check_root("reduce", "dst", dst, g)
+    _check_op("reduce", rop, tensor)
+    if g.size == 1:
+        return COMPLETED if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
+    algo = _choose("reduce", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].reduce
+
+    def body(ch: Channel) -> None:
+        if tensor.numel() == 0:
+            return
+        buf = _Flat(tensor, g)
+        impl(ch, buf.flat, dst, _lowered(rop))
+        if ch.rank == dst:
+            if rop is ReduceOp.AVG:
+                buf.flat.div_(g.size)
+            buf.done()
+
+    sig = _signature(algo, rop.value, f"dst={dst}", _describe(tensor))
+    return _run(g, "reduce", algo, body, async_op, nbytes, sig)
+
+
+def _chunk_list(
+    collective: str, name: str, value: Any, g: Group, mine: torch.Tensor, mine_name: str
+) -> list[torch.Tensor] | None:
+    """Check a list-of-tensors argument (one per rank); None if ``value`` is a tensor."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != g.size:
+        raise ValueError(
+            f"{collective}: {name} must be a tensor or a list of {g.size} tensors (one per "
+            f"rank of group {g.name!r}), got {type(value).__name__}"
+            + (f" of length {len(value)}" if isinstance(value, (list, tuple)) else "")
+        )
+    for i, t in enumerate(value):
+        _check_tensor(collective, f"{name}[{i}]", t, g)
+    _check_same(collective, [(mine_name, mine)] + [(f"{name}[{i}]", t) for i, t in enumerate(value)])
+    if value[g.rank].numel() != mine.numel():
+        raise ValueError(
+            f"{collective}: {name}[{g.rank}] has {value[g.rank].numel()} elements but "
+            f"{mine_name} has {mine.numel()}; they must match on every rank"
+        )
+    return list(value)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor | Sequence[torch.Tensor],
+    op: Any = "sum",
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Reduce ``input`` over the group; group rank i receives block i in ``output``.
+
+    ``input`` is either one tensor of ``group.size * output.numel()`` elements (block i is
+    the i-th slice of its flattened form) or a list of one tensor per rank, where
+    ``input[i]`` may differ in size across i but ``input[rank]`` matches ``output``.
+    ``input`` is not modified.
+    """
+    g = _group(group)
+    rop = parse_op(op)
+    _check_tensor("reduce_scatter", "output", output, g)
+    _check_op("reduce_scatter", rop, output)
+    blocks = _chunk_list("reduce_scatter", "input", input, g, output, "output")
+    if blocks is None:
+        assert isinstance(input, torch.Tensor)
+        _check_tensor("reduce_scatter", "input", input, g)
+        _check_same("reduce_scatter", [("output", output), ("input", input)])
+        if input.numel() != g.size * output.numel():
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements but group {g.name!r} "
+                f"of {g.size} ranks needs {g.size} x output.numel() = "
+                f"{g.size * output.numel()}; pass an output of input.numel() / {g.size} "
+                f"elements, or a list of per-rank inputs"
+            )
+    nbytes = output.element_size() * (
+        input.numel() if blocks is None else sum(t.numel() for t in blocks)  # type: ignore[union-attr]
+    )
+    if g.size == 1:
+        with torch.no_grad():
+            output.copy_((input if blocks is None else blocks[0]).reshape(output.shape))  # type: ignore[union-attr]
+        return COMPLETED if async_op else None
+    algo = _choose("reduce_scatter", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].reduce_scatter
+
+    def body(ch: Channel) -> None:
+        out = _Flat(output, g, load=False)
+        if blocks is None:
+            whole = _Flat(input, g).flat  # type: ignore[arg-type]
+            inputs = split(whole, [output.numel()] * g.size)
+        else:
+            inputs = [_Flat(b, g).flat for b in blocks]
+        if sum(t.numel() for t in inputs) == 0:
+            return
+        impl(ch, inputs, out.flat, _lowered(rop))
+        if rop is ReduceOp.AVG:
+            out.flat.div_(g.size)
+        out.done()
+
+    sizes = [output.numel()] * g.size if blocks is None else [b.numel() for b in blocks]
+    sig = _signature(algo, rop.value, _describe(output), f"blocks={sizes}")
+    return _run(g, "reduce_scatter", algo, body, async_op, nbytes, sig)
+
+
+def all_gather(
+    output: torch.Tensor | Sequence[torch.Tensor],
+    input: torch.Tensor,
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Gather every rank's ``input`` into ``output`` on every rank.
+
+    ``output`` is either one tensor of ``group.size * input.numel()`` elements (rank i's
+    input lands in the i-th slice of its flattened form) or a list of one tensor per rank
+    (sizes may differ across ranks; ``output[rank]`` matches ``input``).
+    """
+    g = _group(group)
+    _check_tensor("all_gather", "input", input, g)
+    blocks = _chunk_list("all_gather", "output", output, g, input, "input")
+    if blocks is None:
+        assert isinstance(output, torch.Tensor)
+        _check_tensor("all_gather", "output", output, g)
+        _check_same("all_gather", [("input", input), ("output", output)])
+        if output.numel() != g.size * input.numel():
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements but group {g.name!r} of "
+                f"{g.size} ranks needs {g.size} x input.numel() = {g.size * input.numel()}; "
+                f"pass an output of that size, or a list of per-rank outputs"
+            )
+        sizes = [input.numel()] * g.size
+    else:
+        sizes = [b.numel() for b in blocks]
+    nbytes = input.element_size() * sum(sizes)
+    if g.size == 1:
+        with torch.no_grad():
+            target = output if blocks is None else blocks[0]
+            target.copy_(input.reshape(target.shape))  # type: ignore[union-attr]
+        return COMPLETED if async_op else None
+    algo = _choose("all_gather", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].all_gather
+
+    def body(ch: Channel) -> None:
+        if blocks is None:
+            out = _Flat(output, g, load=False)  # type: ignore[arg-type]
+            flat = out.flat
+        else:
+            flat = torch.empty(sum(sizes), dtype=input.dtype)
+        chunks = split(flat, sizes)
+        chunks[g.rank].copy_(input.detach().reshape(-1))
+        if flat.numel():
+            impl(ch, chunks)
+        if blocks is None:
+            out.done()
+        else:
+            with torch.no_grad():
+                for b, c in zip(blocks, chunks, strict=True):
+                    b.copy_(c.view(b.shape))
+
+    sig = _signature(algo, _describe(input), f"blocks={sizes}")
+    return _run(g, "all_gather", algo, body, async_op, nbytes, sig)
+
+
+def all_to_all(
+    output: torch.Tensor | Sequence[torch.Tensor],
+    input: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    group: Group | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> Handle | None:
+    """Rank r sends block i of ``input`` to rank i and receives rank i's block r into
+    block i of ``output``.
+
+    Either both are tensors whose element count divides by the group size (equal blocks),
+    or both are lists of one tensor per rank (``output[i]`` must match the size rank i
+    sends this rank).
+    """
+    g = _group(group)
+    out_list = isinstance(output, (list, tuple))
+    in_list = isinstance(input, (list, tuple))
+    if out_list != in_list:
+        raise TypeError("all_to_all: pass output and input both as tensors or both as lists")
+    if in_list:
+        first = input[0] if len(input) else None  # type: ignore[index]
+        if first is None or not isinstance(first, torch.Tensor):
+            raise ValueError(f"all_to_all: input must be a list of {g.size} tensors")
+        ins = _chunk_list("all_to_all", "input", input, g, input[g.rank], f"input[{g.rank}]")  # type: ignore[index]
+        outs = _chunk_list("all_to_all", "output", output, g, first, "input[0]")
+        assert ins is not None and outs is not None
+        if outs[g.rank].numel() != ins[g.rank].numel():
+            raise ValueError(
+                f"all_to_all: output[{g.rank}] has {outs[g.rank].numel()} elements but "
+                f"input[{g.rank}] has {ins[g.rank].numel()}; they must match"
+            )
+        in_sizes, out_sizes = [t.numel() for t in ins], [t.numel() for t in outs]
+    else:
+        assert isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
+        _check_tensor("all_to_all", "input", input, g)
+        _check_tensor("all_to_all", "output", output, g)
+        _check_same("all_to_all", [("input", input), ("output", output)])
+        if input.numel() != output.numel() or input.numel() % g.size:
+            raise ValueError(
+                f"all_to_all: input ({input.numel()} elements) and output "
+                f"({output.numel()}) must have the same size, divisible by the group size "
+                f"{g.size}; use lists of per-rank tensors for uneven blocks"
+            )
+        in_sizes = out_sizes = [input.numel() // g.size] * g.size
+    elem = (input[0] if in_list else input).element_size()  # type: ignore[index,union-attr]
+    nbytes = elem * sum(in_sizes)
+    if g.size == 1:
+        with torch.no_grad():
+            if in_list:
+                output[0].copy_(input[0])  # type: ignore[index,union-attr]
+            else:
+                output.copy_(input)  # type: ignore[union-attr]
+        return COMPLETED if async_op else None
+    algo = _choose("all_to_all", algorithm, nbytes, g)
+    impl = ALGORITHMS[algo].all_to_all
+
+    def body(ch: Channel) -> None:
+        if in_list:
+            inputs = [_Flat(t, g).flat for t in input]  # type: ignore[union-attr]
+            flats = [_Flat(t, g, load=False) for t in output]  # type: ignore[union-attr]
+            impl(ch, [f.flat for f in flats], inputs)
+            for f in flats:
+                f.done()
+        else:
+            src = _Flat(input, g).flat  # type: ignore[arg-type]
+            dst = _Flat(output, g, load=False)  # type: ignore[arg-type]
+            impl(ch, split(dst.flat, out_sizes), split(src, in_sizes))
+            dst.done()
+
+    sig = _signature(algo, f"send={in_sizes}", f"recv={out_sizes}")
+    return _run(g, "all_to_all", algo, body, async_op, nbytes, sig)
+
+
+def barrier(*, group: Group | None = None, algorithm: str = "auto") -> None:
+    """Block until every rank of the group has reached the barrier (at most the timeout).
+
+    ``"native"`` uses the backend's barrier; any other choice the dissemination barrier
+    (``barrier.py``), whose timeout names the ranks that did not arrive.
+    """
+    g = _group(group)
+    if g.size == 1:
+        return
+    algo = tuner.choose("barrier", 0, g.size) if algorithm == "auto" else algorithm
+    impl = native.barrier if algo == "native" else dissemination.barrier
+    g.run("barrier", algo, impl, async_op=False, payload_bytes=0, signature=algo)
+
+
+# --- point to point -----------------------------------------------------------------------
+def _p2p_tag(tag: int) -> int:
+    if not 0 <= tag < COLLECTIVE_TAG_BIT:
+        raise ValueError(f"tag must be in [0, 2**30), got {tag}")
+    return tag
+
+
+def send(tensor: torch.Tensor, dst: int, *, group: Group | None = None, tag: int = 0) -> None:
+    """Send ``tensor`` to group rank ``dst``; blocks until it is received (or the timeout)."""
+    g = _group(group)
+    _check_tensor("send", "tensor", tensor, g)
+    _check_root("send", "dst", dst, g)
+    if dst == g.rank:
+        raise ValueError(f"send: dst={dst} is this rank; send to another rank")
+    _p2p(g, "send", tensor, dst, tag)
+
+
+def recv(tensor: torch.Tensor, src: int, *, group: Group | None = None, tag: int = 0) -> None:
+    """Receive into ``tensor`` from group rank ``src``; blocks at most the group's timeout."""
+    g = _group(group)
+    _check_tensor("recv", "tensor", tensor, g)
+    _check_root("recv", "src", src, g)
+    if src == g.rank:
+        raise ValueError(f"recv: src={src} is this rank; receive from another rank")
+    _p2p(g, "recv", tensor, src, tag)
+
+
+def _p2p(g: Group, verb: str, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    from plait.comm.group import Call
+
+    call = Call(g, verb, "p2p", seq=g.seq)
+    call.tag = _p2p_tag(tag)
+    ch = Channel(call)
+    buf = _Flat(tensor, g, load=verb == "send")
+    if verb == "send":
+        ch.send(buf.flat, peer)
+    else:
+        ch.recv(buf.flat, peer)
+        buf.done()
+    call.commit()
+

@@ -1,0 +1,292 @@
+"""Running a function on N local ranks: ``spawn`` and the reusable ``RankPool``.
+
+The parent process hosts the rendezvous store (a ``TCPStore`` on a free loopback port,
+so two launches never race for a port) and starts N processes with the ``spawn`` start
+method. Each joins the process group with ``plait.init`` and then runs the functions the
+parent sends it, one at a time, returning each result over a pipe (local, never the
+network). Starting a process that imports torch costs a second or two, so the test suite
+keeps one pool per world size alive and runs many functions on it.
+
+Failures never hang: a rank that raises is reported with its rank and traceback, a rank
+that dies is named with its exit code, and ranks still running past ``timeout`` are
+named and the pool is torn down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_RUN_TIMEOUT_S = 300.0
+
+
+class RankError(RuntimeError):
+    """A rank raised: ``rank`` names it, ``remote_traceback`` is its traceback, and
+    ``__cause__`` is the original exception when it could be carried back."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str) -> None:
+        super().__init__(f"rank {rank} failed: {message}\n\n--- traceback on rank {rank} ---\n"
+                         f"{remote_traceback}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not finish in time; ``ranks`` names them."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    module = getattr(fn, "__module__", None)
+    main = sys.modules.get("__main__")
+    if module == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"cannot run {getattr(fn, '__qualname__', fn)!r} on spawned ranks: it was defined "
+            f"at an interactive prompt, which new processes cannot import. Define it in a "
+            f".py file (a module, or a script guarded by `if __name__ == '__main__':`) and "
+            f"import it"
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot send {getattr(fn, '__qualname__', fn)!r} to spawned ranks ({exc}). "
+            f"Lambdas and functions nested inside other functions cannot be imported by a "
+            f"new process: define it at the top level of a module"
+        ) from exc
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: mpc.Connection,
+    init_kwargs: dict[str, Any],
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch.distributed as dist
+
+    import plait
+
+    def reply(status: str, payload: Any) -> None:
+        try:
+            data = pickle.dumps((status, payload))
+        except Exception as exc:  # a result that cannot travel back
+            data = pickle.dumps(("err", (f"result could not be pickled: {exc}", "", None)))
+        conn.send_bytes(data)
+
+    def failure(exc: BaseException) -> tuple[str, str, bytes | None]:
+        try:
+            original = pickle.dumps(exc)
+            pickle.loads(original)
+        except Exception:
+            original = None
+        return f"{type(exc).__name__}: {exc}", traceback.format_exc(), original
+
+    try:
+        timeout = init_kwargs.get("timeout") or plait.runtime.DEFAULT_TIMEOUT_S
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        plait.init(store=store, **init_kwargs)
+    except BaseException as exc:
+        reply("err", failure(exc))
+        return
+    reply("ready", None)
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not message:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(message)
+            reply("ok", fn(*args, **kwargs))
+        except BaseException as exc:
+            reply("err", failure(exc))
+    try:
+        plait.shutdown()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """N ranks kept alive to run many functions: ``pool.run(fn, *args)``.
+
+    ``run`` sends ``fn`` (importable by name) to every rank, which calls
+    ``fn(*args, **kwargs)`` with the process group joined, and returns the results in rank
+    order. After a failure or a timeout the pool is closed: start a new one.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float | None = None,
+        debug: bool = False,
+        backend: str = "gloo",
+        start_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        import torch.distributed as dist
+
+        self.world_size = world_size
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=start_timeout),
+            wait_for_workers=False,
+        )
+        self.port = self._store.port
+        ctx = mp.get_context("spawn")
+        self._conns: list[mpc.Connection] = []
+        self._procs: list[Any] = []
+        init_kwargs = {"timeout": timeout, "debug": debug, "backend": backend}
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, self.port, child, init_kwargs, env or {}),
+                name=f"plait-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.closed = False
+        self._collect(start_timeout, what="start")
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_RUN_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; results in rank order.
+
+        Raises :class:`RankError` for the first rank that raised, :class:`RankTimeout`
+        naming the ranks still running after ``timeout`` seconds.
+        """
+        if self.closed:
+            raise RuntimeError("this RankPool is closed (after a failure); start a new one")
+        _check_picklable(fn)
+        message = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(message)
+        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            waitables: dict[Any, int] = {}
+            for r in pending:
+                waitables[self._conns[r]] = r
+                waitables[self._procs[r].sentinel] = r
+            ready = mpc.wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(pending)
+                self.close()
+                raise RankTimeout(
+                    f"ranks {late} of {self.world_size} did not finish {what} within "
+                    f"{timeout:g}s; they were stopped. A rank that waits for a peer forever "
+                    f"usually means the ranks called different collectives",
+                    late,
+                )
+            for obj in ready:
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                conn = self._conns[r]
+                if obj is not conn and not conn.poll():
+                    code = self._procs[r].exitcode
+                    self.close()
+                    raise RankError(r, f"the process died (exit code {code}) during {what}", "")
+                try:
+                    status, payload = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    code = self._procs[r].exitcode
+                    self.close()
+                    raise RankError(r, f"the process died (exit code {code}) during {what}", "")
+                if status == "err":
+                    message, tb, original = payload
+                    self.close()
+                    error = RankError(r, message, tb)
+                    cause = pickle.loads(original) if original else None
+                    raise error from cause
+                results[r] = payload
+                pending.discard(r)
+        return results
+
+    def close(self) -> None:
+        """Stop every rank (gracefully if idle, by force after a moment)."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 3.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = DEFAULT_RUN_TIMEOUT_S,
+    collective_timeout: float | None = None,
+    debug: bool = False,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return their results.
+
+    Each rank has joined the process group (``plait.init``) before ``fn`` runs. Results
+    come back in rank order. The first rank to fail is re-raised as :class:`RankError`
+    (with its rank and traceback; the original exception is its ``__cause__``); ranks
+    still running after ``timeout`` seconds are stopped and named in :class:`RankTimeout`.
+    ``collective_timeout`` bounds each collective inside ``fn``. ``fn`` must be importable
+    by name: a top-level function of a module or of a script run as ``__main__``.
+    """
+    _check_picklable(fn)
+    with RankPool(world_size, timeout=collective_timeout, debug=debug, backend=backend) as pool:
+        return pool.run(fn, *args, timeout=timeout, **(kwargs or {}))
