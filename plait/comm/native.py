@@ -61,21 +61,32 @@ def reduce_scatter(
     whole = _adjacent(inputs)
     pg = ch.group.pg
     if whole is not None:
-        work = _reduce_scatter_single(output, whole, TO_TORCH[op], group=pg, async_op=True)
-    else:
-        work = dist.reduce_scatter(output, list(inputs), TO_TORCH[op], group=pg, async_op=True)
-    _wait(ch, work)
+        _wait(ch, _reduce_scatter_single(output, whole, TO_TORCH[op], group=pg, async_op=True))
+        return
+    # uneven blocks: backends want equal ones, so pad every block to the largest
+    largest = max(t.numel() for t in inputs)
+    padded = output.new_zeros(len(inputs), largest)
+    for row, t in zip(padded, inputs, strict=True):
+        row[: t.numel()].copy_(t)
+    mine = output.new_empty(largest)
+    _wait(ch, _reduce_scatter_single(mine, padded.view(-1), TO_TORCH[op], group=pg, async_op=True))
+    output.copy_(mine[: output.numel()])
 
 
 def all_gather(ch: Channel, chunks: list[torch.Tensor]) -> None:
     whole = _adjacent(chunks)
-    mine = chunks[ch.rank].clone()
     pg = ch.group.pg
     if whole is not None:
-        work = _all_gather_single(whole, mine, group=pg, async_op=True)
-    else:
-        work = dist.all_gather(list(chunks), mine, group=pg, async_op=True)
-    _wait(ch, work)
+        _wait(ch, _all_gather_single(whole, chunks[ch.rank].clone(), group=pg, async_op=True))
+        return
+    # uneven blocks: backends want equal ones, so pad every block to the largest
+    largest = max(t.numel() for t in chunks)
+    mine = chunks[ch.rank].new_zeros(largest)
+    mine[: chunks[ch.rank].numel()].copy_(chunks[ch.rank])
+    gathered = mine.new_empty(len(chunks), largest)
+    _wait(ch, _all_gather_single(gathered.view(-1), mine, group=pg, async_op=True))
+    for c, row in zip(chunks, gathered, strict=True):
+        c.copy_(row[: c.numel()])
 
 
 def all_to_all(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:

@@ -301,12 +301,8 @@ def reduce(
     return _run(g, "reduce", algo, body, async_op, nbytes, sig)
 
 
-def _chunk_list(
-    collective: str, name: str, value: Any, g: Group, mine: torch.Tensor, mine_name: str
-) -> list[torch.Tensor] | None:
-    """Check a list-of-tensors argument (one per rank); None if ``value`` is a tensor."""
-    if isinstance(value, torch.Tensor):
-        return None
+def _tensor_list(collective: str, name: str, value: Any, g: Group) -> list[torch.Tensor]:
+    """Check a list-of-tensors argument: one tensor per rank of the group."""
     if not isinstance(value, (list, tuple)) or len(value) != g.size:
         raise ValueError(
             f"{collective}: {name} must be a tensor or a list of {g.size} tensors (one per "
@@ -315,13 +311,23 @@ def _chunk_list(
         )
     for i, t in enumerate(value):
         _check_tensor(collective, f"{name}[{i}]", t, g)
-    _check_same(collective, [(mine_name, mine)] + [(f"{name}[{i}]", t) for i, t in enumerate(value)])
-    if value[g.rank].numel() != mine.numel():
+    return list(value)
+
+
+def _chunk_list(
+    collective: str, name: str, value: Any, g: Group, mine: torch.Tensor, mine_name: str
+) -> list[torch.Tensor] | None:
+    """A per-rank list whose own entry must match ``mine``; None if ``value`` is a tensor."""
+    if isinstance(value, torch.Tensor):
+        return None
+    blocks = _tensor_list(collective, name, value, g)
+    _check_same(collective, [(mine_name, mine)] + [(f"{name}[{i}]", t) for i, t in enumerate(blocks)])
+    if blocks[g.rank].numel() != mine.numel():
         raise ValueError(
-            f"{collective}: {name}[{g.rank}] has {value[g.rank].numel()} elements but "
+            f"{collective}: {name}[{g.rank}] has {blocks[g.rank].numel()} elements but "
             f"{mine_name} has {mine.numel()}; they must match on every rank"
         )
-    return list(value)
+    return blocks
 
 
 def reduce_scatter(
@@ -466,12 +472,13 @@ def all_to_all(
     if out_list != in_list:
         raise TypeError("all_to_all: pass output and input both as tensors or both as lists")
     if in_list:
-        first = input[0] if len(input) else None  # type: ignore[index]
-        if first is None or not isinstance(first, torch.Tensor):
-            raise ValueError(f"all_to_all: input must be a list of {g.size} tensors")
-        ins = _chunk_list("all_to_all", "input", input, g, input[g.rank], f"input[{g.rank}]")  # type: ignore[index]
-        outs = _chunk_list("all_to_all", "output", output, g, first, "input[0]")
-        assert ins is not None and outs is not None
+        ins = _tensor_list("all_to_all", "input", input, g)
+        outs = _tensor_list("all_to_all", "output", output, g)
+        _check_same(
+            "all_to_all",
+            [(f"input[{i}]", t) for i, t in enumerate(ins)]
+            + [(f"output[{i}]", t) for i, t in enumerate(outs)],
+        )
         if outs[g.rank].numel() != ins[g.rank].numel():
             raise ValueError(
                 f"all_to_all: output[{g.rank}] has {outs[g.rank].numel()} elements but "
@@ -490,7 +497,7 @@ def all_to_all(
                 f"{g.size}; use lists of per-rank tensors for uneven blocks"
             )
         in_sizes = out_sizes = [input.numel() // g.size] * g.size
-    elem = (input[0] if in_list else input).element_size()  # type: ignore[index,union-attr]
+    elem = (ins[0] if in_list else input).element_size()  # type: ignore[union-attr]
     nbytes = elem * sum(in_sizes)
     if g.size == 1:
         with torch.no_grad():
@@ -504,8 +511,8 @@ def all_to_all(
 
     def body(ch: Channel) -> None:
         if in_list:
-            inputs = [_Flat(t, g).flat for t in input]  # type: ignore[union-attr]
-            flats = [_Flat(t, g, load=False) for t in output]  # type: ignore[union-attr]
+            inputs = [_Flat(t, g).flat for t in ins]
+            flats = [_Flat(t, g, load=False) for t in outs]
             impl(ch, [f.flat for f in flats], inputs)
             for f in flats:
                 f.done()

@@ -1,0 +1,35 @@
+"""Shared fixtures: one pool of ranks per world size, reused across tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from plait import RankPool
+
+_pools: dict[tuple[int, str], RankPool] = {}
+
+
+def _pool(world_size: int, env_key: str = "", env: dict[str, str] | None = None) -> RankPool:
+    key = (world_size, env_key)
+    pool = _pools.get(key)
+    if pool is None or pool.closed:
+        pool = RankPool(world_size, timeout=60, env=env)
+        _pools[key] = pool
+    return pool
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[..., list[Any]]]:
+    """``ranks(n, fn, *args, timeout=...)`` runs ``fn`` on a kept pool of n ranks."""
+
+    def run(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120,
+            **kwargs: Any) -> list[Any]:
+        return _pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+    yield run
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
