@@ -37,6 +37,21 @@ def choose_backend() -> str:
     return "gloo"
 
 
+def share_cores() -> None:
+    """Give each local rank its share of the cores for intra-op threads.
+
+    N ranks each running as many threads as the machine has cores oversubscribe it, and
+    spinning worker threads then delay every small kernel by milliseconds (the same reason
+    torchrun sets OMP_NUM_THREADS=1). An explicit OMP_NUM_THREADS is respected.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // local_world))
+
+
 def _debug_default(debug: bool | None) -> bool:
     if debug is not None:
         return debug
@@ -72,6 +87,7 @@ def init(
     if _world is not None:
         return _world
     timeout_s = _timeout_default(timeout)
+    share_cores()
     if dist.is_initialized():
         backend = str(dist.get_backend())
         rank, world_size = dist.get_rank(), dist.get_world_size()
