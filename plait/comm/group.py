@@ -179,11 +179,15 @@ class Channel:
         text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
             missing = progress.missing_ranks(group, self.call.seq)
-            if not missing and peer is not None:
-                missing = [self.global_rank(peer)]
+            if missing:
+                why = f"Ranks that did not arrive at #{self.call.seq}: {missing}. "
+            else:
+                missing = [] if peer is None else [self.global_rank(peer)]
+                why = (f"Every rank entered #{self.call.seq}, but {whom} stopped answering "
+                       f"(it may have failed or be stuck inside it). ")
             return CollectiveTimeout(
                 f"{self.call.describe()}: rank {me} waited {group.timeout:g}s to {verb} "
-                f"{whom}. Ranks that did not arrive at #{self.call.seq}: {missing}. "
+                f"{whom}. {why}"
                 f"{progress.describe(group)}Check that every rank of the group calls the "
                 f"same collectives in the same order, or raise the timeout "
                 f"(plait.init(timeout=...)).",

@@ -34,33 +34,65 @@ from plait.comm.group import Channel
 from plait.comm.reduce_op import ReduceOp, combine
 
 BROADCAST_PIECE_BYTES = 1 << 20
+SEGMENT_BYTES = 1 << 20
 
 
 def reduce_scatter(
     ch: Channel, inputs: list[torch.Tensor], output: torch.Tensor, op: ReduceOp
 ) -> None:
-    """``output = op over ranks of inputs[ch.rank]``; ``inputs`` (one chunk per rank) unchanged."""
+    """``output = op over ranks of inputs[ch.rank]``; ``inputs`` (one chunk per rank) unchanged.
+
+    All receives are posted before the first send: the transport puts a message on the
+    wire only once its receiver has announced the matching receive, so announcing them all
+    up front takes that round trip off every step. Chunks travel in segments of
+    ``SEGMENT_BYTES``: while one segment is being added, the next is already arriving.
+    Each step's partial results get buffers of their own, so sends are waited for once.
+    """
     n, r = ch.size, ch.rank
+    if n == 1:
+        output.copy_(inputs[0])
+        return
     right, left = (r + 1) % n, (r - 1) % n
-    largest = max(t.numel() for t in inputs)
-    # two receive buffers: one is being sent on while the other fills
-    spare = [inputs[0].new_empty(largest), inputs[0].new_empty(largest)]
-    outgoing = inputs[(r - 1) % n]  # step 0 sends this rank's own copy of chunk r-1
-    for s in range(n - 1):
-        c = (r - s - 2) % n
-        incoming = spare[s % 2][: inputs[c].numel()]
-        ch.exchange(outgoing, right, incoming, left)
-        target = output if s == n - 2 else incoming  # last step: chunk r, complete
-        combine(incoming, inputs[c], op, out=target)
-        outgoing = incoming
+    seg = max(1, SEGMENT_BYTES // output.element_size())
+    order = [(r - s - 2) % n for s in range(n - 1)]  # the chunk arriving at step s
+    scratch = split(output.new_empty(sum(inputs[c].numel() for c in order)),
+                    [inputs[c].numel() for c in order])
+    arriving = [buf.split(seg) for buf in scratch]
+    receives = [[ch.irecv(piece, left) for piece in pieces] for pieces in arriving]
+    # step 0 sends this rank's own copy of chunk r-1
+    sends = [ch.isend(piece, right) for piece in inputs[(r - 1) % n].split(seg)]
+    for s, c in enumerate(order):
+        last = s == n - 2  # the last step completes chunk r, into output
+        targets = output.split(seg) if last else arriving[s]
+        for piece, own, target, work in zip(
+            arriving[s], inputs[c].split(seg), targets, receives[s], strict=True
+        ):
+            ch.wait(work)
+            combine(piece, own, op, out=target)
+            if not last:
+                sends.append(ch.isend(target, right))
+    ch.wait(*sends)
 
 
 def all_gather(ch: Channel, chunks: list[torch.Tensor]) -> None:
-    """Fill every ``chunks[i]`` with rank i's chunk; ``chunks[ch.rank]`` already holds ours."""
+    """Fill every ``chunks[i]`` with rank i's chunk; ``chunks[ch.rank]`` already holds ours.
+
+    Every receive lands in its final place, so all are posted at once, and each segment
+    is forwarded to the right as soon as it arrives.
+    """
     n, r = ch.size, ch.rank
+    if n == 1:
+        return
     right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):
-        ch.exchange(chunks[(r - s) % n], right, chunks[(r - s - 1) % n], left)
+    seg = max(1, SEGMENT_BYTES // chunks[r].element_size())
+    arriving = [chunks[(r - s - 1) % n].split(seg) for s in range(n - 1)]
+    receives = [[ch.irecv(piece, left) for piece in pieces] for pieces in arriving]
+    sends = [ch.isend(piece, right) for piece in chunks[r].split(seg)]
+    for s in range(n - 2):  # what arrives at step s goes on at step s+1
+        for piece, work in zip(arriving[s], receives[s], strict=True):
+            ch.wait(work)
+            sends.append(ch.isend(piece, right))
+    ch.wait(*receives[-1], *sends)
 
 
 def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
