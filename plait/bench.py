@@ -53,7 +53,7 @@ class Row:
     resolved: str  # what "auto" picked; the algorithm itself otherwise
 
 
-def _call(collective: str, algorithm: str, nbytes: int, n: int) -> Callable[[], None]:
+def _call(collective: str, algorithm: str, nbytes: int, n: int) -> Callable[[], object]:
     """A closure running one collective of about ``nbytes`` float32 bytes."""
     numel = max(n, (nbytes // 4) // n * n)
     buf = torch.ones(numel)
@@ -123,8 +123,17 @@ def measure_rank(
                 median = statistics.median(_slowest(times[a]))
                 algbw = real / median / 1e9
                 resolved = tuner.choose(collective, real, g.size) if a == "auto" else a
-                row = Row(collective, a, g.size, real, median * 1e6, algbw,
-                          algbw * bus_factor(collective, g.size), iters, resolved)
+                row = Row(
+                    collective,
+                    a,
+                    g.size,
+                    real,
+                    median * 1e6,
+                    algbw,
+                    algbw * bus_factor(collective, g.size),
+                    iters,
+                    resolved,
+                )
                 rows.append(row)
                 if on_row is not None and g.rank == 0:
                     on_row(row)

@@ -39,11 +39,16 @@ def _run(args: argparse.Namespace) -> int:
 def _run_multinode(args: argparse.Namespace) -> int:
     """Several machines: hand over to torchrun's own launcher (same environment contract)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={args.nnodes}",
+        f"--node-rank={args.node_rank}",
         f"--nproc-per-node={args.nproc}",
-        f"--master-addr={args.master_addr or '127.0.0.1'}", f"--master-port={args.master_port}",
-        args.script, *args.script_args,
+        f"--master-addr={args.master_addr or '127.0.0.1'}",
+        f"--master-port={args.master_port}",
+        args.script,
+        *args.script_args,
     ]
     return subprocess.call(cmd)
 
@@ -54,16 +59,24 @@ def _run_local(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=300),
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=300),
         wait_for_workers=False,
     )
     procs = []
     for rank in range(args.nproc):
         env = dict(
             os.environ,
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-            LOCAL_WORLD_SIZE=str(args.nproc), GROUP_RANK="0",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(args.nproc),
+            LOCAL_WORLD_SIZE=str(args.nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
             TORCHELASTIC_USE_AGENT_STORE="True",  # ranks join the launcher's store
         )
         if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores (as torchrun does)
@@ -76,16 +89,20 @@ def _run_local(args: argparse.Namespace) -> int:
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                print(f"plait run: rank {rank} exited with code {code}; stopping the others",
-                      file=sys.stderr)
+                print(
+                    f"plait run: rank {rank} exited with code {code}; stopping the others",
+                    file=sys.stderr,
+                )
                 _stop(procs)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 late = [r for r, c in enumerate(codes) if c is None]
-                print(f"plait run: ranks {late} still running after {args.timeout}s; stopping",
-                      file=sys.stderr)
+                print(
+                    f"plait run: ranks {late} still running after {args.timeout}s; stopping",
+                    file=sys.stderr,
+                )
                 _stop(procs)
                 return 124
             time.sleep(0.05)
@@ -115,21 +132,33 @@ def _bench_comm(args: argparse.Namespace) -> int:
     collectives = args.collectives.split(",")
     for c in collectives:
         if c not in SUPPORTED:
-            print(f"plait bench comm: unknown collective {c!r}; use {list(SUPPORTED)}",
-                  file=sys.stderr)
+            print(
+                f"plait bench comm: unknown collective {c!r}; use {list(SUPPORTED)}",
+                file=sys.stderr,
+            )
             return 2
     algorithms = args.algorithms.split(",") if args.algorithms else [*ALGORITHMS, "auto"]
     if args.tune:
         algorithms = [a for a in algorithms if a != "auto"]
     sizes = bench.size_range(bench.parse_size(args.min_size), bench.parse_size(args.max_size))
-    print(f"plait bench comm: {args.nproc} ranks, gloo on loopback, float32, "
-          f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]} B, median of timed calls", flush=True)
+    print(
+        f"plait bench comm: {args.nproc} ranks, gloo on loopback, float32, "
+        f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]} B, median of timed calls",
+        flush=True,
+    )
     env = {"PLAIT_TUNE_FILE": args.tune_file} if args.tune_file else None
     with RankPool(args.nproc, env=env) as pool:
         rows: list[bench.Row] = []
         print(bench.format_rows([]), flush=True)
-        rows = pool.run(bench.measure_rank, collectives, algorithms, sizes,
-                        max_iters=args.iters, on_row=bench.print_row, timeout=3600)[0]
+        rows = pool.run(
+            bench.measure_rank,
+            collectives,
+            algorithms,
+            sizes,
+            max_iters=args.iters,
+            on_row=bench.print_row,
+            timeout=3600,
+        )[0]
     out = Path(args.json or f"runs/bench_comm_n{args.nproc}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(bench.as_json(rows), indent=1))

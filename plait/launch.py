@@ -33,8 +33,9 @@ class RankError(RuntimeError):
     ``__cause__`` is the original exception when it could be carried back."""
 
     def __init__(self, rank: int, message: str, remote_traceback: str) -> None:
-        super().__init__(f"rank {rank} failed: {message}\n\n--- traceback on rank {rank} ---\n"
-                         f"{remote_traceback}")
+        super().__init__(
+            f"rank {rank} failed: {message}\n\n--- traceback on rank {rank} ---\n{remote_traceback}"
+        )
         self.rank = rank
         self.remote_traceback = remote_traceback
 
@@ -106,7 +107,10 @@ def _worker(
     try:
         timeout = init_kwargs.get("timeout") or plait.runtime.DEFAULT_TIMEOUT_S
         store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=False,
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=False,
             timeout=datetime.timedelta(seconds=timeout),
         )
         plait.init(store=store, **init_kwargs)
@@ -156,7 +160,11 @@ class RankPool:
 
         self.world_size = world_size
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=start_timeout),
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=start_timeout),
             wait_for_workers=False,
         )
         self.port = self._store.port
@@ -186,7 +194,10 @@ class RankPool:
         self.close()
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_RUN_TIMEOUT_S,
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = DEFAULT_RUN_TIMEOUT_S,
         **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; results in rank order.
@@ -227,15 +238,17 @@ class RankPool:
                     continue
                 conn = self._conns[r]
                 if obj is not conn and not conn.poll():
-                    code = self._procs[r].exitcode
+                    code = self._exit_code(r)
                     self.close()
                     raise RankError(r, f"the process died (exit code {code}) during {what}", "")
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    code = self._procs[r].exitcode
+                except (EOFError, OSError) as exc:
+                    code = self._exit_code(r)
                     self.close()
-                    raise RankError(r, f"the process died (exit code {code}) during {what}", "")
+                    raise RankError(
+                        r, f"the process died (exit code {code}) during {what}", ""
+                    ) from exc
                 if status == "err":
                     message, tb, original = payload
                     self.close()
@@ -245,6 +258,10 @@ class RankPool:
                 results[r] = payload
                 pending.discard(r)
         return results
+
+    def _exit_code(self, rank: int) -> int | None:
+        self._procs[rank].join(2.0)  # its pipe may close a moment before it is reaped
+        return self._procs[rank].exitcode
 
     def close(self) -> None:
         """Stop every rank (gracefully if idle, by force after a moment)."""

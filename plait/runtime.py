@@ -80,8 +80,9 @@ def init(
     ``timeout``: seconds any collective may wait for other ranks (default 600, or
     ``PLAIT_TIMEOUT``). ``debug``: check every collective's signature across ranks
     (default: ``PLAIT_DEBUG=1``). ``node_size``: ranks per node for the hierarchical
-    algorithms (default: ``PLAIT_NODE_SIZE``, else ranks per host). If ``torch.distributed`` is already initialized, plait
-    uses that process group. Blocks until every rank has joined (at most ``timeout``).
+    algorithms (default: ``PLAIT_NODE_SIZE``, else ranks per host). If
+    ``torch.distributed`` is already initialized, plait uses that process group.
+    Blocks until every rank has joined (at most ``timeout``).
     """
     global _world
     if _world is not None:

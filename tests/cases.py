@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 from plait import comm
 
 DTYPES = {
@@ -197,5 +196,3 @@ def check(case: Case, world: int, results: list[list[torch.Tensor]]) -> None:
         for r in range(1, world):
             for a, b in zip(results[0], results[r], strict=True):
                 assert torch.equal(a, b), f"{case}: rank {r} differs bitwise from rank 0"
-
-

@@ -25,8 +25,9 @@ def _pool(world_size: int, env_key: str = "", env: dict[str, str] | None = None)
 def ranks() -> Iterator[Callable[..., list[Any]]]:
     """``ranks(n, fn, *args, timeout=...)`` runs ``fn`` on a kept pool of n ranks."""
 
-    def run(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, **kwargs: Any
+    ) -> list[Any]:
         return _pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
     yield run

@@ -30,7 +30,9 @@ def _grid(world: int) -> list[Case]:
                 op = "sum"
             root = (numel + len(algorithm)) % world
             uneven = collective in ("reduce_scatter", "all_gather", "all_to_all") and numel % 2 == 1
-            cases.append(Case(collective, algorithm, dtype, numel, op, root, seed=numel, uneven=uneven))
+            cases.append(
+                Case(collective, algorithm, dtype, numel, op, root, seed=numel, uneven=uneven)
+            )
     return cases
 
 
@@ -46,9 +48,14 @@ def _case_strategy(world: int) -> st.SearchStrategy[Case]:
     pairs = [(c, a) for c, algos in SUPPORTED.items() for a in algos]
     return st.builds(
         lambda pair, dtype, numel, op, root, seed, uneven: Case(
-            pair[0], pair[1], dtype, numel,
+            pair[0],
+            pair[1],
+            dtype,
+            numel,
             "sum" if (op == "avg" and dtype == "int64") else op,
-            root % world, seed, uneven,
+            root % world,
+            seed,
+            uneven,
         ),
         st.sampled_from(pairs),
         st.sampled_from(list(DTYPES)),

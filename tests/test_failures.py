@@ -12,8 +12,11 @@ from tests import rank_fns
 @pytest.mark.parametrize("algorithm", ["ring", "naive", "native"])
 def test_rank_that_skips_a_collective_is_named(algorithm):
     results = plait.spawn(
-        rank_fns.skip_collective, world_size=3, args=(1, algorithm),
-        collective_timeout=3, timeout=60,
+        rank_fns.skip_collective,
+        world_size=3,
+        args=(1, algorithm),
+        collective_timeout=3,
+        timeout=60,
     )
     assert results[1] == "skipped"
     for r in (0, 2):
@@ -24,8 +27,14 @@ def test_rank_that_skips_a_collective_is_named(algorithm):
 
 
 def test_debug_mode_names_the_rank_with_another_shape():
-    results = plait.spawn(rank_fns.mismatched_shape, world_size=3, args=(2,), debug=True,
-                          collective_timeout=10, timeout=60)
+    results = plait.spawn(
+        rank_fns.mismatched_shape,
+        world_size=3,
+        args=(2,),
+        debug=True,
+        collective_timeout=10,
+        timeout=60,
+    )
     for kind, disagreeing, message in results:  # every rank raises, none hangs
         assert kind == "CollectiveMismatch"
         assert disagreeing == [2]
@@ -33,8 +42,14 @@ def test_debug_mode_names_the_rank_with_another_shape():
 
 
 def test_debug_mode_names_a_rank_that_never_arrives():
-    results = plait.spawn(rank_fns.skip_collective, world_size=3, args=(0, "ring"), debug=True,
-                          collective_timeout=3, timeout=60)
+    results = plait.spawn(
+        rank_fns.skip_collective,
+        world_size=3,
+        args=(0, "ring"),
+        debug=True,
+        collective_timeout=3,
+        timeout=60,
+    )
     for r in (1, 2):
         kind, missing, message = results[r]
         assert kind == "CollectiveTimeout" and missing == [0], message

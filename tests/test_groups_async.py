@@ -32,7 +32,7 @@ def test_hierarchical_groups_by_node(ranks, world, node_size):
     numel = 50
     results = ranks(world, rank_fns.hierarchical, node_size, numel)
     want = [float(k * sum(range(1, world + 1))) for k in range(numel)]
-    for reduced, broadcast, stat in results:
+    for reduced, broadcast, _stat in results:
         assert reduced == want
         assert broadcast == [float(world - 1)] * numel
     # only node leaders (group rank % node_size == 0) talk across nodes, so they send more
@@ -54,10 +54,20 @@ def test_bad_arguments_raise_before_communicating(ranks):
         assert "no error" not in errors, errors
         text = "\n".join(errors)
         for fragment in [
-            "src=2 is not a rank", "dst=-1", "input has 7 elements", "output has 5 elements",
-            "dtype torch.float64", "meta", "'avg' needs a floating-point", "unknown reduce op",
-            "unknown algorithm 'butterfly'", "'tree' does not implement all_to_all",
-            "must be a torch.Tensor", "dtype torch.bool", "divisible by the group size",
-            "is this rank", "list of 2 tensors",
+            "src=2 is not a rank",
+            "dst=-1",
+            "input has 7 elements",
+            "output has 5 elements",
+            "dtype torch.float64",
+            "meta",
+            "'avg' needs a floating-point",
+            "unknown reduce op",
+            "unknown algorithm 'butterfly'",
+            "'tree' does not implement all_to_all",
+            "must be a torch.Tensor",
+            "dtype torch.bool",
+            "divisible by the group size",
+            "is this rank",
+            "list of 2 tensors",
         ]:
             assert fragment in text, (fragment, text)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from plait.comm import progress
 from plait.comm.errors import CollectiveError, CollectiveTimeout
@@ -126,7 +125,7 @@ class Channel:
 
     # --- non-blocking --------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int) -> _Pending | None:
-        """Start sending ``tensor`` (contiguous) to channel rank ``peer``; empty sends are skipped."""
+        """Start sending ``tensor`` (contiguous) to channel rank ``peer``; skips empty ones."""
         n = tensor.numel()
         if n == 0:
             return None
@@ -161,9 +160,7 @@ class Channel:
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         self.wait(self.irecv(tensor, peer))
 
-    def exchange(
-        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
-    ) -> None:
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (one ring step)."""
         r = self.irecv(recv, src)
         s = self.isend(send, dst)
@@ -183,8 +180,10 @@ class Channel:
                 why = f"Ranks that did not arrive at #{self.call.seq}: {missing}. "
             else:
                 missing = [] if peer is None else [self.global_rank(peer)]
-                why = (f"Every rank entered #{self.call.seq}, but {whom} stopped answering "
-                       f"(it may have failed or be stuck inside it). ")
+                why = (
+                    f"Every rank entered #{self.call.seq}, but {whom} stopped answering "
+                    f"(it may have failed or be stuck inside it). "
+                )
             return CollectiveTimeout(
                 f"{self.call.describe()}: rank {me} waited {group.timeout:g}s to {verb} "
                 f"{whom}. {why}"
@@ -331,7 +330,7 @@ class Handle:
         def done(f: concurrent.futures.Future[Any]) -> None:
             exc = f.exception()
             if exc is not None:
-                fut.set_exception(exc)
+                fut.set_exception(exc)  # type: ignore[arg-type]
             else:
                 fut.set_result(None)
 
@@ -340,4 +339,3 @@ class Handle:
 
 
 COMPLETED = Handle(None)
-

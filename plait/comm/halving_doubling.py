@@ -44,9 +44,7 @@ def _real(v: int, q: int) -> int:
     return 2 * v + 1 if v < q else v + q
 
 
-def _halving(
-    ch: Channel, pieces: list[torch.Tensor], v: int, p: int, q: int, op: ReduceOp
-) -> None:
+def _halving(ch: Channel, pieces: list[torch.Tensor], v: int, p: int, q: int, op: ReduceOp) -> None:
     """Recursive halving among the p participants: ``pieces[v]`` ends complete on v."""
     lo, hi = 0, p
     d = p // 2

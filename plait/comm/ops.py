@@ -158,7 +158,9 @@ class _Flat:
         self.t = t
         staged = t.device.type == "cuda" and group.backend == "gloo"
         if staged:
-            self.flat = t.detach().reshape(-1).cpu() if load else torch.empty(t.numel(), dtype=t.dtype)
+            self.flat = (
+                t.detach().reshape(-1).cpu() if load else torch.empty(t.numel(), dtype=t.dtype)
+            )
         elif t.is_contiguous():
             self.flat = t.detach().view(-1)
         else:
@@ -321,7 +323,9 @@ def _chunk_list(
     if isinstance(value, torch.Tensor):
         return None
     blocks = _tensor_list(collective, name, value, g)
-    _check_same(collective, [(mine_name, mine)] + [(f"{name}[{i}]", t) for i, t in enumerate(blocks)])
+    _check_same(
+        collective, [(mine_name, mine)] + [(f"{name}[{i}]", t) for i, t in enumerate(blocks)]
+    )
     if blocks[g.rank].numel() != mine.numel():
         raise ValueError(
             f"{collective}: {name}[{g.rank}] has {blocks[g.rank].numel()} elements but "
@@ -502,9 +506,9 @@ def all_to_all(
     if g.size == 1:
         with torch.no_grad():
             if in_list:
-                output[0].copy_(input[0])  # type: ignore[index,union-attr]
+                output[0].copy_(input[0])  # type: ignore[index,union-attr,arg-type]
             else:
-                output.copy_(input)  # type: ignore[union-attr]
+                output.copy_(input)  # type: ignore[union-attr,arg-type]
         return COMPLETED if async_op else None
     algo = _choose("all_to_all", algorithm, nbytes, g)
     impl = ALGORITHMS[algo].all_to_all
@@ -580,4 +584,3 @@ def _p2p(g: Group, verb: str, tensor: torch.Tensor, peer: int, tag: int) -> None
         ch.recv(buf.flat, peer)
         buf.done()
     call.commit()
-

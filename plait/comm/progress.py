@@ -124,7 +124,8 @@ def describe(group: Group) -> str:
     if not board:
         return ""
     parts = [
-        f"rank {r} at #{board[r][0]} {board[r][1] or '(none yet)'}" if r in board
+        f"rank {r} at #{board[r][0]} {board[r][1] or '(none yet)'}"
+        if r in board
         else f"rank {r} unknown"
         for r in group.ranks
     ]

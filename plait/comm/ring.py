@@ -55,8 +55,9 @@ def reduce_scatter(
     right, left = (r + 1) % n, (r - 1) % n
     seg = max(1, SEGMENT_BYTES // output.element_size())
     order = [(r - s - 2) % n for s in range(n - 1)]  # the chunk arriving at step s
-    scratch = split(output.new_empty(sum(inputs[c].numel() for c in order)),
-                    [inputs[c].numel() for c in order])
+    scratch = split(
+        output.new_empty(sum(inputs[c].numel() for c in order)), [inputs[c].numel() for c in order]
+    )
     arriving = [buf.split(seg) for buf in scratch]
     receives = [[ch.irecv(piece, left) for piece in pieces] for pieces in arriving]
     # step 0 sends this rank's own copy of chunk r-1
