@@ -144,26 +144,30 @@ def print_row(row: Row) -> None:
     print(format_rows([row]).splitlines()[1], flush=True)
 
 
-def overhead_rank(calls: int = 2000, numel: int = 4) -> dict[str, float]:
-    """Microseconds per tiny all-reduce: plait (auto and ring) and torch.distributed."""
+def overhead_rank(rounds: int = 40, block: int = 25, numel: int = 4) -> dict[str, float]:
+    """Microseconds per tiny all-reduce: plait (auto and ring) and torch.distributed.
+
+    Blocks of ``block`` calls of each take turns for ``rounds`` rounds; the median block
+    of each is reported (the slowest rank's).
+    """
     t = torch.ones(numel)
-    result = {}
-    for name, fn in {
+    fns = {
         "plait_auto": lambda: comm.all_reduce(t),
         "plait_ring": lambda: comm.all_reduce(t, algorithm="ring"),
         "torch": lambda: dist.all_reduce(t),
-    }.items():
-        for _ in range(50):
+    }
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        dist.barrier()
-        samples = []
-        for _ in range(5):
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(calls // 5):
+            for _ in range(block):
                 fn()
-            samples.append((time.perf_counter() - t0) / (calls // 5) * 1e6)
-        result[name] = _slowest([statistics.median(samples)])[0]
-    return result
+            samples[name].append((time.perf_counter() - t0) / block * 1e6)
+    return {name: statistics.median(_slowest(v)) for name, v in samples.items()}
 
 
 def format_rows(rows: Sequence[Row]) -> str:

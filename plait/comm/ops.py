@@ -539,7 +539,9 @@ def barrier(*, group: Group | None = None, algorithm: str = "auto") -> None:
     g = _group(group)
     if g.size == 1:
         return
-    algo = tuner.choose("barrier", 0, g.size) if algorithm == "auto" else algorithm
+    if algorithm not in ("auto", *ALGORITHMS):
+        raise ValueError(f"barrier: unknown algorithm {algorithm!r}; use 'auto' or 'native'")
+    algo = "native" if algorithm == "auto" else algorithm
     impl = native.barrier if algo == "native" else dissemination.barrier
     g.run("barrier", algo, impl, async_op=False, payload_bytes=0, signature=algo)
 

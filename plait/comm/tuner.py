@@ -11,10 +11,7 @@ larger messages). A world size missing from the table uses the nearest one measu
 Every rank must see the same table (ranks of one host read the same file); debug mode
 checks it, since the resolved algorithm is part of each collective's signature.
 
-With no table, :data:`DEFAULT_RULE` applies. It was read off ``benchmarks/comm.py`` on a
-2-core machine with gloo over loopback: small messages go to the backend, whose single
-call beats plait's several Python-driven steps; from the crossover up, the ring, whose
-reduce-scatter and all-gather send half the bytes of gloo's own.
+With no table, :func:`default_rule` applies.
 """
 
 from __future__ import annotations
@@ -24,16 +21,28 @@ import os
 from pathlib import Path
 from typing import Any
 
-# (collective) -> [(max bytes, algorithm), ...]; the last row also covers larger messages
-DEFAULT_RULE: dict[str, list[tuple[int, str]]] = {
-    "all_reduce": [(256 << 10, "native"), (1 << 62, "ring")],
-    "reduce_scatter": [(16 << 10, "native"), (1 << 62, "ring")],
-    "all_gather": [(16 << 10, "native"), (1 << 62, "ring")],
-    "broadcast": [(1 << 62, "native")],
-    "reduce": [(1 << 62, "native")],
-    "all_to_all": [(1 << 62, "native")],
-    "barrier": [(1 << 62, "native")],
-}
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def default_rule(collective: str, nbytes: int, world_size: int) -> str:
+    """The choice without a table, read off ``benchmarks/comm.py`` (README, Benchmarks).
+
+    On 2 cores with gloo over loopback a message hop costs 0.1-1 ms of thread wake-ups,
+    so small messages go to the algorithm with the fewest sequential hops: ``naive``
+    (two) while the world is small enough that rank 0 is not yet a bottleneck, else the
+    backend. Reduce-scatter and all-gather use the ring from there up: it sends half the
+    bytes of gloo's own, which all-reduces the whole buffer. Large all-reduces stay with
+    gloo, whose C++ ring overlaps its reductions better than plait's.
+    """
+    small_world = world_size <= 4
+    if collective == "all_reduce":
+        return "naive" if small_world and nbytes <= 1 * MIB else "native"
+    if collective == "reduce_scatter":
+        return "naive" if small_world and nbytes <= 256 * KIB else "ring"
+    if collective == "all_gather":
+        return "ring"
+    return "native"
+
 
 _table: dict[str, dict[int, list[tuple[int, str]]]] | None = None
 _loaded_from: str | None = None
@@ -83,11 +92,9 @@ def choose(collective: str, nbytes: int, world_size: int) -> str:
         load()
     assert _table is not None
     per_world = _table.get(collective)
-    if per_world:
-        w = min(per_world, key=lambda k: (abs(k - world_size), k))
-        rows = per_world[w]
-    else:
-        rows = DEFAULT_RULE[collective]
+    if not per_world:
+        return default_rule(collective, nbytes, world_size)
+    rows = per_world[min(per_world, key=lambda k: (abs(k - world_size), k))]
     for max_bytes, algorithm in rows:
         if nbytes <= max_bytes:
             return algorithm
