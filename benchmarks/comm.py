@@ -38,19 +38,33 @@ def run_world(world: int, sizes: list[int], iters: int, budget: float) -> dict:
     env = {"PLAIT_TUNE_FILE": str(table_file)}  # empty: auto uses the built-in rule
     with RankPool(world, env=env) as pool:
         rows = pool.run(
-            bench.measure_rank, COLLECTIVES, ["ring", "tree", "halving_doubling", "naive",
-                                              "hierarchical", "native", "auto"],
-            sizes, max_iters=iters, budget_s=budget, on_row=bench.print_row, timeout=3600,
+            bench.measure_rank,
+            COLLECTIVES,
+            ["ring", "tree", "halving_doubling", "naive", "hierarchical", "native", "auto"],
+            sizes,
+            max_iters=iters,
+            budget_s=budget,
+            on_row=bench.print_row,
+            timeout=3600,
         )[0]
     table = bench.tune_table(rows)
     tuner.save(table, table_file, backend="gloo")
     with RankPool(world, env=env) as pool:
         tuned = pool.run(
-            bench.measure_rank, COLLECTIVES, ["native", "auto"], sizes,
-            max_iters=iters, budget_s=budget, on_row=bench.print_row, timeout=3600,
+            bench.measure_rank,
+            COLLECTIVES,
+            ["native", "auto"],
+            sizes,
+            max_iters=iters,
+            budget_s=budget,
+            on_row=bench.print_row,
+            timeout=3600,
         )[0]
-    return {"rows": bench.as_json(rows), "tuned": bench.as_json(tuned),
-            "table": {c: {str(w): r for w, r in t.items()} for c, t in table.items()}}
+    return {
+        "rows": bench.as_json(rows),
+        "tuned": bench.as_json(tuned),
+        "table": {c: {str(w): r for w, r in t.items()} for c, t in table.items()},
+    }
 
 
 def overhead() -> dict:
@@ -74,10 +88,15 @@ def markdown(results: dict) -> str:
         rows = res["rows"]
         tuned = {(r["collective"], r["bytes"], r["algorithm"]): r for r in res["tuned"]}
         algos = ["ring", "tree", "halving_doubling", "naive", "hierarchical"]
-        lines.append(f"\n**World size {world}** (gloo on loopback, float32; time in us, and "
-                     f"speed-up over native = native time / algorithm time)\n")
-        lines.append("| collective | size | native us | " + " | ".join(algos)
-                     + " | auto (rule) | auto (tuned) |")
+        lines.append(
+            f"\n**World size {world}** (gloo on loopback, float32; time in us, and "
+            f"speed-up over native = native time / algorithm time)\n"
+        )
+        lines.append(
+            "| collective | size | native us | "
+            + " | ".join(algos)
+            + " | auto (rule) | auto (tuned) |"
+        )
         lines.append("|---" * (len(algos) + 5) + "|")
         by = {}
         for r in rows:
@@ -91,18 +110,23 @@ def markdown(results: dict) -> str:
             t_native = tuned[(collective, nbytes, "native")]["time_us"]
             t_auto = tuned[(collective, nbytes, "auto")]
             lines.append(
-                f"| {collective} | {_human(nbytes)} | {native:.0f} | " + " | ".join(cells)
+                f"| {collective} | {_human(nbytes)} | {native:.0f} | "
+                + " | ".join(cells)
                 + f" | {native / auto['time_us']:.2f}x ({auto['resolved']})"
                 + f" | {t_native / t_auto['time_us']:.2f}x ({t_auto['resolved']}) |"
             )
     o = results["overhead"]
     lines.append("\n**Python overhead of one all-reduce of 4 floats** (us per call)\n")
-    lines.append("| world | plait auto | plait ring | torch.distributed.all_reduce |")
-    lines.append("|---|---|---|---|")
+    lines.append(
+        "| world | plait auto | plait ring | plait native | torch.distributed.all_reduce |"
+    )
+    lines.append("|---|---|---|---|---|")
     for w in ("world1", "world2"):
         v = o[w]
-        lines.append(f"| {w[-1]} | {v['plait_auto']:.1f} | {v['plait_ring']:.1f} | "
-                     f"{v['torch']:.1f} |")
+        lines.append(
+            f"| {w[-1]} | {v['plait_auto']:.1f} | {v['plait_ring']:.1f} | "
+            f"{v['plait_native']:.1f} | {v['torch']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

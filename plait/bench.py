@@ -145,7 +145,9 @@ def print_row(row: Row) -> None:
 
 
 def overhead_rank(rounds: int = 40, block: int = 25, numel: int = 4) -> dict[str, float]:
-    """Microseconds per tiny all-reduce: plait (auto and ring) and torch.distributed.
+    """Microseconds per tiny all-reduce: plait (auto, ring, native) and torch.distributed.
+
+    ``plait_native`` minus ``torch`` is plait's own cost per call on top of the backend's.
 
     Blocks of ``block`` calls of each take turns for ``rounds`` rounds; the median block
     of each is reported (the slowest rank's).
@@ -154,6 +156,7 @@ def overhead_rank(rounds: int = 40, block: int = 25, numel: int = 4) -> dict[str
     fns = {
         "plait_auto": lambda: comm.all_reduce(t),
         "plait_ring": lambda: comm.all_reduce(t, algorithm="ring"),
+        "plait_native": lambda: comm.all_reduce(t, algorithm="native"),
         "torch": lambda: dist.all_reduce(t),
     }
     samples: dict[str, list[float]] = {name: [] for name in fns}

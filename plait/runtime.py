@@ -182,13 +182,18 @@ def new_group(
 def shutdown() -> None:
     """Finish pending collectives and leave the process group."""
     global _world
+    first_error: BaseException | None = None
     for g in [*_subgroups, _world]:
-        if g is not None:
-            try:
-                g.synchronize()
-            finally:
-                g.shutdown()
+        if g is None:
+            continue
+        try:
+            g.synchronize()
+        except BaseException as exc:  # still leave the group; report the first failure
+            first_error = first_error or exc
+        g.shutdown()
     _subgroups.clear()
     _world = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    if first_error is not None:
+        raise first_error

@@ -75,10 +75,10 @@ class Call:
         self.tag = COLLECTIVE_TAG_BIT | (self.seq % COLLECTIVE_TAG_BIT)
 
     def describe(self) -> str:
-        return (
-            f"{self.collective} #{self.seq} on group {self.group.name!r} "
-            f"(algorithm {self.algorithm!r})"
-        )
+        where = f"on group {self.group.name!r}"
+        if self.algorithm == "p2p":
+            return f"{self.collective} (tag {self.tag}) {where}"
+        return f"{self.collective} #{self.seq} {where} (algorithm {self.algorithm!r})"
 
     def commit(self) -> None:
         with _stats_lock:
@@ -175,9 +175,13 @@ class Channel:
         whom = "the group" if peer is None else f"rank {self.global_rank(peer)}"
         text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
-            missing = progress.missing_ranks(group, self.call.seq)
+            p2p = self.call.algorithm == "p2p"
+            missing = [] if p2p else progress.missing_ranks(group, self.call.seq)
             if missing:
                 why = f"Ranks that did not arrive at #{self.call.seq}: {missing}. "
+            elif p2p:
+                missing = [] if peer is None else [self.global_rank(peer)]
+                why = f"{whom} did not post the matching message. "
             else:
                 missing = [] if peer is None else [self.global_rank(peer)]
                 why = (

@@ -29,10 +29,11 @@ def default_rule(collective: str, nbytes: int, world_size: int) -> str:
 
     On 2 cores with gloo over loopback a message hop costs 0.1-1 ms of thread wake-ups,
     so small messages go to the algorithm with the fewest sequential hops: ``naive``
-    (two) while the world is small enough that rank 0 is not yet a bottleneck, else the
-    backend. Reduce-scatter and all-gather use the ring from there up: it sends half the
-    bytes of gloo's own, which all-reduces the whole buffer. Large all-reduces stay with
-    gloo, whose C++ ring overlaps its reductions better than plait's.
+    (two) while the world is small enough that rank 0 is not yet a bottleneck. Reduce-
+    scatter and all-gather use the ring from there up: it sends half the bytes of gloo's
+    own, which all-reduces the whole buffer. Large all-reduces stay with gloo, whose C++
+    ring overlaps its reductions better than plait's; reduce takes the binomial tree up to
+    16 MiB; large all-to-alls post every message at once.
     """
     small_world = world_size <= 4
     if collective == "all_reduce":
@@ -41,6 +42,12 @@ def default_rule(collective: str, nbytes: int, world_size: int) -> str:
         return "naive" if small_world and nbytes <= 256 * KIB else "ring"
     if collective == "all_gather":
         return "ring"
+    if collective == "broadcast":
+        return "naive" if small_world and nbytes <= 256 * KIB else "native"
+    if collective == "reduce":
+        return "tree" if nbytes <= 16 * MIB else "native"
+    if collective == "all_to_all":
+        return "naive" if nbytes >= 4 * MIB else "native"
     return "native"
 
 

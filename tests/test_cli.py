@@ -1,0 +1,118 @@
+"""The command line: plait run, plait bench comm, and spawn from a script's __main__."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import plait
+    from plait import comm
+
+    world = plait.init()
+    t = torch.full((3,), float(world.rank + 1))
+    comm.all_reduce(t, algorithm="ring")
+    print(f"rank {world.rank} of {world.size}: {t.tolist()}", flush=True)
+    if len(sys.argv) > 1 and world.rank == int(sys.argv[1]):
+        sys.exit(3)
+    plait.shutdown()
+    """
+)
+
+MAIN_SPAWN = textwrap.dedent(
+    """
+    import plait
+
+    def square_rank():
+        return plait.world().rank ** 2
+
+    if __name__ == "__main__":
+        print("results", plait.spawn(square_rank, world_size=3, timeout=60))
+    """
+)
+
+
+def _plait(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "plait.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_plait_run_launches_local_ranks(tmp_path: Path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    done = _plait("run", "-n", "3", str(script))
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert f"rank {rank} of 3: [6.0, 6.0, 6.0]" in done.stdout
+
+
+def test_plait_run_reports_the_failing_rank(tmp_path: Path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    done = _plait("run", "-n", "2", "--timeout", "60", str(script), "1")
+    assert done.returncode == 3
+    assert "rank 1 exited with code 3" in done.stderr
+
+
+def test_plait_run_refuses_a_missing_script(tmp_path: Path):
+    done = _plait("run", "-n", "2", str(tmp_path / "nope.py"))
+    assert done.returncode == 2 and "no such script" in done.stderr
+
+
+def test_spawn_from_a_script_main(tmp_path: Path):
+    script = tmp_path / "main_spawn.py"
+    script.write_text(MAIN_SPAWN)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "results [0, 1, 4]" in done.stdout
+
+
+def test_bench_comm_prints_rows_writes_json_and_a_table(tmp_path: Path):
+    out, table = tmp_path / "rows.json", tmp_path / "tune.json"
+    done = _plait(
+        "bench",
+        "comm",
+        "-n",
+        "2",
+        "--collectives",
+        "all_reduce,all_gather",
+        "--algorithms",
+        "ring,native",
+        "--min-size",
+        "4K",
+        "--max-size",
+        "16K",
+        "--iters",
+        "3",
+        "--json",
+        str(out),
+        "--tune",
+        "--tune-file",
+        str(table),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "busbw(GB/s)" in done.stdout
+    rows = json.loads(out.read_text())
+    assert {(r["collective"], r["algorithm"], r["bytes"]) for r in rows} == {
+        (c, a, b)
+        for c in ("all_reduce", "all_gather")
+        for a in ("ring", "native")
+        for b in (4096, 16384)
+    }
+    assert all(r["time_us"] > 0 and r["busbw_gbps"] > 0 for r in rows)
+    saved = json.loads(table.read_text())
+    assert set(saved["table"]) == {"all_reduce", "all_gather"}
+    assert all(rows_[-1][0] >= 1 << 62 for per in saved["table"].values() for rows_ in per.values())
