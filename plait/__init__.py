@@ -2,11 +2,16 @@
 
 from plait import comm
 from plait.launch import RankError, RankPool, RankTimeout, spawn
+from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
+from plait.strategies import DistributedDataParallel, NaiveDataParallel
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedDataParallel",
+    "NaiveDataParallel",
+    "prepare",
     "RankError",
     "RankPool",
     "RankTimeout",

@@ -1,0 +1,19 @@
+"""Training strategies: each wraps a model (and optimizer) for one way of parallelising."""
+
+from plait.strategies.comm_hooks import (
+    GradBucket,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
+from plait.strategies.ddp import DistributedDataParallel
+from plait.strategies.naive import NaiveDataParallel
+
+__all__ = [
+    "DistributedDataParallel",
+    "GradBucket",
+    "NaiveDataParallel",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+]

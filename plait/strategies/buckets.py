@@ -1,0 +1,74 @@
+"""Gradient buckets: parameters grouped into flat buffers that are all-reduced as one.
+
+A bucket holds parameters of one dtype and device, about ``bucket_bytes`` in all, in the
+order their gradients are expected to become ready. Each parameter owns a slice of the
+bucket's flat buffer; its gradient is copied there (or lives there, with
+``gradient_as_bucket_view``), so one all-reduce averages the whole bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    buffer: torch.Tensor
+    offsets: list[int]
+    pending: int = 0
+    ready: list[bool] = field(default_factory=list)
+
+    def slot(self, i: int) -> torch.Tensor:
+        """The slice of the buffer that holds parameter i's gradient, shaped like it."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.ready = [False] * len(self.params)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def build_buckets(
+    named_params: Sequence[tuple[str, torch.nn.Parameter]], bucket_bytes: int
+) -> list[Bucket]:
+    """Group parameters, in the given order, into buckets of about ``bucket_bytes``.
+
+    A new bucket starts when the dtype or device changes or the current one is full; a
+    parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+    size = 0
+    for name, p in named_params:
+        nbytes = p.numel() * p.element_size()
+        if (
+            not groups
+            or (size + nbytes > bucket_bytes and size > 0)
+            or groups[-1][0][1].dtype != p.dtype
+            or groups[-1][0][1].device != p.device
+        ):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    buckets = []
+    for index, members in enumerate(groups):
+        offsets, total = [], 0
+        for _, p in members:
+            offsets.append(total)
+            total += p.numel()
+        first = members[0][1]
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        bucket = Bucket(index, [p for _, p in members], [n for n, _ in members], buffer, offsets)
+        bucket.reset()
+        buckets.append(bucket)
+    return buckets

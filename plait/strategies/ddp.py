@@ -1,0 +1,296 @@
+"""Distributed data parallelism with bucketed all-reduce that overlaps the backward pass.
+
+Every rank holds a full replica and computes gradients on its share of the global batch;
+averaging the gradients over the group gives the gradient of the global batch (the mean
+over 64 samples is the average of two means over 32).
+
+Communication contract, on ``group``:
+
+- wrap: parameters and buffers are broadcast from group rank 0 (one broadcast per dtype),
+  so every replica starts equal;
+- forward: with ``broadcast_buffers``, buffers are broadcast from rank 0 again;
+- backward: gradients are copied into buckets of about ``bucket_mb`` MiB, in the reverse
+  of registration order (re-ordered after the first step to the order they became ready,
+  as rank 0 saw it). A hook per parameter (post-accumulate-grad) marks it ready; a bucket
+  whose gradients are all ready is all-reduced (average) at once, asynchronously, with
+  ``algorithm``, while autograd computes the earlier layers' gradients. Buckets are
+  launched strictly in index order, so every rank issues the same collectives in the
+  same order. Everything is waited for before ``backward()`` returns;
+- ``no_sync()``: no communication; gradients accumulate locally until the next
+  synchronized backward, which then averages the accumulated sum.
+
+A parameter that received no gradient in a backward pass is an error unless
+``find_unused_parameters=True``, in which case its slot contributes zeros and its bucket
+is reduced at the end of backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm.group import Group
+from plait.strategies.buckets import Bucket, build_buckets
+from plait.strategies.comm_hooks import CommHook, GradBucket
+from plait.trace import Tracer
+
+MIB = 1 << 20
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group: Group, algorithm: str) -> None:
+    """Broadcast ``tensors`` from group rank 0, one flat message per dtype."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        comm.broadcast(flat, 0, group=group, algorithm=algorithm)
+        with torch.no_grad():
+            for t, piece in zip(same, flat.split([t.numel() for t in same]), strict=True):
+                t.copy_(piece.view_as(t))
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
+
+    ``bucket_mb``: bucket size in MiB. ``algorithm``: the all-reduce algorithm
+    (``plait.comm``'s names; ``"auto"`` by default). ``broadcast_buffers``: re-broadcast
+    buffers from rank 0 at every forward. ``find_unused_parameters``: tolerate parameters
+    without a gradient. ``gradient_as_bucket_view``: make ``param.grad`` a view into the
+    bucket, saving one copy per step. ``tracer``: record forward, backward and each
+    bucket's all-reduce (see :mod:`plait.trace`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: Group | None = None,
+        bucket_mb: float = 25.0,
+        algorithm: str = "auto",
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        tracer: Tracer | None = None,
+    ) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.module = module
+        self.group = group if group is not None else comm.world()
+        self.algorithm = algorithm
+        self.bucket_bytes = int(bucket_mb * MIB)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.tracer = tracer
+        self._sync = True
+        self._comm_hook: tuple[Any, CommHook] | None = None
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not self._named:
+            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        if self.group.size > 1:
+            params = [p for _, p in module.named_parameters()]
+            broadcast_tensors([*params, *module.buffers()], self.group, "auto")
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}
+        self._index_of = {p: i for i, (_, p) in enumerate(self._named)}
+        self._set_buckets(build_buckets(list(reversed(self._named)), self.bucket_bytes))
+        self._ready_order: list[int] = []
+        self._rebuilt = False
+        self._in_backward = False
+        self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
+        self._launched = 0
+        self._backward_token: int | None = None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, (_, p) in enumerate(self._named)
+        ]
+
+    # --- configuration -------------------------------------------------------------------
+    def _set_buckets(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self._where = {p: (b.index, i) for b in buckets for i, p in enumerate(b.params)}
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``
+        (see :mod:`plait.strategies.comm_hooks`). Call before the first backward."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook may be called only once")
+        self._comm_hook = (state, hook)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, inside this block."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    # --- forward -------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tracer = self.tracer
+        span = tracer.span("forward") if tracer is not None else contextlib.nullcontext()
+        with span:
+            if self.broadcast_buffers and self.group.size > 1:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    broadcast_tensors(buffers, self.group, "auto")
+            out = self.module(*args, **kwargs)
+        if tracer is not None and torch.is_grad_enabled():
+            self._mark_backward_start(out)
+        return out
+
+    def _mark_backward_start(self, out: Any) -> None:
+        """Open the trace's backward span when the first output gradient is computed."""
+        if isinstance(out, dict):
+            out = list(out.values())
+        tensors = out if isinstance(out, (list, tuple)) else [out]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        if self.tracer is not None and self._backward_token is None and self._sync:
+            self._backward_token = self.tracer.begin("backward", stream="compute")
+
+    # --- backward ------------------------------------------------------------------------
+    def _make_hook(self, param_index: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if not self._sync:
+                return
+            if not self._in_backward:
+                self._start_backward()
+            self._mark_ready(param_index, p)
+
+        return hook
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._launched = 0
+        self._futures = [None] * len(self.buckets)
+        for b in self.buckets:
+            b.reset()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _mark_ready(self, param_index: int, p: torch.Tensor) -> None:
+        b_index, i = self._where[p]  # type: ignore[index]
+        bucket = self.buckets[b_index]
+        if bucket.ready[i]:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {bucket.names[i]!r} received its "
+                f"gradient twice in one backward pass; run backward once per step, or "
+                f"use no_sync() for the extra passes"
+            )
+        slot = bucket.slot(i)
+        grad = p.grad
+        assert grad is not None
+        if grad.data_ptr() != slot.data_ptr():
+            slot.copy_(grad)
+            if self.gradient_as_bucket_view:
+                p.grad = slot
+        bucket.ready[i] = True
+        bucket.pending -= 1
+        if not self._rebuilt:
+            self._ready_order.append(self._index_of[p])  # type: ignore[index]
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in index order, every bucket whose gradients are all ready."""
+        while self._launched < len(self.buckets) and self.buckets[self._launched].pending == 0:
+            self._launch(self.buckets[self._launched])
+            self._launched += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        grad_bucket = GradBucket(
+            bucket.index,
+            bucket.buffer,
+            bucket.params,
+            bucket.index == len(self.buckets) - 1,
+            self.group,
+            self.algorithm,
+        )
+        token = None
+        if self.tracer is not None:
+            token = self.tracer.begin(
+                f"all_reduce bucket {bucket.index}", stream="comm", bytes=bucket.nbytes
+            )
+        if self.group.size == 1:
+            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            future.set_result(bucket.buffer)
+        elif self._comm_hook is not None:
+            state, hook = self._comm_hook
+            future = hook(state, grad_bucket)
+        else:
+            handle = comm.all_reduce(
+                bucket.buffer, "avg", group=self.group, algorithm=self.algorithm, async_op=True
+            )
+            assert handle is not None
+            future = handle.get_future()  # type: ignore[assignment]
+        if token is not None:
+            tracer = self.tracer
+            assert tracer is not None
+            future.add_done_callback(lambda _: tracer.end(token))
+        self._futures[bucket.index] = future
+
+    def _finish_backward(self) -> None:
+        """End of backward: reduce what is left, wait for everything, write gradients."""
+        try:
+            missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if not b.ready[i]]
+            if missing:
+                if not self.find_unused_parameters:
+                    names = ", ".join(repr(b.names[i]) for b, i in missing[:8])
+                    raise RuntimeError(
+                        f"DistributedDataParallel: parameters {names} received no gradient "
+                        f"in this backward pass (unused in forward?). Pass "
+                        f"find_unused_parameters=True to DistributedDataParallel (or "
+                        f"plait.prepare) to reduce them as zeros, or remove them from the "
+                        f"module"
+                    )
+                for b, i in missing:
+                    b.slot(i).zero_()
+                    b.ready[i] = True
+                    b.pending -= 1
+                self._launch_ready()
+            for b, future in zip(self.buckets, self._futures, strict=True):
+                assert future is not None
+                future.wait()
+                for i, p in enumerate(b.params):
+                    slot = b.slot(i)
+                    if p.grad is None or self.gradient_as_bucket_view:
+                        p.grad = slot if self.gradient_as_bucket_view else slot.clone()
+                    elif p.grad.data_ptr() != slot.data_ptr():
+                        p.grad.copy_(slot)
+            if not self._rebuilt:
+                self._rebuild_buckets()
+        finally:
+            self._in_backward = False
+            if self.tracer is not None and self._backward_token is not None:
+                self.tracer.end(self._backward_token)
+            self._backward_token = None
+
+    def _rebuild_buckets(self) -> None:
+        """After the first step: buckets in the order rank 0 saw gradients become ready."""
+        self._rebuilt = True
+        padding = [-1] * (len(self._named) - len(self._ready_order))
+        order = torch.tensor(self._ready_order + padding, dtype=torch.int64)
+        if self.group.size > 1:
+            comm.broadcast(order, 0, group=self.group, algorithm="auto")
+        seen = [int(i) for i in order.tolist() if i >= 0]
+        unseen = set(range(len(self._named))) - set(seen)
+        rest = [i for i in reversed(range(len(self._named))) if i in unseen]
+        ordered = [self._named[i] for i in seen + rest]
+        if [id(p) for _, p in ordered] == [id(p) for b in self.buckets for p in b.params]:
+            return
+        old = {p: b.slot(i).clone() for b in self.buckets for i, p in enumerate(b.params)}
+        self._set_buckets(build_buckets(ordered, self.bucket_bytes))
+        if self.gradient_as_bucket_view:
+            for b in self.buckets:
+                for i, p in enumerate(b.params):
+                    b.slot(i).copy_(old[p])
+                    p.grad = b.slot(i)
