@@ -10,11 +10,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/plait bench comm -n 4
+	$(BIN)/plait demo -n 4
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

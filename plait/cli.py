@@ -200,6 +200,28 @@ def _summary(rows: list[Any]) -> None:
         print(f"  {collective:<15}{nbytes:>11} B   {best:<17}{native / mine[best]:6.2f}x{auto}")
 
 
+# --- plait demo ---------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    from plait.demo import DemoConfig, run
+
+    if args.strategy == "none" and args.nproc != 1:
+        print("plait demo: --strategy none trains in one process; use -n 1", file=sys.stderr)
+        return 2
+    config = DemoConfig(
+        world_size=args.nproc,
+        strategy=args.strategy,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        algorithm=args.algorithm,
+        bucket_mb=args.bucket_mb,
+        seed=args.seed,
+        name=args.name or "",
+    )
+    run(config, check=args.check, out_dir=Path(args.out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plait", description="distributed training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
+
+    demo = sub.add_parser("demo", help="train a CNN on digits with N local ranks")
+    demo.add_argument("-n", "--nproc", type=int, default=4)
+    demo.add_argument("--strategy", default="ddp", choices=["ddp", "naive", "none"])
+    demo.add_argument("--epochs", type=int, default=10)
+    demo.add_argument("--batch-size", type=int, default=64, help="global batch")
+    demo.add_argument("--lr", type=float, default=0.05)
+    demo.add_argument("--algorithm", default="auto")
+    demo.add_argument("--bucket-mb", type=float, default=25.0)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--name", default=None, help="run folder name under --out")
+    demo.add_argument("--out", default="runs")
+    demo.add_argument(
+        "--check",
+        action="store_true",
+        help="also train in one process on the global batch and compare",
+    )
+    demo.set_defaults(func=_demo)
 
     bench_p = sub.add_parser("bench", help="measure")
     bench_sub = bench_p.add_subparsers(dest="what", required=True)

@@ -239,7 +239,18 @@ class DistributedDataParallel(nn.Module):
         self._futures[bucket.index] = future
 
     def _finish_backward(self) -> None:
-        """End of backward: reduce what is left, wait for everything, write gradients."""
+        """End of backward: reduce what is left, wait for everything, write gradients.
+
+        The trace's backward span ends here, when autograd has computed every gradient;
+        the wait that follows is recorded as ``wait for gradients``: communication that
+        the backward pass did not hide.
+        """
+        wait_token = None
+        if self.tracer is not None:
+            if self._backward_token is not None:
+                self.tracer.end(self._backward_token)
+            wait_token = self.tracer.begin("wait for gradients", stream="compute")
+        self._backward_token = None
         try:
             missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if not b.ready[i]]
             if missing:
@@ -270,9 +281,9 @@ class DistributedDataParallel(nn.Module):
                 self._rebuild_buckets()
         finally:
             self._in_backward = False
-            if self.tracer is not None and self._backward_token is not None:
-                self.tracer.end(self._backward_token)
-            self._backward_token = None
+            if wait_token is not None:
+                assert self.tracer is not None
+                self.tracer.end(wait_token)
 
     def _rebuild_buckets(self) -> None:
         """After the first step: buckets in the order rank 0 saw gradients become ready."""

@@ -1,0 +1,25 @@
+"""The main job, shortened: trains, reports, traces, plots, and matches the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plait.demo import DemoConfig, run
+
+
+def test_demo_trains_reports_and_matches_one_process(tmp_path: Path):
+    config = DemoConfig(world_size=2, epochs=3, name="t")
+    report = run(config, check=True, out_dir=tmp_path)
+    folder = tmp_path / "t"
+    saved = json.loads((folder / "report.json").read_text())
+    assert saved["config"]["world_size"] == 2 and len(saved["history"]) == 3
+    assert saved["history"][-1]["loss"] < saved["history"][0]["loss"]
+    assert report.test_accuracy > 0.5
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert 0.0 <= report.hidden_fraction <= 1.0 and 0.0 <= report.comm_share <= 1.0
+    trace = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"forward", "backward", "optimizer", "all_reduce bucket 0"} <= names
+    assert {e["pid"] for e in trace if e["ph"] == "X"} == {0, 1}
+    assert (folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
