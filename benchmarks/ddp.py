@@ -1,6 +1,6 @@
 """plait's DistributedDataParallel against torch.nn.parallel.DistributedDataParallel.
 
-    .venv/bin/python benchmarks/ddp.py            # worlds 2 and 4, MLP and transformer, ~6 min
+    .venv/bin/python benchmarks/ddp.py            # worlds 2 and 4, MLP and transformer, ~2-3 min
     .venv/bin/python benchmarks/ddp.py --quick    # MLP, world 2, few steps: a smoke test
 
 Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank
@@ -13,9 +13,12 @@ Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank
 
 For each (world size, model, bucket size of 1 and 25 MiB) the variants are built on every
 rank from the same seed: ``plait.DistributedDataParallel(model, bucket_mb=B, algorithm=A)``
-for ``A`` = ``auto`` (the built-in rule: ``PLAIT_TUNE_FILE`` points to no table) and the
-other ``--algorithms`` (default ``ring``; see the README's notes for why), and
-``torch DistributedDataParallel(model, bucket_cap_mb=B)``, each with its own SGD optimizer.
+for each ``A`` of ``--algorithms`` (default ``auto,naive,ring``; in DDP ``auto`` is the
+backend's own all-reduce, started without plait's communication thread), and ``torch
+DistributedDataParallel(model, bucket_cap_mb=B)``, each with its own SGD optimizer (lr
+0.01). ``naive`` is there because it was plait's fastest Python algorithm in a trial of
+every algorithm over all eight configurations (``--algorithms
+auto,native,naive,ring,tree,halving_doubling`` repeats it), ``ring`` as the usual reference.
 
 Step time. A few warm-up steps (they include both sides' bucket rebuild after the first
 step), then the variants take turns step by step, in a rotating order (A B C, B C A, C A B,
@@ -31,7 +34,8 @@ with a :class:`plait.trace.Tracer` per variant and rank: forward in ``span("forw
 gets ``tracer=`` (only its bucket all-reduce spans, stream "comm", are kept); torch gets a
 ``register_comm_hook`` that opens a "comm" span when a bucket's all-reduce is launched
 (divide by the world size, ``dist.all_reduce(buffer, async_op=True).get_future()``) and
-closes it in the future's ``.then``. Both DDPs wait for every bucket *inside*
+closes it in the future's ``.then``. A span thus runs from launch (including any wait behind
+earlier buckets) to completion, on both sides. Both DDPs wait for every bucket *inside*
 ``loss.backward()`` (in autograd's final callback), so "backward" contains all communication
 by construction; the figure reported is therefore the share of communication time that
 overlaps *backward computation*: from the start of ``loss.backward()`` to the moment the
@@ -114,14 +118,12 @@ def build_model(name: str) -> nn.Module:
 def make_batches(name: str, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` fixed batches for this rank (each rank its own share of the data)."""
     g = torch.Generator().manual_seed(SEED + 1 + rank)
-    if name == "mlp":
-        return [
-            (torch.randn(MLP_BATCH, MLP_SIZES[0], generator=g),
-             torch.randint(0, MLP_SIZES[-1], (MLP_BATCH,), generator=g))
-            for _ in range(count)
-        ]  # fmt: skip
     batches = []
     for _ in range(count):
+        if name == "mlp":
+            x = torch.randn(MLP_BATCH, MLP_SIZES[0], generator=g)
+            batches.append((x, torch.randint(0, MLP_SIZES[-1], (MLP_BATCH,), generator=g)))
+            continue
         tokens = torch.randint(0, VOCAB, (TF_BATCH, SEQ + 1), generator=g)
         batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return batches
@@ -377,6 +379,16 @@ def _mean_ms(spans: list[Span], name: str, world: int) -> float:
     return statistics.mean(durations) / 1e6 if durations else 0.0
 
 
+def labelled_spans(per_rank: list[dict[str, Any]]) -> list[Span]:
+    """Every rank's spans of every variant, named "variant: span" for the viewer."""
+    return [
+        Span(f"{name}: {s.name}", s.stream, s.start_ns, s.end_ns, s.rank, s.args)
+        for r in per_rank
+        for name, spans in r["spans"].items()
+        for s in spans
+    ]
+
+
 def progress_line(res: dict[str, Any]) -> str:
     v = res["variants"]
     torch_ms = v[TORCH]["median_ms"]
@@ -413,13 +425,20 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['hidden_fraction']:.0%} | {t['hidden_fraction']:.0%} |"
             )
     a = results["args"]
+    steps = {res["world"]: len(res["variants"][TORCH]["steps_ms"]) for res in results["configs"]}
+    diff = max(
+        (c["max_abs_diff"] for res in results["configs"] for c in res["param_check"].values()),
+        default=0.0,
+    )
+    per_world = ", ".join(f"{n} at world {w}" for w, n in steps.items())
     lines.append(
-        f"\nMedians of the slowest rank's step time over {a['steps']} interleaved steps "
-        f"({a['steps_world4']} at world 4) after {a['warmup']} warm-up steps; gloo on "
-        f"loopback, {results['cores']} cores, 1 intra-op thread per rank, torch "
-        f"{results['torch']}. Hidden % = share of the bucket all-reduce time that overlaps "
-        f"backward computation (until the last gradient is accumulated), over "
-        f"{a['trace_steps']} traced steps. Raw numbers: `benchmarks/results/ddp.json`."
+        f"\nMedians of the slowest rank's step time over interleaved steps ({per_world}) "
+        f"after {a['warmup']} warm-up steps; gloo on loopback, {results['cores']} cores, "
+        f"1 intra-op thread per rank, torch {results['torch']}. Hidden % = share of the "
+        f"bucket all-reduce time that overlaps backward computation (until the last gradient "
+        f"is accumulated), over {a['trace_steps']} traced steps. After one step every plait "
+        f"variant's parameters match torch's (largest difference {diff:.2g}). Raw numbers: "
+        f"`benchmarks/results/ddp.json`."
     )
     return "\n".join(lines) + "\n"
 
@@ -430,11 +449,11 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--buckets", default=",".join(f"{b:g}" for b in BUCKETS_MB))
     parser.add_argument(
-        "--algorithms", default="auto,ring", help="plait all-reduce algorithms to compare"
+        "--algorithms", default="auto,naive,ring", help="plait all-reduce algorithms to compare"
     )
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=25, help="timed steps per variant")
-    parser.add_argument("--steps-world4", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--steps-world4", type=int, default=20)
     parser.add_argument("--trace-steps", type=int, default=5)
     parser.add_argument("--chrome", type=Path, help="write a Chrome trace per configuration")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -478,15 +497,8 @@ def main() -> None:
                     results["configs"].append(res)
                     print(progress_line(res), flush=True)
                     if args.chrome is not None:
-                        spans = [
-                            Span(f"{name}: {s.name}", s.stream, s.start_ns, s.end_ns, s.rank,
-                                 s.args)
-                            for r in per_rank
-                            for name, ss in r["spans"].items()
-                            for s in ss
-                        ]  # fmt: skip
                         path = args.chrome / f"ddp_w{world}_{model_name}_b{bucket_mb:g}.json"
-                        write_chrome(path, [spans])
+                        write_chrome(path, [labelled_spans(per_rank)])
     results["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ddp.json").write_text(json.dumps(results, indent=1))

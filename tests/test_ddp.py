@@ -117,3 +117,21 @@ def test_prepare_refuses_unknown_strategies_and_options():
         plait.prepare(model, None, strategy="none", bucket_mb=1)
     wrapped, opt = plait.prepare(model, None, strategy="none")
     assert wrapped is model and opt is None
+
+
+def test_buckets_close_after_their_limit_and_start_small():
+    from plait.strategies.buckets import build_buckets
+
+    mib = 1 << 20
+    params = [
+        ("w3", torch.nn.Parameter(torch.zeros(mib // 4))),  # 1 MiB
+        ("b3", torch.nn.Parameter(torch.zeros(10))),
+        ("w2", torch.nn.Parameter(torch.zeros(mib // 2))),  # 2 MiB
+        ("b2", torch.nn.Parameter(torch.zeros(10))),
+        ("w1", torch.nn.Parameter(torch.zeros(mib))),  # 4 MiB
+        ("h", torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))),
+    ]
+    buckets = build_buckets(params, bucket_bytes=3 * mib, first_bucket_bytes=mib)
+    assert [b.names for b in buckets] == [["w3"], ["b3", "w2", "b2", "w1"], ["h"]]
+    assert [b.buffer.dtype for b in buckets] == [torch.float32, torch.float32, torch.float64]
+    assert buckets[1].slot(1).shape == (mib // 2,)

@@ -278,11 +278,27 @@ class Group:
 
         if async_op:
             return Handle(self._submit(task))
-        if self._last is not None and not self._last.done():
+        if not self.idle():
             self._submit(task).result()  # keep issue order behind pending async work
         else:
             task()
         return None
+
+    def idle(self) -> bool:
+        """No asynchronous collective of this group is still queued or running."""
+        return self._last is None or self._last.done()
+
+    def start_native(self, collective: str, payload_bytes: int, start: Callable[[], Any]) -> Handle:
+        """Issue a backend collective that is asynchronous by itself, without the worker
+        thread (one thread hop less). Only while :meth:`idle`: otherwise it would overtake
+        queued collectives, and backends match collectives by issue order."""
+        assert self.idle()
+        self.seq += 1
+        call = Call(self, collective, "native", self.seq, payload_bytes)
+        self.entered = (call.seq, collective)
+        future = start()
+        call.commit()
+        return Handle(future)
 
     def _submit(self, task: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         if self._executor is None:
@@ -305,11 +321,17 @@ class Group:
 
 
 class Handle:
-    """Returned by ``async_op=True``: ``wait()`` blocks until the collective is done."""
+    """Returned by ``async_op=True``: ``wait()`` blocks until the collective is done.
+
+    It wraps the worker thread's future, or, for a backend collective started directly,
+    the backend's own ``torch.futures.Future``.
+    """
 
     __slots__ = ("_future",)
 
-    def __init__(self, future: concurrent.futures.Future[Any] | None) -> None:
+    def __init__(
+        self, future: concurrent.futures.Future[Any] | torch.futures.Future[Any] | None
+    ) -> None:
         self._future = future
 
     def wait(self, timeout: float | None = None) -> None:
@@ -318,14 +340,18 @@ class Handle:
         The collective itself is bounded by its group's timeout, so this never hangs
         forever even with ``timeout=None``.
         """
-        if self._future is not None:
+        if isinstance(self._future, torch._C.Future):
+            self._future.wait()
+        elif self._future is not None:
             self._future.result(timeout)
 
     def is_completed(self) -> bool:
         return self._future is None or self._future.done()
 
-    def get_future(self) -> torch.futures.Future[None]:
+    def get_future(self) -> torch.futures.Future[Any]:
         """A ``torch.futures.Future`` completed (or failed) with the collective."""
+        if isinstance(self._future, torch._C.Future):
+            return self._future  # type: ignore[return-value]
         fut: torch.futures.Future[None] = torch.futures.Future()
         if self._future is None:
             fut.set_result(None)

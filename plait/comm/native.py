@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.comm.group import Channel
+from plait.comm.group import Channel, Group
 from plait.comm.reduce_op import TO_TORCH, ReduceOp
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,6 +42,18 @@ def _adjacent(chunks: list[torch.Tensor]) -> torch.Tensor | None:
 
 def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
     _wait(ch, dist.all_reduce(flat, TO_TORCH[op], group=ch.group.pg, async_op=True))
+
+
+def all_reduce_async(tensor: torch.Tensor, op: ReduceOp, group: Group) -> Any:
+    """Start the backend's all-reduce of ``tensor`` in place; a future of ``tensor``.
+
+    ``avg`` is a sum followed by a division, done when the sum completes."""
+    summed = ReduceOp.SUM if op is ReduceOp.AVG else op
+    work = dist.all_reduce(tensor, TO_TORCH[summed], group=group.pg, async_op=True)
+    future = work.get_future()
+    if op is ReduceOp.AVG:
+        return future.then(lambda _: tensor.div_(group.size))
+    return future.then(lambda _: tensor)
 
 
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:

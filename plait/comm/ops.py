@@ -221,6 +221,8 @@ def all_reduce(
         return COMPLETED if async_op else None
     nbytes = tensor.numel() * tensor.element_size()
     algo = _choose("all_reduce", algorithm, nbytes, g)
+    if algo == "native" and async_op and not g.debug and g.idle() and tensor.is_contiguous():
+        return g.start_native("all_reduce", nbytes, lambda: native.all_reduce_async(tensor, rop, g))
     impl = ALGORITHMS[algo].all_reduce
 
     def body(ch: Channel) -> None:

@@ -38,28 +38,35 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
+FIRST_BUCKET_BYTES = 1 << 20
+
+
 def build_buckets(
-    named_params: Sequence[tuple[str, torch.nn.Parameter]], bucket_bytes: int
+    named_params: Sequence[tuple[str, torch.nn.Parameter]],
+    bucket_bytes: int,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
 ) -> list[Bucket]:
     """Group parameters, in the given order, into buckets of about ``bucket_bytes``.
 
-    A new bucket starts when the dtype or device changes or the current one is full; a
-    parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    A bucket is closed once it holds at least its limit (so a layer's small bias stays
+    with its weight instead of travelling alone), or when the dtype or device changes. The
+    first bucket's limit is ``min(first_bucket_bytes, bucket_bytes)``: the gradients that
+    are ready first start travelling early, as in PyTorch's DDP.
     """
     groups: list[list[tuple[str, torch.nn.Parameter]]] = []
     size = 0
     for name, p in named_params:
-        nbytes = p.numel() * p.element_size()
+        limit = min(first_bucket_bytes, bucket_bytes) if len(groups) <= 1 else bucket_bytes
         if (
             not groups
-            or (size + nbytes > bucket_bytes and size > 0)
+            or size >= limit
             or groups[-1][0][1].dtype != p.dtype
             or groups[-1][0][1].device != p.device
         ):
             groups.append([])
             size = 0
         groups[-1].append((name, p))
-        size += nbytes
+        size += p.numel() * p.element_size()
     buckets = []
     for index, members in enumerate(groups):
         offsets, total = [], 0

@@ -58,8 +58,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: Group, algorithm: str)
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
 
-    ``bucket_mb``: bucket size in MiB. ``algorithm``: the all-reduce algorithm
-    (``plait.comm``'s names; ``"auto"`` by default). ``broadcast_buffers``: re-broadcast
+    ``bucket_mb``: bucket size in MiB (the first bucket is capped at 1 MiB so that
+    communication starts early). ``algorithm``: the bucket all-reduce algorithm
+    (``plait.comm``'s names). ``"auto"`` means the backend's own here: it is asynchronous by
+    itself, while plait's Python algorithms run on plait's communication thread and compete
+    with the backward pass's hooks for the GIL; in ``benchmarks/ddp.py`` that made them
+    5-10% slower per step at world 4. ``broadcast_buffers``: re-broadcast
     buffers from rank 0 at every forward. ``find_unused_parameters``: tolerate parameters
     without a gradient. ``gradient_as_bucket_view``: make ``param.grad`` a view into the
     bucket, saving one copy per step. ``tracer``: record forward, backward and each
@@ -83,7 +87,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.module = module
         self.group = group if group is not None else comm.world()
-        self.algorithm = algorithm
+        self.algorithm = "native" if algorithm == "auto" else algorithm
         self.bucket_bytes = int(bucket_mb * MIB)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
