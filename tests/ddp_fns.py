@@ -86,6 +86,15 @@ def train(
     wrapped, optimizer = plait.prepare(model, optimizer, strategy=strategy, **(options or {}))
     if hook is not None:
         wrapped.register_comm_hook(None, getattr(plait.strategies, hook))
+    assert optimizer is not None
+    return run_steps(wrapped, model, optimizer, steps)
+
+
+def run_steps(
+    wrapped: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int
+) -> list[torch.Tensor]:
+    """The training loop every strategy test shares: this rank's shard of each global batch."""
+    world = plait.world()
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad()
@@ -97,17 +106,9 @@ def train(
 
 def train_torch_ddp(steps: int, opt: str) -> list[torch.Tensor]:
     """Runs on every rank: the same training under torch.nn.parallel.DistributedDataParallel."""
-    world = plait.world()
     model = make_model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = make_optimizer(model, opt)
-    for step in range(steps):
-        x, y = batch(step)
-        optimizer.zero_grad()
-        out = wrapped(shard(x, world.rank, world.size))
-        nn.functional.mse_loss(out, shard(y, world.rank, world.size)).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return run_steps(wrapped, model, make_optimizer(model, opt), steps)
 
 
 def no_sync_vs_one_batch() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
