@@ -4,13 +4,14 @@ from plait import comm
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
-from plait.strategies import DistributedDataParallel, NaiveDataParallel
+from plait.strategies import DistributedDataParallel, NaiveDataParallel, ZeroOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedDataParallel",
     "NaiveDataParallel",
+    "ZeroOptimizer",
     "prepare",
     "RankError",
     "RankPool",

@@ -1,12 +1,13 @@
 """One entry point for every strategy: ``model, optimizer = plait.prepare(...)``.
 
 The returned model and optimizer are used by a plain PyTorch training loop as they are
-(``loss = loss_fn(model(x), y); loss.backward(); optimizer.step()``). The optimizer is the
-caller's own object (learning-rate schedulers keep working); with a ``tracer``, its steps
-are recorded as ``optimizer`` spans through step hooks.
+(``loss = loss_fn(model(x), y); loss.backward(); optimizer.step()``); both are still
+``nn.Module`` and ``torch.optim.Optimizer`` instances, so learning-rate schedulers keep
+working. With a ``tracer``, optimizer steps are recorded as ``optimizer`` spans.
 
 Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"naive"``
-(:class:`~plait.strategies.NaiveDataParallel`), ``"none"`` (single process, unchanged).
+(:class:`~plait.strategies.NaiveDataParallel`), ``"zero1"``/``"zero2"``
+(:class:`~plait.strategies.zero.ZeroOptimizer`), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -18,61 +19,83 @@ import torch
 from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
+from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
 _NAIVE_OPTIONS = {"group", "algorithm"}
+Optimizer = torch.optim.Optimizer
+Prepared = tuple[nn.Module, Optimizer | None]
 
 
-def _none(model: nn.Module, **options: Any) -> nn.Module:
+def _none(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if options:
         raise TypeError(f"strategy 'none' takes no options, got {sorted(options)}")
-    return model
+    return model, optimizer
 
 
-def _naive(model: nn.Module, **options: Any) -> nn.Module:
+def _naive(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     unknown = set(options) - _NAIVE_OPTIONS
     if unknown:
         raise TypeError(
             f"strategy 'naive' does not take {sorted(unknown)}; its options are "
             f"{sorted(_NAIVE_OPTIONS)}"
         )
-    return NaiveDataParallel(model, **options)
+    return NaiveDataParallel(model, **options), optimizer
 
 
-STRATEGIES: dict[str, Callable[..., nn.Module]] = {
+def _ddp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    return DistributedDataParallel(model, **options), optimizer
+
+
+def _zero(stage: int) -> Callable[..., Prepared]:
+    def wrap(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+        if optimizer is None:
+            raise ValueError(
+                f"strategy 'zero{stage}' shards the optimizer: pass the optimizer built on "
+                f"model.parameters() to plait.prepare"
+            )
+        return prepare_zero(model, optimizer, stage=stage, **options)
+
+    return wrap
+
+
+# name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
+STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "none": _none,
     "naive": _naive,
-    "ddp": DistributedDataParallel,
+    "ddp": _ddp,
+    "zero1": _zero(1),
+    "zero2": _zero(2),
 }
 
 
 def prepare(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     *,
     strategy: str = "ddp",
     tracer: Tracer | None = None,
     **options: Any,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Wrap ``model`` (and hook ``optimizer``) for ``strategy``; return both.
+) -> Prepared:
+    """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
 
     ``options`` go to the strategy (for ``"ddp"``: ``group``, ``bucket_mb``,
     ``algorithm``, ``broadcast_buffers``, ``find_unused_parameters``,
-    ``gradient_as_bucket_view``). Create the optimizer on ``model.parameters()`` before
-    calling; data-parallel strategies keep the parameters in place, so it stays valid.
+    ``gradient_as_bucket_view``; for ``"zero1"``/``"zero2"``: ``group``, ``algorithm``,
+    ``bucket_mb``). Create the optimizer on ``model.parameters()`` before calling.
+    Data-parallel strategies return the caller's optimizer itself; ZeRO returns a
+    :class:`~plait.strategies.zero.ZeroOptimizer` built from its class and
+    hyper-parameters (and state, if any), which shards the optimizer state.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
     if strategy == "ddp" and tracer is not None:
         options["tracer"] = tracer
     try:
-        wrapped = STRATEGIES[strategy](model, **options)
+        wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
     except TypeError as exc:
-        if (
-            "unexpected keyword" in str(exc)
-            or "takes no" in str(exc)
-            or "does not take" in str(exc)
-        ):
+        text = str(exc)
+        if any(k in text for k in ("unexpected keyword", "takes no", "does not take")):
             raise TypeError(f"plait.prepare(strategy={strategy!r}): {exc}") from exc
         raise
     if optimizer is not None and tracer is not None:

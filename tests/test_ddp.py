@@ -135,3 +135,10 @@ def test_buckets_close_after_their_limit_and_start_small():
     assert [b.names for b in buckets] == [["w3"], ["b3", "w2", "b2", "w1"], ["h"]]
     assert [b.buffer.dtype for b in buckets] == [torch.float32, torch.float32, torch.float64]
     assert buckets[1].slot(1).shape == (mib // 2,)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_prepare_zero_matches_oracle(ranks, strategy):
+    want = ddp_fns.oracle(STEPS, "adam")
+    for got in ranks(2, ddp_fns.train, strategy, STEPS, "adam"):
+        _close(got, want)

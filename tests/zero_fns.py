@@ -1,0 +1,208 @@
+"""Rank functions for the ZeRO tests; models, data and the oracle come from ddp_fns."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait.strategies.zero import ZeroOptimizer, prepare_zero
+from tests.ddp_fns import batch, make_model, make_optimizer, shard
+
+
+def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, last: int) -> None:
+    world = plait.world()
+    for step in range(first, last):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        out = model(shard(x, world.rank, world.size))
+        nn.functional.mse_loss(out, shard(y, world.rank, world.size)).backward()
+        optimizer.step()
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(
+    stage: int, steps: int, opt: str, options: dict[str, Any] | None = None
+) -> list[torch.Tensor]:
+    """Train under ZeRO from replicas that start different (construction broadcasts)."""
+    world = plait.world()
+    model: nn.Module = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(world.rank)
+    model, zero = prepare_zero(model, make_optimizer(model, opt), stage=stage, **(options or {}))
+    _train_steps(model, zero, 0, steps)
+    return _params(model)
+
+
+def shard_sizes(stage: int, opt: str) -> dict[str, Any]:
+    """Sizes after one step: shard, optimizer state, gradients held."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, opt), stage=stage)
+    _train_steps(model, zero, 0, 1)
+    state = zero.optim.state[zero.shard]
+    breakdown = zero.memory_breakdown()
+    return {
+        "total": sum(p.numel() for p in model.parameters()),
+        "shard": zero.shard.numel(),
+        "bounds": zero.bounds,
+        "state_numel": sum(v.numel() for v in state.values() if v.dim() > 0),
+        "breakdown": {k: sum(t.numel() for t in v) for k, v in breakdown.items()},
+    }
+
+
+def stage2_gradients() -> dict[int, Any]:
+    """After a stage-2 backward: no full gradient, an averaged shard gradient; and after
+    a stage-1 backward the full gradients are still there."""
+    world = plait.world()
+    result: dict[int, Any] = {}
+    for stage in (1, 2):
+        model: nn.Module = make_model()
+        model, zero = prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+        x, y = batch(0)
+        out = model(shard(x, world.rank, world.size))
+        nn.functional.mse_loss(out, shard(y, world.rank, world.size)).backward()
+        zero._wait_reductions()  # stage 2: the averaged shard, before step
+        grad = zero.shard.grad
+        result[stage] = {
+            "grads_none": [p.grad is None for p in model.parameters()],
+            "shard_grad": None if grad is None else grad.clone(),
+            "grad_numel": sum(t.numel() for t in zero.memory_breakdown()["grads"]),
+            "lo_hi": (zero.lo, zero.hi),
+        }
+        zero.zero_grad()
+        result[stage]["after_zero_grad"] = zero.shard.grad is None
+    return result
+
+
+def accumulate(stage: int, steps: int) -> list[torch.Tensor]:
+    """Two micro-batches per step (loss halved each), zero_grad between steps."""
+    world = plait.world()
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = shard(x, world.rank, world.size), shard(y, world.rank, world.size)
+        half = x.shape[0] // 2
+        zero.zero_grad()
+        for part in (slice(0, half), slice(half, None)):
+            (nn.functional.mse_loss(model(x[part]), y[part]) / 2).backward()
+        zero.step()
+    return _params(model)
+
+
+def save(stage: int, steps: int, opt: str) -> dict[str, Any]:
+    """Train, then return the parameters and both kinds of state dict."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, opt), stage=stage)
+    _train_steps(model, zero, 0, steps)
+    return {
+        "params": _params(model),
+        "state": zero.state_dict(),
+        "sharded": zero.sharded_state_dict(),
+    }
+
+
+def resume(
+    stage: int, params: list[torch.Tensor], state: dict[str, Any], opt: str, first: int, last: int
+) -> list[torch.Tensor]:
+    """Load parameters and a consolidated state, train steps [first, last)."""
+    model: nn.Module = make_model(seed=123)  # all values must come from the checkpoint
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), params, strict=True):
+            p.copy_(saved)
+    model, zero = prepare_zero(model, make_optimizer(model, opt), stage=stage)
+    zero.load_state_dict(state)
+    _train_steps(model, zero, first, last)
+    return _params(model)
+
+
+def sharded_round_trip(stage: int) -> dict[str, Any]:
+    """Save a shard after 2 steps, load it into a fresh optimizer, train 2 more steps;
+    against 4 uninterrupted steps. Also: a mismatched layout is refused."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+    _train_steps(model, zero, 0, 2)
+    saved, params = copy.deepcopy(zero.sharded_state_dict()), _params(model)
+    _train_steps(model, zero, 2, 4)
+    straight = _params(model)
+
+    model2 = make_model(seed=7)
+    with torch.no_grad():
+        for p, s in zip(model2.parameters(), params, strict=True):
+            p.copy_(s)
+    zero2 = ZeroOptimizer(model2.parameters(), torch.optim.Adam, stage=stage, lr=0.5)
+    zero2.load_sharded_state_dict(saved)
+    lr = zero2.param_groups[0]["lr"]
+    _train_steps(model2, zero2, 2, 4)
+    refused = ""
+    other = dict(saved, world_size=saved["world_size"] + 1)
+    try:
+        zero2.load_sharded_state_dict(other)
+    except ValueError as exc:
+        refused = str(exc)
+    return {"straight": straight, "resumed": _params(model2), "lr": lr, "refused": refused}
+
+
+def bytes_per_step(stage: int) -> dict[str, Any]:
+    """Bytes one step sends with the ring, against the contract."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(
+        model, make_optimizer(model, "sgd"), stage=stage, algorithm="ring", bucket_mb=0.0002
+    )
+    plait.comm.reset_stats()
+    _train_steps(model, zero, 0, 1)
+    stats = plait.comm.stats()
+    return {
+        "reduce_scatter": stats[("reduce_scatter", "ring")].bytes_sent,
+        "all_gather": stats[("all_gather", "ring")].bytes_sent,
+        "bounds": zero.bounds,
+        "buckets": len(zero._buckets),
+    }
+
+
+def with_scheduler(stage: int, steps: int) -> list[torch.Tensor]:
+    """An LR scheduler on the ZeroOptimizer changes the local optimizer's lr."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+    scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=2, gamma=0.1)
+    for step in range(steps):
+        _train_steps(model, zero, step, step + 1)
+        scheduler.step()
+    return _params(model)
+
+
+def odd_model() -> nn.Module:
+    """22 elements: shards of 6, 6, 5, 5 at world 4; small buckets miss some ranks."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def odd_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 1, generator=g)
+
+
+def train_odd(stage: int | None, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The odd model under ZeRO (``stage``) or, with ``stage=None``, plain Adam on the
+    global batch in this process."""
+    model = odd_model()
+    optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    rank, size = 0, 1
+    if stage is not None:
+        world = plait.world()
+        rank, size = world.rank, world.size
+        model, optimizer = prepare_zero(model, optimizer, stage=stage, **options)
+    for step in range(steps):
+        x, y = odd_batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
+        optimizer.step()
+    shard_numel = optimizer.shard.numel() if isinstance(optimizer, ZeroOptimizer) else None
+    return {"params": _params(model), "shard": shard_numel}
