@@ -4,19 +4,29 @@ from plait import comm
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
-from plait.strategies import DistributedDataParallel, NaiveDataParallel, ZeroOptimizer
+from plait.strategies import (
+    DistributedDataParallel,
+    MixedPrecisionPolicy,
+    NaiveDataParallel,
+    OffloadPolicy,
+    ZeroOptimizer,
+    fully_shard,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedDataParallel",
+    "MixedPrecisionPolicy",
     "NaiveDataParallel",
+    "OffloadPolicy",
     "ZeroOptimizer",
     "prepare",
     "RankError",
     "RankPool",
     "RankTimeout",
     "comm",
+    "fully_shard",
     "init",
     "is_initialized",
     "new_group",

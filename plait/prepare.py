@@ -7,7 +7,8 @@ working. With a ``tracer``, optimizer steps are recorded as ``optimizer`` spans.
 
 Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"naive"``
 (:class:`~plait.strategies.NaiveDataParallel`), ``"zero1"``/``"zero2"``
-(:class:`~plait.strategies.zero.ZeroOptimizer`), ``"none"`` (single process, unchanged).
+(:class:`~plait.strategies.zero.ZeroOptimizer`), ``"zero3"``/``"fsdp"``
+(:func:`~plait.strategies.fsdp.fully_shard`), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
+from plait.strategies.fsdp import fully_shard
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -59,6 +61,31 @@ def _zero(stage: int) -> Callable[..., Prepared]:
     return wrap
 
 
+def _rebuilt(optimizer: Optimizer, params: Any, strategy: str) -> Optimizer:
+    """The same optimizer class and hyper-parameters, on new (sharded) parameters."""
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"strategy {strategy!r} supports one parameter group, got {len(optimizer.param_groups)}"
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"strategy {strategy!r} re-creates the optimizer on the parameter shards; pass an "
+            f"optimizer that has not stepped yet (load its state after prepare)"
+        )
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+    return type(optimizer)(params, **hyper)
+
+
+def _fsdp(name: str) -> Callable[..., Prepared]:
+    def wrap(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+        sharded = fully_shard(model, **options)
+        if optimizer is not None:
+            optimizer = _rebuilt(optimizer, sharded.parameters(), name)
+        return sharded, optimizer
+
+    return wrap
+
+
 # name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
 STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "none": _none,
@@ -66,6 +93,8 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "ddp": _ddp,
     "zero1": _zero(1),
     "zero2": _zero(2),
+    "zero3": _fsdp("zero3"),
+    "fsdp": _fsdp("fsdp"),
 }
 
 
@@ -82,10 +111,12 @@ def prepare(
     ``options`` go to the strategy (for ``"ddp"``: ``group``, ``bucket_mb``,
     ``algorithm``, ``broadcast_buffers``, ``find_unused_parameters``,
     ``gradient_as_bucket_view``; for ``"zero1"``/``"zero2"``: ``group``, ``algorithm``,
-    ``bucket_mb``). Create the optimizer on ``model.parameters()`` before calling.
-    Data-parallel strategies return the caller's optimizer itself; ZeRO returns a
-    :class:`~plait.strategies.zero.ZeroOptimizer` built from its class and
-    hyper-parameters (and state, if any), which shards the optimizer state.
+    ``bucket_mb``; for ``"zero3"``/``"fsdp"``: the options of
+    :func:`~plait.strategies.fsdp.fully_shard`). Create the optimizer on
+    ``model.parameters()`` before calling. Data-parallel strategies return the caller's
+    optimizer itself; ZeRO-1/2 return a :class:`~plait.strategies.zero.ZeroOptimizer` built
+    from its class and hyper-parameters (and state, if any); ZeRO-3/FSDP return a new
+    optimizer of the same class and hyper-parameters over the parameter shards.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")

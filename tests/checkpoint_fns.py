@@ -34,4 +34,3 @@ def interrupted_save(directory: str) -> str:
     except FileNotFoundError as exc:
         return str(exc)
     return "loaded"
-

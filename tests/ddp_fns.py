@@ -161,3 +161,14 @@ def buffers_after(broadcast_buffers: bool) -> float:
     for step in range(3):
         ddp(batch(step)[0])
     return model.seen
+
+
+def train_full(strategy: str, steps: int, opt: str) -> dict[str, torch.Tensor]:
+    """Train under a sharding strategy through plait.prepare; the full state dict after."""
+    from plait import checkpoint
+
+    model = make_model()
+    wrapped, optimizer = plait.prepare(model, make_optimizer(model, opt), strategy=strategy)
+    assert optimizer is not None
+    run_steps(wrapped, wrapped, optimizer, steps)
+    return checkpoint.full_state_dict(wrapped)

@@ -142,3 +142,12 @@ def test_prepare_zero_matches_oracle(ranks, strategy):
     want = ddp_fns.oracle(STEPS, "adam")
     for got in ranks(2, ddp_fns.train, strategy, STEPS, "adam"):
         _close(got, want)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_prepare_fully_sharded_matches_oracle(ranks, strategy):
+    want = ddp_fns.oracle(STEPS, "adam")
+    for got in ranks(2, ddp_fns.train_full, strategy, STEPS, "adam"):
+        assert got.keys() == ddp_fns.make_model().state_dict().keys()
+        names = [n for n, _ in ddp_fns.make_model().named_parameters()]
+        _close([got[n] for n in names], want)

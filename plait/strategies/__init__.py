@@ -7,16 +7,23 @@ from plait.strategies.comm_hooks import (
     fp16_compress_hook,
 )
 from plait.strategies.ddp import DistributedDataParallel
+from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
 from plait.strategies.naive import NaiveDataParallel
+from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
 from plait.strategies.zero import ZeroOptimizer, prepare_zero
 
 __all__ = [
     "DistributedDataParallel",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "GradBucket",
     "NaiveDataParallel",
     "ZeroOptimizer",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
+    "full_state_dict",
+    "fully_shard",
     "prepare_zero",
 ]

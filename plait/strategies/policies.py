@@ -1,0 +1,59 @@
+"""Typed policies for sharded strategies: mixed precision and CPU offload.
+
+Plain frozen dataclasses passed by keyword (``fully_shard(model, mixed_precision=...,
+offload=...)``), in the manner of FSDP2's ``MixedPrecisionPolicy`` and ``OffloadPolicy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for compute and communication; the sharded masters stay in their own dtype.
+
+    ``param_dtype``: gathered parameters are cast to it, so forward and backward compute
+    in it (bf16 or fp16), and floating-point inputs of each unit are cast to it.
+    ``reduce_dtype``: gradients are reduce-scattered in it (None: ``param_dtype``, or the
+    master dtype without ``param_dtype``), then accumulated into the fp32 shard gradient.
+    ``buffer_dtype``: floating-point buffers are cast to it once, at wrap time.
+    None everywhere means full precision.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and dtype not in LOW_PRECISION:
+                allowed = ", ".join(str(d) for d in LOW_PRECISION)
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {field}={dtype} is not a floating dtype; use one "
+                    f"of {allowed} or None"
+                )
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep state in host memory, moving it to the compute device only when needed.
+
+    ``params``: each rank's parameter shard (the fp32 master) and its gradient live in CPU
+    memory (pinned when CUDA is present); units are gathered onto the compute device.
+    ``optimizer_state``: the optimizer's state lives in CPU memory. Optimizers create
+    their state on the parameter's device, so this keeps the shard on the CPU as well
+    (the optimizer step then runs on the CPU). Either flag puts the shards on the CPU.
+    """
+
+    params: bool = False
+    optimizer_state: bool = False
+
+    @property
+    def shards_on_cpu(self) -> bool:
+        return self.params or self.optimizer_state
