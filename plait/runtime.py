@@ -124,6 +124,11 @@ def init(
     return _world
 
 
+def world_or_none() -> Group | None:
+    """The world group, or None before :func:`init` (single-process use)."""
+    return _world
+
+
 def is_initialized() -> bool:
     return _world is not None
 

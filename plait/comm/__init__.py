@@ -23,7 +23,7 @@ from plait.comm.ops import (
     send,
 )
 from plait.comm.reduce_op import ReduceOp
-from plait.runtime import new_group, world
+from plait.runtime import new_group, world, world_or_none
 
 __all__ = [
     "ALGORITHMS",
@@ -48,4 +48,5 @@ __all__ = [
     "send",
     "stats",
     "world",
+    "world_or_none",
 ]
