@@ -271,3 +271,17 @@ def test_cli_options_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "memory", "--params", "lots", "-n", "2"])
     assert "not a parameter count" in capsys.readouterr().err
+
+
+# --- measured on real runs against the estimate -------------------------------------------
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_measured_bytes_match_the_estimate_within_5_percent(ranks, strategy):
+    from tests import memory_fns
+
+    params = 2 * (256 * 256 + 256)
+    want = estimate(
+        num_params=params, world_size=2, strategy=strategy, optimizer="adam", precision="fp32"
+    )
+    for got in ranks(2, memory_fns.measured_after_one_step, strategy):
+        assert got["total"] == pytest.approx(want.total_bytes, rel=0.05), (got, want)
+        assert got["optimizer"] == pytest.approx(want.optimizer_bytes, rel=0.05)
