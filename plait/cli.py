@@ -277,8 +277,11 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="train a CNN on digits with N local ranks")
     demo.add_argument("-n", "--nproc", type=int, default=4)
-    demo.add_argument("--strategy", default="ddp",
-                      choices=["ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "none"])
+    demo.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "none"],
+    )
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--batch-size", type=int, default=64, help="global batch")
     demo.add_argument("--lr", type=float, default=0.05)

@@ -274,7 +274,7 @@ def test_cli_options_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # --- measured on real runs against the estimate -------------------------------------------
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_measured_bytes_match_the_estimate_within_5_percent(ranks, strategy):
     from tests import memory_fns
 

@@ -268,8 +268,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _refresh_shard(self) -> None:
         if self.shard.dtype == self.dtype:
+            storage = self.shard.untyped_storage()
+            if storage.nbytes() == 0:  # released after the last step (see _release_shard)
+                storage.resize_(self.shard.numel() * self.shard.element_size())
             with torch.no_grad():
                 self.shard.copy_(self._read_shard())
+
+    def _release_shard(self) -> None:
+        """Between steps, free what duplicates the parameters.
+
+        When the shard has the parameters' dtype it is re-read from them before every
+        step, so holding it between steps would only copy 1/n of the model; likewise the
+        stage-1 gradient shard, derived in ``step()`` from the full gradients. Freeing both
+        keeps the rank at the ZeRO formulas (``plait.plan.memory.estimate``)."""
+        if self.shard.dtype == self.dtype:
+            self.shard.untyped_storage().resize_(0)
+            if self.stage == 1:
+                self.shard.grad = None
 
     def _sync_hyperparameters(self) -> None:
         local = self.optim.param_groups[0]
@@ -398,6 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self.optim.step()
         self._gather_parameters()
+        self._release_shard()
         return loss
 
     def _gather_parameters(self) -> None:
@@ -576,10 +592,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if red.accumulate or red.out.dtype != self.shard.dtype:
                 grads.append(red.out)
         state = [v for v in self._local_state().values() if isinstance(v, torch.Tensor)]
+        held = [self.shard] if self.shard.untyped_storage().nbytes() else []
         return {
             "params": list(self._params),
             "grads": grads,
-            "optimizer_state": [self.shard, *state],
+            "optimizer_state": [*held, *state],
         }
 
 
