@@ -290,7 +290,7 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
     )
     print(
         f"communication share   {report.comm_share:.1%} of traced time exposed, "
-        f"{overlap.comm_s:.2f} s of all-reduce per rank"
+        f"{overlap.comm_s:.2f} s of communication per rank"
     )
     print(f"hidden behind backward {report.hidden_fraction:.1%}")
     if report.max_param_diff is not None:

@@ -120,7 +120,7 @@ def prepare(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
-    if strategy == "ddp" and tracer is not None:
+    if strategy in ("ddp", "zero3", "fsdp") and tracer is not None:
         options["tracer"] = tracer
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)

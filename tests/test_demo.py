@@ -23,3 +23,13 @@ def test_demo_trains_reports_and_matches_one_process(tmp_path: Path):
     assert {"forward", "backward", "optimizer", "all_reduce bucket 0"} <= names
     assert {e["pid"] for e in trace if e["ph"] == "X"} == {0, 1}
     assert (folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_under_fsdp_traces_gathers_and_reductions(tmp_path: Path):
+    config = DemoConfig(world_size=2, epochs=1, name="f", strategy="fsdp")
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    trace = json.loads((tmp_path / "f" / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"forward", "backward", "all_gather DigitsCNN", "reduce_scatter DigitsCNN"} <= names
+    assert report.comm_seconds_per_rank > 0

@@ -59,6 +59,7 @@ from plait import comm, runtime
 from plait.comm.group import Group, Handle
 from plait.strategies.ddp import broadcast_tensors
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
+from plait.trace import Tracer
 
 SHARD_NAME = "_flat_shard"  # the shard parameter's name on each unit's module
 UNIT_ATTR = "_plait_fsdp_unit"  # the unit object, on its module
@@ -78,6 +79,7 @@ class _Config:
     reduce_dtype: torch.dtype | None
     compute_device: torch.device
     shards_on_cpu: bool
+    tracer: Tracer | None = None
 
     @property
     def rank(self) -> int:
@@ -104,6 +106,7 @@ class ShardedUnit:
         config: _Config,
     ) -> None:
         self.module = module
+        self.label = type(module).__name__  # before fully_shard renames the class
         self.config = config
         self.state: _RootState | None = None
         self.params: list[nn.Parameter] = []
@@ -138,6 +141,7 @@ class ShardedUnit:
         self.remove_views()
         if self.numel:
             module.register_parameter(SHARD_NAME, self.shard)
+        self.full_bytes_per_element = torch.empty(0, dtype=self.param_dtype).element_size()
         self.full_data: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
         self._gathering: tuple[Handle, torch.Tensor] | None = None  # async gather, its input
@@ -212,12 +216,33 @@ class ShardedUnit:
         if cfg.group is None:
             self.full_data.copy_(source)
             return
+        token = self._trace_begin("all_gather")
         handle = comm.all_gather(
             self.full_data, source, group=cfg.group, algorithm=cfg.algorithm, async_op=async_op
         )
         if async_op:
             assert handle is not None
+            self._trace_end_when_done(token, handle)
             self._gathering = (handle, source)
+        else:
+            self._trace_end_when_done(token, None)
+
+    def _trace_begin(self, what: str) -> int | None:
+        tracer = self.config.tracer
+        if tracer is None:
+            return None
+        label = f"{what} {self.label}"
+        return tracer.begin(label, stream="comm", bytes=self.padded * self.full_bytes_per_element)
+
+    def _trace_end_when_done(self, token: int | None, handle: Handle | None) -> None:
+        """Close the span now (blocking collective) or when the collective completes."""
+        tracer = self.config.tracer
+        if tracer is None or token is None:
+            return
+        if handle is None:
+            tracer.end(token)
+        else:
+            handle.get_future().add_done_callback(lambda _: tracer.end(token))
 
     def wait(self) -> None:
         """Wait for an asynchronous all-gather of this unit, if one is in flight."""
@@ -258,9 +283,12 @@ class ShardedUnit:
             out.copy_(grad)
             handle: Handle | None = None
         else:
+            token = self._trace_begin("reduce_scatter")
             handle = comm.reduce_scatter(
                 out, grad, "avg", group=cfg.group, algorithm=cfg.algorithm, async_op=True
             )
+            assert handle is not None
+            self._trace_end_when_done(token, handle)
         self.state.reductions.append((self, handle, out, grad))
         self.reshard()
 
@@ -330,6 +358,8 @@ class _RootState:
         self.units = units
         self.root = root
         self.prefetch = prefetch
+        self.tracer = root.config.tracer
+        self._tokens: dict[str, int] = {}
         self.forward_order: list[ShardedUnit] = []
         self.backward_order: list[ShardedUnit] = []
         self.forward_recorded = False
@@ -359,6 +389,7 @@ class _RootState:
             for unit in self.units:
                 if unit.gathered:
                     unit.reshard()
+        self._open("forward")
 
     def end_forward(self) -> None:
         """After the root's forward: drop prefetches that no unit used; orders are known."""
@@ -366,16 +397,32 @@ class _RootState:
             if unit._gathering is not None:
                 unit.reshard()
         self.forward_recorded = self.forward_recorded or bool(self.forward_order)
+        self._close("forward")
 
     def begin_backward(self) -> None:
         if self.in_backward:
             return
         self.in_backward = True
         self.position["backward"] = 0
+        self._open("backward")
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
+    def _open(self, name: str) -> None:
+        if self.tracer is not None and name not in self._tokens:
+            self._tokens[name] = self.tracer.begin(name, stream="compute")
+
+    def _close(self, name: str) -> None:
+        token = self._tokens.pop(name, None)
+        if token is not None and self.tracer is not None:
+            self.tracer.end(token)
+
     def finish_backward(self) -> None:
-        """End of backward: wait for every reduce-scatter, write shard grads, free all."""
+        """End of backward: wait for every reduce-scatter, write shard grads, free all.
+
+        The trace's backward span ends here, when autograd is done; the wait that follows
+        is recorded as ``wait for gradients`` (communication backward did not hide)."""
+        self._close("backward")
+        self._open("wait for gradients")
         try:
             for unit, handle, out, _ in self.reductions:
                 if handle is not None:
@@ -387,6 +434,7 @@ class _RootState:
                 unit.reshard()
             self.in_backward = False
             self.backward_recorded = self.backward_recorded or bool(self.backward_order)
+            self._close("wait for gradients")
 
 
 class FSDPModule(nn.Module):
@@ -522,6 +570,7 @@ def fully_shard(
     wrap: Wrap | None = None,
     prefetch: bool = True,
     algorithm: str = "auto",
+    tracer: Tracer | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` (default: the world) in place; return it.
 
@@ -534,7 +583,8 @@ def fully_shard(
     ``mixed_precision``: compute and reduction dtypes (shards stay in their dtype).
     ``offload``: keep shards (and hence optimizer state) in CPU memory. ``prefetch``:
     overlap the next unit's all-gather with this unit's compute. ``algorithm``: the
-    all-gather and reduce-scatter algorithm (``plait.comm``'s names).
+    all-gather and reduce-scatter algorithm (``plait.comm``'s names). ``tracer``: record
+    forward, backward and every all-gather and reduce-scatter (see :mod:`plait.trace`).
 
     Collective: every rank of ``group`` must call it, with the same module structure; the
     initial broadcasts block on the group. Build the optimizer afterwards, from
@@ -558,6 +608,7 @@ def fully_shard(
         reduce_dtype=mp.reduce_dtype,
         compute_device=device,
         shards_on_cpu=offload is not None and offload.shards_on_cpu,
+        tracer=tracer,
     )
     earlier = [m for m in module.modules() if _is_unit(m)]
     stop = {id(m) for m in earlier}
