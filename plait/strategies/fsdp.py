@@ -41,7 +41,11 @@ memory; ``repr`` and shape queries work, computing with it fails). Gradient accu
 works (several backwards without ``zero_grad``, or several forwards then one backward).
 Not supported: a second backward through one graph (``retain_graph``), re-running forward
 inside backward (activation checkpointing), units whose parameters differ in dtype or
-``requires_grad`` (refused with a message).
+``requires_grad`` (refused with a message), and units whose parameters their parent reads
+without calling the unit's forward: ``nn.MultiheadAttention`` uses ``out_proj.weight``
+directly, so ``wrap={nn.Linear}`` on a transformer fails with "Tensor on device meta is
+not on the expected device" (the parameter was never gathered); wrap the enclosing block
+(``wrap={nn.TransformerEncoderLayer}``) instead.
 """
 
 from __future__ import annotations
