@@ -33,33 +33,30 @@ COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 OUT = Path(__file__).resolve().parent / "results"
 
 
+def _measure(
+    world: int, env: dict, algorithms: list[str], sizes: list[int], iters: int, budget: float
+) -> list:
+    with RankPool(world, env=env) as pool:
+        return pool.run(
+            bench.measure_rank,
+            COLLECTIVES,
+            algorithms,
+            sizes,
+            max_iters=iters,
+            budget_s=budget,
+            on_row=bench.print_row,
+            timeout=3600,
+        )[0]
+
+
 def run_world(world: int, sizes: list[int], iters: int, budget: float) -> dict:
     table_file = Path(tempfile.mkdtemp()) / "tune.json"
     env = {"PLAIT_TUNE_FILE": str(table_file)}  # empty: auto uses the built-in rule
-    with RankPool(world, env=env) as pool:
-        rows = pool.run(
-            bench.measure_rank,
-            COLLECTIVES,
-            ["ring", "tree", "halving_doubling", "naive", "hierarchical", "native", "auto"],
-            sizes,
-            max_iters=iters,
-            budget_s=budget,
-            on_row=bench.print_row,
-            timeout=3600,
-        )[0]
+    everything = ["ring", "tree", "halving_doubling", "naive", "hierarchical", "native", "auto"]
+    rows = _measure(world, env, everything, sizes, iters, budget)
     table = bench.tune_table(rows)
     tuner.save(table, table_file, backend="gloo")
-    with RankPool(world, env=env) as pool:
-        tuned = pool.run(
-            bench.measure_rank,
-            COLLECTIVES,
-            ["native", "auto"],
-            sizes,
-            max_iters=iters,
-            budget_s=budget,
-            on_row=bench.print_row,
-            timeout=3600,
-        )[0]
+    tuned = _measure(world, env, ["native", "auto"], sizes, iters, budget)
     return {
         "rows": bench.as_json(rows),
         "tuned": bench.as_json(tuned),

@@ -55,15 +55,19 @@ def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * per : (rank + 1) * per]
 
 
-def oracle(steps: int, opt: str, seed: int = 0) -> list[torch.Tensor]:
-    """One process, the global batch."""
-    model = make_model(seed)
-    optimizer = make_optimizer(model, opt)
+def train_one_process(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """The oracle's loop: one process, the whole global batch at every step."""
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+
+
+def oracle(steps: int, opt: str, seed: int = 0) -> list[torch.Tensor]:
+    """One process, the global batch."""
+    model = make_model(seed)
+    train_one_process(model, make_optimizer(model, opt), steps)
     return [p.detach().clone() for p in model.parameters()]
 
 

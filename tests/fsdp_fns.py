@@ -14,7 +14,7 @@ from torch import nn
 
 import plait
 from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
-from tests.ddp_fns import FEATURES, OUT, batch, make_optimizer, shard
+from tests.ddp_fns import FEATURES, OUT, batch, make_optimizer, shard, train_one_process
 
 HIDDEN = 16
 
@@ -57,12 +57,7 @@ def num_params() -> int:
 def oracle(steps: int, opt: str) -> dict[str, torch.Tensor]:
     """One process, the global batch: the state dict after ``steps`` steps."""
     model = make_deep()
-    optimizer = make_optimizer(model, opt)
-    for step in range(steps):
-        x, y = batch(step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+    train_one_process(model, make_optimizer(model, opt), steps)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

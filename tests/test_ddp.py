@@ -91,12 +91,7 @@ def test_unused_parameter_is_named_without_the_flag(ranks):
 def test_unused_parameter_with_the_flag_trains(ranks):
     results = ranks(2, ddp_fns.unused_parameter, True)
     model = ddp_fns.make_model(unused_branch=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(2):
-        x, y = ddp_fns.batch(step)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+    ddp_fns.train_one_process(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
     want = [p.detach() for p in model.parameters()]
     for got in results:
         _close(got, want)
