@@ -22,7 +22,8 @@ import pickle
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_RUN_TIMEOUT_S = 300.0
@@ -46,6 +47,14 @@ class RankTimeout(TimeoutError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """The result of a rank that ``RankPool.run(..., may_exit=...)`` allowed to die."""
+
+    rank: int
+    exit_code: int | None
 
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
@@ -198,12 +207,15 @@ class RankPool:
         fn: Callable[..., Any],
         *args: Any,
         timeout: float = DEFAULT_RUN_TIMEOUT_S,
+        may_exit: Collection[int] = (),
         **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; results in rank order.
 
         Raises :class:`RankError` for the first rank that raised, :class:`RankTimeout`
-        naming the ranks still running after ``timeout`` seconds.
+        naming the ranks still running after ``timeout`` seconds. A rank in ``may_exit``
+        that dies (a failure being tested) gets a :class:`RankExited` result instead, the
+        others run on; the pool is closed afterwards.
         """
         if self.closed:
             raise RuntimeError("this RankPool is closed (after a failure); start a new one")
@@ -211,9 +223,15 @@ class RankPool:
         message = pickle.dumps((fn, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(message)
-        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+        what = getattr(fn, "__qualname__", repr(fn))
+        results = self._collect(timeout, what=what, may_exit=frozenset(may_exit))
+        if any(isinstance(r, RankExited) for r in results):
+            self.close()
+        return results
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(
+        self, timeout: float, what: str, may_exit: frozenset[int] = frozenset()
+    ) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = time.monotonic() + timeout
@@ -239,12 +257,20 @@ class RankPool:
                 conn = self._conns[r]
                 if obj is not conn and not conn.poll():
                     code = self._exit_code(r)
+                    if r in may_exit:
+                        results[r] = RankExited(r, code)
+                        pending.discard(r)
+                        continue
                     self.close()
                     raise RankError(r, f"the process died (exit code {code}) during {what}", "")
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as exc:
                     code = self._exit_code(r)
+                    if r in may_exit:
+                        results[r] = RankExited(r, code)
+                        pending.discard(r)
+                        continue
                     self.close()
                     raise RankError(
                         r, f"the process died (exit code {code}) during {what}", ""

@@ -8,7 +8,10 @@ working. With a ``tracer``, optimizer steps are recorded as ``optimizer`` spans.
 Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"naive"``
 (:class:`~plait.strategies.NaiveDataParallel`), ``"zero1"``/``"zero2"``
 (:class:`~plait.strategies.zero.ZeroOptimizer`), ``"zero3"``/``"fsdp"``
-(:func:`~plait.strategies.fsdp.fully_shard`), ``"none"`` (single process, unchanged).
+(:func:`~plait.strategies.fsdp.fully_shard`), ``"ps"``
+(:class:`~plait.strategies.ps.ParameterServer`: on server ranks ``prepare`` serves until
+the workers finish and returns ``(model, None)``; workers call ``optimizer.finish()``
+after their last step), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.fsdp import fully_shard
+from plait.strategies.ps import ParameterServer
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -86,6 +90,18 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
     return wrap
 
 
+def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    if optimizer is None:
+        raise ValueError(
+            "strategy 'ps' runs the optimizer on the servers: pass the optimizer built on "
+            "model.parameters() to plait.prepare"
+        )
+    ps = ParameterServer(**options)
+    wrapped, worker_optimizer = ps.wrap(model, optimizer)
+    object.__setattr__(wrapped, "_plait_ps", ps)  # read back by plait.strategies.ps.ps_of
+    return wrapped, worker_optimizer
+
+
 # name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
 STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "none": _none,
@@ -95,6 +111,7 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "zero2": _zero(2),
     "zero3": _fsdp("zero3"),
     "fsdp": _fsdp("fsdp"),
+    "ps": _ps,
 }
 
 
@@ -112,7 +129,8 @@ def prepare(
     ``algorithm``, ``broadcast_buffers``, ``find_unused_parameters``,
     ``gradient_as_bucket_view``; for ``"zero1"``/``"zero2"``: ``group``, ``algorithm``,
     ``bucket_mb``; for ``"zero3"``/``"fsdp"``: the options of
-    :func:`~plait.strategies.fsdp.fully_shard`). Create the optimizer on
+    :func:`~plait.strategies.fsdp.fully_shard`; for ``"ps"``: those of
+    :class:`~plait.strategies.ps.ParameterServer`). Create the optimizer on
     ``model.parameters()`` before calling. Data-parallel strategies return the caller's
     optimizer itself; ZeRO-1/2 return a :class:`~plait.strategies.zero.ZeroOptimizer` built
     from its class and hyper-parameters (and state, if any); ZeRO-3/FSDP return a new
@@ -120,7 +138,7 @@ def prepare(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
-    if strategy in ("ddp", "zero3", "fsdp") and tracer is not None:
+    if strategy in ("ddp", "zero3", "fsdp", "ps") and tracer is not None:
         options["tracer"] = tracer
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)

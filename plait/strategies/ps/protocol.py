@@ -1,0 +1,210 @@
+"""The parameter server's wire format and its point-to-point link.
+
+Every message is a fixed-size header, eight int64 numbers sent as one tensor, followed
+(for pushes and parameter replies) by the payload: one flat tensor of ``length``
+elements. Nothing else crosses the wire: no pickle, no RPC, nothing executable.
+
+Header fields, in order::
+
+    magic    0x504C4149 ("PLAI"): anything else is not a plait message
+    kind     PUSH (worker -> server, gradient follows), PULL (worker asks for parameters),
+             PARAMS (server -> worker, parameters follow), DONE (worker finished),
+             SAVE (worker asks the server to checkpoint), ABORT (server -> worker: training
+             cannot continue; ``extra`` names the failed worker's rank)
+    version  PUSH: the server version the gradient was computed on;
+             PULL: the version the worker last received (-1: none yet);
+             PARAMS: the version sent
+    shard    the server's shard index (a message for another shard is rejected)
+    length   payload elements (must equal the shard's size)
+    clock    PUSH: the worker's step count
+    lr       PUSH: the worker's learning rate, a float64 stored bit for bit
+    extra    ABORT: the failed worker's rank
+
+:func:`decode` checks every field against what the receiver expects and raises
+:class:`MalformedMessage` naming the sender otherwise. Messages between one worker and
+one server travel under one tag and are matched in order, so a payload always follows
+its header.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from plait.comm.errors import CollectiveError, CollectiveTimeout
+from plait.comm.group import Call, Group
+
+MAGIC = 0x504C4149
+HEADER_FIELDS = 8
+# Parameter-server messages use their own tag, apart from user p2p tags and collectives.
+PS_TAG = 1 << 29
+
+
+class Kind(IntEnum):
+    PUSH = 1
+    PULL = 2
+    PARAMS = 3
+    DONE = 4
+    SAVE = 5
+    ABORT = 6
+
+
+class MalformedMessage(ValueError):
+    """A message that is not what the protocol allows at this point; ``sender`` is the
+    global rank it came from."""
+
+    def __init__(self, message: str, sender: int) -> None:
+        super().__init__(message)
+        self.sender = sender
+
+
+class PeerLost(CollectiveError):
+    """The peer of a link died, closed its connection or stopped answering; ``rank``."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _lr_bits(lr: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", float(lr)))[0])
+
+
+def _lr_from_bits(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", int(bits)))[0])
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    version: int = 0
+    shard: int = 0
+    length: int = 0
+    clock: int = 0
+    lr: float = 0.0
+    extra: int = 0
+
+    def encode(self) -> torch.Tensor:
+        fields = [MAGIC, int(self.kind), self.version, self.shard, self.length, self.clock]
+        return torch.tensor([*fields, _lr_bits(self.lr), self.extra], dtype=torch.int64)
+
+
+def decode(
+    raw: torch.Tensor,
+    *,
+    sender: int,
+    kinds: tuple[Kind, ...],
+    shard: int,
+    length: int,
+) -> Header:
+    """The header in ``raw``; raises :class:`MalformedMessage` naming ``sender`` unless it
+    is a plait header of one of ``kinds`` for ``shard`` whose payload (for PUSH/PARAMS)
+    has ``length`` elements."""
+    values = [int(v) for v in raw.tolist()]
+    if len(values) != HEADER_FIELDS or values[0] != MAGIC:
+        raise MalformedMessage(
+            f"message from rank {sender} is not a plait parameter-server header (magic "
+            f"{values[0] if values else None:#x}, expected {MAGIC:#x}): that rank is not "
+            f"running a plait worker/server of the same version, or sent on plait's tag",
+            sender,
+        )
+    _, kind_value, version, shard_index, n, clock, lr_bits, extra = values
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise MalformedMessage(
+            f"message from rank {sender} has unknown kind {kind_value}; expected one of "
+            f"{[k.name for k in kinds]}",
+            sender,
+        ) from None
+    if kind not in kinds:
+        raise MalformedMessage(
+            f"message from rank {sender} is a {kind.name}, but only "
+            f"{[k.name for k in kinds]} are allowed here",
+            sender,
+        )
+    if shard_index != shard:
+        raise MalformedMessage(
+            f"message from rank {sender} is for shard {shard_index}, but this is shard {shard}",
+            sender,
+        )
+    if kind in (Kind.PUSH, Kind.PARAMS) and n != length:
+        raise MalformedMessage(
+            f"{kind.name} from rank {sender} announces {n} elements, but shard {shard} has "
+            f"{length}: the sender's model differs from this one (same model and the same "
+            f"number of servers on every rank?)",
+            sender,
+        )
+    if kind is Kind.PUSH and version < 0:
+        raise MalformedMessage(f"PUSH from rank {sender} claims negative version {version}", sender)
+    return Header(kind, version, shard_index, n, clock, _lr_from_bits(lr_bits), extra)
+
+
+class Link:
+    """Blocking point-to-point messages with one peer on ``group`` (tag :data:`PS_TAG`).
+
+    Every wait is bounded by ``timeout`` seconds (default: the group's); a dead peer, a
+    closed connection or a timeout raise :class:`PeerLost` naming the peer. Bytes are
+    counted in :func:`plait.comm.stats` under ``("ps", "p2p")``.
+    """
+
+    def __init__(self, group: Group, peer: int, *, timeout: float | None = None) -> None:
+        self.group = group
+        self.peer = peer  # global rank
+        self.peer_index = group.ranks.index(peer)
+        seconds = group.timeout if timeout is None else timeout
+        self.timeout = datetime.timedelta(seconds=seconds)
+
+    def _wait(self, work: object, verb: str, nbytes: int, sent: bool) -> None:
+        try:
+            work.wait(self.timeout)  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+            why = (
+                f"it did not answer within {self.timeout.total_seconds():g}s"
+                if timed_out
+                else f"its connection failed ({text})"
+            )
+            error = PeerLost(
+                f"rank {self.group.global_rank} could not {verb} rank {self.peer}: {why}. "
+                f"The peer probably crashed, exited or hangs; look at its log",
+                self.peer,
+            )
+            if timed_out:
+                raise error from CollectiveTimeout(text, [self.peer])
+            raise error from exc
+        call = Call(self.group, "ps", "p2p", 0, nbytes)
+        if sent:
+            call.sent = nbytes
+        else:
+            call.received = nbytes
+        call.commit()
+
+    def start_send(self, tensor: torch.Tensor) -> tuple[Any, int]:
+        """Start sending ``tensor``; pass the result to :meth:`finish_send`."""
+        work = self.group.pg.send([tensor], self.peer_index, PS_TAG)
+        return work, tensor.numel() * tensor.element_size()
+
+    def finish_send(self, started: tuple[Any, int]) -> None:
+        self._wait(started[0], "send to", started[1], True)
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.finish_send(self.start_send(tensor))
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        work = self.group.pg.recv([tensor], self.peer_index, PS_TAG)
+        self._wait(work, "receive from", tensor.numel() * tensor.element_size(), False)
+
+    def send_header(self, header: Header) -> None:
+        self.send(header.encode())
+
+    def recv_header(self, *, kinds: tuple[Kind, ...], shard: int, length: int) -> Header:
+        raw = torch.empty(HEADER_FIELDS, dtype=torch.int64)
+        self.recv(raw)
+        return decode(raw, sender=self.peer, kinds=kinds, shard=shard, length=length)

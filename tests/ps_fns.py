@@ -1,0 +1,113 @@
+"""Rank functions for the parameter-server tests.
+
+Group ranks 0..S-1 are servers, the rest workers; worker k of W trains on the k-th of W
+contiguous shards of each global batch (tests/ddp_fns.py's data and model).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait.strategies.ps import ps_of
+from tests.ddp_fns import batch, make_model, make_optimizer, shard
+
+
+def train_ps(
+    steps: int,
+    opt: str,
+    options: dict[str, Any],
+    *,
+    die_after: dict[int, int] | None = None,
+    save_at: int | None = None,
+    step_sleep: dict[int, float] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps under strategy 'ps'; returns this rank's role, final
+    parameters and statistics. ``die_after={rank: k}`` kills that worker (os._exit) after
+    k steps; ``save_at=k`` asks for a checkpoint after step k; ``step_sleep={rank: s}``
+    makes that worker sleep s seconds per step (a straggler)."""
+    world = plait.world()
+    model = make_model()
+    with torch.no_grad():  # replicas start different: wrap must broadcast rank 0's model
+        for p in model.parameters():
+            p.add_(world.rank)
+    wrapped, optimizer = plait.prepare(model, make_optimizer(model, opt), strategy="ps", **options)
+    ps = ps_of(wrapped)
+    if optimizer is None:  # a server: prepare served until the workers finished
+        return {
+            "role": "server",
+            "params": [p.detach().clone() for p in model.parameters()],
+            "stats": ps.stats(),
+        }
+    w, n_workers = world.rank - ps.servers, world.size - ps.servers
+    sleep = (step_sleep or {}).get(world.rank, 0.0)
+    start = optimizer.version if options.get("resume") else 0  # sync: version = steps done
+    for step in range(start, steps):
+        if die_after and die_after.get(world.rank) == step:
+            os._exit(17)
+        x, y = batch(step)
+        optimizer.zero_grad()
+        out = wrapped(shard(x, w, n_workers))
+        nn.functional.mse_loss(out, shard(y, w, n_workers)).backward()
+        if sleep:
+            time.sleep(sleep)
+        optimizer.step()
+        if save_at is not None and step + 1 == save_at:
+            optimizer.request_checkpoint()
+    optimizer.finish()
+    return {
+        "role": "worker",
+        "params": [p.detach().clone() for p in model.parameters()],
+        "stats": ps.stats(),
+        "version": optimizer.version,
+    }
+
+
+def single_worker(steps: int, opt: str, mode: str) -> list[torch.Tensor]:
+    """Plain training of the whole global batch in one process (for one-worker runs)."""
+    model = make_model()
+    optimizer = make_optimizer(model, opt)
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def guarded(fn_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run a function of this module and return its error text instead of raising."""
+    try:
+        return globals()[fn_name](*args, **kwargs)  # type: ignore[no-any-return]
+    except Exception as exc:
+        return {"role": "error", "error": f"{type(exc).__name__}: {exc}"}
+
+
+def rogue(steps: int, options: dict[str, Any], rogue_rank: int) -> dict[str, Any]:
+    """Rank ``rogue_rank`` sends server 0 a header with a wrong magic number instead of
+    training; the other workers train ``steps`` steps."""
+    from plait.strategies.ps.protocol import Link
+
+    world = plait.world()
+    if world.rank != rogue_rank:
+        return guarded("train_ps", steps, "sgd", options)
+    model = make_model()
+    _, optimizer = plait.prepare(model, make_optimizer(model, "sgd"), strategy="ps", **options)
+    assert optimizer is not None
+    bad = torch.tensor([0x1234, 1, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+    Link(world, 0).send(bad)
+    return {"role": "rogue"}
+
+
+def validation_error(options: dict[str, Any]) -> str:
+    model = make_model()
+    try:
+        plait.prepare(model, make_optimizer(model, "sgd"), strategy="ps", **options)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,239 @@
+"""The parameter server against the single-process oracle, and its failure modes.
+
+Sync mode averages the workers' shard gradients (summed in worker-rank order) where the
+oracle averages over the global batch in one reduction: float32 rounding only, so the
+DDP tolerance (2e-5 absolute + 2e-4 relative after 5 steps) applies. One asynchronous
+worker computes exactly what plain training computes, so that comparison is bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.launch import RankExited
+from plait.strategies.ps import Header, Kind, MalformedMessage, decode
+from plait.strategies.zero import partition
+from tests import ddp_fns, ps_fns
+
+STEPS = 5
+TOL = {"rtol": 2e-4, "atol": 2e-5}
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], **tol: float) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **(tol or TOL))
+
+
+@pytest.mark.parametrize(
+    "world,servers", [(2, 1), (3, 1), (4, 1), (4, 2)], ids=["1s1w", "1s2w", "1s3w", "2s2w"]
+)
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_sync_matches_single_process_oracle(ranks, world, servers, opt):
+    want = ddp_fns.oracle(STEPS, opt)
+    results = ranks(world, ps_fns.train_ps, STEPS, opt, {"mode": "sync", "servers": servers})
+    assert [r["role"] for r in results] == ["server"] * servers + ["worker"] * (world - servers)
+    for r in results:  # workers hold the last version, servers gathered it
+        _close(r["params"], want)
+    for r in results[servers:]:
+        assert r["version"] == STEPS
+        assert r["stats"].versions == list(range(STEPS))
+    for r in results[:servers]:
+        assert r["stats"].updates == STEPS
+        assert r["stats"].staleness == {0: STEPS * (world - servers)}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_async_with_one_worker_is_plain_training(ranks, opt):
+    want = ps_fns.single_worker(STEPS, opt, "async")
+    results = ranks(2, ps_fns.train_ps, STEPS, opt, {"mode": "async"})
+    for r in results:
+        for a, b in zip(r["params"], want, strict=True):
+            assert torch.equal(a, b)
+    assert results[0]["stats"].staleness == {0: STEPS}
+
+
+def test_async_records_staleness_and_applies_every_push(ranks):
+    results = ranks(4, ps_fns.train_ps, 6, "sgd", {"mode": "async"})
+    server = results[0]["stats"]
+    assert server.updates == server.gradients == 3 * 6
+    assert sum(server.staleness.values()) == 18
+    assert all(s >= 0 for s in server.staleness)
+    for r in results[1:]:
+        versions = r["stats"].versions
+        assert versions == sorted(versions) and versions[-1] <= 18
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_ssp_never_exceeds_its_bound_under_a_straggler(ranks, bound):
+    options = {"mode": "ssp", "staleness": bound}
+    results = ranks(4, ps_fns.train_ps, 10, "sgd", options, step_sleep={3: 0.03})
+    server = results[0]["stats"]
+    assert server.clock_gaps, "no pull was answered"
+    assert max(server.clock_gaps) <= bound
+    assert server.ssp_waits > 0  # the straggler made the fast workers wait
+    assert server.updates == 30
+    # a fast worker's versions never run more than (bound + 1) * W updates ahead
+    fast = results[1]["stats"].versions
+    assert all(b - a <= (bound + 1) * 3 for a, b in zip(fast, fast[1:], strict=False))
+
+
+def test_backup_workers_drop_the_late_gradient(ranks):
+    options = {"mode": "sync", "backup_workers": 1}
+    results = ranks(4, ps_fns.train_ps, 6, "sgd", options, step_sleep={3: 0.05})
+    server = results[0]["stats"]
+    assert server.dropped > 0
+    assert server.gradients == 18
+    assert server.updates + server.dropped >= 6
+    assert results[3]["stats"].steps == 6  # the straggler ran every step, some were dropped
+
+
+def test_sharding_round_trips_every_parameter(ranks):
+    results = ranks(4, ps_fns.train_ps, 0, "sgd", {"mode": "sync", "servers": 3})
+    model = ddp_fns.make_model()  # rank 0's model: every rank must end with it
+    want = [p.detach() for p in model.parameters()]
+    for r in results:
+        for a, b in zip(r["params"], want, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_partition_covers_each_element_once():
+    numels = [6, 3, 10, 1]
+    for servers in range(1, 8):
+        pieces = partition(numels, servers)
+        seen = {i: [0] * n for i, n in enumerate(numels)}
+        sizes = []
+        for part in pieces:
+            sizes.append(sum(p.stop - p.start for p in part))
+            for p in part:
+                for k in range(p.start, p.stop):
+                    seen[p.param][k] += 1
+        assert all(c == 1 for counts in seen.values() for c in counts)
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ([0x1234, 1, 0, 0, 5, 0, 0, 0], "not a plait parameter-server header"),
+        ([0x504C4149, 42, 0, 0, 5, 0, 0, 0], "unknown kind 42"),
+        ([0x504C4149, int(Kind.PARAMS), 0, 0, 5, 0, 0, 0], "only ['PUSH'"),
+        ([0x504C4149, int(Kind.PUSH), 0, 1, 5, 0, 0, 0], "for shard 1"),
+        ([0x504C4149, int(Kind.PUSH), 0, 0, 6, 0, 0, 0], "announces 6 elements"),
+        ([0x504C4149, int(Kind.PUSH), -3, 0, 5, 0, 0, 0], "negative version"),
+        ([0x504C4149, 1, 0], "not a plait parameter-server header"),
+    ],
+)
+def test_malformed_headers_are_rejected_naming_the_sender(raw, needle):
+    with pytest.raises(MalformedMessage, match="rank 7") as info:
+        decode(
+            torch.tensor(raw, dtype=torch.int64),
+            sender=7,
+            kinds=(Kind.PUSH, Kind.PULL),
+            shard=0,
+            length=5,
+        )
+    assert needle in str(info.value)
+    assert info.value.sender == 7
+
+
+def test_header_round_trips():
+    h = Header(Kind.PUSH, version=12, shard=1, length=99, clock=4, lr=0.0123, extra=0)
+    assert decode(h.encode(), sender=0, kinds=(Kind.PUSH,), shard=1, length=99) == h
+
+
+def test_malformed_message_in_async_drops_only_its_sender(ranks):
+    results = ranks(4, ps_fns.rogue, 4, {"mode": "async"}, 2)
+    server = results[0]["stats"]
+    assert list(server.failed_workers) == [2]
+    assert "rank 2" in server.failed_workers[2]
+    assert "not a plait parameter-server header" in server.failed_workers[2]
+    assert results[1]["stats"].steps == results[3]["stats"].steps == 4
+    assert server.updates == 8
+
+
+def test_malformed_message_in_sync_stops_with_the_sender_named(ranks):
+    results = ranks(3, ps_fns.rogue, 4, {"mode": "sync"}, 2)
+    assert results[0]["role"] == "error"
+    assert "WorkerFailed" in results[0]["error"] and "worker rank 2" in results[0]["error"]
+    assert results[1]["role"] == "error"
+    assert "worker rank 2 failed" in results[1]["error"]
+
+
+def test_a_killed_worker_in_async_does_not_stop_the_others(ranks):
+    results = ranks(
+        4,
+        ps_fns.guarded,
+        "train_ps",
+        6,
+        "sgd",
+        {"mode": "async", "timeout": 20},
+        die_after={3: 2},
+        may_exit=[3],
+        timeout=60,
+    )
+    assert isinstance(results[3], RankExited) and results[3].exit_code == 17
+    server = results[0]["stats"]
+    assert list(server.failed_workers) == [3]
+    assert "rank 3" in server.failed_workers[3]
+    assert results[1]["stats"].steps == results[2]["stats"].steps == 6
+    assert server.updates == 6 + 6 + 2
+
+
+def test_a_killed_worker_in_sync_stops_everyone_naming_it(ranks):
+    results = ranks(
+        3,
+        ps_fns.guarded,
+        "train_ps",
+        6,
+        "sgd",
+        {"mode": "sync", "timeout": 20},
+        die_after={2: 2},
+        may_exit=[2],
+        timeout=60,
+    )
+    assert isinstance(results[2], RankExited)
+    assert "worker rank 2 failed" in results[0]["error"]
+    assert "worker rank 2 failed" in results[1]["error"]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_server_restart_from_checkpoint_continues_from_the_saved_version(ranks, tmp_path, opt):
+    want = ddp_fns.oracle(STEPS, opt)
+    options = {"mode": "sync", "checkpoint_dir": str(tmp_path), "checkpoint_every": 1}
+    first = ranks(3, ps_fns.train_ps, 3, opt, options)
+    assert first[0]["stats"].checkpoints == 3
+    resumed = ranks(3, ps_fns.train_ps, STEPS, opt, {**options, "resume": True})
+    assert resumed[0]["stats"].start_version == 3
+    assert resumed[0]["stats"].version == STEPS
+    for r in resumed[1:]:
+        assert r["stats"].versions == [3, 4]
+    for r in resumed:
+        _close(r["params"], want)
+
+
+def test_checkpoint_on_request(ranks, tmp_path):
+    options = {"mode": "sync", "checkpoint_dir": str(tmp_path)}
+    ranks(3, ps_fns.train_ps, STEPS, "sgd", options, save_at=2)
+    saved = torch.load(tmp_path / "server-0.pt", weights_only=True)
+    assert saved["version"] == 2
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "options,needle",
+    [
+        ({"mode": "ssp"}, "needs staleness"),
+        ({"mode": "async", "staleness": 2}, "'ssp' only"),
+        ({"mode": "async", "backup_workers": 1}, "'sync' only"),
+        ({"mode": "sync", "backup_workers": 1}, "must be in 0..0"),
+        ({"servers": 2}, "at least one server and one worker"),
+        ({"mode": "hogwild"}, "mode must be one of"),
+        ({"resume": True}, "need checkpoint_dir"),
+        ({"slow_workers": {0: 3.0}}, "keys must be worker ranks"),
+    ],
+)
+def test_bad_configuration_is_refused_up_front(ranks, options, needle):
+    for message in ranks(2, ps_fns.validation_error, options):
+        assert needle in message
