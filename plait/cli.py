@@ -239,6 +239,19 @@ def _parameter_count(text: str) -> float:
 
 
 # --- plait demo ---------------------------------------------------------------------------
+def _slow_worker(text: str | None) -> tuple[int, float] | None:
+    if text is None:
+        return None
+    try:
+        rank, factor = text.split(":")
+        return int(rank), float(factor)
+    except ValueError:
+        raise SystemExit(
+            f"plait demo: --slow-worker {text!r}: expected RANK:FACTOR, e.g. 3:3 (rank 3 takes "
+            f"3x as long per step)"
+        ) from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from plait.demo import DemoConfig, run
 
@@ -255,6 +268,12 @@ def _demo(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         seed=args.seed,
         name=args.name or "",
+        ps_mode=args.ps_mode,
+        servers=args.servers,
+        staleness=args.staleness,
+        backup_workers=args.backup_workers,
+        slow_worker=_slow_worker(args.slow_worker),
+        evals_per_epoch=args.evals_per_epoch,
     )
     run(config, check=args.check, out_dir=Path(args.out))
     return 0
@@ -280,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--strategy",
         default="ddp",
-        choices=["ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "none"],
+        choices=["ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "none"],
     )
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--batch-size", type=int, default=64, help="global batch")
@@ -290,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--name", default=None, help="run folder name under --out")
     demo.add_argument("--out", default="runs")
+    ps = demo.add_argument_group("parameter server (--strategy ps)")
+    ps.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync")
+    ps.add_argument("--servers", type=int, default=1, help="server ranks (0..S-1)")
+    ps.add_argument("--staleness", type=int, default=None, help="ssp bound s")
+    ps.add_argument("--backup-workers", type=int, default=0, help="sync: proceed after n-b")
+    ps.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="a straggler")
+    demo.add_argument(
+        "--evals-per-epoch", type=int, default=1, help="test-accuracy points per epoch"
+    )
     demo.add_argument(
         "--check",
         action="store_true",

@@ -29,6 +29,7 @@ from torch import nn
 import plait
 from plait import checkpoint, comm
 from plait.data import DistributedSampler
+from plait.strategies.ps import ps_of
 from plait.trace import Span, Tracer, overlap_report, write_chrome
 
 
@@ -43,6 +44,23 @@ class DemoConfig:
     bucket_mb: float = 25.0
     seed: int = 0
     name: str = ""
+    # --strategy ps: servers are ranks 0..servers-1, the others workers
+    ps_mode: str = "sync"
+    servers: int = 1
+    staleness: int | None = None
+    backup_workers: int = 0
+    slow_worker: tuple[int, float] | None = None  # (rank, factor)
+    evals_per_epoch: int = 1
+
+    @property
+    def trainers(self) -> int:
+        """Ranks that compute gradients: all, or the workers under the parameter server."""
+        return self.world_size - self.servers if self.strategy == "ps" else self.world_size
+
+    @property
+    def lead(self) -> int:
+        """The rank that prints progress and whose history is reported."""
+        return self.servers if self.strategy == "ps" else 0
 
 
 @dataclass
@@ -53,6 +71,7 @@ class EpochStats:
     samples_per_s: float
     seconds: float
     elapsed_s: float
+    updates: int = 0  # parameter versions so far (steps, or server updates under ps)
 
 
 class DigitsCNN(nn.Module):
@@ -99,42 +118,72 @@ def _bar(done: int, total: int, width: int = 28) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
+def _options(config: DemoConfig, tracer: Tracer) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if config.strategy == "ps":
+        slow = dict([config.slow_worker]) if config.slow_worker else None
+        return {
+            "mode": config.ps_mode,
+            "servers": config.servers,
+            "staleness": config.staleness,
+            "backup_workers": config.backup_workers,
+            "slow_workers": slow,
+        }
+    if config.strategy != "none":
+        options["algorithm"] = config.algorithm
+    if config.strategy in ("ddp", "zero1", "zero2"):
+        options["bucket_mb"] = config.bucket_mb
+    return options
+
+
 def train_rank(config: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: the training loop a user would write, under ``plait.prepare``."""
     world = plait.world()
-    n, rank = world.size, world.rank
+    n, rank = config.trainers, world.rank
     if config.batch_size % n:
         raise ValueError(
-            f"--batch-size {config.batch_size} must be divisible by -n {n}: every rank takes "
-            f"an equal share of each global batch"
+            f"--batch-size {config.batch_size} must be divisible by the {n} ranks that "
+            f"train: every rank takes an equal share of each global batch"
         )
     x_train, y_train, x_test, y_test = load_digits(config.seed)
     model = _model(config.seed)
     optimizer: torch.optim.Optimizer | None
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     tracer = Tracer(rank=rank)
-    options: dict[str, Any] = {}
-    if config.strategy != "none":
-        options["algorithm"] = config.algorithm
-    if config.strategy in ("ddp", "zero1", "zero2"):
-        options["bucket_mb"] = config.bucket_mb
     model_w, optimizer = plait.prepare(
-        model, optimizer, strategy=config.strategy, tracer=tracer, **options
+        model, optimizer, strategy=config.strategy, tracer=tracer, **_options(config, tracer)
     )
-    assert optimizer is not None
+    ps = config.strategy == "ps"
+    if optimizer is None:  # a parameter server: prepare served until the workers finished
+        return {
+            "role": "server",
+            "ps": _stats_dict(ps_of(model_w).stats()),
+            "spans": tracer.spans(),
+            "state": checkpoint.full_state_dict(model_w),
+            "history": [],
+        }
+    trainer = rank - config.lead
     sampler = DistributedSampler(
-        range(len(y_train)), group=world, shuffle=True, seed=config.seed, drop_last=True
+        range(len(y_train)),
+        num_replicas=n,
+        rank=trainer,
+        shuffle=True,
+        seed=config.seed,
+        drop_last=True,
     )
     local_batch = config.batch_size // n
     history: list[EpochStats] = []
     start = time.perf_counter()
     comm.reset_stats()
+    evals = max(1, config.evals_per_epoch)
     for epoch in range(config.epochs):
         sampler.set_epoch(epoch)
         indices = list(sampler)
         steps = len(indices) // local_batch
+        marks = {round(steps * (k + 1) / evals) for k in range(evals)}
         t0 = time.perf_counter()
         loss_sum = torch.zeros(1, dtype=torch.float64)
+        done, done_loss = 0, 0.0
         model_w.train()
         for step in range(steps):
             batch = torch.tensor(indices[step * local_batch : (step + 1) * local_batch])
@@ -143,38 +192,102 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             loss_sum += loss.item()
-            if rank == 0 and (step % 4 == 0 or step == steps - 1):
+            if rank == config.lead and (step % 4 == 0 or step == steps - 1):
                 print(
                     f"\repoch {epoch + 1}/{config.epochs} {_bar(step + 1, steps)}",
                     end="",
                     flush=True,
                 )
+            if step + 1 in marks and step + 1 < steps:  # a mid-epoch evaluation point
+                point = _evaluate(
+                    model_w,
+                    x_test,
+                    y_test,
+                    epoch=epoch + 1,
+                    loss=(float(loss_sum) - done_loss) / (step + 1 - done),
+                    samples=(step + 1) * config.batch_size,
+                    t0=t0,
+                    start=start,
+                    updates=_updates(optimizer, epoch * steps + step + 1),
+                )
+                history.append(point)
+                done, done_loss = step + 1, float(loss_sum)
         seconds = time.perf_counter() - t0
-        comm.all_reduce(loss_sum, "sum", group=world, algorithm="auto")
-        stats = EpochStats(
+        if not ps:  # workers under a parameter server report their own loss
+            comm.all_reduce(loss_sum, "sum", group=world, algorithm="auto")
+        ranks_in_loss = 1 if ps else n
+        stats = _evaluate(
+            model_w,
+            x_test,
+            y_test,
             epoch=epoch + 1,
-            loss=float(loss_sum) / (steps * n),
-            test_accuracy=_accuracy(model_w, x_test, y_test),
-            samples_per_s=steps * config.batch_size / seconds,
-            seconds=seconds,
-            elapsed_s=time.perf_counter() - start,
+            loss=float(loss_sum) / (steps * ranks_in_loss),
+            samples=steps * config.batch_size,
+            t0=t0,
+            start=start,
+            updates=_updates(optimizer, (epoch + 1) * steps),
         )
         history.append(stats)
-        if rank == 0:
+        if rank == config.lead:
             print(
                 f"\repoch {stats.epoch}/{config.epochs}  loss {stats.loss:.4f}  "
                 f"test accuracy {stats.test_accuracy:.2%}  "
                 f"{stats.samples_per_s:,.0f} samples/s  ({seconds:.1f} s)",
                 flush=True,
             )
+    result: dict[str, Any] = {"role": "trainer"}
+    if ps:
+        optimizer.finish()  # type: ignore[attr-defined]
+        result = {"role": "worker", "ps": _stats_dict(ps_of(model_w).stats())}
     stats_bytes = {f"{c}/{a}": vars(s) for (c, a), s in comm.stats().items()}
     return {
+        **result,
         "history": [asdict(h) for h in history],
         "spans": tracer.spans(),
         "state": checkpoint.full_state_dict(model_w),
         "comm": stats_bytes,
         "steps_per_epoch": steps,
     }
+
+
+def _updates(optimizer: torch.optim.Optimizer, steps: int) -> int:
+    version = getattr(optimizer, "version", None)
+    return steps if version is None else int(version)
+
+
+def _evaluate(
+    model: nn.Module,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    *,
+    epoch: int,
+    loss: float,
+    samples: int,
+    t0: float,
+    start: float,
+    updates: int,
+) -> EpochStats:
+    """An evaluation point: test accuracy now, and the loss and throughput since ``t0``."""
+    now = time.perf_counter()
+    return EpochStats(
+        epoch=epoch,
+        loss=loss,
+        test_accuracy=_accuracy(model, x_test, y_test),
+        samples_per_s=samples / max(now - t0, 1e-9),
+        seconds=now - t0,
+        elapsed_s=now - start,
+        updates=updates,
+    )
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    out = asdict(stats)
+    out.pop("clock_gaps", None)
+    out.pop("versions", None)
+    for name in ("mean_staleness", "steps_per_s"):
+        if hasattr(stats, name):
+            out[name] = getattr(stats, name)
+    return out
 
 
 def oracle(config: DemoConfig, n: int) -> dict[str, torch.Tensor]:
@@ -208,6 +321,30 @@ def oracle(config: DemoConfig, n: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _last_of_epoch(history: list[dict[str, Any]], point: dict[str, Any]) -> dict[str, Any]:
+    return [h for h in history if h["epoch"] == point["epoch"]][-1]
+
+
+def _print_ps(ps: dict[str, Any]) -> None:
+    for s in ps["servers"]:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(s["staleness"].items()))
+        print(
+            f"server {s['index']} (rank {s['rank']}): {s['updates']} updates from "
+            f"{s['gradients']} gradients, {s['dropped']} dropped, queue max {s['queue_max']}, "
+            f"mean staleness {s['mean_staleness']:.2f} (histogram {hist})"
+        )
+        if s["ssp_waits"]:
+            print(f"  ssp: {s['ssp_waits']} waits, {s['ssp_wait_s']:.2f} s in all")
+        for rank, why in s["failed_workers"].items():
+            print(f"  worker rank {rank} FAILED: {why}")
+    for w in ps["workers"]:
+        print(
+            f"worker rank {w['rank']}: {w['steps']} steps, {w['steps_per_s']:.1f} steps/s, "
+            f"{w['wait_s']:.2f} s waiting for servers, {w['compute_s']:.2f} s computing"
+            + (f", {w['injected_s']:.2f} s injected delay" if w["injected_s"] else "")
+        )
+
+
 @dataclass
 class DemoReport:
     config: DemoConfig
@@ -220,6 +357,7 @@ class DemoReport:
     history: list[dict[str, Any]] = field(default_factory=list)
     bytes: dict[str, Any] = field(default_factory=dict)
     max_param_diff: float | None = None
+    ps: dict[str, Any] = field(default_factory=dict)  # servers' and workers' statistics
 
 
 def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -246,22 +384,36 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")) -> DemoReport:
-    name = config.name or f"{config.strategy}-n{config.world_size}-{time.strftime('%H%M%S')}"
+    label = config.strategy if config.strategy != "ps" else f"ps-{config.ps_mode}"
+    name = config.name or f"{label}-n{config.world_size}-{time.strftime('%H%M%S')}"
     run_dir = out_dir / name
+    how = f"algorithm {config.algorithm}"
+    if config.strategy == "ps":
+        how = (
+            f"mode {config.ps_mode}, {config.servers} server(s) + {config.trainers} workers"
+            + (f", staleness {config.staleness}" if config.staleness is not None else "")
+            + (f", {config.backup_workers} backup" if config.backup_workers else "")
+            + (
+                f", rank {config.slow_worker[0]} slowed {config.slow_worker[1]:g}x"
+                if config.slow_worker
+                else ""
+            )
+        )
     print(
         f"plait demo: CNN on scikit-learn digits, {config.world_size} ranks, strategy "
-        f"{config.strategy}, algorithm {config.algorithm}, {config.epochs} epochs, global "
-        f"batch {config.batch_size}",
+        f"{config.strategy}, {how}, {config.epochs} epochs, global batch {config.batch_size}",
         flush=True,
     )
     results = plait.spawn(train_rank, world_size=config.world_size, args=(config,), timeout=3600)
-    history = results[0]["history"]
+    lead = results[config.lead]
+    history = lead["history"]
     spans: list[Span] = [s for r in results for s in r["spans"]]
     overlap = overlap_report(spans)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_chrome(run_dir / "trace.json", [r["spans"] for r in results])
-    total = sum(h["seconds"] for h in history)
-    steps = results[0]["steps_per_epoch"] * config.epochs
+    epochs = [h for h in history if h["seconds"] > 0 and h is _last_of_epoch(history, h)]
+    total = sum(h["seconds"] for h in epochs)
+    steps = lead["steps_per_epoch"] * config.epochs
     report = DemoReport(
         config=config,
         test_accuracy=history[-1]["test_accuracy"],
@@ -271,12 +423,20 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         hidden_fraction=overlap.hidden_fraction,
         comm_seconds_per_rank=overlap.comm_s,
         history=history,
-        bytes=results[0]["comm"],
+        bytes=lead["comm"],
     )
-    if check:
-        want = oracle(config, config.world_size)
+    if config.strategy == "ps":
+        report.ps = {
+            "servers": [r["ps"] for r in results if r["role"] == "server"],
+            "workers": [r["ps"] for r in results if r["role"] == "worker"],
+        }
+    comparable = config.strategy != "ps" or (config.ps_mode, config.backup_workers) == ("sync", 0)
+    if check and comparable:
+        want = oracle(config, config.trainers)
         got = results[0]["state"]
         report.max_param_diff = max(float((got[k].float() - want[k]).abs().max()) for k in want)
+    elif check:
+        print("--check: only synchronous training without backup workers equals one process")
     (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=1, default=str))
     _plot(
         history,
@@ -293,6 +453,8 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         f"{overlap.comm_s:.2f} s of communication per rank"
     )
     print(f"hidden behind backward {report.hidden_fraction:.1%}")
+    if report.ps:
+        _print_ps(report.ps)
     if report.max_param_diff is not None:
         verdict = "ok" if report.max_param_diff < 1e-3 else "LARGER THAN EXPECTED"
         print(

@@ -33,3 +33,34 @@ def test_demo_under_fsdp_traces_gathers_and_reductions(tmp_path: Path):
     names = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"forward", "backward", "all_gather DigitsCNN", "reduce_scatter DigitsCNN"} <= names
     assert report.comm_seconds_per_rank > 0
+
+
+def test_demo_under_a_parameter_server_reports_servers_and_workers(tmp_path: Path):
+    config = DemoConfig(world_size=3, epochs=1, name="p", strategy="ps", evals_per_epoch=2)
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    (server,) = report.ps["servers"]
+    assert server["updates"] == report.history[-1]["updates"] > 0
+    assert server["staleness"] == {0: 2 * server["updates"]}
+    assert [w["rank"] for w in report.ps["workers"]] == [1, 2]
+    assert len(report.history) == 2  # a mid-epoch point and the epoch's end
+    trace = json.loads((tmp_path / "p" / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"push + pull", "apply update"} <= names
+
+
+def test_demo_ps_with_a_straggler_in_ssp_mode_waits_within_the_bound(tmp_path: Path):
+    config = DemoConfig(
+        world_size=3,
+        epochs=1,
+        name="s",
+        strategy="ps",
+        ps_mode="ssp",
+        staleness=1,
+        slow_worker=(2, 3.0),
+    )
+    report = run(config, out_dir=tmp_path)
+    (server,) = report.ps["servers"]
+    assert server["max_clock_gap"] <= 1 and server["ssp_waits"] > 0
+    slow = report.ps["workers"][1]
+    assert slow["rank"] == 2 and slow["injected_s"] > 0
