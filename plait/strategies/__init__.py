@@ -10,6 +10,7 @@ from plait.strategies.ddp import DistributedDataParallel
 from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
 from plait.strategies.naive import NaiveDataParallel
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
+from plait.strategies.ps import ParameterServer, WorkerOptimizer
 from plait.strategies.zero import ZeroOptimizer, prepare_zero
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ParameterServer",
+    "WorkerOptimizer",
     "GradBucket",
     "NaiveDataParallel",
     "ZeroOptimizer",

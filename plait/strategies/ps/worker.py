@@ -111,18 +111,29 @@ class WorkerOptimizer(torch.optim.Optimizer):
     def _pull(self) -> None:
         for i, link in enumerate(self.links):
             link.send_header(Header(Kind.PULL, version=self.versions[i], shard=i))
+        aborted: list[tuple[int, Header]] = []
         for i, link in enumerate(self.links):
             lo, hi = self.bounds[i]
             header = link.recv_header(kinds=(Kind.PARAMS, Kind.ABORT), shard=i, length=hi - lo)
             if header.kind is Kind.ABORT:
-                raise WorkerFailed(
-                    f"worker rank {self.stats.rank}: parameter server {i} (rank {link.peer}) "
-                    f"stopped training because worker rank {header.extra} failed; see that "
-                    f"rank's log and the server's error",
-                    header.extra,
-                )
+                aborted.append((i, header))
+                continue
             link.recv(self.flat[lo:hi])
             self.versions[i] = header.version
+        if aborted:
+            # the other servers answered this pull; tell them this worker leaves
+            stopped = {i for i, _ in aborted}
+            for i, link in enumerate(self.links):
+                if i not in stopped:
+                    link.send_header(Header(Kind.DONE, shard=i))
+            self.finished = True
+            i, header = aborted[0]
+            raise WorkerFailed(
+                f"worker rank {self.stats.rank}: parameter server {i} (rank "
+                f"{self.links[i].peer}) stopped training because worker rank {header.extra} "
+                f"failed; see that rank's log and the server's error",
+                header.extra,
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
