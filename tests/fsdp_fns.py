@@ -45,18 +45,42 @@ class DeepNet(nn.Module):
         return self.head(self.blocks(torch.tanh(self.inp(x)))) * self.scale
 
 
+class Encoder(nn.Module):
+    """The features as 4 tokens of 2, two TransformerEncoderLayers, a head on the mean
+    token (1032 parameters). Its MultiheadAttention reads ``out_proj.weight`` directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, HIDDEN // 2)
+        layer = nn.TransformerEncoderLayer(HIDDEN // 2, 2, HIDDEN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN // 2, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.view(x.shape[0], FEATURES // 2, 2))
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+
 def make_deep(seed: int = 0) -> DeepNet:
     torch.manual_seed(seed)
     return DeepNet()
+
+
+def make_encoder(seed: int = 0) -> Encoder:
+    torch.manual_seed(seed)
+    return Encoder()
+
+
+MODELS = {"deep": make_deep, "encoder": make_encoder}
 
 
 def num_params() -> int:
     return sum(p.numel() for p in make_deep().parameters())
 
 
-def oracle(steps: int, opt: str) -> dict[str, torch.Tensor]:
+def oracle(steps: int, opt: str, model_name: str = "deep") -> dict[str, torch.Tensor]:
     """One process, the global batch: the state dict after ``steps`` steps."""
-    model = make_deep()
+    model = MODELS[model_name]()
     train_one_process(model, make_optimizer(model, opt), steps)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -86,11 +110,14 @@ def train(
 ) -> dict[str, Any]:
     """Runs on every rank (or in one process, ``world`` given and plait not initialized):
     train under ``fully_shard(**options)`` once per optimizer; return the full state dicts,
-    this rank's parameter elements, and what ``memory_breakdown`` saw mid-step."""
+    this rank's parameter elements, and what ``memory_breakdown`` saw mid-step.
+    ``options["model"]``: a name in MODELS (default ``"deep"``)."""
     rank, size = (plait.world().rank, plait.world().size) if world is None else (0, world)
     result: dict[str, Any] = {"states": {}}
+    options = dict(options)
+    make_model = MODELS[options.pop("model", "deep")]
     for opt in opts:
-        model = make_deep()
+        model = make_model()
         with torch.no_grad():  # replicas start different: sharding broadcasts rank 0's
             for p in model.parameters():
                 p.add_(rank)

@@ -13,7 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
+from plait.strategies.fsdp import (
+    FSDPModule,
+    UngatheredParameterError,
+    full_state_dict,
+    fully_shard,
+)
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
 from tests import fsdp_fns
 
@@ -77,9 +82,11 @@ def test_matches_single_process_oracle(ranks, world, wrap, reshard, prefetch):
     _check(results, world, exact=world == 1)
     _check_sharded_sizes(results, world)
     units = results[0]["units"]
-    root_full = units[0][1]  # sharded_units() lists the root first
+    # sharded_units() lists the root first; head, the last unit to start forward, last.
+    # Both stay gathered between forward and backward (from the second step on).
+    kept = units[0][1] + (units[-1][1] if wrap == "linear" else 0)
     for r in results:  # what stays gathered between forward and backward
-        full_kept = root_full if reshard else sum(p for _, p in units)
+        full_kept = kept if reshard else sum(p for _, p in units)
         assert r["after_forward"] == r["local_numel"] + full_kept
 
 
@@ -171,21 +178,23 @@ def test_no_grad_forward_frees_everything():
 @pytest.mark.parametrize("reshard", [True, False])
 def test_prefetch_issues_the_same_collectives_asynchronously(ranks, reshard):
     """Per step with wrap={Linear}: 5 units (4 Linear; the root keeps the two LayerNorms)
-    are gathered in forward, the 4 resharded ones (not the root) again in backward, and
-    each reduce-scatters once. Prefetch changes only which gathers are asynchronous."""
+    are gathered in forward, the 3 resharded ones (not the root, nor head, the last to
+    start forward) again in backward, and each reduce-scatters once. Prefetch changes
+    only which gathers are asynchronous."""
     base = {"wrap": {nn.Linear}, "reshard_after_forward": reshard}
     plain = ranks(2, fsdp_fns.gather_pattern, {**base, "prefetch": False})
     fetched = ranks(2, fsdp_fns.gather_pattern, {**base, "prefetch": True})
     assert plain[0] == plain[1] and fetched[0] == fetched[1]
-    gathers = 5 + (4 if reshard else 0)
+    gathers = 5 + (3 if reshard else 0)
     for pattern in (plain[0], fetched[0]):
         assert [name for name, _ in pattern].count("all_gather") == gathers
         assert [name for name, _ in pattern].count("reduce_scatter") == 5
         assert all(is_async for name, is_async in pattern if name == "reduce_scatter")
     assert not any(a for name, a in plain[0] if name == "all_gather")
     prefetched = sum(a for name, a in fetched[0] if name == "all_gather")
-    # forward: all but the root's own; backward: all (the root, first, is still gathered)
-    assert prefetched == 4 + (4 if reshard else 0)
+    # forward: all but the root's own; backward: all (the root and head, first, are still
+    # gathered, so the root's backward prefetches the next block's fc)
+    assert prefetched == 4 + (3 if reshard else 0)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -197,3 +206,67 @@ def test_gradient_accumulation_equals_one_batch(ranks, reshard):
         for key, value in one_batch.items():
             torch.testing.assert_close(two_backwards[key], value, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(two_forwards[key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_transformer_layers_as_units_match_oracle(ranks, world):
+    """MultiheadAttention reads out_proj.weight itself: the whole layer is the unit.
+    SGD: the key bias's true gradient is 0 (softmax ignores a constant), so its computed
+    gradient is rounding noise, which Adam would scale up to lr-sized steps."""
+    want = fsdp_fns.oracle(STEPS, "sgd", "encoder")
+    options = {"model": "encoder", "wrap": {nn.TransformerEncoderLayer}}
+    if world == 1:
+        results = [fsdp_fns.train(STEPS, ["sgd"], options, world=1)]
+    else:
+        results = ranks(world, fsdp_fns.train, STEPS, ["sgd"], options)
+    assert len(results[0]["units"]) == 3  # the root and both layers
+    for r in results:
+        got = r["states"]["sgd"]
+        assert list(got) == list(want)
+        for key, value in want.items():
+            if world == 1:
+                assert torch.equal(got[key], value), key
+            else:
+                torch.testing.assert_close(got[key], value, **TOL)
+
+
+def test_refuses_a_unit_its_parent_reads_directly():
+    """wrap={nn.Linear} would make MultiheadAttention's out_proj a unit that is never
+    gathered; refused before any communication, naming the unit and what to wrap."""
+    with pytest.raises(ValueError) as refused:
+        fully_shard(fsdp_fns.make_encoder(), wrap={nn.Linear})
+    message = str(refused.value)
+    assert "'encoder.layers.0.self_attn.out_proj'" in message
+    assert "MultiheadAttention" in message and "wrap={nn.TransformerEncoderLayer}" in message
+    with pytest.raises(ValueError, match="earlier fully_shard call made 'encoder.layers.1"):
+        model = fsdp_fns.make_encoder()
+        fully_shard(model.encoder.layers[1].self_attn.out_proj)
+        fully_shard(model)
+
+
+class _ReadsChildWeight(nn.Module):
+    """Computes with ``proj``'s weight without calling ``proj``."""
+
+    def __init__(self, bypass_placeholder_check: bool = False) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.proj = nn.Linear(4, 4)
+        self.bypass = bypass_placeholder_check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bypass:  # the placeholder cannot see this: PyTorch's device error does
+            with torch._C.DisableTorchFunctionSubclass():
+                return self.first(x) + self.proj.bias
+        return nn.functional.linear(self.first(x), self.proj.weight)
+
+
+def test_computing_with_an_ungathered_unit_names_it():
+    """A CPU F.linear with a meta weight would return uninitialized memory silently; the
+    placeholder refuses it, naming the parameter and its unit."""
+    model = fully_shard(_ReadsChildWeight(), wrap={nn.Linear})
+    with pytest.raises(UngatheredParameterError, match="'proj.weight' while unit 'proj'"):
+        model(torch.randn(3, 4))
+    model = fully_shard(_ReadsChildWeight(bypass_placeholder_check=True), wrap={nn.Linear})
+    with pytest.raises(UngatheredParameterError, match="not gathered: 'first', 'proj'") as e:
+        model(torch.randn(3, 4))
+    assert "on device meta" in str(e.value.__cause__)

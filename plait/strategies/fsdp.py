@@ -16,36 +16,46 @@ Communication contract, on ``group`` (n ranks), with ``algorithm``:
 - forward: before each unit runs, an all-gather of its shards (n x P_u/n elements in
   ``param_dtype``) rebuilds the full flat buffer; the module's parameters are set to views
   of it, so ``forward`` runs unchanged. Afterwards the buffer is freed (its storage is
-  resized to 0) when ``reshard_after_forward`` is True, except for the root unit, whose
-  backward starts at once;
+  resized to 0) when ``reshard_after_forward`` is True, except for the root unit and,
+  once the order is known (from the second forward on), the last unit to start forward:
+  their backward comes first, so regathering them would only delay it;
 - backward: when the first gradient of a unit's outputs arrives, a freed unit is
   all-gathered again into the same storage (autograd's saved views see it). When the
   unit's full flat gradient is complete, it is reduce-scattered (average over the group,
   in ``reduce_dtype``) into this rank's shard gradient, asynchronously, and the full
   parameters and gradient are freed. Everything is waited for before ``backward()``
   returns;
-- with ``prefetch``, unit i+1's all-gather (in the order units ran in the first forward,
-  and in backward in the order they started in the first backward) is issued
-  asynchronously when unit i starts, so it overlaps unit i's compute.
+- with ``prefetch``, the all-gather of the next unit that needs one (in the order units
+  ran in the first forward, and in backward in the order they started in the first
+  backward; units still gathered are skipped) is issued asynchronously when unit i
+  starts, so it overlaps unit i's compute. At most one prefetch is in flight.
 
 Bytes per rank per step, with ring collectives and B bytes per parameter element: an
 all-gather sends (n-1)/n P_u B for each unit in forward, again in backward for each
-resharded unit, and a reduce-scatter sends (n-1)/n P_u B' (B' of ``reduce_dtype``): about
-3 (n-1)/n P B in all (2 (n-1)/n P B without ``reshard_after_forward``, as DDP's
-all-reduce), for 1/n of the parameter, gradient and optimizer memory. Every rank issues
-the same collectives in the same order (hooks fire in an order fixed by the model), each
-bounded by the group's timeout.
+resharded unit (all but the root and the last), and a reduce-scatter sends (n-1)/n P_u B'
+(B' of ``reduce_dtype``): about 3 (n-1)/n P B in all (2 (n-1)/n P B without
+``reshard_after_forward``, as DDP's all-reduce), for 1/n of the parameter, gradient and
+optimizer memory. Every rank issues the same collectives in the same order (hooks fire
+in an order fixed by the model), each bounded by the group's timeout.
 
 Between gathers each original parameter attribute is a meta tensor of its shape (no
-memory; ``repr`` and shape queries work, computing with it fails). Gradient accumulation
+memory; ``repr`` and shape queries work, computing with it raises
+:class:`UngatheredParameterError`). Gradient accumulation
 works (several backwards without ``zero_grad``, or several forwards then one backward).
+A unit's parameters are gathered only around its own ``forward``, so a module whose
+parent reads its parameters without calling it cannot be a unit. ``fully_shard`` refuses
+such a unit up front (``ValueError`` naming its path, e.g.
+``layers.0.self_attn.out_proj``) where it knows the parent does this: every child of
+``nn.MultiheadAttention``, which uses ``out_proj.weight`` directly, so ``wrap={nn.Linear}``
+on a transformer is refused; make the enclosing block the unit
+(``wrap={nn.TransformerEncoderLayer}``) instead. Other such parents are caught when they
+compute with the placeholder: :class:`UngatheredParameterError` names the parameter and
+its unit (a device error on "meta" inside a unit's forward is re-raised as one too, the
+original as ``__cause__``).
+
 Not supported: a second backward through one graph (``retain_graph``), re-running forward
 inside backward (activation checkpointing), units whose parameters differ in dtype or
-``requires_grad`` (refused with a message), and units whose parameters their parent reads
-without calling the unit's forward: ``nn.MultiheadAttention`` uses ``out_proj.weight``
-directly, so ``wrap={nn.Linear}`` on a transformer fails with "Tensor on device meta is
-not on the expected device" (the parameter was never gathered); wrap the enclosing block
-(``wrap={nn.TransformerEncoderLayer}``) instead.
+``requires_grad`` (refused with a message), and the units above.
 """
 
 from __future__ import annotations
@@ -70,6 +80,64 @@ UNIT_ATTR = "_plait_fsdp_unit"  # the unit object, on its module
 NAMES_ATTR = "_plait_fsdp_names"  # a module's original parameters: (name, unit, index)
 
 Wrap = set[type[nn.Module]] | frozenset[type[nn.Module]] | tuple[type[nn.Module], ...] | int
+
+# Modules whose forward reads their children's parameters without calling the children
+# (nn.MultiheadAttention passes out_proj.weight and .bias to F.multi_head_attention_forward):
+# a child of one of these can never be a unit, its parameters would never be gathered.
+READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+class UngatheredParameterError(RuntimeError):
+    """Code computed with a unit's parameter while the unit was not gathered (outside the
+    unit's own forward and backward), so the parameter was a placeholder."""
+
+
+class _Placeholder(torch.Tensor):
+    """A parameter between gathers: a meta tensor (no memory) whose metadata queries work
+    (shape, dtype, repr). An operation mixing it with real tensors raises
+    UngatheredParameterError naming it: PyTorch would not always refuse it, a CPU
+    ``F.linear(x, meta_weight)`` returns uninitialized memory without an error."""
+
+    parameter_name = "?"  # set per instance by fully_shard: where the parameter lives
+    unit_path = "?"
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            mixed = any(isinstance(t, torch.Tensor) and not t.is_meta for t in flat)
+        if mixed:
+            raise UngatheredParameterError(_placeholder_message(func, flat))
+        out = super().__torch_function__(func, types, args, kwargs)
+        source = next(t for t in flat if isinstance(t, _Placeholder))
+        for t in tree_flatten(out)[0]:  # a view or cast of a placeholder keeps its names
+            if isinstance(t, _Placeholder) and t is not source:
+                t.parameter_name, t.unit_path = source.parameter_name, source.unit_path
+        return out
+
+
+def _placeholder_message(func: Any, flat: list[Any]) -> str:
+    used = [t for t in flat if isinstance(t, _Placeholder)]
+    names = ", ".join(repr(t.parameter_name) for t in used)
+    unit_paths = list(dict.fromkeys(t.unit_path for t in used))
+    units = ", ".join(repr(u) for u in unit_paths)
+    what = getattr(func, "__name__", None) or repr(func)
+    return (
+        f"fully_shard: {what} computed with parameter{'s' * (len(used) > 1)} {names} while "
+        f"unit{'s' * (len(unit_paths) > 1)} {units} {'were' if len(unit_paths) > 1 else 'was'} "
+        f"not gathered (the value is a 'meta' placeholder). A unit's parameters are gathered "
+        f"only while its own forward (and its backward) runs; if its parent reads them "
+        f"without calling it (as nn.MultiheadAttention reads out_proj.weight), do not make "
+        f"{units} a unit: make a module enclosing it and its reader the unit instead (e.g. "
+        f"wrap={{nn.TransformerEncoderLayer}} rather than wrap={{nn.Linear}})"
+    )
 
 
 @dataclass(frozen=True)
@@ -111,6 +179,8 @@ class ShardedUnit:
     ) -> None:
         self.module = module
         self.label = type(module).__name__  # before fully_shard renames the class
+        self.path = ""  # the module's name under the root of its tree (set by name())
+        self.views_installed = False  # parameters are views of the full buffer (else meta)
         self.config = config
         self.state: _RootState | None = None
         self.params: list[nn.Parameter] = []
@@ -138,7 +208,8 @@ class ShardedUnit:
         # Between gathers each original parameter is a meta tensor of its shape and dtype:
         # no memory; shape queries and repr work, computing with it fails loudly.
         self.placeholders = [
-            torch.empty(p.shape, dtype=p.dtype, device="meta") for p in self.params
+            torch.empty(p.shape, dtype=p.dtype, device="meta").as_subclass(_Placeholder)
+            for p in self.params
         ]
         for m, name, _ in owned:
             del m._parameters[name]
@@ -149,6 +220,16 @@ class ShardedUnit:
         self.full_data: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
         self._gathering: tuple[Handle, torch.Tensor] | None = None  # async gather, its input
+
+    def name(self, paths: dict[int, str]) -> None:
+        """Record where the unit and its parameters live (``paths``: module id to name
+        under the root), for error messages."""
+        path = paths.get(id(self.module))
+        self.path = path or f"(root {self.label})" if path is not None else self.path
+        for placeholder, slots in zip(self.placeholders, self.slots, strict=True):
+            names = [".".join(filter(None, (paths.get(id(m), "?"), n))) for m, n in slots]
+            placeholder.parameter_name = " = ".join(names)
+            placeholder.unit_path = self.path
 
     def _check_uniform(self, owned: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
         kinds = {(p.dtype, p.requires_grad) for p in self.params}
@@ -262,11 +343,13 @@ class ShardedUnit:
             view = piece.view(shape)
             for m, name in slots:
                 setattr(m, name, view)
+        self.views_installed = True
 
     def remove_views(self) -> None:
         for placeholder, slots in zip(self.placeholders, self.slots, strict=True):
             for m, name in slots:
                 setattr(m, name, placeholder)
+        self.views_installed = False
 
     def reshard(self) -> None:
         """Free the full parameters (the storage object stays, at size 0)."""
@@ -340,7 +423,7 @@ class ShardedUnit:
             ]
             if tensors:
                 register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        if not grad_enabled or (self.config.reshard_after_forward and self is not state.root):
+        if not grad_enabled or (self.config.reshard_after_forward and not state.keeps(self)):
             self.reshard()
         if self is state.root:
             state.end_forward()
@@ -381,9 +464,18 @@ class _RootState:
             return None
         i = self.position[phase]
         self.position[phase] = i + 1
-        if self.prefetch and i + 1 < len(order):
-            return order[i + 1]
+        if not self.prefetch:
+            return None
+        for following in order[i + 1 :]:  # skip units gathered already (kept, or empty)
+            if following.numel and (following._gathering is not None or not following.gathered):
+                return following
         return None
+
+    def keeps(self, unit: ShardedUnit) -> bool:
+        """Whether ``unit`` stays gathered after its forward although units reshard: the
+        root, and the last unit to start forward, since backward needs them first."""
+        last = self.forward_recorded and unit is self.forward_order[-1]
+        return unit is self.root or last
 
     def begin_forward(self) -> None:
         """Units still gathered from a forward without backward are gathered afresh (the
@@ -444,6 +536,21 @@ class _RootState:
 class FSDPModule(nn.Module):
     """Mixed into the class of every module ``fully_shard`` turns into a unit."""
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward; a device error on a placeholder ("meta") is re-raised
+        as :class:`UngatheredParameterError` naming the units not gathered at the time."""
+        try:
+            return super().forward(*args, **kwargs)
+        except UngatheredParameterError:
+            raise
+        except RuntimeError as error:
+            if "meta" not in str(error):
+                raise
+            placeholders = [u for u in self.sharded_units() if u.numel and not u.views_installed]
+            if not placeholders:
+                raise
+            raise UngatheredParameterError(_ungathered_message(self, placeholders)) from error
+
     def sharded_units(self) -> list[ShardedUnit]:
         """The units in this module's subtree (its own included)."""
         seen: dict[int, ShardedUnit] = {}
@@ -487,6 +594,62 @@ def _become_fsdp_module(module: nn.Module) -> None:
         new = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         _FSDP_CLASSES[cls] = new
     module.__class__ = new
+
+
+def _ungathered_message(module: nn.Module, placeholders: list[ShardedUnit]) -> str:
+    shown = ", ".join(repr(u.path) for u in placeholders[:6])
+    more = f" and {len(placeholders) - 6} more" if len(placeholders) > 6 else ""
+    unit = module.__dict__[UNIT_ATTR]
+    return (
+        f"fully_shard: the forward of unit {unit.path!r} computed "
+        f"with a placeholder parameter (device 'meta'): a unit's parameters are gathered only "
+        f"while its own forward runs, and these units were not gathered: {shown}{more}. If "
+        f"a module reads one of these units' parameters without calling its forward (as "
+        f"nn.MultiheadAttention does with out_proj), do not make it a unit: wrap the "
+        f"enclosing module instead (e.g. wrap={{nn.TransformerEncoderLayer}} rather than "
+        f"wrap={{nn.Linear}})"
+    )
+
+
+def _check_units_are_called(
+    root: nn.Module, earlier: list[nn.Module], targets: list[nn.Module], wrap: Wrap | None
+) -> None:
+    """Refuse a unit whose parent reads its parameters directly (READS_CHILD_PARAMETERS):
+    it would never be gathered. Checked on every rank alike, before any communication."""
+    chosen = {id(m): f"wrap={_wrap_repr(wrap)} makes" for m in targets}
+    chosen.update({id(m): "an earlier fully_shard call made" for m in earlier})
+    for parent_path, parent in root.named_modules():
+        if not isinstance(parent, READS_CHILD_PARAMETERS):
+            continue
+        for name, child in parent.named_children():
+            if id(child) not in chosen:
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            enclosing = root.get_submodule(parent_path.rpartition(".")[0]) if parent_path else root
+            if enclosing is root:  # the root is a unit already: suggest the parent itself
+                enclosing = parent
+            raise ValueError(
+                f"fully_shard: {chosen[id(child)]} {path!r} ({_class_name(child)}) a unit, "
+                f"but its parent {parent_path or '(root)'!r} ({_class_name(parent)}) reads its "
+                f"parameters directly without calling its forward, so they would never be "
+                f"gathered (the forward would fail on a 'meta' placeholder). Make an enclosing "
+                f"module the unit instead (e.g. wrap={{{_class_name(enclosing)}}}), and leave "
+                f"{_class_name(child)} out of wrap"
+            )
+
+
+def _class_name(module: nn.Module | type[nn.Module]) -> str:
+    """``nn.Linear`` for torch.nn classes, the bare name otherwise; the class before
+    ``fully_shard`` mixed FSDPModule into it."""
+    given = module if isinstance(module, type) else type(module)
+    cls = next(c for c in given.__mro__ if not issubclass(c, FSDPModule))
+    return f"nn.{cls.__name__}" if getattr(nn, cls.__name__, None) is cls else cls.__name__
+
+
+def _wrap_repr(wrap: Wrap | None) -> str:
+    if isinstance(wrap, (set, frozenset, tuple)):
+        return "{" + ", ".join(sorted(_class_name(c) for c in wrap)) + "}"
+    return repr(wrap)
 
 
 def _is_unit(module: nn.Module) -> bool:
@@ -581,9 +744,13 @@ def fully_shard(
     ``wrap``: which submodules become units of their own (a set or tuple of module
     classes; an int: a submodule whose subtree holds at least that many parameters not in
     a smaller unit, chosen bottom-up; None: the root only). Submodules sharded by earlier
-    ``fully_shard`` calls (bottom-up nesting) stay units and join this root.
+    ``fully_shard`` calls (bottom-up nesting) stay units and join this root. A unit must
+    run through its own ``forward``: a ``ValueError`` names any unit whose parent reads its
+    parameters directly (any child of ``nn.MultiheadAttention``, so ``wrap={nn.Linear}``
+    on a transformer is refused: use ``wrap={nn.TransformerEncoderLayer}``).
     ``reshard_after_forward``: free each unit's full parameters after its forward and
-    gather them again for backward (False: keep them until its backward is done).
+    gather them again for backward, except the root's and those of the last unit to start
+    forward, which backward needs first (False: keep all until their backward is done).
     ``mixed_precision``: compute and reduction dtypes (shards stay in their dtype).
     ``offload``: keep shards (and hence optimizer state) in CPU memory. ``prefetch``:
     overlap the next unit's all-gather with this unit's compute. ``algorithm``: the
@@ -616,6 +783,8 @@ def fully_shard(
     )
     earlier = [m for m in module.modules() if _is_unit(m)]
     stop = {id(m) for m in earlier}
+    targets = _wrap_targets(module, wrap, stop)
+    _check_units_are_called(module, earlier, targets, wrap)
     buffers = [b for b in module.buffers()]
     if g is not None and g.size > 1 and buffers:
         broadcast_tensors(buffers, g, "auto")
@@ -625,7 +794,7 @@ def fully_shard(
                 if b is not None and b.is_floating_point():
                     m._buffers[name] = b.to(mp.buffer_dtype)
     new_units: list[ShardedUnit] = []
-    for m in [*_wrap_targets(module, wrap, stop), module]:
+    for m in [*targets, module]:
         unit = ShardedUnit(m, _owned(m, stop), config)
         m.__dict__[UNIT_ATTR] = unit
         m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
@@ -639,7 +808,9 @@ def fully_shard(
         units += earlier_state.units if earlier_state is not None else []
     units = _unique([*units, *new_units])
     state = _RootState(units, new_units[-1], prefetch)
+    paths = {id(m): name for name, m in module.named_modules()}
     for unit in units:
+        unit.name(paths)
         if unit.config.group is not g and unit.config.group is not None:
             raise ValueError(
                 "fully_shard: a submodule was sharded over another group; nested units "
