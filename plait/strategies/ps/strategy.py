@@ -182,12 +182,8 @@ class ParameterServer:
             server_group = runtime.new_group(self.server_ranks, name="ps-servers")
         if self.is_server:
             return self._serve(model, params, flat, bounds, type(optimizer), hyper, server_group)
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                p.data = flat[offset : offset + n].view_as(p)
-                offset += n
+        for p, piece in zip(params, _pieces(flat, params), strict=True):
+            p.data = piece  # the worker's parameters live in the flat buffer it pulls into
         self.optimizer = WorkerOptimizer(
             params,
             hyper,
@@ -235,13 +231,16 @@ class ParameterServer:
             comm.all_gather(pieces, final.contiguous(), group=server_group)
         else:
             flat[lo:hi].copy_(final)
-        offset = 0
         with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
+            for p, piece in zip(params, _pieces(flat, params), strict=True):
+                p.copy_(piece)
         return model, None
+
+
+def _pieces(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``params``, laid end to end in order."""
+    pieces = torch.split(flat, [p.numel() for p in params])
+    return [piece.view_as(p) for piece, p in zip(pieces, params, strict=True)]
 
 
 def ps_of(model: nn.Module) -> ParameterServer:
