@@ -82,9 +82,13 @@ def test_matches_single_process_oracle(ranks, world, wrap, reshard, prefetch):
     _check(results, world, exact=world == 1)
     _check_sharded_sizes(results, world)
     units = results[0]["units"]
-    # sharded_units() lists the root first; head, the last unit to start forward, last.
-    # Both stay gathered between forward and backward (from the second step on).
-    kept = units[0][1] + (units[-1][1] if wrap == "linear" else 0)
+    # sharded_units() lists the root first, then the units in forward order: head, the
+    # last to start forward, last. The root and head stay gathered between forward and
+    # backward (from the second step on), and with prefetch so does the last block's fc,
+    # which backward would prefetch at once.
+    kept = units[0][1]
+    if wrap == "linear":
+        kept += sum(p for _, p in units[-2 if prefetch else -1 :])
     for r in results:  # what stays gathered between forward and backward
         full_kept = kept if reshard else sum(p for _, p in units)
         assert r["after_forward"] == r["local_numel"] + full_kept
@@ -178,23 +182,25 @@ def test_no_grad_forward_frees_everything():
 @pytest.mark.parametrize("reshard", [True, False])
 def test_prefetch_issues_the_same_collectives_asynchronously(ranks, reshard):
     """Per step with wrap={Linear}: 5 units (4 Linear; the root keeps the two LayerNorms)
-    are gathered in forward, the 3 resharded ones (not the root, nor head, the last to
-    start forward) again in backward, and each reduce-scatters once. Prefetch changes
-    only which gathers are asynchronous."""
+    are gathered in forward; in backward again those freed after forward: 3 without
+    prefetch (not the root, nor head, the last to start forward), 2 with it (the last
+    block's fc, which backward would prefetch at once, is kept too). Each unit
+    reduce-scatters once. Prefetch changes which gathers are asynchronous."""
     base = {"wrap": {nn.Linear}, "reshard_after_forward": reshard}
     plain = ranks(2, fsdp_fns.gather_pattern, {**base, "prefetch": False})
     fetched = ranks(2, fsdp_fns.gather_pattern, {**base, "prefetch": True})
     assert plain[0] == plain[1] and fetched[0] == fetched[1]
-    gathers = 5 + (3 if reshard else 0)
-    for pattern in (plain[0], fetched[0]):
-        assert [name for name, _ in pattern].count("all_gather") == gathers
-        assert [name for name, _ in pattern].count("reduce_scatter") == 5
+    for pattern, regathered in ((plain[0], 3), (fetched[0], 2)):
+        names = [name for name, _ in pattern]
+        assert names.count("all_gather") == 5 + (regathered if reshard else 0)
+        assert names.count("reduce_scatter") == 5
         assert all(is_async for name, is_async in pattern if name == "reduce_scatter")
     assert not any(a for name, a in plain[0] if name == "all_gather")
     prefetched = sum(a for name, a in fetched[0] if name == "all_gather")
-    # forward: all but the root's own; backward: all (the root and head, first, are still
-    # gathered, so the root's backward prefetches the next block's fc)
-    assert prefetched == 4 + (3 if reshard else 0)
+    # forward: all but the root's own; backward: both regathers (the root, head and the
+    # last block's fc are still gathered, so the root's backward prefetches the first
+    # block's fc)
+    assert prefetched == 4 + (2 if reshard else 0)
 
 
 @pytest.mark.parametrize("reshard", [True, False])

@@ -17,8 +17,11 @@ Communication contract, on ``group`` (n ranks), with ``algorithm``:
   ``param_dtype``) rebuilds the full flat buffer; the module's parameters are set to views
   of it, so ``forward`` runs unchanged. Afterwards the buffer is freed (its storage is
   resized to 0) when ``reshard_after_forward`` is True, except for the root unit and,
-  once the order is known (from the second forward on), the last unit to start forward:
-  their backward comes first, so regathering them would only delay it;
+  once the order is known (from the second forward on), the units backward needs first:
+  the last unit to start forward and, with ``prefetch``, the one before it (backward's
+  first prefetch would gather it again at once). Keeping them saves their all-gathers
+  and costs holding them through the loss (one unit more than a prefetch would hold
+  during the last unit's backward);
 - backward: when the first gradient of a unit's outputs arrives, a freed unit is
   all-gathered again into the same storage (autograd's saved views see it). When the
   unit's full flat gradient is complete, it is reduce-scattered (average over the group,
@@ -32,7 +35,7 @@ Communication contract, on ``group`` (n ranks), with ``algorithm``:
 
 Bytes per rank per step, with ring collectives and B bytes per parameter element: an
 all-gather sends (n-1)/n P_u B for each unit in forward, again in backward for each
-resharded unit (all but the root and the last), and a reduce-scatter sends (n-1)/n P_u B'
+resharded unit (all but the root and the kept ones), and a reduce-scatter sends (n-1)/n P_u B'
 (B' of ``reduce_dtype``): about 3 (n-1)/n P B in all (2 (n-1)/n P B without
 ``reshard_after_forward``, as DDP's all-reduce), for 1/n of the parameter, gradient and
 optimizer memory. Every rank issues the same collectives in the same order (hooks fire
@@ -453,6 +456,7 @@ class _RootState:
         self.backward_recorded = False
         self.position = {"forward": 0, "backward": 0}
         self.in_backward = False
+        self.kept: set[ShardedUnit] = set()  # gathered from forward to backward (keeps())
         self.reductions: list[tuple[ShardedUnit, Handle | None, torch.Tensor, torch.Tensor]] = []
 
     def step(
@@ -473,9 +477,16 @@ class _RootState:
 
     def keeps(self, unit: ShardedUnit) -> bool:
         """Whether ``unit`` stays gathered after its forward although units reshard: the
-        root, and the last unit to start forward, since backward needs them first."""
-        last = self.forward_recorded and unit is self.forward_order[-1]
-        return unit is self.root or last
+        root, and the units backward needs first (known from the second forward on)."""
+        return unit is self.root or unit in self.kept
+
+    def _choose_kept(self) -> None:
+        """The last unit with parameters to start forward (its backward runs first) and,
+        with prefetch, the one before it (the first unit backward would prefetch): freeing
+        them after forward would only mean gathering them again at once."""
+        tail = [u for u in dict.fromkeys(reversed(self.forward_order)) if u.numel]
+        tail = [u for u in tail if u is not self.root]
+        self.kept = set(tail[: 2 if self.prefetch else 1])
 
     def begin_forward(self) -> None:
         """Units still gathered from a forward without backward are gathered afresh (the
@@ -492,7 +503,9 @@ class _RootState:
         for unit in self.units:
             if unit._gathering is not None:
                 unit.reshard()
-        self.forward_recorded = self.forward_recorded or bool(self.forward_order)
+        if not self.forward_recorded and self.forward_order:
+            self.forward_recorded = True
+            self._choose_kept()
         self._close("forward")
 
     def begin_backward(self) -> None:
@@ -749,8 +762,9 @@ def fully_shard(
     parameters directly (any child of ``nn.MultiheadAttention``, so ``wrap={nn.Linear}``
     on a transformer is refused: use ``wrap={nn.TransformerEncoderLayer}``).
     ``reshard_after_forward``: free each unit's full parameters after its forward and
-    gather them again for backward, except the root's and those of the last unit to start
-    forward, which backward needs first (False: keep all until their backward is done).
+    gather them again for backward, except the root's and those backward needs first:
+    the last unit to start forward and, with ``prefetch``, the one before it (False: keep
+    all until their backward is done).
     ``mixed_precision``: compute and reduction dtypes (shards stay in their dtype).
     ``offload``: keep shards (and hence optimizer state) in CPU memory. ``prefetch``:
     overlap the next unit's all-gather with this unit's compute. ``algorithm``: the
