@@ -9,6 +9,8 @@ from plait.strategies import (
     MixedPrecisionPolicy,
     NaiveDataParallel,
     OffloadPolicy,
+    ParameterServer,
+    UngatheredParameterError,
     ZeroOptimizer,
     fully_shard,
 )
@@ -20,6 +22,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "NaiveDataParallel",
     "OffloadPolicy",
+    "ParameterServer",
+    "UngatheredParameterError",
     "ZeroOptimizer",
     "prepare",
     "RankError",

@@ -13,12 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from plait.strategies.fsdp import (
-    FSDPModule,
-    UngatheredParameterError,
-    full_state_dict,
-    fully_shard,
-)
+from plait import UngatheredParameterError
+from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
 from tests import fsdp_fns
 

@@ -7,7 +7,12 @@ from plait.strategies.comm_hooks import (
     fp16_compress_hook,
 )
 from plait.strategies.ddp import DistributedDataParallel
-from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
+from plait.strategies.fsdp import (
+    FSDPModule,
+    UngatheredParameterError,
+    full_state_dict,
+    fully_shard,
+)
 from plait.strategies.naive import NaiveDataParallel
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
 from plait.strategies.ps import ParameterServer, WorkerOptimizer
@@ -19,6 +24,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParameterServer",
+    "UngatheredParameterError",
     "WorkerOptimizer",
     "GradBucket",
     "NaiveDataParallel",
