@@ -1,6 +1,6 @@
 """plait: distributed training strategies in readable Python on PyTorch."""
 
-from plait import comm
+from plait import amp, comm
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
@@ -29,6 +29,7 @@ __all__ = [
     "RankError",
     "RankPool",
     "RankTimeout",
+    "amp",
     "comm",
     "fully_shard",
     "init",
