@@ -23,3 +23,29 @@ def overflow_on_one_rank(bad_rank: int) -> tuple[bool, float, bool]:
     stepped = scaler.step(optimizer)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     return stepped, scaler.scale_value, unchanged
+
+
+def fsdp_fp16_overflow() -> tuple[bool, float, bool, bool]:
+    """fully_shard computing in float16 with a loss scale whose gradients overflow: the
+    step is skipped (shards unchanged) and the scale halved; a sane scale then steps."""
+    from plait.strategies.fsdp import fully_shard
+    from plait.strategies.policies import MixedPrecisionPolicy
+
+    model = fully_shard(
+        ddp_fns.make_model(), mixed_precision=MixedPrecisionPolicy(param_dtype=torch.float16)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = ddp_fns.batch(plait.world().rank)
+    too_large = DynamicLossScaler(init_scale=2.0**40)  # float16 tops out at 65504
+    too_large.scale(torch.nn.functional.mse_loss(model(x).float(), y)).backward()
+    skipped = not too_large.step(optimizer)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    optimizer.zero_grad()
+    sane = DynamicLossScaler(init_scale=2.0**8)
+    sane.scale(torch.nn.functional.mse_loss(model(x).float(), y)).backward()
+    stepped = sane.step(optimizer)
+    moved = stepped and not all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )
+    return skipped, too_large.scale_value, unchanged, moved

@@ -14,6 +14,12 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(ranks):
         assert not stepped and scale == 512.0 and unchanged
 
 
+def test_fsdp_float16_overflow_skips_the_step_on_every_rank(ranks):
+    for skipped, scale, unchanged, moved in ranks(2, amp_fns.fsdp_fp16_overflow):
+        assert skipped and scale == 2.0**39 and unchanged
+        assert moved  # the same model and optimizer step once the scale fits
+
+
 def test_clean_steps_unscale_exactly_and_grow_the_scale():
     model, reference = ddp_fns.make_model(), ddp_fns.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
