@@ -484,8 +484,8 @@ class _RootState:
         """The last unit with parameters to start forward (its backward runs first) and,
         with prefetch, the one before it (the first unit backward would prefetch): freeing
         them after forward would only mean gathering them again at once."""
-        tail = [u for u in dict.fromkeys(reversed(self.forward_order)) if u.numel]
-        tail = [u for u in tail if u is not self.root]
+        last_first = dict.fromkeys(reversed(self.forward_order))
+        tail = [u for u in last_first if u.numel and u is not self.root]
         self.kept = set(tail[: 2 if self.prefetch else 1])
 
     def begin_forward(self) -> None:
