@@ -73,7 +73,10 @@ def verify_same_parameters(
     store.set(f"{prefix}/list/{me}", json.dumps(lines))
     list_keys = [f"{prefix}/list/{r}" for r in group.ranks]
     _wait(store, list_keys, group, who)
-    lists = {r: json.loads(store.get(k).decode()) for r, k in zip(group.ranks, list_keys, strict=True)}
+    lists = {
+        r: json.loads(store.get(k).decode())
+        for r, k in zip(group.ranks, list_keys, strict=True)
+    }
     reference = group.ranks[0]
     problems = []
     for r in group.ranks[1:]:
