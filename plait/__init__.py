@@ -2,6 +2,7 @@
 
 from plait import amp, comm
 from plait.launch import RankError, RankPool, RankTimeout, spawn
+from plait.mesh import Mesh
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
 from plait.strategies import (
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedDataParallel",
+    "Mesh",
     "MixedPrecisionPolicy",
     "NaiveDataParallel",
     "OffloadPolicy",

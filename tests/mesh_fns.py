@@ -1,0 +1,29 @@
+"""Rank functions for tests/test_mesh.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import plait
+from plait import comm
+
+
+def two_meshes() -> dict[str, Any]:
+    """Build two meshes in one process; reduce along each dimension of both."""
+    a = plait.Mesh(dp=2, tp=2)
+    b = plait.Mesh(tp=4)
+    out: dict[str, Any] = {"a": {}, "b": {}}
+    for name, mesh in (("a", a), ("b", b)):
+        for dim in mesh.names:
+            g = mesh.group(dim)
+            t = torch.tensor([float(plait.world().rank)])
+            comm.all_reduce(t, group=g)
+            out[name][dim] = (list(g.ranks), mesh.rank(dim), mesh.size(dim), float(t))
+    sub = a.submesh("dp", "tp")
+    t = torch.ones(1)
+    comm.all_reduce(t, group=sub.group("dp", "tp"))
+    out["flat"] = (list(sub.group("dp", "tp").ranks), float(t))
+    out["text"] = str(a)
+    return out
