@@ -1,0 +1,139 @@
+"""A small GPT: the transformer every model-parallel strategy of plait is proven on.
+
+Token + position embedding, ``layers`` pre-LayerNorm blocks (causal self-attention, then an
+MLP of width ``4 * width``, each inside a residual), a final LayerNorm and an output head
+that may share the token embedding's weight (``tied=True``). Activations are batch-first,
+``[batch, sequence, width]``. Dropout is off by default (``dropout=0.0``): the oracle tests
+need every strategy to compute the same function.
+
+Module paths (what a tensor-parallel plan names): ``tok``, ``pos``, ``blocks.<i>.ln1``,
+``blocks.<i>.attn.{q,k,v,proj}``, ``blocks.<i>.ln2``, ``blocks.<i>.mlp.{fc1,fc2}``,
+``ln_f``, ``head``. Attention infers its local head count from the width of ``q``'s output
+(``q(x).shape[-1] // head_dim``), so the same code runs on a tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 97
+    layers: int = 2
+    heads: int = 4
+    width: int = 64
+    seq_len: int = 32
+    tied: bool = False
+    dropout: float = 0.0
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads:
+            raise ValueError(
+                f"GPTConfig: width {self.width} is not a multiple of heads {self.heads}"
+            )
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections and ``proj``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        w, dt = config.width, config.dtype
+        self.heads = config.heads
+        self.head_dim = w // config.heads
+        self.q = nn.Linear(w, w, dtype=dt)
+        self.k = nn.Linear(w, w, dtype=dt)
+        self.v = nn.Linear(w, w, dtype=dt)
+        self.proj = nn.Linear(w, w, dtype=dt)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, heads*d] -> [b, heads, s, d]
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with hidden width ``4 * width``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.width, 4 * config.width, dtype=config.dtype)
+        self.fc2 = nn.Linear(4 * config.width, config.width, dtype=config.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (pre-LayerNorm)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.width, dtype=config.dtype)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.width, dtype=config.dtype)
+        self.mlp = FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer; ``forward(ids [b, s]) -> logits [b, s, vocab]``.
+
+    Built from ``torch.manual_seed(config.seed)``: every rank building the same config holds
+    the same weights, which is what :func:`plait.parallelize` slices.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        torch.manual_seed(config.seed)
+        self.config = config
+        dt = config.dtype
+        self.tok = nn.Embedding(config.vocab, config.width, dtype=dt)
+        self.pos = nn.Embedding(config.seq_len, config.width, dtype=dt)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.ln_f = nn.LayerNorm(config.width, dtype=dt)
+        self.head = nn.Linear(config.width, config.vocab, bias=False, dtype=dt)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+                    if name.endswith(("proj.weight", "fc2.weight")):
+                        p.div_((2 * config.layers) ** 0.5)  # residual-branch scaling
+                elif name.endswith(".bias"):
+                    p.zero_()
+        if config.tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        if s > self.config.seq_len:
+            raise ValueError(f"GPT: sequence of {s} tokens exceeds seq_len {self.config.seq_len}")
+        positions = torch.arange(s, device=ids.device).unsqueeze(0)  # [1, s]
+        x = self.drop(self.tok(ids) + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits [b, s, V]`` against ``targets [b, s]``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
