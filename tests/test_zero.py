@@ -105,8 +105,10 @@ def test_mixed_dtypes_and_bad_arguments_are_refused():
         ZeroOptimizer([a, b], torch.optim.Adam)
     with pytest.raises(ValueError, match="stage must be 1 or 2"):
         ZeroOptimizer([a], torch.optim.Adam, stage=3)
-    with pytest.raises(ValueError, match="single group"):
-        ZeroOptimizer([{"params": [a]}, {"params": [b]}], torch.optim.Adam)
+    with pytest.raises(TypeError, match="one dtype"):  # also across param groups
+        ZeroOptimizer([{"params": [a]}, {"params": [b], "lr": 0.1}], torch.optim.Adam)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ZeroOptimizer([nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.Adam)
 
 
 # --- training against the oracle ---------------------------------------------------------
@@ -167,12 +169,13 @@ def test_stage2_keeps_no_full_gradient(ranks, world):
     full = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     for info in ranks(world, zero_fns.stage2_gradients):
         lo, hi = info[2]["lo_hi"]
-        assert all(info[2]["grads_none"])
+        assert all(info[2]["placeholders"])  # one-element placeholders, not gradients
+        assert all(info[2]["guarded"]) and all(info[1]["guarded"])
         assert info[2]["grad_numel"] == hi - lo
         torch.testing.assert_close(info[2]["shard_grad"], full[lo:hi], **TOL)
         # stage 1 reduces in step(): after backward the full gradients are all there
         assert info[1]["shard_grad"] is None
-        assert not any(info[1]["grads_none"])
+        assert not any(info[1]["placeholders"])
         assert info[1]["grad_numel"] == NUMEL
         assert info[1]["after_zero_grad"] and info[2]["after_zero_grad"]
 

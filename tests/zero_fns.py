@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import plait
-from plait.strategies.zero import ZeroOptimizer, prepare_zero
+from plait.strategies.zero import ShardedGrad, ZeroOptimizer, prepare_zero
 from tests.ddp_fns import batch, make_model, make_optimizer, shard
 
 
@@ -46,7 +46,7 @@ def shard_sizes(stage: int, opt: str) -> dict[str, Any]:
     model: nn.Module = make_model()
     model, zero = prepare_zero(model, make_optimizer(model, opt), stage=stage)
     _train_steps(model, zero, 0, 1)
-    state = zero.optim.state[zero.shard]
+    (state,) = [zero.optim.state[s] for s in zero.shards]  # one param group
     breakdown = zero.memory_breakdown()
     return {
         "total": sum(p.numel() for p in model.parameters()),
@@ -69,15 +69,21 @@ def stage2_gradients() -> dict[int, Any]:
         out = model(shard(x, world.rank, world.size))
         nn.functional.mse_loss(out, shard(y, world.rank, world.size)).backward()
         zero._wait_reductions()  # stage 2: the averaged shard, before step
-        grad = zero.shard.grad
+        grad = zero._grad
         result[stage] = {
-            "grads_none": [p.grad is None for p in model.parameters()],
+            # stage 2: one-element placeholders (stride 0); stage 1: the local gradients
+            "placeholders": [
+                p.grad is not None and 0 in p.grad.stride() for p in model.parameters()
+            ],
+            "guarded": [isinstance(p.grad, ShardedGrad) for p in model.parameters()],
             "shard_grad": None if grad is None else grad.clone(),
             "grad_numel": sum(t.numel() for t in zero.memory_breakdown()["grads"]),
             "lo_hi": (zero.lo, zero.hi),
         }
         zero.zero_grad()
-        result[stage]["after_zero_grad"] = zero.shard.grad is None
+        result[stage]["after_zero_grad"] = zero._grad is None and all(
+            p.grad is None for p in model.parameters()
+        )
     return result
 
 
