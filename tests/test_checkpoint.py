@@ -1,30 +1,247 @@
-"""Checkpoints: sharded save/load round trips, incomplete saves are refused, full state
-dicts keep the unwrapped keys."""
+"""Checkpoints: transactions (per-step directories, latest, keep_last, agreement on root and
+step), integrity (SHA-256 per file, refusal naming file and rank, fallback), faults during
+save (rank killed inside the writer, coordinator killed before the rename, disk full),
+async save, and the simple per-rank form. Resharding is in test_checkpoint_reshard.py."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 import plait
-from plait import checkpoint
-from tests import checkpoint_fns, ddp_fns
+from plait import RankPool, checkpoint
+from plait.checkpoint import transaction
+from plait.launch import RankExited
+from tests import checkpoint_fns, faultlog
 
 
-def test_sharded_round_trip_and_full_state_dict_keys(ranks, tmp_path: Path):
-    results = ranks(2, checkpoint_fns.save_and_load, str(tmp_path / "ck"))
-    keys = sorted(ddp_fns.make_model().state_dict())
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_simple_form_round_trip_and_full_state_dict_keys(ranks, tmp_path: Path):
+    results = ranks(2, checkpoint_fns.simple_form, str(tmp_path / "ck"))
+    keys = sorted(checkpoint_fns.Net().state_dict())
     for same, full_keys in results:
         assert same and full_keys == keys
-    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert files == ["manifest.json", "shard-0-of-2.pt", "shard-1-of-2.pt"]  # no *.tmp left
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-0"]
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-0").iterdir()) == [
+        "manifest.json",
+        "part-0-of-2.safetensors",
+        "part-1-of-2.safetensors",
+    ]
 
 
-def test_a_save_without_manifest_is_refused(ranks, tmp_path: Path):
-    for message in ranks(2, checkpoint_fns.interrupted_save, str(tmp_path / "half")):
-        assert "not a complete plait checkpoint" in message
+def test_steps_latest_and_keep_last(ranks, tmp_path: Path):
+    root = tmp_path / "run"
+    saved = ranks(2, checkpoint_fns.save_steps, str(root), [10, 20, 30, 40], 2)[0]
+    assert checkpoint.committed_steps(root) == [40, 30]
+    assert (root / "latest").read_text().strip() == "step-40"
+    assert not [p for p in root.iterdir() if p.name.endswith(".partial")]
+    latest, older = (
+        ranks(2, checkpoint_fns.load_params, str(root)),
+        ranks(2, checkpoint_fns.load_params, str(root), step=30),
+    )
+    for got in latest:
+        assert got["step"] == 40 and _equal(got["params"], saved[40])
+    for got in older:
+        assert got["step"] == 30 and _equal(got["params"], saved[30])
+    missing = ranks(2, checkpoint_fns.load_params, str(root), step=10)
+    assert all(m["error"] == "CheckpointCorrupt" and "step-10" in m["message"] for m in missing)
+
+
+def test_ranks_that_pass_different_roots_or_steps_are_named(ranks, tmp_path: Path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    messages = ranks(2, checkpoint_fns.save_with_arguments, [a, b], [1, 1])
+    for m in messages:
+        assert "rank 1 has" in m and a in m and b in m, m
+    messages = ranks(2, checkpoint_fns.save_with_arguments, [a, a], [1, 2])
+    for m in messages:
+        assert "'step': 2" in m and "rank 1" in m, m
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_no_checkpoint_at_all_is_refused(ranks, tmp_path: Path):
+    (tmp_path / "run" / "step-3.partial").mkdir(parents=True)
+    for got in ranks(2, checkpoint_fns.load_params, str(tmp_path / "run")):
+        assert got["error"] == "FileNotFoundError"
+        assert "no committed checkpoint" in got["message"] and "step-3.partial" in got["message"]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("mode", ["flip", "truncate", "delete"])
+def test_damaged_file_is_refused_naming_file_and_rank_then_fallback(ranks, tmp_path, mode):
+    root = tmp_path / "run"
+    saved = ranks(2, checkpoint_fns.save_steps, str(root), [1, 2], 3)[0]
+    victim = root / "step-2" / transaction.part_name(1, 2)
+    checkpoint_fns.corrupt(victim, mode)
+    t0 = time.monotonic()
+    refused = ranks(2, checkpoint_fns.load_params, str(root))
+    detected = time.monotonic() - t0
+    for got in refused:
+        assert got["error"] == "CheckpointCorrupt", got
+        assert str(victim) in got["message"] and "written by rank 1" in got["message"]
+        assert "fallback=True" in got["message"]
+    t1 = time.monotonic()
+    back = ranks(2, checkpoint_fns.load_params, str(root), fallback=True)
+    recovered = time.monotonic() - t1
+    equal = all(b["step"] == 1 and _equal(b["params"], saved[1]) for b in back)
+    assert equal
+    assert all(len(b["skipped"]) == 1 and str(victim) in b["skipped"][0] for b in back)
+    faultlog.record(
+        row=10,
+        fault=f"{mode} one shard of the latest checkpoint (ws=2)",
+        detected_after_s=round(detected, 3),
+        named_correctly=True,
+        recovered_after_s=round(recovered, 3),
+        state_equal=equal,
+    )
+
+
+@pytest.mark.faults
+def test_damaged_manifest_is_refused(ranks, tmp_path: Path):
+    root = tmp_path / "run"
+    ranks(2, checkpoint_fns.save_steps, str(root), [1, 2], 3)
+    manifest = root / "step-2" / transaction.MANIFEST
+    manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 3'))
+    for got in ranks(2, checkpoint_fns.load_params, str(root)):
+        assert got["error"] == "CheckpointCorrupt" and str(manifest) in got["message"]
+
+
+def _kill_during_save(ranks, tmp_path: Path, victim: int, point: str, row_fault: str) -> None:
+    root = tmp_path / "run"
+    with RankPool(2, timeout=30) as pool:
+        results = pool.run(
+            checkpoint_fns.die_during_save,
+            str(root),
+            victim,
+            point,
+            timeout=120,
+            may_exit={victim},
+        )
+    assert isinstance(results[victim], RankExited)
+    survivor = results[1 - victim]
+    assert survivor["error"] is not None, "the surviving rank must fail the save"
+    named = f"rank {victim}" in survivor["error"]
+    assert checkpoint.committed_steps(root) == [1]
+    assert (root / "latest").read_text().strip() == "step-1"
+    assert (root / "step-2.partial").is_dir()  # left behind, never selected
+    t0 = time.monotonic()
+    back = ranks(2, checkpoint_fns.load_params, str(root))
+    recovered = time.monotonic() - t0
+    equal = all(b["step"] == 1 and _equal(b["params"], survivor["first"]) for b in back)
+    assert equal
+    faultlog.record(
+        row=8,
+        fault=row_fault,
+        detected_after_s=round(survivor["after_s"], 3),
+        named_correctly=named,
+        recovered_after_s=round(recovered, 3),
+        state_equal=equal,
+        survivor_error=survivor["error"][:200],
+    )
+
+
+@pytest.mark.faults
+def test_rank_killed_inside_the_writer_leaves_the_previous_checkpoint(ranks, tmp_path: Path):
+    _kill_during_save(ranks, tmp_path, 1, "write", "SIGKILL rank 1 inside its file write (ws=2)")
+
+
+@pytest.mark.faults
+def test_coordinator_killed_before_the_rename_leaves_the_previous_checkpoint(ranks, tmp_path):
+    _kill_during_save(
+        ranks, tmp_path, 0, "rename", "SIGKILL the coordinator between manifest write and rename"
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", f"plait-ck-{uuid.uuid4().hex[:6]}", str(mount)],
+        capture_output=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=30)
+
+
+@pytest.mark.faults
+def test_disk_full_raises_on_every_rank_and_keeps_the_previous_checkpoint(ranks, small_disk):
+    root = small_disk / "run"
+    saved = ranks(2, checkpoint_fns.save_small, str(root))
+    results = ranks(2, checkpoint_fns.save_big_then_report, str(root), 40_000)  # 160 kB/rank
+    for got in results:
+        assert got["error"] is not None and "No space left on device" in got["error"], got
+    assert checkpoint.committed_steps(root) == [1]
+    assert not [p for p in root.iterdir() if p.name.startswith("step-2")]  # partial removed
+    back = ranks(2, checkpoint_fns.load_state, str(root))
+    equal = all(b["step"] == 1 and _equal(b["state"], s) for b, s in zip(back, saved, strict=True))
+    assert equal
+    faultlog.record(
+        row=9,
+        fault="disk full during save (256 kB tmpfs, ws=2)",
+        detected_after_s=round(max(g["after_s"] for g in results), 3),
+        named_correctly=all("rank" in g["error"] for g in results),
+        recovered_after_s=None,
+        state_equal=equal,
+    )
+
+
+@pytest.mark.faults
+def test_async_save_holds_the_values_at_the_call(ranks, tmp_path: Path):
+    results = ranks(2, checkpoint_fns.async_save_then_update, str(tmp_path / "run"))
+    for got in results:
+        assert got["writing_when_updated"]
+        assert _equal(got["loaded"], got["at_call"])
+        assert not torch.equal(got["now"]["fc1.weight"], got["at_call"]["fc1.weight"])
+    faultlog.record(
+        row=19,
+        fault="async save, parameters updated in place while the writer runs (ws=2)",
+        detected_after_s=None,
+        named_correctly=None,
+        state_equal=True,
+    )
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("at", ["wait", "next"])
+def test_async_writer_error_surfaces_on_every_rank(ranks, tmp_path: Path, at: str):
+    root = tmp_path / "run"
+    for message in ranks(2, checkpoint_fns.async_error_surfaces, str(root), 1, at):
+        assert "rank(s) [1]" in message and "No space left on device (injected)" in message
+    assert checkpoint.committed_steps(root) == []
+
+
+def test_single_process_round_trip_without_init(tmp_path: Path):
+    s = checkpoint_fns.Net()
+    opt = torch.optim.Adam(s.parameters(), lr=0.01)
+    s(torch.randn(2, checkpoint_fns.FEATURES)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path, step=1, model=s, optimizer=opt, extra={"t": torch.ones(2)})
+    fresh = checkpoint_fns.Net()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.3)
+    restored = checkpoint.load(tmp_path, model=fresh, optimizer=fresh_opt)
+    assert _equal(fresh.state_dict(), s.state_dict())
+    assert torch.equal(restored.extra["t"], torch.ones(2))
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    with pytest.raises(TypeError, match="JSON"):
+        checkpoint.save(tmp_path, step=2, model=s, extra={"bad": object()})
+    assert checkpoint.committed_steps(tmp_path) == [1]
+    shutil.rmtree(tmp_path / "step-1")
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load(tmp_path, model=fresh)
 
 
 def test_atomic_write_replaces_whole_files(tmp_path: Path):
@@ -36,7 +253,7 @@ def test_atomic_write_replaces_whole_files(tmp_path: Path):
 
 
 def test_full_state_dict_of_a_plain_model():
-    model = ddp_fns.make_model()
+    model = checkpoint_fns.Net()
     assert checkpoint.full_state_dict(model).keys() == model.state_dict().keys()
     with pytest.raises(RuntimeError, match="plait.init"):
         plait.DistributedDataParallel(model)

@@ -1,0 +1,517 @@
+"""``save`` and ``load``: training state as a transactional, verified, reshardable checkpoint.
+
+What is stored (see ``layout.py`` and ``transaction.py``): the dense model state and the
+plain-format optimizer state keyed by parameter names, split over the ranks' files by
+bytes (largest first to the least-loaded rank); sampler, loss-scaler state and ``extra``
+(rank 0's) as JSON in the manifest; per rank, the torch CPU generator state (a byte
+tensor), Python's ``random`` state (JSON) and the simple form's ``state``. Tensors are
+safetensors, everything else JSON: nothing is pickled.
+
+Communication (collective: every rank of ``group`` must call ``save``/``load``/``wait``):
+
+- ``save``: :func:`~plait.checkpoint.agree.gather_json` (two small all-gathers) to agree
+  on root and step; the strategy's own collectives to build the full state (all-gathers
+  for ZeroOptimizer's and fully sharded state); one gather to agree the partial directory
+  exists and the layout and sampler/scaler states match; one gather of the write results;
+  one of the commit result. Bytes: each rank holds the whole dense model and optimizer
+  state in CPU memory while saving and writes about 1/n of it.
+- ``load``: three small gathers (arguments, candidate steps, per-candidate verification
+  results). Every rank reads and verifies, whole, every file holding a tensor it needs
+  (with the dense layout: the model and optimizer files of all ranks), so each rank reads
+  about the whole checkpoint; sharded strategies then keep their part. No tensor is
+  communicated.
+
+Every rank raises the same error when any rank fails (a dead rank makes the others raise
+the group's ``CollectiveError``); a failed save leaves the previous checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.checkpoint import layout, transaction
+from plait.checkpoint.agree import (
+    CheckpointCorrupt,
+    CheckpointError,
+    gather_json,
+    raise_failures,
+    rank_of,
+    require_same,
+    resolve,
+    size_of,
+)
+from plait.comm.group import Group
+
+SAME_ARGS = "every rank must pass the same root and step"
+
+
+@dataclass
+class Restored:
+    """What :func:`load` restored. ``state``: this rank's ``state`` of the simple form
+    (``save(root, state)``); ``restored[key]`` reads it too. ``skipped``: the checkpoints
+    refused before this one (``fallback=True``), each with the reason."""
+
+    step: int
+    path: Path
+    world_size: int
+    extra: Any = None
+    state: dict[str, Any] = field(default_factory=dict)
+    rng_restored: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.state[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.state
+
+
+class SaveHandle:
+    """A save under way. :meth:`wait` finishes it (collective: every rank must call it,
+    or the next ``save``/``load`` does); it raises what went wrong on any rank."""
+
+    def __init__(self, job: _SaveJob, thread: threading.Thread | None) -> None:
+        self._job = job
+        self._thread = thread
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def path(self) -> Path:
+        return self._job.root / transaction.step_name(self._job.step)
+
+    def done(self) -> bool:
+        """True once this rank's file is written (the commit still needs :meth:`wait`)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Finish the save: agree with the other ranks and commit. Returns the committed
+        directory. Collective. Raises :class:`CheckpointError` if any rank failed."""
+        global _pending
+        if _pending is self:
+            _pending = None
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            if self._thread is not None:
+                self._thread.join()
+            try:
+                self._result = self._job.finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        return self._result
+
+
+_pending: SaveHandle | None = None
+
+
+def _finish_pending() -> None:
+    if _pending is not None:
+        _pending.wait()
+
+
+def _python_random_state() -> Any:
+    return layout.encode_tree(random.getstate(), "python_random", {})
+
+
+@dataclass
+class _SaveJob:
+    root: Path
+    step: int
+    group: Group | None
+    partial: Path
+    tensors: dict[str, torch.Tensor]
+    body: dict[str, Any]
+    keep_last: int | None
+    written: dict[str, Any] | None = None
+
+    def write(self) -> None:
+        rank = rank_of(self.group)
+        try:
+            self.written = transaction.write_part(
+                self.partial, rank, size_of(self.group), self.tensors
+            )
+        except Exception as exc:  # reported to every rank by finish()
+            self.written = {"error": f"writing {self.partial}: {type(exc).__name__}: {exc}"}
+        except BaseException as exc:  # SystemExit/KeyboardInterrupt in a writer thread
+            self.written = {"error": f"writing {self.partial}: {type(exc).__name__}: {exc}"}
+            raise
+        finally:
+            self.tensors = {}
+
+    def finish(self) -> Path:
+        g, rank = self.group, rank_of(self.group)
+        assert self.written is not None
+        statuses = gather_json(self.written, g)
+        if any(s.get("error") for s in statuses):
+            if rank == 0:
+                transaction.abort(self.root, self.step)
+            raise_failures(
+                f"checkpoint.save of {transaction.step_name(self.step)} under {self.root}",
+                statuses,
+                kind=CheckpointError,
+            )
+        status: dict[str, Any] = {}
+        if rank == 0:
+            body = dict(self.body)
+            body["files"] = {
+                s["file"]: {"rank": r, "bytes": s["bytes"], "sha256": s["sha256"]}
+                for r, s in enumerate(statuses)
+            }
+            try:
+                transaction.commit(self.root, self.step, body, keep_last=self.keep_last)
+            except Exception as exc:
+                transaction.abort(self.root, self.step)
+                status = {"error": f"committing: {type(exc).__name__}: {exc}"}
+        raise_failures(
+            f"checkpoint.save of {transaction.step_name(self.step)} under {self.root}",
+            gather_json(status, g),
+            kind=CheckpointError,
+        )
+        return self.root / transaction.step_name(self.step)
+
+
+def save(
+    root: str | Path,
+    state: dict[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: Any = None,
+    scaler: Any = None,
+    extra: Any = None,
+    group: Group | None = None,
+    keep_last: int | None = 3,
+    rng: bool = True,
+    async_: bool = False,
+) -> SaveHandle:
+    """Save a checkpoint as ``root/step-<step>/``, atomically; collective over ``group``.
+
+    ``model``: plain, DDP, naive-DP, ZeRO (the model itself) or ``fully_shard`` model;
+    its dense state dict is saved. ``optimizer``: its state, keyed by the model's parameter
+    names (needs ``model``); a ZeroOptimizer's consolidated state. ``sampler``/``scaler``:
+    objects with a JSON-able ``state_dict()`` (e.g. ``plait.DistributedSampler``,
+    ``plait.amp.DynamicLossScaler``); every rank must hold the same state. ``extra``: a
+    JSON tree (tensor leaves allowed) from rank 0. ``state`` (the simple form,
+    ``save(directory, state)``): this rank's own dict of tensors and JSON values, loaded
+    back only by the same rank at the same world size; ``step`` defaults to 0 then.
+    ``keep_last``: committed checkpoints kept (None: all). ``rng``: save each rank's torch
+    CPU generator and Python ``random`` states.
+
+    ``async_=True``: the state is captured (copied) now, the file written by a background
+    thread; the returned handle's ``wait()`` (or the next save/load) commits it. Without
+    it, the save is committed when ``save`` returns. Raises :class:`CheckpointMismatch`
+    when ranks pass different roots or steps, :class:`CheckpointError` naming the ranks
+    when writing or committing fails on any of them (on every rank; the partial save is
+    removed and never loaded).
+    """
+    global _pending
+    _finish_pending()
+    g = resolve(group)
+    rank, world_size = rank_of(g), size_of(g)
+    if step is None:
+        if state is None:
+            raise TypeError("checkpoint.save: pass step=<int> (the training step being saved)")
+        step = 0
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be an int >= 0, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(
+            f"checkpoint.save: keep_last must be an int >= 1 or None, got {keep_last!r}"
+        )
+    if optimizer is not None and model is None:
+        raise ValueError(
+            "checkpoint.save: optimizer state is keyed by the model's parameter names; pass "
+            "model= too"
+        )
+    path = Path(root).resolve()
+    require_same(
+        "checkpoint.save",
+        "the checkpoint root and step",
+        gather_json({"root": str(path), "step": step}, g),
+        hint=SAME_ARGS,
+    )
+
+    shared: dict[str, torch.Tensor] = {}
+    local: dict[str, torch.Tensor] = {}
+    body: dict[str, Any] = {"format": transaction.FORMAT, "step": step, "world_size": world_size}
+    if model is not None:
+        full = layout.full_state_dict(model)
+        body["model"] = list(full)
+        for key, value in full.items():
+            shared[f"model/{key}"] = value.detach().cpu().contiguous().clone()
+    if optimizer is not None:
+        assert model is not None
+        groups = layout.optimizer_groups(model, optimizer)
+        plain = layout.optimizer_state(model, optimizer)
+        body["optimizer"] = layout.encode_optimizer(
+            plain, groups, shared, local if rank == 0 else {}
+        )
+        body["optimizer_class"] = type(optimizer).__name__
+    if extra is not None:
+        body["extra"] = layout.encode_tree(extra, "extra", local if rank == 0 else {})
+    mine: dict[str, Any] = {}
+    if rng:
+        local[f"rng/torch/{rank}"] = torch.get_rng_state()
+        mine["python_random"] = _python_random_state()
+    if state is not None:
+        mine["state"] = layout.encode_tree(state, f"rank{rank}", local)
+    agreed = {
+        "layout": hashlib.sha256(
+            json.dumps(
+                [[k, list(t.shape), str(t.dtype)] for k, t in sorted(shared.items())]
+            ).encode()
+        ).hexdigest(),
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
+    if sampler is not None:
+        body["sampler"] = agreed["sampler"]
+    if scaler is not None:
+        body["scaler"] = agreed["scaler"]
+
+    owners = layout.balanced_split(shared, world_size)
+    files = {k: transaction.part_name(r, world_size) for r, keys in enumerate(owners) for k in keys}
+    tensors = {k: shared[k] for k in owners[rank]}
+    tensors.update(local)
+
+    prepared: dict[str, Any] = {"agreed": agreed, "mine": mine, "local": sorted(local)}
+    if rank == 0:
+        try:
+            transaction.prepare(path, step)
+        except OSError as exc:
+            prepared["error"] = f"creating {transaction.partial_dir(path, step)}: {exc}"
+    everyone = gather_json(prepared, g)
+    raise_failures("checkpoint.save", everyone, kind=CheckpointError)
+    for what, hint in (
+        ("layout", "every rank must save the same model and optimizer (names, shapes, dtypes)"),
+        ("sampler", "the ranks' samplers are at different positions: step them in lockstep"),
+        ("scaler", "the ranks' loss scalers differ: give them the same group"),
+    ):
+        require_same(
+            f"checkpoint.save: {what}",
+            f"the {what} state",
+            [e["agreed"][what] for e in everyone],
+            hint=hint,
+        )
+    for r, e in enumerate(everyone):
+        files.update({k: transaction.part_name(r, world_size) for k in e["local"]})
+    body["tensors"] = files
+    body["ranks"] = [e["mine"] for e in everyone]
+
+    job = _SaveJob(path, step, g, transaction.partial_dir(path, step), tensors, body, keep_last)
+    if not async_:
+        job.write()
+        handle = SaveHandle(job, None)
+        handle.wait()
+        return handle
+    thread = threading.Thread(target=job.write, name=f"plait-save-step-{step}", daemon=True)
+    thread.start()
+    handle = SaveHandle(job, thread)
+    _pending = handle
+    return handle
+
+
+def load(
+    root: str | Path,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: Any = None,
+    scaler: Any = None,
+    step: int | str = "latest",
+    fallback: bool = False,
+    group: Group | None = None,
+    rng: bool = True,
+) -> Restored:
+    """Load a checkpoint from ``root`` into the given objects; collective over ``group``.
+
+    Any saving strategy and world size loads into any strategy and world size: parameters
+    and optimizer state are stored dense and keyed by name (bitwise equal after the load).
+    The sampler continues the saved global position split over the current ranks. RNG
+    rule: each rank's torch CPU generator and Python ``random`` state are restored only
+    when the world size is the saved one (rank r gets rank r's); at another world size
+    they are left alone (``Restored.rng_restored`` is False), since per-rank streams have
+    no meaning there. The simple form's per-rank ``state`` needs the saved world size.
+
+    ``step``: ``"latest"`` (what ``root/latest`` names, else the newest committed step) or
+    an int. Every file read is checked against its SHA-256; a damaged, truncated or missing
+    file raises :class:`CheckpointCorrupt` on every rank naming the file, the rank that
+    wrote it and the rank that found it. ``fallback=True`` loads the newest older committed
+    checkpoint instead (with a warning; ``Restored.skipped`` says what was refused).
+    """
+    _finish_pending()
+    g = resolve(group)
+    rank, world_size = rank_of(g), size_of(g)
+    path = Path(root).resolve()
+    if not (step == "latest" or (isinstance(step, int) and not isinstance(step, bool))):
+        raise ValueError(f"checkpoint.load: step must be 'latest' or an int, got {step!r}")
+    require_same(
+        "checkpoint.load",
+        "the checkpoint root and step",
+        gather_json({"root": str(path), "step": step}, g),
+        hint=SAME_ARGS,
+    )
+    listing = None
+    if rank == 0:
+        listing = {
+            "steps": transaction.candidates(path, step),
+            "uncommitted": transaction.uncommitted(path),
+        }
+    listing = gather_json(listing, g)[0]
+    steps = listing["steps"] if fallback else listing["steps"][:1]
+    if not steps:
+        raise FileNotFoundError(
+            f"checkpoint.load: {path} holds no committed checkpoint (a step-<N>/ directory "
+            f"with manifest.json); uncommitted: {listing['uncommitted']}"
+        )
+    skipped: list[str] = []
+    for candidate in steps:
+        directory = path / transaction.step_name(candidate)
+        status: dict[str, Any] = {}
+        try:
+            manifest = transaction.read_manifest(directory)
+            tensors = transaction.read_files(
+                directory,
+                manifest,
+                _files_needed(manifest, rank, world_size, model, optimizer, rng),
+                rank,
+            )
+        except CheckpointCorrupt as exc:
+            status = {"error": str(exc)}
+        except OSError as exc:
+            status = {"error": f"reading {directory}: {exc}"}
+        statuses = gather_json(status, g)
+        if not any(s.get("error") for s in statuses):
+            break
+        reasons = "; ".join(
+            f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if s.get("error")
+        )
+        message = f"checkpoint.load: {directory} is refused: {reasons}"
+        if not fallback:
+            raise CheckpointCorrupt(
+                message + ". Pass fallback=True to load the previous good checkpoint"
+            )
+        skipped.append(message)
+        warnings.warn(message + "; trying an older checkpoint", stacklevel=2)
+    else:
+        raise CheckpointCorrupt(
+            f"checkpoint.load: no good checkpoint under {path}: " + " | ".join(skipped)
+        )
+    return _apply(
+        manifest,
+        tensors,
+        directory,
+        skipped,
+        rank,
+        world_size,
+        model,
+        optimizer,
+        sampler,
+        scaler,
+        rng,
+    )
+
+
+def _files_needed(
+    manifest: dict[str, Any],
+    rank: int,
+    world_size: int,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    rng: bool,
+) -> list[str]:
+    files: dict[str, str] = manifest["tensors"]
+    same_world = manifest["world_size"] == world_size
+    wanted = []
+    for key in files:
+        head = key.split("/", 1)[0]
+        if head == "model" and model is not None:
+            wanted.append(key)
+        elif head in ("optimizer", "extra"):
+            if head == "extra" or optimizer is not None:
+                wanted.append(key)
+        elif same_world and (
+            key.startswith(f"rank{rank}/") or (rng and key == f"rng/torch/{rank}")
+        ):
+            wanted.append(key)
+    return sorted({files[k] for k in wanted})
+
+
+def _apply(
+    manifest: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    skipped: list[str],
+    rank: int,
+    world_size: int,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    sampler: Any,
+    scaler: Any,
+    rng: bool,
+) -> Restored:
+    where = f"checkpoint.load of {directory}"
+    for name, obj, key in (
+        ("model", model, "model"),
+        ("optimizer", optimizer, "optimizer"),
+        ("sampler", sampler, "sampler"),
+        ("scaler", scaler, "scaler"),
+    ):
+        if obj is not None and key not in manifest:
+            raise ValueError(
+                f"{where}: a {name} was passed but the checkpoint holds no {name} state"
+            )
+    if optimizer is not None and model is None:
+        raise ValueError(f"{where}: pass model= with optimizer= (its state is keyed by name)")
+    saved_world = manifest["world_size"]
+    same_world = saved_world == world_size
+    if model is not None:
+        layout.load_model_state(model, {k: tensors[f"model/{k}"] for k in manifest["model"]})
+    if optimizer is not None:
+        assert model is not None
+        groups = layout.optimizer_groups(model, optimizer)
+        layout.load_optimizer_state(
+            model, optimizer, layout.decode_optimizer(manifest["optimizer"], tensors, groups)
+        )
+    if sampler is not None:
+        sampler.load_state_dict(manifest["sampler"])
+    if scaler is not None:
+        scaler.load_state_dict(manifest["scaler"])
+    mine = manifest["ranks"][rank] if same_world else {}
+    rng_restored = False
+    if rng and same_world and f"rng/torch/{rank}" in tensors:
+        torch.set_rng_state(tensors[f"rng/torch/{rank}"])
+        random.setstate(layout.decode_tree(mine["python_random"], {}))
+        rng_restored = True
+    state: dict[str, Any] = {}
+    if "state" in mine:
+        state = layout.decode_tree(mine["state"], tensors)
+    elif any("state" in r for r in manifest["ranks"]) and model is None and optimizer is None:
+        raise ValueError(
+            f"{where}: it holds per-rank state saved by {saved_world} ranks, but this group "
+            f"has {world_size}; per-rank state only loads at the world size that saved it "
+            f"(save model/optimizer state instead to change the world size)"
+        )
+    extra = layout.decode_tree(manifest["extra"], tensors) if "extra" in manifest else None
+    return Restored(
+        step=int(manifest["step"]),
+        path=directory,
+        world_size=saved_world,
+        extra=extra,
+        state=state,
+        rng_restored=rng_restored,
+        skipped=skipped,
+    )
