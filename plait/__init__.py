@@ -1,11 +1,12 @@
 """plait: distributed training strategies in readable Python on PyTorch."""
 
-from plait import amp, comm
+from plait import amp, comm, models
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
 from plait.strategies import (
+    DataParallel,
     DistributedDataParallel,
     MixedPrecisionPolicy,
     NaiveDataParallel,
@@ -15,10 +16,12 @@ from plait.strategies import (
     ZeroOptimizer,
     fully_shard,
 )
+from plait.strategies.tensor import parallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "DistributedDataParallel",
     "Mesh",
     "MixedPrecisionPolicy",
@@ -34,6 +37,8 @@ __all__ = [
     "amp",
     "comm",
     "fully_shard",
+    "models",
+    "parallelize",
     "init",
     "is_initialized",
     "new_group",

@@ -11,7 +11,9 @@ Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"n
 (:func:`~plait.strategies.fsdp.fully_shard`), ``"ps"``
 (:class:`~plait.strategies.ps.ParameterServer`: on server ranks ``prepare`` serves until
 the workers finish and returns ``(model, None)``; workers call ``optimizer.finish()``
-after their last step), ``"none"`` (single process, unchanged).
+after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
+``mesh=`` and ``plan=``; a new optimizer over the shards), ``"none"`` (single process,
+unchanged).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.fsdp import fully_shard
 from plait.strategies.ps import ParameterServer
+from plait.strategies.tensor import prepare_tp
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -112,6 +115,7 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "zero3": _fsdp("zero3"),
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
+    "tp": prepare_tp,
 }
 
 

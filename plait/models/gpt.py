@@ -7,14 +7,18 @@ that may share the token embedding's weight (``tied=True``). Activations are bat
 need every strategy to compute the same function.
 
 Module paths (what a tensor-parallel plan names): ``tok``, ``pos``, ``blocks.<i>.ln1``,
-``blocks.<i>.attn.{q,k,v,proj}``, ``blocks.<i>.ln2``, ``blocks.<i>.mlp.{fc1,fc2}``,
-``ln_f``, ``head``. Attention infers its local head count from the width of ``q``'s output
-(``q(x).shape[-1] // head_dim``), so the same code runs on a tensor-parallel shard.
+``blocks.<i>.attn.{qkv,proj}``, ``blocks.<i>.ln2``, ``blocks.<i>.mlp.{fc1,fc2}``,
+``ln_f``, ``head``. The fused ``qkv`` projection stores its output rows head by head
+(``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, each ``head_dim`` wide), so a contiguous split of its
+rows hands each tensor-parallel rank whole heads with their queries, keys and values, and
+attention infers its local head count from the width it receives. :func:`tp_plan` is the
+tensor-parallel plan for :func:`plait.parallelize`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,28 +45,25 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate q, k, v projections and ``proj``."""
+    """Causal multi-head self-attention: a fused ``qkv`` projection (rows head by head) and
+    an output projection ``proj``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         w, dt = config.width, config.dtype
         self.heads = config.heads
         self.head_dim = w // config.heads
-        self.q = nn.Linear(w, w, dtype=dt)
-        self.k = nn.Linear(w, w, dtype=dt)
-        self.v = nn.Linear(w, w, dtype=dt)
+        self.qkv = nn.Linear(w, 3 * w, dtype=dt)
         self.proj = nn.Linear(w, w, dtype=dt)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, heads*d] -> [b, heads, s, d]
-            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        qkv = self.qkv(x)  # under sequence parallelism x is a slice, qkv the whole sequence
+        b, s = qkv.shape[:2]
+        # [b, s, heads * 3 * d] -> [3, b, heads, s, d]; heads = however many this rank holds
+        qkv = qkv.view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, dropout_p=drop)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -137,3 +138,29 @@ class GPT(nn.Module):
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``logits [b, s, V]`` against ``targets [b, s]``."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tp_plan(*, layers: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The tensor-parallel plan of a :class:`GPT` with ``layers`` blocks.
+
+    Attention heads are split across ranks (``qkv`` column-wise, ``proj`` row-wise), the MLP
+    column-then-row, the token embedding and the head by vocabulary. With
+    ``sequence_parallel`` the LayerNorms and the position embedding work on this rank's
+    slice of the sequence (``"sequence"``; their gradients are summed over the group).
+    """
+    from plait.strategies.tensor.parallelize import Style
+
+    plan: dict[str, Any] = {"tok": "vocab", "head": "vocab"}
+    for i in range(layers):
+        b = f"blocks.{i}"
+        plan |= {
+            f"{b}.attn.qkv": "colwise",
+            f"{b}.attn.proj": "rowwise",
+            f"{b}.mlp.fc1": "colwise",
+            f"{b}.mlp.fc2": "rowwise",
+        }
+        if sequence_parallel:
+            plan |= {f"{b}.ln1": "sequence", f"{b}.ln2": "sequence"}
+    if sequence_parallel:
+        plan |= {"ln_f": "sequence", "pos": Style("sequence", input="replicate")}
+    return plan

@@ -15,11 +15,23 @@ from plait.strategies.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from plait.strategies.tensor.parallelize import (
+    Style,
+    full_state_dict,
+    loss_fn,
+    parallelize,
+    prepare_tp,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "Style",
     "VocabParallelEmbedding",
+    "full_state_dict",
+    "loss_fn",
     "mappings",
+    "parallelize",
+    "prepare_tp",
     "vocab_parallel_cross_entropy",
 ]
