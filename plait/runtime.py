@@ -2,12 +2,21 @@
 
 ``init()`` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a script written for plait runs under
-``plait run``, ``torchrun`` or ``plait.spawn`` alike.
+``plait run``, ``torchrun`` or ``plait.spawn`` alike. A script that called
+``torch.distributed.init_process_group`` itself is adopted: ``plait.init()`` (or the
+first plait call that needs the world group) uses that process group.
+
+Settings read from the environment, each checked (a bad value raises ``ValueError``
+naming the variable and the valid range): ``PLAIT_TIMEOUT`` (seconds, > 0),
+``PLAIT_NODE_SIZE`` (ranks per node, >= 1), ``PLAIT_HEARTBEAT_TIMEOUT`` (seconds, >= 1),
+``PLAIT_CHECK`` (``1``/``0``: the default-mode signature check), ``PLAIT_DEBUG``,
+``PLAIT_RECORDER_SIZE`` and ``PLAIT_RECORDER_DIR`` (the flight recorder).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.comm import progress
+from plait.comm import progress, recorder, watchdog
 from plait.comm.group import Group
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -23,6 +32,7 @@ _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _world: Group | None = None
 _subgroups: list[Group] = []
+_settings: dict[str, Any] = {}  # what the world group was made with, to compare re-inits
 
 
 def choose_backend() -> str:
@@ -52,18 +62,63 @@ def share_cores() -> None:
         torch.set_num_threads(max(1, (cores or 1) // local_world))
 
 
+_TRUE, _FALSE = ("1", "true", "True", "on", "yes"), ("0", "false", "False", "off", "no")
+
+
+def _flag(name: str, value: bool | None, default: bool) -> bool:
+    if value is not None:
+        return bool(value)
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (also true/false, on/off)")
+
+
 def _debug_default(debug: bool | None) -> bool:
-    if debug is not None:
-        return debug
-    return os.environ.get("PLAIT_DEBUG", "0") not in ("", "0", "false", "False")
+    return _flag("PLAIT_DEBUG", debug, False)
+
+
+def _seconds(value: Any, source: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"{source}={value!r}: expected a positive, finite number of seconds "
+            f"(default {DEFAULT_TIMEOUT_S:g})"
+        )
+    return seconds
 
 
 def _timeout_default(timeout: float | None) -> float:
     if timeout is not None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-        return float(timeout)
-    return float(os.environ.get("PLAIT_TIMEOUT", DEFAULT_TIMEOUT_S))
+        return _seconds(timeout, "timeout")
+    raw = os.environ.get("PLAIT_TIMEOUT", "")
+    return DEFAULT_TIMEOUT_S if raw == "" else _seconds(raw, "PLAIT_TIMEOUT")
+
+
+def _node_size_default(node_size: int | None) -> int | None:
+    source, value = "node_size", node_size  # type: tuple[str, Any]
+    if value is None:
+        source, value = ("PLAIT_NODE_SIZE", os.environ.get("PLAIT_NODE_SIZE", ""))
+        if value in ("", "0"):  # unset (0 kept for scripts that wrote it for "by host")
+            return None
+    try:
+        size = int(value)
+        ok = size >= 1 and str(size) == str(value).strip()
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{source}={value!r}: expected a whole number of ranks per node >= 1 "
+            f"(unset: ranks per host)"
+        )
+    return size
 
 
 def init(
@@ -73,26 +128,67 @@ def init(
     debug: bool | None = None,
     node_size: int | None = None,
     store: Any = None,
+    check: bool | None = None,
+    heartbeat_timeout: float | None = None,
 ) -> Group:
     """Join the process group described by the environment; return the world group.
 
     ``backend``: ``"gloo"`` or ``"nccl"`` (default: :func:`choose_backend`).
     ``timeout``: seconds any collective may wait for other ranks (default 600, or
-    ``PLAIT_TIMEOUT``). ``debug``: check every collective's signature across ranks
-    (default: ``PLAIT_DEBUG=1``). ``node_size``: ranks per node for the hierarchical
-    algorithms (default: ``PLAIT_NODE_SIZE``, else ranks per host). If
-    ``torch.distributed`` is already initialized, plait uses that process group.
-    Blocks until every rank has joined (at most ``timeout``).
+    ``PLAIT_TIMEOUT``). ``debug``: check every collective's full signature through the
+    store before it runs (default: ``PLAIT_DEBUG=1``). ``check``: the default-mode check
+    (default on, ``PLAIT_CHECK=0`` turns it off): each collective's signature is folded
+    into its messages' tags, so ranks that disagree exchange nothing and raise
+    :class:`~plait.comm.CollectiveMismatch` within about a second (see
+    ``plait/comm/watchdog.py``). ``heartbeat_timeout``: seconds a peer may stop beating
+    while another rank waits on it before that wait raises
+    :class:`~plait.comm.errors.PeerUnresponsive` (default 5, ``PLAIT_HEARTBEAT_TIMEOUT``;
+    at least 1). ``node_size``: ranks per node for the hierarchical algorithms (default:
+    ``PLAIT_NODE_SIZE``, else ranks per host).
+
+    If ``torch.distributed`` is already initialized (the script called
+    ``init_process_group``), plait adopts that process group. A second call with the same
+    arguments returns the existing world group; with different ones it raises (call
+    :func:`shutdown` first). Blocks until every rank has joined (at most ``timeout``).
     """
     global _world
+    asked = {
+        "backend": backend,
+        "timeout": None if timeout is None else _seconds(timeout, "timeout"),
+        "debug": debug,
+        "node_size": node_size,
+        "check": check,
+        "heartbeat_timeout": heartbeat_timeout,
+    }
     if _world is not None:
+        differ = [
+            f"{k}={v!r} (the world group has {k}={_settings.get(k)!r})"
+            for k, v in asked.items()
+            if v is not None and _settings.get(k) != v
+        ]
+        if differ:
+            raise ValueError(
+                f"plait.init: already initialized, with other settings: {', '.join(differ)}. "
+                f"Call plait.shutdown() first to initialize again with new settings, or "
+                f"drop these arguments to get the existing world group."
+            )
         return _world
     timeout_s = _timeout_default(timeout)
-    share_cores()
+    debug_on = _debug_default(debug)
+    check_on = _flag("PLAIT_CHECK", check, True)
+    nodes = _node_size_default(node_size)
+    beat_s = watchdog.configure(heartbeat_timeout)
     if dist.is_initialized():
-        backend = str(dist.get_backend())
+        adopted = str(dist.get_backend())
+        if backend is not None and backend != adopted:
+            raise ValueError(
+                f"plait.init: backend={backend!r}, but torch.distributed is already "
+                f"initialized with {adopted!r}; drop backend= to adopt that process group"
+            )
+        backend = adopted
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
+        share_cores()
         missing = [k for k in _REQUIRED_ENV if k not in os.environ]
         if missing:
             raise RuntimeError(
@@ -110,7 +206,8 @@ def init(
         else:
             kwargs["init_method"] = "env://"
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-    progress.configure_from_env()
+    _configure_store()
+    recorder.configure(rank=rank)
     _world = Group(
         pg=dist.group.WORLD,
         ranks=range(world_size),
@@ -118,29 +215,72 @@ def init(
         name="world",
         backend=backend,
         timeout=timeout_s,
-        debug=_debug_default(debug),
-        node_size=node_size or int(os.environ.get("PLAIT_NODE_SIZE", "0")) or None,
+        debug=debug_on,
+        node_size=nodes,
+        check=check_on,
+    )
+    _settings.clear()
+    _settings.update(
+        backend=backend,
+        timeout=timeout_s,
+        debug=debug_on,
+        node_size=nodes,
+        check=check_on,
+        heartbeat_timeout=beat_s,
     )
     return _world
 
 
-def world_or_none() -> Group | None:
-    """The world group, or None before :func:`init` (single-process use)."""
+def _configure_store() -> None:
+    """Point the progress board at the rendezvous store: MASTER_ADDR/MASTER_PORT, or the
+    TCP store of a process group the script initialized itself."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        progress.configure_from_env()
+        return
+    try:
+        from torch.distributed import distributed_c10d
+
+        found = distributed_c10d._get_default_store()
+        while not isinstance(found, dist.TCPStore) and hasattr(found, "underlying_store"):
+            found = found.underlying_store
+        if isinstance(found, dist.TCPStore):
+            progress.configure(found.host, found.port)
+            return
+    except Exception:
+        pass
+    progress.configure(None, None)  # no store: no board, heartbeats or stall checks
+
+
+def _adopt() -> Group | None:
+    """The world group, adopting a process group the script initialized itself."""
+    if _world is None and dist.is_available() and dist.is_initialized():
+        return init()
     return _world
+
+
+def world_or_none() -> Group | None:
+    """The world group, or None when neither :func:`init` nor
+    ``torch.distributed.init_process_group`` was called (single-process use)."""
+    return _adopt()
 
 
 def is_initialized() -> bool:
-    return _world is not None
+    """plait (or ``torch.distributed``, which plait then adopts) is initialized."""
+    return _adopt() is not None
 
 
 def world() -> Group:
-    """The group of all ranks (after :func:`init`)."""
-    if _world is None:
+    """The group of all ranks (after :func:`init`, or adopting the process group of
+    ``torch.distributed.init_process_group``)."""
+    group = _adopt()
+    if group is None:
         raise RuntimeError(
-            "plait is not initialized: call plait.init() first (plait.spawn and "
-            "`plait run` do it for you)"
+            "plait is not initialized: call plait.init() at the start of the script (it "
+            "reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which `plait run -n N "
+            "script.py` and torchrun set; plait.spawn calls it for you), or initialize "
+            "torch.distributed yourself and plait adopts it"
         )
-    return _world
+    return group
 
 
 def new_group(
@@ -164,7 +304,7 @@ def new_group(
         )
     if node_size is not None and node_size <= 0:
         raise ValueError(f"new_group: node_size must be positive, got {node_size}")
-    timeout_s = _timeout_default(timeout) if timeout is not None else w.timeout
+    timeout_s = _seconds(timeout, "timeout") if timeout is not None else w.timeout
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
     label = name or f"g{len(_subgroups) + 1}[{','.join(map(str, members))}]"
     if w.global_rank not in members:
@@ -179,6 +319,7 @@ def new_group(
         timeout=timeout_s,
         debug=w.debug,
         node_size=node_size,
+        check=w.check,
     )
     _subgroups.append(group)
     return group
@@ -198,6 +339,8 @@ def shutdown() -> None:
         g.shutdown()
     _subgroups.clear()
     _world = None
+    _settings.clear()
+    progress.stop()  # no plait thread in the store or the backend past this point
     if dist.is_initialized():
         dist.destroy_process_group()
     if first_error is not None:

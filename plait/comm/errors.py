@@ -22,8 +22,21 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
         self.missing = missing
 
 
+class PeerUnresponsive(CollectiveError):
+    """A collective waited on a rank whose heartbeat stopped (a frozen or stopped process,
+    an unreachable host) for longer than the heartbeat timeout.
+
+    ``ranks`` holds the global ranks that stopped beating.
+    """
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class CollectiveMismatch(CollectiveError, ValueError):
-    """Ranks of a group called different collectives, shapes or dtypes (debug mode).
+    """Ranks of a group called different collectives, ops, sizes or dtypes, or one skipped
+    a collective the others called (checked by default; in more detail in debug mode).
 
     ``disagreeing`` holds the global ranks whose signature differs from the majority.
     """

@@ -13,17 +13,34 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import threading
+import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from plait.comm import progress
+from plait.comm import progress, recorder, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 # Collective messages carry tags with this bit set, so they never match a user's send/recv.
 COLLECTIVE_TAG_BIT = 1 << 30
+# With the default-mode check on, a collective's tag is COLLECTIVE_TAG_BIT | (seq mod 2^10)
+# << 20 | (20 bits of a hash of its signature): ranks that disagree on the collective, op,
+# dtype, byte count, root or algorithm post messages under different tags, which the
+# transport never matches, so no mismatched bytes are ever exchanged; the stall watchdog
+# (watchdog.py) then names the disagreement from the progress board.
+_SEQ_BITS, _SIG_BITS = 10, 20
+# The watchdog closes a peer's connection by timing out a receive under this tag.
+RESERVED_TAG = (1 << 31) - 1
+
+
+def signature_tag(seq: int, sig: str) -> int:
+    """The tag of collective ``seq`` with canonical signature ``sig`` (check mode)."""
+    h = zlib.crc32(sig.encode()) & ((1 << _SIG_BITS) - 1)
+    tag = COLLECTIVE_TAG_BIT | ((seq % (1 << _SEQ_BITS)) << _SIG_BITS) | h
+    return tag - 1 if tag == RESERVED_TAG else tag
 
 
 @dataclass
@@ -67,18 +84,27 @@ class Call:
     algorithm: str
     seq: int
     payload_bytes: int = 0
+    sig: str = ""  # canonical signature: what every rank must agree on (hashed into the tag)
+    desc: str = ""  # for people: shapes and dtypes as passed
     sent: int = 0
     received: int = 0
     tag: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tag = COLLECTIVE_TAG_BIT | (self.seq % COLLECTIVE_TAG_BIT)
+        if self.sig and self.group.check:
+            self.tag = signature_tag(self.seq, self.sig)
+        else:
+            self.tag = COLLECTIVE_TAG_BIT | (self.seq % COLLECTIVE_TAG_BIT)
 
     def describe(self) -> str:
         where = f"on group {self.group.name!r}"
         if self.algorithm == "p2p":
             return f"{self.collective} (tag {self.tag}) {where}"
         return f"{self.collective} #{self.seq} {where} (algorithm {self.algorithm!r})"
+
+    def fingerprint(self) -> str:
+        """What this rank called, for error messages: ``all_reduce #3 sum float32 ...``."""
+        return f"{self.collective} #{self.seq} {self.sig} {self.desc}".strip()
 
     def commit(self) -> None:
         with _stats_lock:
@@ -130,7 +156,10 @@ class Channel:
         if n == 0:
             return None
         self.call.sent += n * tensor.element_size()
-        work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
+        try:
+            work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
+        except RuntimeError as exc:  # the connection to the peer is already gone
+            raise self.failure(peer, "send to", exc) from exc
         return _Pending(work, peer, "send to")
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> _Pending | None:
@@ -139,19 +168,31 @@ class Channel:
         if n == 0:
             return None
         self.call.received += n * tensor.element_size()
-        work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
+        try:
+            work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
+        except RuntimeError as exc:
+            raise self.failure(peer, "receive from", exc) from exc
         return _Pending(work, peer, "receive from")
 
     def wait(self, *pending: _Pending | None) -> None:
-        """Wait for started sends/receives; raises a named error past the group's timeout."""
-        timeout = self.group.timeout_delta
+        """Wait for started sends/receives; raises a named error past the group's timeout.
+
+        While it blocks, ``group.waiting`` says on whom, so the watchdog can tell a stall
+        on a rank that disagrees, skipped this collective or stopped (heartbeat) apart
+        from a slow one, and end the wait with a named error.
+        """
+        group = self.group
+        timeout = group.timeout_delta
         for p in pending:
             if p is None:
                 continue
+            group.waiting = (self.global_rank(p.peer), self.call, time.monotonic())
             try:
                 p.work.wait(timeout)
             except RuntimeError as exc:
                 raise self.failure(p.peer, p.verb, exc) from exc
+            finally:
+                group.waiting = None
 
     # --- blocking ------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int) -> None:
@@ -171,9 +212,21 @@ class Channel:
         """The error to raise when waiting to ``verb`` channel rank ``peer`` failed
         (``peer=None``: a native collective of the whole group)."""
         group = self.group
-        me = group.global_rank
+        flagged = watchdog.failure_for(group, self.call)
+        if flagged is not None:  # the watchdog ended this wait, or a peer's did
+            recorder.dump(f"{type(flagged).__name__}: {flagged}")
+            return flagged
         whom = "the group" if peer is None else f"rank {self.global_rank(peer)}"
         text = str(exc)
+        error = self._failure(peer, verb, exc, whom, text)
+        recorder.dump(f"{type(error).__name__}: {error}")
+        return error
+
+    def _failure(
+        self, peer: int | None, verb: str, exc: BaseException, whom: str, text: str
+    ) -> CollectiveError:
+        group = self.group
+        me = group.global_rank
         if "timed out" in text.lower() or "timeout" in text.lower():
             p2p = self.call.algorithm == "p2p"
             missing = [] if p2p else progress.missing_ranks(group, self.call.seq)
@@ -197,8 +250,9 @@ class Channel:
                 missing,
             )
         first_line = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+        where = "" if peer is None else progress.whereabouts(self.global_rank(peer))
         return CollectiveError(
-            f"{self.call.describe()}: rank {me} failed to {verb} {whom} ({first_line}). "
+            f"{self.call.describe()}: rank {me} failed to {verb} {whom}{where} ({first_line}). "
             f"A peer probably crashed or exited; look at its log."
         )
 
@@ -221,6 +275,7 @@ class Group:
         timeout: float,
         debug: bool = False,
         node_size: int | None = None,
+        check: bool = True,
     ) -> None:
         if global_rank not in ranks:
             raise ValueError(f"rank {global_rank} is not in group {name!r} (ranks {list(ranks)})")
@@ -233,9 +288,15 @@ class Group:
         self.timeout = float(timeout)
         self.timeout_delta = datetime.timedelta(seconds=self.timeout)
         self.debug = debug
+        self.check = check
         self.node_size = node_size
         self.seq = 0
-        self.entered: tuple[int, str] = (0, "")
+        # the last collective this rank entered on the group: (seq, collective, sig, desc)
+        self.entered: tuple[int, str, str, str] = (0, "", "", "")
+        # set while blocked on one message: (global rank waited on or None, call, since)
+        self.waiting: tuple[int | None, Call, float] | None = None
+        # set by the watchdog when it ended a wait: raised by every later wait of the call
+        self.failure: CollectiveError | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future[Any] | None = None
         self._node_of: list[str] | None = None
@@ -257,27 +318,39 @@ class Group:
         async_op: bool,
         payload_bytes: int,
         signature: str,
+        desc: str = "",
     ) -> Handle | None:
         """Issue one collective: number it, check it (debug), run ``body`` on a channel.
 
         Sequence numbers are taken here, on the calling thread, so they follow issue order
         on every rank even when the collective runs later on the worker thread.
+        ``signature`` is what every rank must agree on (collective arguments that decide
+        which messages flow); with ``check`` on it is folded into the messages' tags.
         """
         self.seq += 1
-        call = Call(self, collective, algorithm, self.seq, payload_bytes)
+        sig = f"{algorithm} {signature}" if signature else algorithm
+        call = Call(self, collective, algorithm, self.seq, payload_bytes, sig, desc)
         if self.debug:
             from plait.comm import debug
 
-            debug.check_signature(call, signature)
+            debug.check_signature(call, f"{sig} {desc}")
 
         def task() -> Any:
-            self.entered = (call.seq, collective)
-            result = body(Channel(call))
+            if self.failure is not None:
+                raise self._broken(call)
+            self.entered = (call.seq, collective, call.sig, call.desc)
+            entry = recorder.start(call)
+            try:
+                result = body(Channel(call))
+            except BaseException:
+                recorder.end(entry, "failed")
+                raise
+            recorder.end(entry, "completed")
             call.commit()
             return result
 
         if async_op:
-            return Handle(self._submit(task))
+            return Handle(self._submit(task), call)
         if not self.idle():
             self._submit(task).result()  # keep issue order behind pending async work
         else:
@@ -295,10 +368,23 @@ class Group:
         assert self.idle()
         self.seq += 1
         call = Call(self, collective, "native", self.seq, payload_bytes)
-        self.entered = (call.seq, collective)
-        future = start()
+        self.entered = (call.seq, collective, "", "")
+        entry = recorder.start(call)
+        try:
+            future = start()
+        except RuntimeError as exc:
+            recorder.end(entry, "failed")
+            raise Channel(call).failure(None, "start", exc) from exc
+        recorder.end(entry, "started")
         call.commit()
-        return Handle(future)
+        return Handle(future, call)
+
+    def _broken(self, call: Call) -> CollectiveError:
+        """The error for a collective issued after the group failed."""
+        return CollectiveError(
+            f"{call.describe()}: group {self.name!r} failed earlier and cannot be used again "
+            f"(its connections are closed): {self.failure}"
+        )
 
     def _submit(self, task: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         if self._executor is None:
@@ -324,15 +410,27 @@ class Handle:
     """Returned by ``async_op=True``: ``wait()`` blocks until the collective is done.
 
     It wraps the worker thread's future, or, for a backend collective started directly,
-    the backend's own ``torch.futures.Future``.
+    the backend's own ``torch.futures.Future``. Every error reaches the caller as a
+    :class:`~plait.comm.errors.CollectiveError` naming the collective (and the peer where
+    known), through ``wait()`` and through ``get_future()`` alike; a future chained from
+    ``get_future()`` with ``.then(...)`` carries it too, as long as the callback reads
+    ``fut.value()`` (torch runs ``.then`` callbacks on failed futures as well).
     """
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "_call")
 
     def __init__(
-        self, future: concurrent.futures.Future[Any] | torch.futures.Future[Any] | None
+        self,
+        future: concurrent.futures.Future[Any] | torch.futures.Future[Any] | None,
+        call: Call | None = None,
     ) -> None:
         self._future = future
+        self._call = call
+
+    def _error(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, CollectiveError) or self._call is None:
+            return exc
+        return Channel(self._call).failure(None, "finish", exc)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done and re-raise its error; ``timeout`` in seconds (None: no limit).
@@ -341,7 +439,16 @@ class Handle:
         forever even with ``timeout=None``.
         """
         if isinstance(self._future, torch._C.Future):
-            self._future.wait()
+            call = self._call
+            if call is not None:
+                call.group.waiting = (None, call, time.monotonic())
+            try:
+                self._future.wait()
+            except Exception as exc:
+                raise self._error(exc) from exc
+            finally:
+                if call is not None:
+                    call.group.waiting = None
         elif self._future is not None:
             self._future.result(timeout)
 
@@ -351,7 +458,14 @@ class Handle:
     def get_future(self) -> torch.futures.Future[Any]:
         """A ``torch.futures.Future`` completed (or failed) with the collective."""
         if isinstance(self._future, torch._C.Future):
-            return self._future  # type: ignore[return-value]
+
+            def checked(f: torch.futures.Future[Any]) -> Any:
+                try:
+                    return f.value()
+                except Exception as exc:
+                    raise self._error(exc) from exc
+
+            return self._future.then(checked)  # type: ignore[no-any-return]
         fut: torch.futures.Future[None] = torch.futures.Future()
         if self._future is None:
             fut.set_result(None)

@@ -7,6 +7,7 @@ sends internally, so the byte counters record only the call and its payload.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,10 +21,32 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _wait(ch: Channel, work: Any) -> None:
+    group = ch.group
+    group.waiting = (None, ch.call, time.monotonic())
     try:
-        work.wait(ch.group.timeout_delta)
+        work.wait(group.timeout_delta)
     except RuntimeError as exc:
         raise ch.failure(None, "finish", exc) from exc
+    finally:
+        group.waiting = None
+
+
+def _agree(ch: Channel) -> None:
+    """With the check on: before handing the call to the backend, exchange a one-byte
+    token with every other rank under the call's tag, which encodes its signature. Ranks
+    that disagree never match, so none enters the backend's collective (whose size
+    checks abort the process) unless every rank agrees; the watchdog names the stall.
+    Costs one round of tiny messages."""
+    if not ch.group.check:
+        return
+    others = [p for p in range(ch.size) if p != ch.rank]
+    token = torch.zeros(1, dtype=torch.uint8)
+    box = torch.empty(len(others), dtype=torch.uint8)
+    sent, received = ch.call.sent, ch.call.received
+    pending = [ch.irecv(box[i : i + 1], p) for i, p in enumerate(others)]
+    pending += [ch.isend(token, p) for p in others]
+    ch.wait(*pending)
+    ch.call.sent, ch.call.received = sent, received  # native calls count no bytes
 
 
 def _adjacent(chunks: list[torch.Tensor]) -> torch.Tensor | None:
@@ -41,6 +64,7 @@ def _adjacent(chunks: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
+    _agree(ch)
     _wait(ch, dist.all_reduce(flat, TO_TORCH[op], group=ch.group.pg, async_op=True))
 
 
@@ -51,16 +75,21 @@ def all_reduce_async(tensor: torch.Tensor, op: ReduceOp, group: Group) -> Any:
     summed = ReduceOp.SUM if op is ReduceOp.AVG else op
     work = dist.all_reduce(tensor, TO_TORCH[summed], group=group.pg, async_op=True)
     future = work.get_future()
-    if op is ReduceOp.AVG:
-        return future.then(lambda _: tensor.div_(group.size))
-    return future.then(lambda _: tensor)
+
+    def finish(f: Any) -> torch.Tensor:
+        f.value()  # re-raises the backend's error: a failed future must not carry a value
+        return tensor.div_(group.size) if op is ReduceOp.AVG else tensor
+
+    return future.then(finish)
 
 
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:
+    _agree(ch)
     _wait(ch, dist.broadcast(flat, ch.global_rank(root), group=ch.group.pg, async_op=True))
 
 
 def reduce(ch: Channel, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
+    _agree(ch)
     # backends may use the non-root buffers as scratch; plait leaves them unchanged
     buf = flat if ch.rank == root else flat.clone()
     work = dist.reduce(buf, ch.global_rank(root), TO_TORCH[op], group=ch.group.pg, async_op=True)
@@ -70,6 +99,7 @@ def reduce(ch: Channel, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
 def reduce_scatter(
     ch: Channel, inputs: list[torch.Tensor], output: torch.Tensor, op: ReduceOp
 ) -> None:
+    _agree(ch)
     whole = _adjacent(inputs)
     pg = ch.group.pg
     if whole is not None:
@@ -86,6 +116,7 @@ def reduce_scatter(
 
 
 def all_gather(ch: Channel, chunks: list[torch.Tensor]) -> None:
+    _agree(ch)
     whole = _adjacent(chunks)
     pg = ch.group.pg
     if whole is not None:
@@ -102,6 +133,7 @@ def all_gather(ch: Channel, chunks: list[torch.Tensor]) -> None:
 
 
 def all_to_all(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    _agree(ch)
     out = torch.cat(outputs) if outputs else torch.empty(0)
     work = dist.all_to_all_single(
         out,
@@ -117,4 +149,5 @@ def all_to_all(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tens
 
 
 def barrier(ch: Channel) -> None:
+    _agree(ch)
     _wait(ch, dist.barrier(group=ch.group.pg, async_op=True))

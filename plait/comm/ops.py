@@ -173,12 +173,8 @@ class _Flat:
                 self.t.copy_(self.flat.view(self.t.shape))
 
 
-def _signature(*parts: Any) -> Callable[[], str]:
-    return lambda: " ".join(str(p) for p in parts)
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape={tuple(t.shape)} dtype={str(t.dtype).replace('torch.', '')}"
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype)[6:]  # "torch.float32" -> "float32"
 
 
 def _run(
@@ -188,7 +184,8 @@ def _run(
     body: Callable[[Channel], None],
     async_op: bool,
     nbytes: int,
-    signature: Callable[[], str],
+    signature: str,
+    desc: str,
 ) -> Handle | None:
     return group.run(
         collective,
@@ -196,7 +193,8 @@ def _run(
         body,
         async_op=async_op,
         payload_bytes=nbytes,
-        signature=signature() if group.debug else "",
+        signature=signature,
+        desc=desc,
     )
 
 
@@ -221,7 +219,8 @@ def all_reduce(
         return COMPLETED if async_op else None
     nbytes = tensor.numel() * tensor.element_size()
     algo = _choose("all_reduce", algorithm, nbytes, g)
-    if algo == "native" and async_op and not g.debug and g.idle() and tensor.is_contiguous():
+    fast = not g.debug and not g.check and g.idle() and tensor.is_contiguous()
+    if algo == "native" and async_op and fast:
         return g.start_native("all_reduce", nbytes, lambda: native.all_reduce_async(tensor, rop, g))
     impl = ALGORITHMS[algo].all_reduce
 
@@ -234,8 +233,8 @@ def all_reduce(
             buf.flat.div_(g.size)
         buf.done()
 
-    sig = _signature(algo, rop.value, _describe(tensor))
-    return _run(g, "all_reduce", algo, body, async_op, nbytes, sig)
+    sig = f"{rop.value} {_dtype(tensor)} bytes={nbytes}"
+    return _run(g, "all_reduce", algo, body, async_op, nbytes, sig, f"shape={tuple(tensor.shape)}")
 
 
 def broadcast(
@@ -263,8 +262,8 @@ def broadcast(
         impl(ch, buf.flat, src)
         buf.done()
 
-    sig = _signature(algo, f"src={src}", _describe(tensor))
-    return _run(g, "broadcast", algo, body, async_op, nbytes, sig)
+    sig = f"src={src} {_dtype(tensor)} bytes={nbytes}"
+    return _run(g, "broadcast", algo, body, async_op, nbytes, sig, f"shape={tuple(tensor.shape)}")
 
 
 def reduce(
@@ -301,8 +300,8 @@ def reduce(
                 buf.flat.div_(g.size)
             buf.done()
 
-    sig = _signature(algo, rop.value, f"dst={dst}", _describe(tensor))
-    return _run(g, "reduce", algo, body, async_op, nbytes, sig)
+    sig = f"{rop.value} dst={dst} {_dtype(tensor)} bytes={nbytes}"
+    return _run(g, "reduce", algo, body, async_op, nbytes, sig, f"shape={tuple(tensor.shape)}")
 
 
 def _tensor_list(collective: str, name: str, value: Any, g: Group) -> list[torch.Tensor]:
@@ -393,8 +392,9 @@ def reduce_scatter(
         out.done()
 
     sizes = [output.numel()] * g.size if blocks is None else [b.numel() for b in blocks]
-    sig = _signature(algo, rop.value, _describe(output), f"blocks={sizes}")
-    return _run(g, "reduce_scatter", algo, body, async_op, nbytes, sig)
+    sig = f"{rop.value} {_dtype(output)} blocks={sizes}"
+    desc = f"shape={tuple(output.shape)}"
+    return _run(g, "reduce_scatter", algo, body, async_op, nbytes, sig, desc)
 
 
 def all_gather(
@@ -453,8 +453,8 @@ def all_gather(
                 for b, c in zip(blocks, chunks, strict=True):
                     b.copy_(c.view(b.shape))
 
-    sig = _signature(algo, _describe(input), f"blocks={sizes}")
-    return _run(g, "all_gather", algo, body, async_op, nbytes, sig)
+    sig = f"{_dtype(input)} blocks={sizes}"
+    return _run(g, "all_gather", algo, body, async_op, nbytes, sig, f"shape={tuple(input.shape)}")
 
 
 def all_to_all(
@@ -528,8 +528,11 @@ def all_to_all(
             impl(ch, split(dst.flat, out_sizes), split(src, in_sizes))
             dst.done()
 
-    sig = _signature(algo, f"send={in_sizes}", f"recv={out_sizes}")
-    return _run(g, "all_to_all", algo, body, async_op, nbytes, sig)
+    # per-rank block sizes may differ legitimately, so only the even form's size is agreed
+    dt = _dtype(ins[0] if in_list else input)  # type: ignore[arg-type]
+    sig = f"{dt} lists" if in_list else f"{dt} bytes={nbytes}"
+    desc = f"send={in_sizes} recv={out_sizes}"
+    return _run(g, "all_to_all", algo, body, async_op, nbytes, sig, desc)
 
 
 def barrier(*, group: Group | None = None, algorithm: str = "auto") -> None:
@@ -545,7 +548,7 @@ def barrier(*, group: Group | None = None, algorithm: str = "auto") -> None:
         raise ValueError(f"barrier: unknown algorithm {algorithm!r}; use 'auto' or 'native'")
     algo = "native" if algorithm == "auto" else algorithm
     impl = native.barrier if algo == "native" else dissemination.barrier
-    g.run("barrier", algo, impl, async_op=False, payload_bytes=0, signature=algo)
+    g.run("barrier", algo, impl, async_op=False, payload_bytes=0, signature="")
 
 
 # --- point to point -----------------------------------------------------------------------

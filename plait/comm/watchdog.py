@@ -1,0 +1,290 @@
+"""The stall watchdog: names why a collective is not progressing, and ends the wait.
+
+It runs on the progress thread (``progress.py``), every ``PERIOD_S``, and costs the
+collectives nothing: a wait only records on its group whom it waits for
+(``Group.waiting``). For a wait blocked longer than ``STALL_S`` it reads the progress
+board and the heartbeats of the store and decides:
+
+* a rank of the group entered the same sequence number with another signature
+  (collective, algorithm, op, dtype, byte count, root): :class:`CollectiveMismatch`
+  naming every rank's call. With the default check the ranks' messages then carry
+  different tags, so none of them was exchanged.
+* the rank waited on has already moved past this sequence number (it skipped the
+  collective, or this rank issued one more): :class:`CollectiveMismatch` naming both.
+* the rank waited on (every rank of the group, for a backend collective) has not beaten
+  its heartbeat for ``heartbeat_timeout`` seconds: :class:`PeerUnresponsive` naming it,
+  its host and pid. A shorter silence (a stall) is only logged, with its duration.
+* a peer already decided (its verdict is in the store under ``plait/verdict/<group>``):
+  the same error here.
+
+To end the blocked wait it records the error on the group, writes the verdict for the
+other ranks, dumps the flight recorder, and closes this rank's connections of the group
+(a receive under a reserved tag timed out at once: the transport then fails every
+pending operation of the group). The group cannot be used afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait.comm import progress, recorder
+from plait.comm.errors import CollectiveError, CollectiveMismatch, PeerUnresponsive
+
+if TYPE_CHECKING:
+    from plait.comm.group import Call, Group
+
+STALL_S = 0.3  # a wait blocked this long is checked (then every CHECK_EVERY_S)
+CHECK_EVERY_S = 0.2
+STALL_LOG_S = 1.0  # a peer silent this long (but below the timeout) is logged as a stall
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
+
+log = logging.getLogger("plait")
+
+_heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT_S
+_last_check: dict[int, float] = {}
+_silent_since: dict[int, float] = {}  # peer -> wall time of its last beat, while silent
+_stalls: list[tuple[int, float]] = []  # (peer, seconds) of stalls that ended
+
+
+def parse_heartbeat_timeout(value: object, source: str) -> float:
+    """A heartbeat timeout in seconds, or a ValueError naming ``source`` and the range."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S or seconds == float("inf"):
+        raise ValueError(
+            f"{source}={value!r}: expected a finite number of seconds >= "
+            f"{MIN_HEARTBEAT_TIMEOUT_S:g} (heartbeats are sent every "
+            f"{progress.HEARTBEAT_PERIOD_S:g} s; default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})"
+        )
+    return seconds
+
+
+def configure(heartbeat_timeout: float | None) -> float:
+    """Set the heartbeat timeout (``None``: ``PLAIT_HEARTBEAT_TIMEOUT`` or the default)."""
+    global _heartbeat_timeout
+    if heartbeat_timeout is not None:
+        _heartbeat_timeout = parse_heartbeat_timeout(heartbeat_timeout, "heartbeat_timeout")
+    elif os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "") != "":
+        _heartbeat_timeout = parse_heartbeat_timeout(
+            os.environ["PLAIT_HEARTBEAT_TIMEOUT"], "PLAIT_HEARTBEAT_TIMEOUT"
+        )
+    else:
+        _heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT_S
+    _stalls.clear()
+    _silent_since.clear()
+    return _heartbeat_timeout
+
+
+def heartbeat_timeout() -> float:
+    return _heartbeat_timeout
+
+
+def stalls() -> list[tuple[int, float]]:
+    """(global rank, seconds) of each peer stall this rank saw end, while it waited."""
+    return list(_stalls)
+
+
+def _verdict_key(group: Group) -> str:
+    return f"plait/verdict/{group.name}"
+
+
+def tick() -> None:
+    """One round of checks over every group with a blocked wait (progress thread)."""
+    now = time.monotonic()
+    for g in progress.groups():
+        w = g.waiting
+        if w is None or g.failure is not None:
+            continue
+        peer, call, since = w
+        if now - since < STALL_S or now - _last_check.get(id(g), 0.0) < CHECK_EVERY_S:
+            continue
+        _last_check[id(g)] = now
+        verdict = _read_verdict(g, call)
+        if verdict is not None:  # a peer decided: end this wait with its finding
+            fail(g, verdict, publish=False)
+            continue
+        error = _diagnose(g, peer, call, now - since)
+        if error is not None and g.waiting is not None and g.waiting[1] is call:
+            fail(g, error)
+
+
+def _fingerprint(seq: int, name: str, sig: str, desc: str) -> str:
+    return f"{name or '(nothing yet)'} #{seq} [{sig}] {desc}".rstrip()
+
+
+def _diagnose(g: Group, peer: int | None, call: Call, waited: float) -> CollectiveError | None:
+    me = g.global_rank
+    board = progress.read_full(g)
+    mine = (call.seq, call.collective, call.sig, call.desc)
+    board[me] = mine
+    same = {r: v for r, v in board.items() if v[0] == call.seq}
+    if g.check and any((v[1], v[2]) != (call.collective, call.sig) for v in same.values()):
+        return _mismatch(g, call, same)
+    if peer is not None and peer in board and board[peer][0] > call.seq:
+        theirs = board[peer]
+        return CollectiveMismatch(
+            f"{call.describe()}: rank {me} is waiting for rank {peer} in "
+            f"{_fingerprint(*mine)}, but rank {peer} has already moved past #{call.seq}: it "
+            f"is in {_fingerprint(*theirs)}. Either rank {peer} skipped a collective or "
+            f"rank {me} called one more (a collective under `if rank == ...`, e.g. a "
+            f"state_dict() or a checkpoint save on one rank only, is the usual cause). "
+            f"Every rank of the group must call the same collectives in the same order."
+            f"{_recorder_hint()}",
+            sorted({me, peer}),
+        )
+    return _check_heartbeats(g, peer, call, waited)
+
+
+def _mismatch(g: Group, call: Call, same: dict[int, tuple[int, str, str, str]]) -> CollectiveError:
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r, v in sorted(same.items()):
+        counts.setdefault((v[1], v[2]), []).append(r)
+    ranked = sorted(counts.values(), key=len, reverse=True)
+    if len(ranked) > 1 and len(ranked[0]) > len(ranked[1]):
+        disagreeing = sorted(r for rs in ranked[1:] for r in rs)
+    else:
+        disagreeing = sorted(same)
+    calls = "; ".join(f"rank {r}: {_fingerprint(*same[r])}" for r in sorted(same))
+    return CollectiveMismatch(
+        f"{call.describe()}: the ranks of group {g.name!r} disagree on collective "
+        f"#{call.seq}: {calls}. No data was exchanged (their messages carry different "
+        f"tags). Every rank must call the same collectives in the same order, with the "
+        f"same op, dtype, size and root (a collective under `if rank == ...`, e.g. a "
+        f"state_dict() on one rank only, is the usual cause).{_recorder_hint()}",
+        disagreeing,
+    )
+
+
+def _check_heartbeats(
+    g: Group, peer: int | None, call: Call, waited: float
+) -> CollectiveError | None:
+    me = g.global_rank
+    peers = [peer] if peer is not None else [r for r in g.ranks if r != me]
+    now = time.time()
+    dead = []
+    for r in peers:
+        beat = progress.last_beat(r)
+        if beat is None:
+            continue
+        age = now - beat
+        if age > _heartbeat_timeout:
+            dead.append((r, age))
+        elif age > STALL_LOG_S:
+            _silent_since.setdefault(r, beat)
+        elif r in _silent_since:
+            seconds = beat - _silent_since.pop(r)
+            _stalls.append((r, seconds))
+            message = (
+                f"plait: rank {me} waited in {call.describe()}; rank {r}"
+                f"{progress.whereabouts(r)} sent no heartbeat for {seconds:.1f}s, then "
+                f"resumed (a stall, below the heartbeat timeout of {_heartbeat_timeout:g}s)"
+            )
+            log.warning(message)
+            print(message, file=sys.stderr, flush=True)
+    if not dead:
+        return None
+    names = ", ".join(
+        f"rank {r}{progress.whereabouts(r)} (last heartbeat {age:.1f}s ago)" for r, age in dead
+    )
+    return PeerUnresponsive(
+        f"{call.describe()}: rank {me} waited {waited:.1f}s on {names}, longer than the "
+        f"heartbeat timeout of {_heartbeat_timeout:g}s: that process is stopped (SIGSTOP), "
+        f"frozen, or its host is unreachable. Look at it (it may need SIGCONT or a kill); "
+        f"raise PLAIT_HEARTBEAT_TIMEOUT or plait.init(heartbeat_timeout=...) if it is "
+        f"expected to pause that long.{_recorder_hint()}",
+        [r for r, _ in dead],
+    )
+
+
+def _recorder_hint() -> str:
+    if not recorder._enabled:
+        return ""
+    return (
+        f" Flight recorder: {recorder.directory()} (read every rank's file with "
+        f"`plait doctor {recorder.directory()}`)."
+    )
+
+
+def _read_verdict(g: Group, call: Call) -> CollectiveError | None:
+    try:
+        client = progress.store()
+        key = _verdict_key(g)
+        if client is None or not client.check([key]):
+            return None
+        data = json.loads(client.get(key).decode())
+    except Exception:
+        return None
+    me = g.global_rank
+    if data.get("from") == me:
+        return None
+    message = (
+        f"{call.describe()}: rank {me} stopped because rank {data['from']} found: {data['message']}"
+    )
+    if data["kind"] == "CollectiveMismatch":
+        return CollectiveMismatch(message, list(data["ranks"]))
+    if data["kind"] == "PeerUnresponsive":
+        return PeerUnresponsive(message, list(data["ranks"]))
+    return CollectiveError(message)
+
+
+def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
+    """Record ``error`` on ``g``, tell the other ranks (``publish``), dump the recorder,
+    and end the wait."""
+    if g.failure is not None:
+        return
+    g.failure = error
+    ranks = getattr(error, "disagreeing", None) or getattr(error, "ranks", None) or []
+    try:
+        client = progress.store() if publish else None
+        if client is not None:
+            client.set(
+                _verdict_key(g),
+                json.dumps(
+                    {
+                        "kind": type(error).__name__,
+                        "from": g.global_rank,
+                        "ranks": list(ranks),
+                        "message": str(error),
+                    }
+                ),
+            )
+    except Exception:
+        pass
+    recorder.dump(f"{type(error).__name__}: {error}")
+    close(g)
+
+
+def close(g: Group) -> None:
+    """Close this rank's connections of ``g``: every pending operation on them fails."""
+    from plait.comm.group import RESERVED_TAG
+
+    scratch = torch.zeros(1, dtype=torch.uint8)
+    for r in range(g.size):
+        if r == g.rank:
+            continue
+        try:
+            g.pg.recv([scratch], r, RESERVED_TAG).wait(datetime.timedelta(milliseconds=1))
+        except Exception:
+            pass
+
+
+def failure_for(g: Group, call: Call) -> CollectiveError | None:
+    """The error a failed wait of ``call`` should raise, if the watchdog (here or on a
+    peer) decided it; None otherwise. Called on error paths only."""
+    if g.failure is not None:
+        return g.failure
+    verdict = _read_verdict(g, call)
+    if verdict is not None:
+        fail(g, verdict, publish=False)  # the other ranks' waits on this rank end too
+    return verdict

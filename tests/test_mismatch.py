@@ -1,0 +1,56 @@
+"""Ranks that disagree on a collective are named by default (no debug mode): no abort,
+no wrong result, every involved rank raises CollectiveMismatch within about a second."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait import RankPool
+from tests import faultlog, mismatch_fns
+
+# what each scenario's message must show of both ranks' calls
+EXPECTED = {
+    "shape": ["bytes=16", "bytes=20", "shape=(4,)", "shape=(5,)"],
+    "shape_native": ["native", "bytes=16", "bytes=20"],
+    "shape_ring": ["ring", "bytes=4096", "bytes=4000"],
+    "dtype": ["float32", "float64"],
+    "op": ["sum", "max"],
+    "int32_vs_float32": ["int32", "float32"],
+    "skip": ["all_reduce", "broadcast"],
+    "zero_state_dict_on_rank0": ["all_gather", "reduce_scatter"],
+}
+DETECT_S = 1.0  # the target; the test allows for a loaded machine below
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    # a long collective timeout: what fires must be the check, not the timeout
+    with RankPool(2, timeout=120) as pool:
+        results = pool.run(mismatch_fns.run, list(EXPECTED), timeout=240)
+        after = pool.run(mismatch_fns.agree_after, timeout=60)
+    assert after == [6.0, 6.0]  # the world group is untouched by the failed sub-groups
+    return results
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("scenario", list(EXPECTED))
+def test_disagreeing_ranks_are_named(outcomes, scenario):
+    seconds = []
+    for rank in (0, 1):
+        kind, disagreeing, message, elapsed = outcomes[rank][scenario]
+        assert kind == "CollectiveMismatch", (rank, message)
+        assert disagreeing == [0, 1], message
+        assert "rank 0" in message and "rank 1" in message, message
+        for fragment in EXPECTED[scenario]:
+            assert fragment in message, (fragment, message)
+        assert "#" in message and f"m-{scenario}" in message, message
+        seconds.append(elapsed)
+    faultlog.record(
+        row=6 if scenario.startswith(("shape", "dtype", "int32")) else 5,
+        fault=f"mismatch: {scenario}",
+        detected_after_s=round(max(seconds), 3),
+        named_correctly=True,
+    )
+    # the target is DETECT_S; a 2-core machine shared by many processes may add seconds,
+    # never the 120 s collective timeout
+    assert max(seconds) < 20 * DETECT_S, seconds
