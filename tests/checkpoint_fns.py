@@ -357,3 +357,17 @@ def corrupt(path: Path, mode: str) -> None:
         path.unlink()
     else:
         raise ValueError(mode)
+
+
+def unsavable_state_on_one_rank(root: str, bad_rank: int) -> str:
+    """Rank ``bad_rank`` passes a value JSON cannot hold: it raises TypeError, the others a
+    CheckpointError naming it (promptly: no rank is left waiting in a collective)."""
+    rank = plait.world().rank
+    state: dict[str, Any] = {"x": torch.ones(2)}
+    if rank == bad_rank:
+        state["bad"] = object()
+    try:
+        checkpoint.save(root, state, step=1)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"

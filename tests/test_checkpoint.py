@@ -67,6 +67,13 @@ def test_ranks_that_pass_different_roots_or_steps_are_named(ranks, tmp_path: Pat
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_a_rank_that_cannot_encode_its_state_fails_every_rank(ranks, tmp_path: Path):
+    mine, other = ranks(2, checkpoint_fns.unsavable_state_on_one_rank, str(tmp_path / "r"), 0)
+    assert mine.startswith("TypeError") and "'rank0/bad'" in mine
+    assert other.startswith("CheckpointError") and "rank(s) [0]" in other
+    assert checkpoint.committed_steps(tmp_path / "r") == []
+
+
 def test_no_checkpoint_at_all_is_refused(ranks, tmp_path: Path):
     (tmp_path / "run" / "step-3.partial").mkdir(parents=True)
     for got in ranks(2, checkpoint_fns.load_params, str(tmp_path / "run")):

@@ -244,18 +244,95 @@ def save(
         hint=SAME_ARGS,
     )
 
+    # the strategies' collectives first, in the same order on every rank
+    full = layout.full_state_dict(model) if model is not None else None
+    plain = None
+    if optimizer is not None and model is not None:
+        plain = layout.optimizer_state(model, optimizer)
+    # then only local work: a failure is reported to every rank by the next gather
+    failure: Exception | None = None
+    try:
+        body, tensors, prepared = _capture(
+            step,
+            rank,
+            world_size,
+            model,
+            optimizer,
+            full,
+            plain,
+            sampler,
+            scaler,
+            extra,
+            state,
+            rng,
+        )
+        if rank == 0:
+            try:
+                transaction.prepare(path, step)
+            except OSError as exc:
+                prepared["error"] = f"creating {transaction.partial_dir(path, step)}: {exc}"
+    except Exception as exc:
+        failure = exc
+        prepared = {"error": f"{type(exc).__name__}: {exc}"}
+    everyone = gather_json(prepared, g)
+    if failure is not None:
+        raise failure
+    raise_failures("checkpoint.save", everyone, kind=CheckpointError)
+    for what, hint in (
+        ("layout", "every rank must save the same model and optimizer (names, shapes, dtypes)"),
+        ("sampler", "the ranks' samplers are at different positions: step them in lockstep"),
+        ("scaler", "the ranks' loss scalers differ: give them the same group"),
+    ):
+        require_same(
+            f"checkpoint.save: {what}",
+            f"the {what} state",
+            [e["agreed"][what] for e in everyone],
+            hint=hint,
+        )
+    files = dict(body.pop("tensors"))
+    for r, e in enumerate(everyone):
+        files.update({k: transaction.part_name(r, world_size) for k in e["local"]})
+    body["tensors"] = files
+    body["ranks"] = [e["mine"] for e in everyone]
+
+    job = _SaveJob(path, step, g, transaction.partial_dir(path, step), tensors, body, keep_last)
+    if not async_:
+        job.write()
+        handle = SaveHandle(job, None)
+        handle.wait()
+        return handle
+    thread = threading.Thread(target=job.write, name=f"plait-save-step-{step}", daemon=True)
+    thread.start()
+    handle = SaveHandle(job, thread)
+    _pending = handle
+    return handle
+
+
+def _capture(
+    step: int,
+    rank: int,
+    world_size: int,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    full: dict[str, torch.Tensor] | None,
+    plain: dict[str, Any] | None,
+    sampler: Any,
+    scaler: Any,
+    extra: Any,
+    state: dict[str, Any] | None,
+    rng: bool,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """The manifest body, this rank's tensors (copies) and what it tells the others."""
     shared: dict[str, torch.Tensor] = {}
     local: dict[str, torch.Tensor] = {}
     body: dict[str, Any] = {"format": transaction.FORMAT, "step": step, "world_size": world_size}
-    if model is not None:
-        full = layout.full_state_dict(model)
+    if full is not None:
         body["model"] = list(full)
         for key, value in full.items():
             shared[f"model/{key}"] = value.detach().cpu().contiguous().clone()
-    if optimizer is not None:
+    if optimizer is not None and plain is not None:
         assert model is not None
         groups = layout.optimizer_groups(model, optimizer)
-        plain = layout.optimizer_state(model, optimizer)
         body["optimizer"] = layout.encode_optimizer(
             plain, groups, shared, local if rank == 0 else {}
         )
@@ -281,47 +358,13 @@ def save(
         body["sampler"] = agreed["sampler"]
     if scaler is not None:
         body["scaler"] = agreed["scaler"]
-
     owners = layout.balanced_split(shared, world_size)
-    files = {k: transaction.part_name(r, world_size) for r, keys in enumerate(owners) for k in keys}
+    body["tensors"] = {
+        k: transaction.part_name(r, world_size) for r, keys in enumerate(owners) for k in keys
+    }
     tensors = {k: shared[k] for k in owners[rank]}
     tensors.update(local)
-
-    prepared: dict[str, Any] = {"agreed": agreed, "mine": mine, "local": sorted(local)}
-    if rank == 0:
-        try:
-            transaction.prepare(path, step)
-        except OSError as exc:
-            prepared["error"] = f"creating {transaction.partial_dir(path, step)}: {exc}"
-    everyone = gather_json(prepared, g)
-    raise_failures("checkpoint.save", everyone, kind=CheckpointError)
-    for what, hint in (
-        ("layout", "every rank must save the same model and optimizer (names, shapes, dtypes)"),
-        ("sampler", "the ranks' samplers are at different positions: step them in lockstep"),
-        ("scaler", "the ranks' loss scalers differ: give them the same group"),
-    ):
-        require_same(
-            f"checkpoint.save: {what}",
-            f"the {what} state",
-            [e["agreed"][what] for e in everyone],
-            hint=hint,
-        )
-    for r, e in enumerate(everyone):
-        files.update({k: transaction.part_name(r, world_size) for k in e["local"]})
-    body["tensors"] = files
-    body["ranks"] = [e["mine"] for e in everyone]
-
-    job = _SaveJob(path, step, g, transaction.partial_dir(path, step), tensors, body, keep_last)
-    if not async_:
-        job.write()
-        handle = SaveHandle(job, None)
-        handle.wait()
-        return handle
-    thread = threading.Thread(target=job.write, name=f"plait-save-step-{step}", daemon=True)
-    thread.start()
-    handle = SaveHandle(job, thread)
-    _pending = handle
-    return handle
+    return body, tensors, {"agreed": agreed, "mine": mine, "local": sorted(local)}
 
 
 def load(
