@@ -194,3 +194,43 @@ def cross_entropy_matches(smoothing: float) -> dict[str, Any]:
             sum(s.calls for s in backward.values()),
         )
     return counts
+
+
+def train_on_feature_slices(steps: int) -> dict[str, torch.Tensor]:
+    """Each rank sees only its slice of every sample's 12 features (seed 002's partitioning
+    by dimension); the first layer is row-parallel. Returns the dense state dict."""
+    from plait import checkpoint
+    from plait.data import split_features
+    from plait.models import MLP
+    from plait.strategies.tensor import parallelize
+
+    g = _group()
+    model = parallelize(MLP((12, 8, 3), seed=0, dtype=DT), g, {"layers.0": "rowwise"})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = feature_batch(step)
+        opt.zero_grad()
+        mine = split_features(x, rank=g.rank, parts=g.size)
+        assert mine.shape == (x.shape[0], 12 // g.size)
+        F.mse_loss(model(mine), y).backward()
+        opt.step()
+    return checkpoint.full_state_dict(model)
+
+
+def feature_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + step)
+    return torch.randn(16, 12, generator=gen, dtype=DT), torch.randn(16, 3, generator=gen, dtype=DT)
+
+
+def feature_oracle(steps: int) -> dict[str, torch.Tensor]:
+    """Whole rows, one process."""
+    from plait.models import MLP
+
+    model = MLP((12, 8, 3), seed=0, dtype=DT)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = feature_batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
