@@ -50,13 +50,20 @@ class DynamicLossScaler:
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the gradients, agree across ranks, step or skip; True if it stepped."""
-        grads = self._grads(optimizer)
+        """Unscale the gradients, agree across ranks, step or skip; True if it stepped.
+
+        An optimizer that holds its gradients itself (ZeRO-1/2's ``ZeroOptimizer``, whose
+        parameters' ``.grad`` are guards) unscales them through its ``unscale_grads_``.
+        """
         found = torch.zeros(1)
-        for g in grads:
-            g.div_(self.scale_value)
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
+        unscale = getattr(optimizer, "unscale_grads_", None)
+        if callable(unscale):
+            found.fill_(float(unscale(1.0 / self.scale_value)))
+        else:
+            for g in self._grads(optimizer):
+                g.div_(self.scale_value)
+                if not torch.isfinite(g).all():
+                    found.fill_(1.0)
         group = self.group
         if group is not None or comm.world_or_none() is not None:
             comm.all_reduce(found, "max", group=group)

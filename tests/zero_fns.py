@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import plait
-from plait.strategies.zero import ShardedGrad, ZeroOptimizer, prepare_zero
+import plait.amp
+import plait.trace
+from plait.strategies.zero import ShardedGrad, ShardedGradientError, ZeroOptimizer, prepare_zero
 from tests.ddp_fns import batch, make_model, make_optimizer, shard
 
 
@@ -212,3 +214,191 @@ def train_odd(stage: int | None, steps: int, options: dict[str, Any]) -> dict[st
         optimizer.step()
     shard_numel = optimizer.shard.numel() if isinstance(optimizer, ZeroOptimizer) else None
     return {"params": _params(model), "shard": shard_numel}
+
+
+# --- drop-in fidelity: clipping, param groups, loss scaling, wrap check, tracing ---------
+def loss_on_shard(model: nn.Module, step: int) -> torch.Tensor:
+    world = plait.world()
+    x, y = batch(step)
+    out = model(shard(x, world.rank, world.size))
+    return nn.functional.mse_loss(out, shard(y, world.rank, world.size))
+
+
+def clipped(stage: int, norm_type: float, steps: int, max_norm: float) -> dict[str, Any]:
+    """SGD with momentum, ``optimizer.clip_grad_norm_`` every step. Also what
+    ``torch.nn.utils.clip_grad_norm_`` and a gradient read do on the model's ``.grad``."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "sgd"), stage=stage)
+    norms, refused = [], {}
+    for step in range(steps):
+        zero.zero_grad()
+        loss_on_shard(model, step).backward()
+        if step == 0:
+            for what, fn in (
+                ("torch_clip", lambda: nn.utils.clip_grad_norm_(model.parameters(), max_norm)),
+                ("grad_norm", lambda: model.fc1.weight.grad.norm()),
+                ("print", lambda: repr(model.fc2.bias.grad)),
+            ):
+                try:
+                    refused[what] = f"returned {fn()!r}"
+                except ShardedGradientError as exc:
+                    refused[what] = str(exc)
+        norms.append(float(zero.clip_grad_norm_(max_norm, norm_type)))
+        zero.step()
+    return {"params": _params(model), "norms": norms, "refused": refused}
+
+
+def grouped_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """nanoGPT's split: weight matrices decay, biases do not (and get another lr)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 0.02},
+    ]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, betas=(0.9, 0.95))
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=0.01, momentum=0.5)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=0.05)
+    raise ValueError(name)
+
+
+def schedule(step: int) -> float:
+    """LambdaLR factor: full lr for steps 0 and 1, then 0.3."""
+    return 1.0 if step < 2 else 0.3
+
+
+def train_grouped(
+    stage: int | None,
+    opt: str,
+    first: int,
+    last: int,
+    *,
+    scheduled: bool = False,
+    params: list[torch.Tensor] | None = None,
+    state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Steps [first, last) with two param groups, from ``params``/``state`` if given.
+    ``stage=None``: plain optimizer, global batch, this process (the oracle)."""
+    model: nn.Module = make_model()
+    if params is not None:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), params, strict=True):
+                p.copy_(s)
+    optimizer = grouped_optimizer(model, opt)
+    if stage is not None:
+        model, optimizer = prepare_zero(model, optimizer, stage=stage)
+    if state is not None:
+        optimizer.load_state_dict(copy.deepcopy(state))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if scheduled else None
+    lrs = []
+    for step in range(first, last):
+        optimizer.zero_grad()
+        if stage is None:
+            x, y = batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+        else:
+            loss_on_shard(model, step).backward()
+        optimizer.step()
+        lrs.append([g["lr"] for g in optimizer.param_groups])
+        if scheduler is not None:
+            scheduler.step()
+    return {"params": _params(model), "state": optimizer.state_dict(), "lrs": lrs}
+
+
+def _overflow(grad: torch.Tensor) -> torch.Tensor:
+    """An fp16-like overflow: the first element of a gradient becomes inf."""
+    return grad.index_fill(0, torch.tensor([0]), float("inf"))
+
+
+def scaled(stage: int, kind: str, steps: int) -> dict[str, Any]:
+    """Loss scaling with ``torch.amp.GradScaler`` (``kind="torch"``) or plait's
+    DynamicLossScaler; at step 1 rank 1's gradient of fc2.bias gets an inf."""
+    world = plait.world()
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "sgd"), stage=stage)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    plait_scaler = plait.amp.DynamicLossScaler(init_scale=2.0**8, growth_interval=1000)
+    scales, unchanged = [], []
+    for step in range(steps):
+        zero.zero_grad()
+        handle = None
+        if step == 1 and world.rank == 1:
+            handle = model.fc2.bias.register_hook(_overflow)
+        loss = loss_on_shard(model, step)
+        before = _params(model)
+        if kind == "torch":
+            torch_scaler.scale(loss).backward()
+            torch_scaler.step(zero)
+            torch_scaler.update()
+            scales.append(torch_scaler.get_scale())
+        else:
+            plait_scaler.scale(loss).backward()
+            plait_scaler.step(zero)
+            scales.append(plait_scaler.scale_value)
+        if handle is not None:
+            handle.remove()
+        unchanged.append(
+            all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+        )
+    return {"params": _params(model), "scales": scales, "unchanged": unchanged}
+
+
+class _Swapped(nn.Module):
+    """ddp_fns.Net's layers, registered in the other order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc2 = nn.Linear(16, 4)
+        self.fc1 = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def built_differently(stage: int) -> str:
+    """Rank 1 registers its modules in another order: construction must refuse it."""
+    model: nn.Module = _Swapped() if plait.world().rank == 1 else make_model()
+    try:
+        prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def traced(stage: int) -> list[tuple[str, str]]:
+    """(name, stream) of the spans one step records through ``prepare_zero(tracer=)``."""
+    tracer = plait.trace.Tracer(rank=plait.world().rank)
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(
+        model, make_optimizer(model, "adam"), stage=stage, tracer=tracer, bucket_mb=0.0002
+    )
+    zero.zero_grad()
+    loss_on_shard(model, 0).backward()
+    zero.step()
+    return [(s.name, s.stream) for s in tracer.spans()]
+
+
+def accumulate_with(stage: int, steps: int, clear: str) -> list[torch.Tensor]:
+    """Two micro-batches per step; gradients cleared by ``clear``: ``optimizer``/``model``
+    ``.zero_grad()`` with ``set_to_none`` True (``..._none``) or False (``..._zero``)."""
+    model: nn.Module = make_model()
+    model, zero = prepare_zero(model, make_optimizer(model, "adam"), stage=stage)
+    world = plait.world()
+    for step in range(steps):
+        owner, how = clear.split("_")
+        (zero if owner == "optimizer" else model).zero_grad(set_to_none=how == "none")
+        x, y = batch(step)
+        x, y = shard(x, world.rank, world.size), shard(y, world.rank, world.size)
+        half = x.shape[0] // 2
+        for part in (slice(0, half), slice(half, None)):
+            (nn.functional.mse_loss(model(x[part]), y[part]) / 2).backward()
+        zero.step()
+    return _params(model)

@@ -6,6 +6,7 @@ See :mod:`plait.strategies.zero` for the layout and the communication contract.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ class _Reduction:
     start: int
     stop: int
     accumulate: bool
+    traced: Callable[[], None]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -220,15 +222,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- gradients: reduce-scatter -------------------------------------------------------
-    def _trace(self, label: str, nbytes: int, handle: Handle | None) -> None:
+    def _trace(self, label: str, nbytes: int, handle: Handle | None) -> Callable[[], None]:
+        """Record a ``comm`` span from now until the collective completes; returns a
+        function that ends it at the latest (call it after ``handle.wait()``: the
+        completion callback may run a moment after the waiter wakes)."""
         tracer = self.tracer
         if tracer is None:
-            return
+            return _nothing
         token = tracer.begin(label, stream="comm", bytes=nbytes)
+        lock, open_ = threading.Lock(), [True]
+
+        def end(*_: Any) -> None:
+            with lock:
+                if open_[0]:
+                    open_[0] = False
+                    tracer.end(token)
+
         if handle is None:
-            tracer.end(token)
+            end()
         else:
-            handle.get_future().add_done_callback(lambda _: tracer.end(token))
+            handle.get_future().add_done_callback(end)
+        return end
 
     def _param_grad(self, i: int) -> torch.Tensor | None:
         g = self._params[i].grad
@@ -255,10 +269,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         handle = comm.reduce_scatter(
             out, blocks, "avg", group=self.group, algorithm=self.algorithm, async_op=True
         )
-        self._trace(
+        traced = self._trace(
             f"reduce_scatter bucket {bucket.index}", packed.numel() * packed.element_size(), handle
         )
-        self._pending.append(_Reduction(handle, packed, out, start, stop, accumulate))
+        self._pending.append(_Reduction(handle, packed, out, start, stop, accumulate, traced))
 
     def _wait_reductions(self) -> None:
         """Wait for every launched reduce-scatter and put its result into the shard."""
@@ -267,6 +281,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for red in pending:
             if red.handle is not None:
                 red.handle.wait()
+            red.traced()
             assert grad is not None
             target = grad[red.start : red.stop]
             if red.accumulate:
@@ -504,13 +519,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             handle = comm.all_gather(
                 blocks, mine, group=self.group, algorithm=self.algorithm, async_op=True
             )
-            self._trace(
+            traced = self._trace(
                 f"all_gather bucket {bucket.index}", flat.numel() * flat.element_size(), handle
             )
-            launched.append((bucket, flat, handle))
-        for bucket, flat, handle in launched:
+            launched.append((bucket, flat, handle, traced))
+        for bucket, flat, handle, traced in launched:
             if handle is not None:
                 handle.wait()
+            traced()
             for i in bucket.params:
                 p = self._params[i]
                 start = self._offsets[i] - bucket.lo
@@ -603,6 +619,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def group_numels(self) -> Sequence[int]:
         """Elements of every param group's trainable parameters."""
         return [b - a for a, b in zip(self.group_bounds, self.group_bounds[1:], strict=False)]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
