@@ -12,18 +12,30 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-
 # --- plait run ----------------------------------------------------------------------------
+RUN_HELP = """Launch a script on N ranks. Locally, plait run hosts a fresh store per attempt and
+starts the ranks itself; with --nnodes > 1 or --master-addr it hands over to torchrun.
+
+Ranks die with the launcher (even after kill -9). SIGTERM/SIGINT stop the job: SIGCONT,
+SIGTERM, then SIGKILL after --grace seconds; exit code 128 + the signal. A failed rank's
+traceback is printed once, as the root cause; the others' errors as consequences. A rank
+whose heartbeat (store key plait/heartbeat/<rank>) is older than --heartbeat-timeout is
+named and stopped. A rank that set plait/launch/may_exit/<rank> to "1" may exit early.
+
+--max-restarts k: after a failure, stop every rank and start them all again (a fresh store
+each time), at most k times; the script reads PLAIT_RESTART_COUNT (and
+TORCHELASTIC_RESTART_COUNT) and resumes from its own last checkpoint. Under torchrun
+(--nnodes > 1), restarts with gloo need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13:
+a restarted attempt against torchrun's shared store fails in connectFullMesh); plait run
+sets it when it hands over with --max-restarts, and so must you when calling torchrun.
+"""
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f"plait run: -n must be at least 1, got {args.nproc}", file=sys.stderr)
@@ -38,89 +50,37 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_multinode(args: argparse.Namespace) -> int:
     """Several machines: hand over to torchrun's own launcher (same environment contract)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={args.nnodes}",
-        f"--node-rank={args.node_rank}",
-        f"--nproc-per-node={args.nproc}",
-        f"--master-addr={args.master_addr or '127.0.0.1'}",
-        f"--master-port={args.master_port}",
+    from plait.elastic import run_torchrun
+
+    return run_torchrun(
         args.script,
-        *args.script_args,
-    ]
-    return subprocess.call(cmd)
+        args.script_args,
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr or "127.0.0.1",
+        master_port=args.master_port or 29500,
+        max_restarts=args.max_restarts,
+        grace=args.grace,
+        local_addr=args.local_addr,
+    )
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    """N local ranks. The launcher hosts the rendezvous store, so ports never race; if a
-    rank fails, the others are stopped and its exit code is returned."""
-    import torch.distributed as dist
+    """N local ranks (plait.elastic.run_job): the launcher hosts the store, watches exits
+    and heartbeats, reports the root cause, restarts up to --max-restarts times."""
+    from plait.elastic import run_job
 
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        None,
-        True,
-        timeout=datetime.timedelta(seconds=300),
-        wait_for_workers=False,
+    return run_job(
+        args.script,
+        args.script_args,
+        nproc=args.nproc,
+        max_restarts=args.max_restarts,
+        grace=args.grace,
+        timeout=args.timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+        master_port=args.master_port,
     )
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(args.nproc),
-            LOCAL_WORLD_SIZE=str(args.nproc),
-            GROUP_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(store.port),
-            TORCHELASTIC_USE_AGENT_STORE="True",  # ranks join the launcher's store
-        )
-        if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores (as torchrun does)
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
-        procs.append(subprocess.Popen([sys.executable, args.script, *args.script_args], env=env))
-    deadline = time.monotonic() + args.timeout if args.timeout else None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                print(
-                    f"plait run: rank {rank} exited with code {code}; stopping the others",
-                    file=sys.stderr,
-                )
-                _stop(procs)
-                return code if code > 0 else 1
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                late = [r for r, c in enumerate(codes) if c is None]
-                print(
-                    f"plait run: ranks {late} still running after {args.timeout}s; stopping",
-                    file=sys.stderr,
-                )
-                _stop(procs)
-                return 124
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
-
-
-def _stop(procs: list[subprocess.Popen[Any]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    end = time.monotonic() + 5
-    for p in procs:
-        try:
-            p.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 # --- plait bench comm ---------------------------------------------------------------------
@@ -283,13 +243,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plait", description="distributed training on PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="launch a script on N ranks")
+    run = sub.add_parser(
+        "run",
+        help="launch a script on N ranks",
+        description=RUN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("-n", "--nproc", type=int, required=True, help="ranks on this machine")
     run.add_argument("--nnodes", type=int, default=1, help="machines (hands over to torchrun)")
     run.add_argument("--node-rank", type=int, default=0)
     run.add_argument("--master-addr", default=None)
-    run.add_argument("--master-port", type=int, default=29500)
+    run.add_argument(
+        "--master-port", type=int, default=None, help="store port (local: a free one; else 29500)"
+    )
+    run.add_argument("--local-addr", default=None, help="this node's address (torchrun)")
     run.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    run.add_argument(
+        "--max-restarts", type=int, default=0, help="restart every rank after a failure, k times"
+    )
+    run.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
+    run.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="a rank silent this long is frozen (default PLAIT_HEARTBEAT_TIMEOUT or 5)",
+    )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)

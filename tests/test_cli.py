@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,7 +62,7 @@ def test_plait_run_reports_the_failing_rank(tmp_path: Path):
     script.write_text(SCRIPT)
     done = _plait("run", "-n", "2", "--timeout", "60", str(script), "1")
     assert done.returncode == 3
-    assert "rank 1 exited with code 3" in done.stderr
+    assert re.search(r"rank 1 \(pid \d+\) exited with code 3 \(root cause\)", done.stderr)
 
 
 def test_plait_run_refuses_a_missing_script(tmp_path: Path):

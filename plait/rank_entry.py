@@ -1,0 +1,127 @@
+"""How ``plait run`` starts a rank: ``python -m plait.rank_entry script.py args...``.
+
+Before the script runs, the rank
+
+1. dies with its launcher (:mod:`plait.lifeline`; also armed between fork and exec);
+2. checks it reached its own job's store, claims its rank and waits for the world to fill
+   (:func:`plait.rendezvous.preflight`; bounded by ``PLAIT_RENDEZVOUS_TIMEOUT``, default
+   300 s, and ``PLAIT_CONNECT_TIMEOUT``, default 30 s, for reaching the store).
+
+Then the script runs as ``__main__``, exactly as ``python script.py args`` would run it. If it
+raises, the traceback goes to ``PLAIT_ERROR_FILE`` (JSON: rank, pid, host, time, exception
+and traceback) for the launcher, which prints the root cause once for the whole job; the
+rank's own stderr gets one line, and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from plait import lifeline
+
+# Exceptions a rank raises because *another* rank failed (a closed connection, a collective
+# that timed out waiting for a peer): consequences, never the root cause.
+CONSEQUENCE_TYPES = (
+    "CollectiveError",
+    "CollectiveTimeout",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "BrokenPipeError",
+    "ConnectionResetError",
+    "PeerFailure",
+)
+CONSEQUENCE_TEXT = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "connectFullMesh",
+    "Socket Timeout",
+    "timed out waiting",
+    "heartbeat",
+)
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a reaction to another rank's failure."""
+    names = {t.__name__ for t in type(exc).__mro__}
+    text = str(exc)
+    return bool(names & set(CONSEQUENCE_TYPES)) or any(s in text for s in CONSEQUENCE_TEXT)
+
+
+def write_error(path: str, exc: BaseException) -> None:
+    """Record ``exc`` (with the traceback being handled) for the launcher."""
+    entry = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0] if str(exc) else "",
+        "consequence": is_consequence(exc),
+        "traceback": traceback.format_exc(),
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entry, f)
+    os.replace(tmp, path)
+
+
+def _preflight() -> None:
+    from plait import rendezvous
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous.connect(
+        addr, port, timeout=float(os.environ.get("PLAIT_CONNECT_TIMEOUT", "30")), rank=rank
+    )
+    rendezvous.preflight(
+        store,
+        addr=addr,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        job_id=os.environ.get("PLAIT_JOB_ID"),
+        timeout=float(os.environ.get("PLAIT_RENDEZVOUS_TIMEOUT", "300")),
+    )
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m plait.rank_entry script.py [args...]", file=sys.stderr)
+        return 2
+    lifeline.arm_from_env()
+    script = argv[0]
+    error_file = os.environ.get("PLAIT_ERROR_FILE")
+    rank = os.environ.get("RANK", "?")
+    try:
+        if os.environ.get("PLAIT_JOB_ID"):
+            _preflight()
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if not error_file:
+            raise
+        write_error(error_file, exc)
+        print(
+            f"rank {rank} (pid {os.getpid()}): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''} (traceback in plait run's report)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
