@@ -6,6 +6,7 @@ from plait.mesh import Mesh
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world
 from plait.strategies import (
+    DataParallel,
     DistributedDataParallel,
     MixedPrecisionPolicy,
     NaiveDataParallel,
@@ -20,6 +21,7 @@ from plait.strategies.tensor import parallelize
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "DistributedDataParallel",
     "Mesh",
     "MixedPrecisionPolicy",

@@ -6,6 +6,7 @@ from plait.strategies.comm_hooks import (
     bf16_compress_hook,
     fp16_compress_hook,
 )
+from plait.strategies.data_parallel import DataParallel
 from plait.strategies.ddp import DistributedDataParallel
 from plait.strategies.fsdp import (
     FSDPModule,
@@ -13,12 +14,14 @@ from plait.strategies.fsdp import (
     full_state_dict,
     fully_shard,
 )
+from plait.strategies.grad_sync import NonFiniteGradientError
 from plait.strategies.naive import NaiveDataParallel
 from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
 from plait.strategies.ps import ParameterServer, WorkerOptimizer
 from plait.strategies.zero import ZeroOptimizer, prepare_zero
 
 __all__ = [
+    "DataParallel",
     "DistributedDataParallel",
     "FSDPModule",
     "MixedPrecisionPolicy",
@@ -28,6 +31,7 @@ __all__ = [
     "WorkerOptimizer",
     "GradBucket",
     "NaiveDataParallel",
+    "NonFiniteGradientError",
     "ZeroOptimizer",
     "allreduce_hook",
     "bf16_compress_hook",

@@ -11,6 +11,12 @@ PyTorch DDP, ``register_comm_hook(state, hook)`` installs one; the built-in hook
   to float16/bfloat16, all-reduce (sum) half the bytes, cast back into the buffer. The
   average loses precision to the 16-bit format (float16: ~3 significant digits; bfloat16:
   ~2, but float32's range).
+
+A hook's future must fail when its communication fails: every ``.then`` callback here
+reads its parent's value first (``fut.value()`` re-raises the error), so a dead or failed
+peer reaches ``backward()`` as a :class:`~plait.comm.CollectiveError`. Write your own hooks
+the same way: a callback that ignores its argument turns a failed all-reduce into a
+"successful" one that leaves this rank's local gradient in the buffer.
 """
 
 from __future__ import annotations
@@ -59,7 +65,12 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch
         buf, "avg", group=bucket.group, algorithm=bucket.algorithm, async_op=True
     )
     assert handle is not None
-    return handle.get_future().then(lambda _: buf)
+
+    def averaged(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.value()  # re-raises the all-reduce's error
+        return buf
+
+    return handle.get_future().then(averaged)
 
 
 def _compressed(dtype: torch.dtype) -> CommHook:
@@ -71,7 +82,8 @@ def _compressed(dtype: torch.dtype) -> CommHook:
         )
         assert handle is not None
 
-        def decompress(_: Any) -> torch.Tensor:
+        def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            fut.value()  # re-raises the all-reduce's error
             buf.copy_(small)
             return buf
 

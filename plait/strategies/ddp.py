@@ -16,17 +16,42 @@ Communication contract, on ``group``:
   ``algorithm``, while autograd computes the earlier layers' gradients. Buckets are
   launched strictly in index order, so every rank issues the same collectives in the
   same order. Everything is waited for before ``backward()`` returns;
-- ``no_sync()``: no communication; gradients accumulate locally until the next
-  synchronized backward, which then averages the accumulated sum.
+- ``no_sync()`` (or ``require_backward_grad_sync = False``, as PyTorch's DDP): no
+  communication; gradients accumulate locally until the next synchronized backward, which
+  then averages the accumulated sum;
+- with ``find_unused_parameters=True``: one more all-reduce (sum) of one int32 per
+  parameter at the end of backward, which parameters any rank used.
 
 A parameter that received no gradient in a backward pass is an error unless
-``find_unused_parameters=True``, in which case its slot contributes zeros and its bucket
-is reduced at the end of backward.
+``find_unused_parameters=True``. With it, as in PyTorch's DDP, its slot contributes what
+its ``.grad`` holds (zeros if None); a parameter that no rank used since the last
+synchronized backward keeps its ``.grad`` untouched (None after ``zero_grad()``, so
+optimizers skip it: no momentum, no weight decay), and one that some ranks used gets the
+average over all ranks.
+
+Failures. Every error of a bucket's all-reduce (a peer that crashed, raised, was killed or
+stopped early with uneven data, a timeout) is raised by ``backward()`` as a
+:class:`~plait.comm.CollectiveError` that names the bucket, the collective and the ranks
+that never reached it (:func:`plait.strategies.grad_sync.collective_failure`), whatever
+the path: the backend's all-reduce, plait's algorithms, the built-in communication hooks,
+or a user hook whose future carries the error (a ``.then`` callback must read its parent's
+value, ``fut.value()``; one that ignores it hides the failure, and plait cannot see it).
+
+Non-finite gradients (``check_finite``). Before its all-reduce each bucket is checked on
+its rank (one sum: ~1 ms per 25 MiB of float32); after it, every rank checks the averaged
+buffer, which is bitwise the same everywhere, so all ranks take the same decision without
+an extra collective. Only when it is not finite do the ranks run one small all-reduce to
+name which rank(s) and parameter(s) produced it; then ``"raise"`` (default) raises
+:class:`~plait.strategies.grad_sync.NonFiniteGradientError` on every rank, ``"skip"`` sets
+every gradient to None on every rank (``optimizer.step()`` leaves the parameters
+bit-identical; ``skipped_steps`` counts them) and warns, ``None`` lets the NaN through
+(what a loss scaler such as ``torch.amp.GradScaler`` wants: it then skips on every rank).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,8 +60,10 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.strategies import ddp_args, grad_sync
 from plait.strategies.buckets import Bucket, build_buckets
 from plait.strategies.comm_hooks import CommHook, GradBucket
+from plait.strategies.consistency import verify_same_parameters
 from plait.trace import Tracer
 
 MIB = 1 << 20
@@ -65,9 +92,19 @@ class DistributedDataParallel(nn.Module):
     with the backward pass's hooks for the GIL; in ``benchmarks/ddp.py`` that made them
     5-10% slower per step at world 4. ``broadcast_buffers``: re-broadcast
     buffers from rank 0 at every forward. ``find_unused_parameters``: tolerate parameters
-    without a gradient. ``gradient_as_bucket_view``: make ``param.grad`` a view into the
-    bucket, saving one copy per step. ``tracer``: record forward, backward and each
-    bucket's all-reduce (see :mod:`plait.trace`).
+    without a gradient (see the module docstring). ``gradient_as_bucket_view``: make
+    ``param.grad`` a view into the bucket, saving one copy per step. ``check_finite``:
+    ``"raise"`` (default), ``"skip"`` or ``None``, what to do when a gradient holds inf or
+    NaN (module docstring). ``tracer``: record forward, backward and each bucket's
+    all-reduce (see :mod:`plait.trace`).
+
+    PyTorch names: ``process_group=`` is an alias of ``group=``; ``device_ids`` and
+    ``output_device`` are accepted for a module on one CUDA device (``[device]``, that
+    device) and must be None for a CPU module; ``require_backward_grad_sync`` is honoured
+    like :meth:`no_sync`; ``.module`` is the wrapped module.
+
+    Collective: every rank of the group must wrap (the parameter lists are compared, then
+    broadcast from rank 0) and run the same number of synchronized backward passes.
     """
 
     def __init__(
@@ -75,29 +112,45 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         group: Group | None = None,
+        process_group: Group | None = None,
+        device_ids: list[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
         bucket_mb: float = 25.0,
         algorithm: str = "auto",
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        check_finite: str | None = "raise",
         tracer: Tracer | None = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.module = module
-        self.group = group if group is not None else comm.world()
+        self.group = ddp_args.pick_group(group, process_group)
+        ddp_args.check_devices(module, device_ids, output_device)
+        self.device_ids = device_ids
+        self.output_device = output_device
         self.algorithm = "native" if algorithm == "auto" else algorithm
         self.bucket_bytes = int(bucket_mb * MIB)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.check_finite = grad_sync.check_policy(check_finite)
         self.tracer = tracer
-        self._sync = True
+        self.require_backward_grad_sync = True
+        self.skipped_steps = 0
+        self.last_nonfinite: str | None = None
+        self._backward_passes = 0
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self._named:
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        verify_same_parameters(
+            [*module.named_parameters(), *module.named_buffers()],
+            self.group,
+            who="DistributedDataParallel",
+        )
         if self.group.size > 1:
             params = [p for _, p in module.named_parameters()]
             broadcast_tensors([*params, *module.buffers()], self.group, "auto")
@@ -108,6 +161,9 @@ class DistributedDataParallel(nn.Module):
         self._rebuilt = False
         self._in_backward = False
         self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
+        self._seqs: list[int | None] = []
+        self._used = [False] * len(self._named)  # since the last synchronized backward
+        self._local_nonfinite: int | None = None
         self._launched = 0
         self._backward_token: int | None = None
         self._hooks = [
@@ -122,19 +178,40 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``
-        (see :mod:`plait.strategies.comm_hooks`). Call before the first backward."""
+        (see :mod:`plait.strategies.comm_hooks`). Call before the first backward. The
+        future must fail when the communication fails: in ``.then`` callbacks, read the
+        parent's value (``fut.value()``) before using the buffer."""
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook may be called only once")
         self._comm_hook = (state, hook)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communication, inside this block."""
-        before, self._sync = self._sync, False
+        """Accumulate gradients locally, without communication, inside this block
+        (the same as setting ``require_backward_grad_sync = False`` for its duration)."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._sync = before
+            self.require_backward_grad_sync = before
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the module's parameters; returns the total
+        norm. Local: after backward the gradients are averaged and equal on every rank."""
+        return grad_sync.clip_grad_norm_(
+            self.module.parameters(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
 
     # --- forward -------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,13 +237,18 @@ class DistributedDataParallel(nn.Module):
                 t.register_hook(self._backward_started)
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        if self.tracer is not None and self._backward_token is None and self._sync:
+        if (
+            self.tracer is not None
+            and self._backward_token is None
+            and self.require_backward_grad_sync
+        ):
             self._backward_token = self.tracer.begin("backward", stream="compute")
 
     # --- backward ------------------------------------------------------------------------
     def _make_hook(self, param_index: int) -> Any:
         def hook(p: torch.Tensor) -> None:
-            if not self._sync:
+            self._used[param_index] = True
+            if not self.require_backward_grad_sync:
                 return
             if not self._in_backward:
                 self._start_backward()
@@ -178,6 +260,9 @@ class DistributedDataParallel(nn.Module):
         self._in_backward = True
         self._launched = 0
         self._futures = [None] * len(self.buckets)
+        self._seqs = [None] * len(self.buckets)
+        self._local_nonfinite = None
+        self._backward_passes += 1
         for b in self.buckets:
             b.reset()
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -210,7 +295,19 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._launched])
             self._launched += 1
 
+    def _check_local(self, bucket: Bucket) -> None:
+        """Before the all-reduce: remember this rank's first non-finite parameter."""
+        if grad_sync.bucket_is_finite(bucket.buffer):
+            return
+        bad = grad_sync.first_nonfinite(
+            (self._index_of[p], bucket.slot(i)) for i, p in enumerate(bucket.params)
+        )
+        if bad is not None and (self._local_nonfinite is None or bad < self._local_nonfinite):
+            self._local_nonfinite = bad
+
     def _launch(self, bucket: Bucket) -> None:
+        if self.check_finite is not None:
+            self._check_local(bucket)
         grad_bucket = GradBucket(
             bucket.index,
             bucket.buffer,
@@ -229,18 +326,40 @@ class DistributedDataParallel(nn.Module):
             future.set_result(bucket.buffer)
         elif self._comm_hook is not None:
             state, hook = self._comm_hook
-            future = hook(state, grad_bucket)
+            try:
+                future = hook(state, grad_bucket)
+            except Exception as exc:
+                raise self._failure(exc, bucket, self.group.seq) from exc
         else:
-            handle = comm.all_reduce(
-                bucket.buffer, "avg", group=self.group, algorithm=self.algorithm, async_op=True
-            )
+            try:
+                handle = comm.all_reduce(
+                    bucket.buffer,
+                    "avg",
+                    group=self.group,
+                    algorithm=self.algorithm,
+                    async_op=True,
+                )
+            except Exception as exc:
+                raise self._failure(exc, bucket, self.group.seq) from exc
             assert handle is not None
             future = handle.get_future()  # type: ignore[assignment]
+        self._seqs[bucket.index] = self.group.seq  # the last collective this bucket issued
         if token is not None:
             tracer = self.tracer
             assert tracer is not None
             future.add_done_callback(lambda _: tracer.end(token))
         self._futures[bucket.index] = future
+
+    def _failure(self, exc: BaseException, bucket: Bucket, seq: int | None) -> Exception:
+        names = ", ".join(repr(n) for n in bucket.names[:4])
+        more = f" and {len(bucket.names) - 4} more" if len(bucket.names) > 4 else ""
+        return grad_sync.collective_failure(
+            exc,
+            who="DistributedDataParallel",
+            what=f"bucket {bucket.index} (parameters {names}{more})",
+            group=self.group,
+            seq=seq,
+        )
 
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left, wait for everything, write gradients.
@@ -256,26 +375,24 @@ class DistributedDataParallel(nn.Module):
             wait_token = self.tracer.begin("wait for gradients", stream="compute")
         self._backward_token = None
         try:
-            missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if not b.ready[i]]
-            if missing:
-                if not self.find_unused_parameters:
-                    names = ", ".join(repr(b.names[i]) for b, i in missing[:8])
-                    raise RuntimeError(
-                        f"DistributedDataParallel: parameters {names} received no gradient "
-                        f"in this backward pass (unused in forward?). Pass "
-                        f"find_unused_parameters=True to DistributedDataParallel (or "
-                        f"plait.prepare) to reduce them as zeros, or remove them from the "
-                        f"module"
-                    )
-                for b, i in missing:
-                    b.slot(i).zero_()
-                    b.ready[i] = True
-                    b.pending -= 1
-                self._launch_ready()
+            used = self._reduce_unused()
             for b, future in zip(self.buckets, self._futures, strict=True):
                 assert future is not None
-                future.wait()
+                try:
+                    result = grad_sync.value_of(future)
+                except Exception as exc:
+                    raise self._failure(exc, b, self._seqs[b.index]) from exc
+                if isinstance(result, (list, tuple)) and result:
+                    result = result[0]
+                if isinstance(result, torch.Tensor) and result.data_ptr() != b.buffer.data_ptr():
+                    b.buffer.copy_(result.view_as(b.buffer))
+            self._used = [False] * len(self._named)
+            if self.check_finite is not None and not self._averages_finite():
+                return
+            for b in self.buckets:
                 for i, p in enumerate(b.params):
+                    if used is not None and not used[self._index_of[p]]:
+                        continue  # no rank used it: leave .grad as it is (PyTorch's rule)
                     slot = b.slot(i)
                     if p.grad is None or self.gradient_as_bucket_view:
                         p.grad = slot if self.gradient_as_bucket_view else slot.clone()
@@ -288,6 +405,77 @@ class DistributedDataParallel(nn.Module):
             if wait_token is not None:
                 assert self.tracer is not None
                 self.tracer.end(wait_token)
+
+    def _reduce_unused(self) -> list[bool] | None:
+        """Fill the slots of parameters without a gradient in this pass, launch the rest of
+        the buckets; with ``find_unused_parameters``, agree on which parameters any rank
+        used since the last synchronized backward (one all-reduce of int32 flags)."""
+        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if not b.ready[i]]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(repr(b.names[i]) for b, i in missing[:8])
+            raise RuntimeError(
+                f"DistributedDataParallel: parameters {names} received no gradient "
+                f"in this backward pass (unused in forward?). Pass "
+                f"find_unused_parameters=True to DistributedDataParallel (or "
+                f"plait.prepare) to reduce them as zeros, or remove them from the "
+                f"module"
+            )
+        for b, i in missing:
+            p, slot = b.params[i], b.slot(i)
+            if p.grad is None:  # what it accumulated under no_sync, if anything
+                slot.zero_()
+            elif p.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(p.grad)
+            b.ready[i] = True
+            b.pending -= 1
+        if missing:
+            self._launch_ready()
+        if not self.find_unused_parameters:
+            return None
+        flags = torch.tensor(self._used, dtype=torch.int32)
+        if self.group.size > 1:
+            seq = self.group.seq + 1
+            try:
+                comm.all_reduce(flags, "sum", group=self.group)
+            except Exception as exc:
+                raise grad_sync.collective_failure(
+                    exc,
+                    who="DistributedDataParallel",
+                    what="the used-parameter flags (find_unused_parameters=True)",
+                    group=self.group,
+                    seq=seq,
+                ) from exc
+        return [bool(v) for v in flags.tolist()]
+
+    def _averages_finite(self) -> bool:
+        """After the all-reduce: True if every averaged gradient is finite. Otherwise every
+        rank (they all hold the same averages) names the culprits, then raises or skips."""
+        bad = [b for b in self.buckets if not grad_sync.bucket_is_finite(b.buffer)]
+        if not bad:
+            return True
+        after = grad_sync.first_nonfinite(
+            (self._index_of[p], b.slot(i)) for b in bad for i, p in enumerate(b.params)
+        )
+        culprits = grad_sync.name_culprits(self._local_nonfinite, self.group)
+        named = [(r, self._named[i][0]) for r, i in culprits]
+        policy = self.check_finite or "raise"
+        message = grad_sync.nonfinite_message(
+            "DistributedDataParallel",
+            self._backward_passes,
+            named,
+            self._named[after if after is not None else 0][0],
+            policy,
+        )
+        self.last_nonfinite = message
+        if policy == "raise":
+            raise grad_sync.NonFiniteGradientError(message, named)
+        self.skipped_steps += 1
+        for _, p in self._named:
+            p.grad = None
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if not self._rebuilt:
+            self._rebuild_buckets()
+        return False
 
     def _rebuild_buckets(self) -> None:
         """After the first step: buckets in the order rank 0 saw gradients become ready."""
@@ -308,4 +496,5 @@ class DistributedDataParallel(nn.Module):
             for b in self.buckets:
                 for i, p in enumerate(b.params):
                     b.slot(i).copy_(old[p])
-                    p.grad = b.slot(i)
+                    if p.grad is not None:
+                        p.grad = b.slot(i)

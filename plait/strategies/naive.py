@@ -2,12 +2,25 @@
 
 No buckets and no overlap: the readable reference that :class:`DistributedDataParallel`
 is tested against, and the "DP" of the seeds. Communication contract, on ``group``:
-parameters and buffers broadcast from rank 0 when wrapped; at the end of every backward,
-one blocking all-reduce (average) per parameter, in registration order.
+
+- wrap: the ranks' parameter lists are compared (:func:`verify_same_parameters`), then
+  parameters and buffers are broadcast from rank 0;
+- end of every synchronized backward: one all-reduce (sum) of one int32 per trainable
+  parameter (which ranks used it since the last synchronized backward), then one
+  blocking all-reduce (average) per parameter that some rank used, in registration order.
+  A parameter that a rank did not use contributes its ``.grad`` (zeros if None); one that
+  no rank used keeps its ``.grad`` untouched (PyTorch DDP's rule, so optimizers skip it);
+- ``no_sync()`` / ``require_backward_grad_sync = False``: no communication.
+
+Every failure of these all-reduces is raised by ``backward()`` as a
+:class:`~plait.comm.CollectiveError` naming the parameter, the collective and the ranks
+that never reached it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,34 +28,112 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.strategies import grad_sync
+from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.ddp import broadcast_tensors
+from plait.trace import Tracer
+
+WHO = "NaiveDataParallel"
 
 
 class NaiveDataParallel(nn.Module):
+    """Wrap ``module``; average gradients over ``group`` (default: the world) after backward.
+
+    ``algorithm``: the all-reduce algorithm (``plait.comm``'s names). ``tracer``: record
+    each all-reduce as a ``comm`` span (see :mod:`plait.trace`). ``.module`` is the wrapped
+    module. Collective: every rank of the group must wrap and run the same number of
+    synchronized backward passes.
+    """
+
     def __init__(
-        self, module: nn.Module, *, group: Group | None = None, algorithm: str = "auto"
+        self,
+        module: nn.Module,
+        *,
+        group: Group | None = None,
+        algorithm: str = "auto",
+        tracer: Tracer | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.group = group if group is not None else comm.world()
         self.algorithm = algorithm
+        self.tracer = tracer
+        self.require_backward_grad_sync = True
         self._queued = False
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._used = [False] * len(self._named)
+        verify_same_parameters(
+            [*module.named_parameters(), *module.named_buffers()], self.group, who=WHO
+        )
         if self.group.size > 1:
             broadcast_tensors([*module.parameters(), *module.buffers()], self.group, "auto")
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._queue)
+        for i, (_, p) in enumerate(self._named):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def _queue(self, _: Any) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, inside this block."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the module's (averaged) gradients; local."""
+        return grad_sync.clip_grad_norm_(
+            self.module.parameters(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self._used[index] = True
+            if self.require_backward_grad_sync and not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._average)
+
+        return hook
+
+    def _all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
+        g = self.group
+        token = None
+        if self.tracer is not None:
+            nbytes = t.numel() * t.element_size()
+            token = self.tracer.begin(f"all_reduce {what}", stream="comm", bytes=nbytes)
+        seq = g.seq + 1
+        try:
+            comm.all_reduce(t, op, group=g, algorithm=self.algorithm)
+        except Exception as exc:
+            raise grad_sync.collective_failure(exc, who=WHO, what=what, group=g, seq=seq) from exc
+        finally:
+            if token is not None:
+                assert self.tracer is not None
+                self.tracer.end(token)
 
     def _average(self) -> None:
         self._queued = False
-        for p in self.module.parameters():
-            if p.grad is not None:
-                comm.all_reduce(p.grad, "avg", group=self.group, algorithm=self.algorithm)
+        flags = torch.tensor(self._used, dtype=torch.int32)
+        self._used = [False] * len(self._named)
+        if self.group.size == 1:
+            return
+        self._all_reduce(flags, "sum", "the used-parameter flags")
+        for (name, p), used in zip(self._named, flags.tolist(), strict=True):
+            if not used:
+                continue  # no rank used it: leave .grad as it is
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._all_reduce(p.grad, "avg", f"parameter {name!r}")
