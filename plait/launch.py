@@ -85,6 +85,9 @@ def _worker(
     init_kwargs: dict[str, Any],
     env: dict[str, str],
 ) -> None:
+    from plait import lifeline
+
+    lifeline.arm()  # a rank never outlives its parent (even after kill -9)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -150,7 +153,9 @@ class RankPool:
 
     ``run`` sends ``fn`` (importable by name) to every rank, which calls
     ``fn(*args, **kwargs)`` with the process group joined, and returns the results in rank
-    order. After a failure or a timeout the pool is closed: start a new one.
+    order. After a failure or a timeout the pool is closed: start a new one. ``timeout``
+    and ``debug`` left as None follow ``PLAIT_TIMEOUT`` and ``PLAIT_DEBUG`` (the ranks
+    inherit this process's environment, plus ``env``). Ranks die with this process.
     """
 
     def __init__(
@@ -158,7 +163,7 @@ class RankPool:
         world_size: int,
         *,
         timeout: float | None = None,
-        debug: bool = False,
+        debug: bool | None = None,
         backend: str = "gloo",
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
@@ -318,7 +323,7 @@ def spawn(
     kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_RUN_TIMEOUT_S,
     collective_timeout: float | None = None,
-    debug: bool = False,
+    debug: bool | None = None,
     backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return their results.
@@ -327,8 +332,10 @@ def spawn(
     come back in rank order. The first rank to fail is re-raised as :class:`RankError`
     (with its rank and traceback; the original exception is its ``__cause__``); ranks
     still running after ``timeout`` seconds are stopped and named in :class:`RankTimeout`.
-    ``collective_timeout`` bounds each collective inside ``fn``. ``fn`` must be importable
-    by name: a top-level function of a module or of a script run as ``__main__``.
+    ``collective_timeout`` bounds each collective inside ``fn`` (default ``PLAIT_TIMEOUT``);
+    ``debug`` checks every collective's signature (default ``PLAIT_DEBUG``): the ranks
+    inherit this process's environment, so ``PLAIT_*`` settings reach them. ``fn`` must be
+    importable by name: a top-level function of a module or of a script run as ``__main__``.
     """
     _check_picklable(fn)
     with RankPool(world_size, timeout=collective_timeout, debug=debug, backend=backend) as pool:

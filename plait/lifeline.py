@@ -1,15 +1,19 @@
 """Ranks die with their launcher: a rank never outlives the process that started it.
 
 A launcher killed with ``kill -9`` cannot stop its ranks, so each rank arranges its own
-end: on Linux the kernel sends it ``SIGKILL`` when its parent dies (``prctl
-PR_SET_PDEATHSIG``); elsewhere a daemon thread polls ``getppid()`` every half second and
-kills the process when the parent has changed. Both are armed before the rank does any
-work, and the parent is checked once right after arming, so a launcher that died in
-between is noticed too.
+end, in two ways:
 
-``plait run`` arms it in each rank between fork and exec (:func:`preexec`), ``plait.spawn``
-at rank start-up (:func:`arm`); a rank started by torchrun arms it when ``plait.init``
-calls :func:`arm`. Nothing here communicates.
+- ``plait run`` starts each rank with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` set between fork
+  and exec (:func:`preexec`, Linux): the kernel kills the rank the moment the launcher
+  dies. The launcher forks from its main thread, which lives as long as it does (the
+  kernel ties the death signal to the *thread* that forked, not to the process).
+- :func:`arm` (``plait.spawn`` ranks at start-up; ``plait.init`` under torchrun, whose
+  agent may start workers from any thread) starts a daemon thread that polls ``getppid()``
+  every half second and kills the process when the parent has changed (it was re-parented:
+  its parent died). Also the fallback where prctl is unavailable.
+
+The parent is checked once right after arming, so a launcher that died in between is
+noticed too. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _watch_parent(parent: int, sig: int) -> None:
 
 
 def arm(parent_pid: int | None = None, *, sig: int = signal.SIGKILL) -> None:
-    """Make this process receive ``sig`` (default SIGKILL) when its parent process dies.
+    """Make this process receive ``sig`` (default SIGKILL) within half a second of its
+    parent process's death (a watcher thread polling ``getppid()``).
 
     ``parent_pid``: the launcher's pid, when known (``PLAIT_LAUNCHER_PID``); if the
     current parent is already another process, the launcher is gone and the signal is
@@ -58,10 +63,9 @@ def arm(parent_pid: int | None = None, *, sig: int = signal.SIGKILL) -> None:
     if _armed_for == parent:
         return
     _armed_for = parent
-    if not _prctl_pdeathsig(sig):
-        threading.Thread(
-            target=_watch_parent, args=(parent, sig), name="plait-lifeline", daemon=True
-        ).start()
+    threading.Thread(
+        target=_watch_parent, args=(parent, sig), name="plait-lifeline", daemon=True
+    ).start()
     if parent_pid is not None and parent != parent_pid:
         os.kill(os.getpid(), sig)  # the launcher died before we armed
 

@@ -171,3 +171,8 @@ def sleep_on(rank: int, seconds: float) -> int:
     if plait.world().rank == rank:
         time.sleep(seconds)
     return plait.world().rank
+
+
+def debug_setting() -> tuple[bool, str | None]:
+    """This rank's world group's debug flag and the PLAIT_DEBUG it sees."""
+    return plait.world().debug, os.environ.get("PLAIT_DEBUG")

@@ -357,3 +357,12 @@ def test_rendezvous_errors_name_the_store_and_the_ranks(tmp_path: Path) -> None:
         note=f"foreign store, dead address, duplicate RANK, unfilled world: all named "
         f"({took:.1f}s for the four, deadlines 3-4s)",
     )
+
+
+def test_plait_debug_reaches_spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLAIT_DEBUG=1 in the parent turns debug on in plait.spawn's ranks (and so in demo)."""
+    import plait
+    from tests import rank_fns
+
+    monkeypatch.setenv("PLAIT_DEBUG", "1")
+    assert plait.spawn(rank_fns.debug_setting, world_size=2, timeout=120) == [(True, "1")] * 2
