@@ -172,10 +172,17 @@ class Variant:
             self.wrapped = ddp
         else:
             algorithm = name.removeprefix("plait ")
+            # "<algorithm>+nocheck": without the non-finite gradient check (its cost)
+            check = None if algorithm.endswith("+nocheck") else "raise"
+            algorithm = algorithm.removesuffix("+nocheck")
             if tracer is not None:  # a tracer of its own: keep only its bucket spans
                 self.comm_tracer = Tracer(rank=tracer.rank)
             self.wrapped = plait.DistributedDataParallel(
-                inner, bucket_mb=bucket_mb, algorithm=algorithm, tracer=self.comm_tracer
+                inner,
+                bucket_mb=bucket_mb,
+                algorithm=algorithm,
+                check_finite=check,
+                tracer=self.comm_tracer,
             )
         self.inner = inner
         self.optimizer = torch.optim.SGD(inner.parameters(), lr=LR)
