@@ -70,8 +70,8 @@ def stage2_gradients() -> dict[int, Any]:
         x, y = batch(0)
         out = model(shard(x, world.rank, world.size))
         nn.functional.mse_loss(out, shard(y, world.rank, world.size)).backward()
-        zero._wait_reductions()  # stage 2: the averaged shard, before step
-        grad = zero._grad
+        zero.gradients.wait()  # stage 2: the averaged shard, before step
+        grad = zero.gradients.flat
         result[stage] = {
             # stage 2: one-element placeholders (stride 0); stage 1: the local gradients
             "placeholders": [
@@ -83,7 +83,7 @@ def stage2_gradients() -> dict[int, Any]:
             "lo_hi": (zero.lo, zero.hi),
         }
         zero.zero_grad()
-        result[stage]["after_zero_grad"] = zero._grad is None and all(
+        result[stage]["after_zero_grad"] = zero.gradients.flat is None and all(
             p.grad is None for p in model.parameters()
         )
     return result

@@ -15,7 +15,8 @@ group's hyper-parameters, so its state (Adam's ``exp_avg`` and ``exp_avg_sq``) i
 Modules: :mod:`~plait.strategies.zero.partition` (the layout, plain data),
 :mod:`~plait.strategies.zero.groups` (param groups in, constructor keywords out),
 :mod:`~plait.strategies.zero.guard` (what ``param.grad`` is after backward),
-:mod:`~plait.strategies.zero.optimizer` (:class:`ZeroOptimizer`),
+:mod:`~plait.strategies.zero.gradients` (hooks, reduce-scatters, clipping and unscaling on
+the averaged shard), :mod:`~plait.strategies.zero.optimizer` (:class:`ZeroOptimizer`),
 :mod:`~plait.strategies.zero.state` (state dicts), :mod:`~plait.strategies.zero.prepare`.
 
 Communication contract, on ``group`` (n ranks, b bytes per element, S_r = hi_r - lo_r):

@@ -5,30 +5,21 @@ See :mod:`plait.strategies.zero` for the layout and the communication contract.
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait import comm
-from plait.comm.group import Group, Handle
+from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.ddp import MIB, broadcast_tensors
 from plait.strategies.zero import state as zstate
+from plait.strategies.zero.gradients import ShardGradients, trace_span
 from plait.strategies.zero.groups import ParamGroups, parse_param_groups
-from plait.strategies.zero.guard import (
-    ShardedGrad,
-    ShardedGradientError,
-    local_guard,
-    placeholder_guard,
-    real,
-)
+from plait.strategies.zero.guard import ShardedGrad
 from plait.strategies.zero.partition import (
-    Bucket,
     Piece,
     make_buckets,
     offsets_of,
@@ -36,19 +27,6 @@ from plait.strategies.zero.partition import (
     shard_bounds,
 )
 from plait.trace import Tracer
-
-
-@dataclass
-class _Reduction:
-    """One launched reduce-scatter: ``out`` lands in the gradient shard's ``[start, stop)``."""
-
-    handle: Handle | None
-    packed: torch.Tensor  # the bucket's gradients, alive until the collective is done
-    out: torch.Tensor
-    start: int
-    stop: int
-    accumulate: bool
-    traced: Callable[[], None]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -142,7 +120,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             {**hyper, "params": [s]} for hyper, s in zip(layout.hyper, self.shards, strict=True)
         ]
         self.optim = optimizer_class(local_groups, **opt_kwargs)
-        self._grad: torch.Tensor | None = None  # this rank's averaged gradient shard
         self._initialized = False
         super().__init__(
             [
@@ -153,21 +130,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self._initialized = True
 
-        self._pending: list[_Reduction] = []
-        self._in_backward = False
-        self._reduced = False  # stage 1: the gradient shard is already averaged
-        self._ready: list[bool] = []
-        self._waiting: list[int] = []
-        self._launched = 0
-        self._accumulate = False
-        self._hooks: list[Any] = [
-            p.register_hook(self._make_pre_hook(i)) for i, p in enumerate(self._params)
-        ]
-        if stage == 2:
-            self._hooks += [
-                p.register_post_accumulate_grad_hook(self._make_hook(i))
-                for i, p in enumerate(self._params)
-            ]
+        self._frozen = [p for ps in layout.all_params for p in ps if not p.requires_grad]
+        self.gradients = ShardGradients(self)
 
     # --- layout --------------------------------------------------------------------------
     def _read_shard(self) -> torch.Tensor:
@@ -198,13 +162,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.shard.dtype == self.dtype:
             self.shard.untyped_storage().resize_(0)  # the group shards are views of it
             if self.stage == 1:
-                self._set_grad(None)
-
-    def _set_grad(self, grad: torch.Tensor | None) -> None:
-        """The averaged gradient shard, and its per-group views on the local parameters."""
-        self._grad = grad
-        for (a, b), s in zip(self._local, self.shards, strict=True):
-            s.grad = None if grad is None else grad[a:b]
+                self.gradients.set(None)
 
     def _sync_hyperparameters(self) -> None:
         for mine, local in zip(self.param_groups, self.optim.param_groups, strict=True):
@@ -221,177 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    # --- gradients: reduce-scatter -------------------------------------------------------
-    def _trace(self, label: str, nbytes: int, handle: Handle | None) -> Callable[[], None]:
-        """Record a ``comm`` span from now until the collective completes; returns a
-        function that ends it at the latest (call it after ``handle.wait()``: the
-        completion callback may run a moment after the waiter wakes)."""
-        tracer = self.tracer
-        if tracer is None:
-            return _nothing
-        token = tracer.begin(label, stream="comm", bytes=nbytes)
-        lock, open_ = threading.Lock(), [True]
-
-        def end(*_: Any) -> None:
-            with lock:
-                if open_[0]:
-                    open_[0] = False
-                    tracer.end(token)
-
-        if handle is None:
-            end()
-        else:
-            handle.get_future().add_done_callback(end)
-        return end
-
-    def _param_grad(self, i: int) -> torch.Tensor | None:
-        g = self._params[i].grad
-        return None if g is None else real(g)
-
-    def _launch(self, bucket: Bucket, accumulate: bool) -> None:
-        """Pack the bucket's gradients (zeros where none) and start its reduce-scatter."""
-        grads = []
-        for i in bucket.params:
-            g = self._param_grad(i)
-            if g is None:
-                g = self._params[i].new_zeros(self._params[i].shape)
-            grads.append(g.reshape(-1))
-        packed = torch.cat(grads)
-        blocks = [packed[a - bucket.lo : b - bucket.lo] for a, b in bucket.blocks]
-        a, b = bucket.blocks[self.group.rank]
-        start, stop = a - self.lo, b - self.lo
-        grad = self._grad
-        assert grad is not None
-        if accumulate or grad.dtype != packed.dtype:
-            out = packed.new_empty(stop - start)
-        else:
-            out = grad[start:stop]
-        handle = comm.reduce_scatter(
-            out, blocks, "avg", group=self.group, algorithm=self.algorithm, async_op=True
-        )
-        traced = self._trace(
-            f"reduce_scatter bucket {bucket.index}", packed.numel() * packed.element_size(), handle
-        )
-        self._pending.append(_Reduction(handle, packed, out, start, stop, accumulate, traced))
-
-    def _wait_reductions(self) -> None:
-        """Wait for every launched reduce-scatter and put its result into the shard."""
-        pending, self._pending = self._pending, []
-        grad = self._grad
-        for red in pending:
-            if red.handle is not None:
-                red.handle.wait()
-            red.traced()
-            assert grad is not None
-            target = grad[red.start : red.stop]
-            if red.accumulate:
-                target.add_(red.out)
-            elif red.out.data_ptr() != target.data_ptr() or red.out.dtype != target.dtype:
-                target.copy_(red.out)
-
-    def _averaged(self) -> bool:
-        """Make ``self._grad`` this rank's averaged gradient shard; False if there is none.
-
-        Stage 1: reduce-scatter the full gradients (once per backward: ``clip_grad_norm_``,
-        unscaling and ``step`` share it). Stage 2: wait for the backward's reduce-scatters.
-        """
-        if self.stage == 2:
-            self._wait_reductions()
-            return self._grad is not None
-        if self._reduced:
-            return True
-        if all(p.grad is None for p in self._params):
-            return False
-        if self._grad is None:
-            self._set_grad(torch.empty_like(self.shard))
-        for bucket in self._buckets:
-            self._launch(bucket, accumulate=False)
-        self._wait_reductions()
-        self._reduced = True
-        return True
-
-    # --- gradients: backward hooks -------------------------------------------------------
-    def _make_pre_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if not self._in_backward:
-                self._start_backward()
-
-        return hook
-
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            if not self._ready[index]:
-                self._ready[index] = True
-                self._waiting[self._bucket_of[index].index] -= 1
-                self._launch_ready()
-
-        return hook
-
-    def _start_backward(self) -> None:
-        """First gradient of a backward, before autograd accumulates it."""
-        self._in_backward = True
-        self._reduced = False
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if self.stage == 1:
-            return
-        self._wait_reductions()  # a previous backward's, if step() has not run since
-        guarded = [isinstance(p.grad, ShardedGrad) for p in self._params]
-        if any(guarded) and not all(guarded):
-            name = self._names[guarded.index(False)]
-            raise ShardedGradientError(
-                f"ZeroOptimizer (stage 2): parameter {name!r} has .grad None while others "
-                f"still hold their gradient from the previous backward; clear gradients with "
-                f"optimizer.zero_grad() or model.zero_grad() (all parameters), not one by one"
-            )
-        # accumulate onto the shard gradient unless it was cleared (zero_grad, set_to_none)
-        self._accumulate = all(guarded) and self._grad is not None
-        for p in self._params:
-            p.grad = None  # the placeholders; autograd writes the real gradients now
-        if self._grad is None:
-            self._set_grad(torch.empty_like(self.shard))
-        self._ready = [False] * len(self._params)
-        self._waiting = [len(b.params) for b in self._buckets]
-        self._launched = 0
-
-    def _launch_ready(self) -> None:
-        """Launch, in bucket order, every bucket whose gradients are all ready, and drop
-        the full gradients of its parameters."""
-        while self._launched < len(self._buckets) and self._waiting[self._launched] == 0:
-            bucket = self._buckets[self._launched]
-            self._launch(bucket, self._accumulate)
-            for i in bucket.params:
-                p = self._params[i]
-                p.grad = placeholder_guard(p, self, self._names[i])
-            self._launched += 1
-
-    def _finish_backward(self) -> None:
-        """End of backward. Stage 2: parameters that got no gradient are reduced as zeros.
-        Stage 1: every local gradient is put behind its guard."""
-        try:
-            if self.stage == 1:
-                for p, name in zip(self._params, self._names, strict=True):
-                    if p.grad is not None and not isinstance(p.grad, ShardedGrad):
-                        p.grad = local_guard(p.grad, self, name)
-                return
-            for i, ready in enumerate(self._ready):
-                if not ready:
-                    self._ready[i] = True
-                    self._waiting[self._bucket_of[i].index] -= 1
-            self._launch_ready()
-        finally:
-            self._in_backward = False
-
-    def _user_zeroed_(self, guard: ShardedGrad) -> None:
-        """A guard was zeroed (``model.zero_grad(set_to_none=False)``): clear what it
-        stands for."""
-        self._reduced = False
-        if self.stage == 2:
-            self._wait_reductions()
-            if self._grad is not None:
-                self._grad.zero_()
-
     # --- clipping and loss scaling -------------------------------------------------------
-    @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
@@ -399,74 +187,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         What ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does for a plain
         (or DDP) model, with the same result: the norm over all parameters of the gradient
-        averaged over the group, and, when it exceeds ``max_norm``, every gradient scaled
-        by ``max_norm / (norm + 1e-6)``, so the following ``step()`` equals the clipped
-        single-process step. ``norm_type``: any p > 0, or ``inf``. ``error_if_nonfinite``:
-        raise ``RuntimeError`` (on every rank) if the norm is nan or inf.
+        averaged over the group (in the parameters' dtype), and, when it exceeds
+        ``max_norm``, every gradient scaled by ``max_norm / (norm + 1e-6)``, so the
+        following ``step()`` equals the clipped single-process step. ``norm_type``: any
+        p > 0, or ``inf``. ``error_if_nonfinite``: raise ``RuntimeError`` (on every rank)
+        if the norm is nan or inf. Call it after backward (and after
+        ``GradScaler.unscale_``), before ``step()``.
 
-        Collective: every rank of the group must call it (after backward, before
-        ``step()``). Stage 1 reduce-scatters the gradients here (``step()`` then reuses
-        them: nothing is sent twice); both stages then all-reduce one scalar (sum of
-        |g|^p, or max for ``inf``) on the group.
+        Collective: every rank of the group must call it. Stage 1 reduce-scatters the
+        gradients here (``step()`` then reuses them: nothing is sent twice); both stages
+        then all-reduce one scalar on the group (sum of |g|^p, or max for ``inf``).
         """
-        norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(
-                f"ZeroOptimizer.clip_grad_norm_: norm_type must be positive or inf, got {norm_type}"
-            )
-        have = self._averaged()
-        grad = self._grad if have else None
-        if grad is None or grad.numel() == 0:
-            local = torch.zeros((), dtype=self.shard.dtype)
-        elif math.isinf(norm_type):
-            local = grad.abs().max()
-        else:
-            local = torch.linalg.vector_norm(grad, norm_type).pow(norm_type)
-        if self.group.size > 1:
-            comm.all_reduce(
-                local,
-                "max" if math.isinf(norm_type) else "sum",
-                group=self.group,
-                algorithm=self.algorithm,
-            )
-        total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"ZeroOptimizer.clip_grad_norm_: the total norm of order {norm_type} of the "
-                f"gradients is non-finite ({float(total)}), so it cannot be clipped. Pass "
-                f"error_if_nonfinite=False to clip anyway (the step is then nan/inf)"
-            )
-        if grad is not None:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            grad.mul_(coef.to(grad.dtype))
-        return total.to(self.dtype)
+        return self.gradients.clip_norm_(max_norm, norm_type, error_if_nonfinite)
 
-    @torch.no_grad()
     def unscale_grads_(self, inv_scale: float | torch.Tensor) -> torch.Tensor:
         """Multiply the averaged gradient shard by ``inv_scale``; return 1.0 if any
         gradient on any rank is inf or nan, else 0.0 (a float32 scalar, equal on every
-        rank). For loss scalers; ``torch.amp.GradScaler`` reaches it by itself.
+        rank). For loss scalers (:class:`plait.amp.DynamicLossScaler` calls it);
+        ``torch.amp.GradScaler`` reaches it through the ``.grad`` guards.
 
         Collective: every rank of the group must call it. Stage 1 reduce-scatters the
         gradients here (``step()`` reuses them); then one all-reduce (max) of one float.
         """
-        found = torch.zeros((), dtype=torch.float32)
-        if self._averaged():
-            grad = self._grad
-            assert grad is not None
-            grad.mul_(torch.as_tensor(inv_scale, dtype=grad.dtype))
-            if grad.numel() and not bool(torch.isfinite(grad).all()):
-                found.fill_(1.0)
-        if self.group.size > 1:
-            comm.all_reduce(found, "max", group=self.group, algorithm=self.algorithm)
-        return found
+        return self.gradients.unscale_(inv_scale)
 
     def _amp_unscale_(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
         """``torch.amp.GradScaler``'s unscale-and-check, routed here by the guards: the
         agreed found-inf lands in GradScaler's own tensor, so every rank skips together
-        and halves its scale alike."""
+        and halves its scale alike. Collective, as :meth:`unscale_grads_`."""
         found = self.unscale_grads_(inv_scale)
         found_inf.copy_(torch.maximum(found_inf, found.to(found_inf)))
+
+    def _user_zeroed_(self, guard: ShardedGrad) -> None:
+        self.gradients.user_zeroed()
 
     # --- step --------------------------------------------------------------------------
     @torch.no_grad()
@@ -483,30 +236,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._averaged():
+        if not self.gradients.averaged():
             return loss
         self._check_frozen()
         self._refresh_shard()
         self._sync_hyperparameters()
-        self._set_grad(self._grad)
+        self.gradients.set(self.gradients.flat)
         self.optim.step()
         self._gather_parameters()
-        self._reduced = False
+        self.gradients.reduced = False
         self._release_shard()
         return loss
 
     def _check_frozen(self) -> None:
-        for params in self._layout.all_params:
-            for p in params:
-                if not p.requires_grad or p.grad is None:
-                    continue
-                if not any(p is q for q in self._params):
-                    raise ValueError(
-                        f"ZeroOptimizer: parameter {self._layout.name_of(p)!r} was frozen "
-                        f"(requires_grad=False) when the optimizer was built and has a "
-                        f"gradient now; ZeRO lays out the trainable parameters once: build the "
-                        f"optimizer (plait.prepare) after unfreezing"
-                    )
+        for p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                raise ValueError(
+                    f"ZeroOptimizer: parameter {self._layout.name_of(p)!r} was frozen "
+                    f"(requires_grad=False) when the optimizer was built and has a gradient "
+                    f"now; ZeRO lays out the trainable parameters once: build the optimizer "
+                    f"(plait.prepare) after unfreezing"
+                )
 
     def _gather_parameters(self) -> None:
         """All-gather the updated shards into the parameters, bucket by bucket."""
@@ -519,8 +269,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             handle = comm.all_gather(
                 blocks, mine, group=self.group, algorithm=self.algorithm, async_op=True
             )
-            traced = self._trace(
-                f"all_gather bucket {bucket.index}", flat.numel() * flat.element_size(), handle
+            traced = trace_span(
+                self,
+                f"all_gather bucket {bucket.index}",
+                flat.numel() * flat.element_size(),
+                handle,
             )
             launched.append((bucket, flat, handle, traced))
         for bucket, flat, handle, traced in launched:
@@ -540,19 +293,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters' placeholders are dropped either way (the shard gradient is zeroed).
         Waits for this rank's own collectives in flight only; sends nothing.
         """
-        self._wait_reductions()
-        self._reduced = False
-        for p in self._params:
-            if p.grad is None:
-                continue
-            if set_to_none or self.stage == 2:
-                p.grad = None
-            else:
-                real(p.grad).zero_()
-        if set_to_none:
-            self._set_grad(None)
-        elif self._grad is not None:
-            self._grad.zero_()
+        self.gradients.zero(set_to_none)
 
     # --- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -591,17 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard, and packed buckets of reduce-scatters still in flight.
         ``optimizer_state``: the flat shard and the local optimizer's state tensors.
         """
-        grads: list[torch.Tensor] = []
-        for p in self._params:
-            g = p.grad
-            if g is not None and (self.stage == 1 or not isinstance(g, ShardedGrad)):
-                grads.append(real(g))
-        if self._grad is not None:
-            grads.append(self._grad)
-        for red in self._pending:
-            grads.append(red.packed)
-            if red.accumulate or self._grad is None or red.out.dtype != self._grad.dtype:
-                grads.append(red.out)
+        grads = self.gradients.held()
         state = [
             v
             for s in self.shards
@@ -619,10 +350,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def group_numels(self) -> Sequence[int]:
         """Elements of every param group's trainable parameters."""
         return [b - a for a, b in zip(self.group_bounds, self.group_bounds[1:], strict=False)]
-
-
-def _nothing() -> None:
-    pass
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

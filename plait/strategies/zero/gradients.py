@@ -1,0 +1,335 @@
+"""This rank's averaged gradient shard under ZeRO-1/2, and how it is produced.
+
+:class:`ShardGradients` owns the gradient side of a :class:`ZeroOptimizer`: the backward
+hooks, the bucketed reduce-scatters (stage 1 in ``step()``, stage 2 during backward), the
+``.grad`` guards of :mod:`plait.strategies.zero.guard`, and what is computed on the
+averaged shard before a step: the global gradient norm (clipping) and the found-inf check
+of loss scaling. Communication as in :mod:`plait.strategies.zero`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plait import comm
+from plait.comm.group import Handle
+from plait.strategies.zero.guard import (
+    ShardedGrad,
+    ShardedGradientError,
+    local_guard,
+    placeholder_guard,
+    real,
+)
+from plait.strategies.zero.partition import Bucket
+
+if TYPE_CHECKING:
+    from plait.strategies.zero.optimizer import ZeroOptimizer
+
+
+@dataclass
+class _Reduction:
+    """One launched reduce-scatter: ``out`` lands in the gradient shard's ``[start, stop)``."""
+
+    handle: Handle | None
+    packed: torch.Tensor  # the bucket's gradients, alive until the collective is done
+    out: torch.Tensor
+    start: int
+    stop: int
+    accumulate: bool
+    traced: Callable[[], None]
+
+
+def _nothing() -> None:
+    pass
+
+
+class ShardGradients:
+    """The averaged gradient of ``opt``'s range (``flat``, None when cleared), with one view
+    per param group on the local optimizer's parameters (``opt.shards[g].grad``)."""
+
+    def __init__(self, opt: ZeroOptimizer) -> None:
+        self.opt = opt
+        self.flat: torch.Tensor | None = None
+        self.pending: list[_Reduction] = []
+        self.reduced = False  # stage 1: flat is already this backward's average
+        self._in_backward = False
+        self._ready: list[bool] = []
+        self._waiting: list[int] = []
+        self._launched = 0
+        self._accumulate = False
+        self.hooks: list[Any] = [p.register_hook(self._make_pre_hook()) for p in opt._params]
+        if opt.stage == 2:
+            self.hooks += [
+                p.register_post_accumulate_grad_hook(self._make_hook(i))
+                for i, p in enumerate(opt._params)
+            ]
+
+    def set(self, flat: torch.Tensor | None) -> None:
+        """Make ``flat`` the gradient shard, and its per-group views the local gradients."""
+        self.flat = flat
+        for (a, b), s in zip(self.opt._local, self.opt.shards, strict=True):
+            s.grad = None if flat is None else flat[a:b]
+
+    # --- reduce-scatter ------------------------------------------------------------------
+    def _trace(self, label: str, nbytes: int, handle: Handle | None) -> Callable[[], None]:
+        return trace_span(self.opt, label, nbytes, handle)
+
+    def _launch(self, bucket: Bucket, accumulate: bool) -> None:
+        """Pack the bucket's gradients (zeros where none) and start its reduce-scatter."""
+        opt = self.opt
+        grads = []
+        for i in bucket.params:
+            p = opt._params[i]
+            g = p.grad
+            grads.append(real(g).reshape(-1) if g is not None else p.new_zeros(p.numel()))
+        packed = torch.cat(grads)
+        blocks = [packed[a - bucket.lo : b - bucket.lo] for a, b in bucket.blocks]
+        a, b = bucket.blocks[opt.group.rank]
+        start, stop = a - opt.lo, b - opt.lo
+        flat = self.flat
+        assert flat is not None
+        if accumulate or flat.dtype != packed.dtype:
+            out = packed.new_empty(stop - start)
+        else:
+            out = flat[start:stop]
+        handle = comm.reduce_scatter(
+            out, blocks, "avg", group=opt.group, algorithm=opt.algorithm, async_op=True
+        )
+        traced = self._trace(
+            f"reduce_scatter bucket {bucket.index}", packed.numel() * packed.element_size(), handle
+        )
+        self.pending.append(_Reduction(handle, packed, out, start, stop, accumulate, traced))
+
+    def wait(self) -> None:
+        """Wait for every launched reduce-scatter and put its result into ``flat``."""
+        pending, self.pending = self.pending, []
+        flat = self.flat
+        for red in pending:
+            if red.handle is not None:
+                red.handle.wait()
+            red.traced()
+            assert flat is not None
+            target = flat[red.start : red.stop]
+            if red.accumulate:
+                target.add_(red.out)
+            elif red.out.data_ptr() != target.data_ptr() or red.out.dtype != target.dtype:
+                target.copy_(red.out)
+
+    def averaged(self) -> bool:
+        """Make ``flat`` this rank's averaged gradient shard; False if there is none.
+
+        Stage 1: reduce-scatter the full gradients (once per backward: clipping, unscaling
+        and ``step`` share it). Stage 2: wait for the backward's reduce-scatters.
+        """
+        opt = self.opt
+        if opt.stage == 2:
+            self.wait()
+            return self.flat is not None
+        if self.reduced:
+            return True
+        if all(p.grad is None for p in opt._params):
+            return False
+        if self.flat is None:
+            self.set(torch.empty_like(opt.shard))
+        for bucket in opt._buckets:
+            self._launch(bucket, accumulate=False)
+        self.wait()
+        self.reduced = True
+        return True
+
+    # --- backward hooks --------------------------------------------------------------------
+    def _make_pre_hook(self) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._in_backward:
+                self._start_backward()
+
+        return hook
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if not self._ready[index]:
+                self._ready[index] = True
+                self._waiting[self.opt._bucket_of[index].index] -= 1
+                self._launch_ready()
+
+        return hook
+
+    def _start_backward(self) -> None:
+        """First gradient of a backward, before autograd accumulates it."""
+        opt = self.opt
+        self._in_backward = True
+        self.reduced = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if opt.stage == 1:
+            return
+        self.wait()  # a previous backward's, if step() has not run since
+        guarded = [isinstance(p.grad, ShardedGrad) for p in opt._params]
+        if any(guarded) and not all(guarded):
+            name = opt._names[guarded.index(False)]
+            raise ShardedGradientError(
+                f"ZeroOptimizer (stage 2): parameter {name!r} has .grad None while others "
+                f"still hold their gradient from the previous backward; clear gradients with "
+                f"optimizer.zero_grad() or model.zero_grad() (all parameters), not one by one"
+            )
+        # accumulate onto the shard gradient unless it was cleared (zero_grad, set_to_none)
+        self._accumulate = all(guarded) and self.flat is not None
+        for p in opt._params:
+            p.grad = None  # the placeholders; autograd writes the real gradients now
+        if self.flat is None:
+            self.set(torch.empty_like(opt.shard))
+        self._ready = [False] * len(opt._params)
+        self._waiting = [len(b.params) for b in opt._buckets]
+        self._launched = 0
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose gradients are all ready, and drop
+        the full gradients of its parameters."""
+        opt = self.opt
+        while self._launched < len(opt._buckets) and self._waiting[self._launched] == 0:
+            bucket = opt._buckets[self._launched]
+            self._launch(bucket, self._accumulate)
+            for i in bucket.params:
+                p = opt._params[i]
+                p.grad = placeholder_guard(p, opt, opt._names[i])
+            self._launched += 1
+
+    def _finish_backward(self) -> None:
+        """End of backward. Stage 2: parameters that got no gradient are reduced as zeros.
+        Stage 1: every local gradient is put behind its guard."""
+        opt = self.opt
+        try:
+            if opt.stage == 1:
+                for p, name in zip(opt._params, opt._names, strict=True):
+                    if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                        p.grad = local_guard(p.grad, opt, name)
+                return
+            for i, ready in enumerate(self._ready):
+                if not ready:
+                    self._ready[i] = True
+                    self._waiting[opt._bucket_of[i].index] -= 1
+            self._launch_ready()
+        finally:
+            self._in_backward = False
+
+    def user_zeroed(self) -> None:
+        """A guard was zeroed (``model.zero_grad(set_to_none=False)``): clear what it
+        stands for."""
+        self.reduced = False
+        if self.opt.stage == 2:
+            self.wait()
+            if self.flat is not None:
+                self.flat.zero_()
+
+    def zero(self, set_to_none: bool) -> None:
+        """``ZeroOptimizer.zero_grad``: the parameters' gradients and the shard's."""
+        self.wait()
+        self.reduced = False
+        for p in self.opt._params:
+            if p.grad is None:
+                continue
+            if set_to_none or self.opt.stage == 2:
+                p.grad = None
+            else:
+                real(p.grad).zero_()
+        if set_to_none:
+            self.set(None)
+        elif self.flat is not None:
+            self.flat.zero_()
+
+    def held(self) -> list[torch.Tensor]:
+        """Gradient memory alive now: stage-1 local gradients (stage-2 placeholders hold
+        one element and are left out), the shard, packed buckets in flight."""
+        opt = self.opt
+        grads: list[torch.Tensor] = []
+        for p in opt._params:
+            g = p.grad
+            if g is not None and (opt.stage == 1 or not isinstance(g, ShardedGrad)):
+                grads.append(real(g))
+        if self.flat is not None:
+            grads.append(self.flat)
+        for red in self.pending:
+            grads.append(red.packed)
+            if red.accumulate or self.flat is None or red.out.dtype != self.flat.dtype:
+                grads.append(red.out)
+        return grads
+
+    # --- on the averaged shard: clipping and loss scaling ---------------------------------
+    @torch.no_grad()
+    def clip_norm_(
+        self, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """See :meth:`ZeroOptimizer.clip_grad_norm_`."""
+        opt = self.opt
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(
+                f"ZeroOptimizer.clip_grad_norm_: norm_type must be positive or inf, got {norm_type}"
+            )
+        infinite = math.isinf(norm_type)
+        grad = self.flat if self.averaged() else None
+        if grad is None or grad.numel() == 0:
+            local = torch.zeros((), dtype=opt.shard.dtype)
+        elif infinite:
+            local = grad.abs().max()
+        else:
+            local = torch.linalg.vector_norm(grad, norm_type).pow(norm_type)
+        if opt.group.size > 1:
+            op = "max" if infinite else "sum"
+            comm.all_reduce(local, op, group=opt.group, algorithm=opt.algorithm)
+        total = local if infinite else local.pow(1.0 / norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"ZeroOptimizer.clip_grad_norm_: the total norm of order {norm_type} of the "
+                f"gradients is non-finite ({float(total)}), so it cannot be clipped. Pass "
+                f"error_if_nonfinite=False to clip anyway (the step is then nan/inf)"
+            )
+        if grad is not None:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            grad.mul_(coef.to(grad.dtype))
+        return total.to(opt.dtype)
+
+    @torch.no_grad()
+    def unscale_(self, inv_scale: float | torch.Tensor) -> torch.Tensor:
+        """See :meth:`ZeroOptimizer.unscale_grads_`."""
+        opt = self.opt
+        found = torch.zeros((), dtype=torch.float32)
+        if self.averaged():
+            grad = self.flat
+            assert grad is not None
+            grad.mul_(torch.as_tensor(inv_scale, dtype=grad.dtype))
+            if grad.numel() and not bool(torch.isfinite(grad).all()):
+                found.fill_(1.0)
+        if opt.group.size > 1:
+            comm.all_reduce(found, "max", group=opt.group, algorithm=opt.algorithm)
+        return found
+
+
+def trace_span(
+    opt: ZeroOptimizer, label: str, nbytes: int, handle: Handle | None
+) -> Callable[[], None]:
+    """Record a ``comm`` span on ``opt.tracer`` from now until the collective completes;
+    returns a function that ends it at the latest (call it after ``handle.wait()``: the
+    completion callback may run a moment after the waiter wakes)."""
+    tracer = opt.tracer
+    if tracer is None:
+        return _nothing
+    token = tracer.begin(label, stream="comm", bytes=nbytes)
+    lock, open_ = threading.Lock(), [True]
+
+    def end(*_: Any) -> None:
+        with lock:
+            if open_[0]:
+                open_[0] = False
+                tracer.end(token)
+
+    if handle is None:
+        end()
+    else:
+        handle.get_future().add_done_callback(end)
+    return end
