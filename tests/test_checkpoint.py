@@ -251,6 +251,17 @@ def test_single_process_round_trip_without_init(tmp_path: Path):
         checkpoint.load(tmp_path, model=fresh)
 
 
+def test_another_model_is_refused_before_anything_is_copied(tmp_path: Path):
+    model = checkpoint_fns.Net()
+    checkpoint.save(tmp_path, step=1, model=model)
+    other = checkpoint_fns.Net()
+    other.fc2 = torch.nn.Linear(10, 5)  # another output width
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=r"fc2.weight: checkpoint \(3, 10\), model \(5, 10\)"):
+        checkpoint.load(tmp_path, model=other)
+    assert _equal(other.state_dict(), before)
+
+
 def test_atomic_write_replaces_whole_files(tmp_path: Path):
     target = tmp_path / "f.pt"
     checkpoint.save_atomic({"a": torch.arange(3)}, target)

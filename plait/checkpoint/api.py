@@ -521,14 +521,16 @@ def _apply(
         raise ValueError(f"{where}: pass model= with optimizer= (its state is keyed by name)")
     saved_world = manifest["world_size"]
     same_world = saved_world == world_size
-    if model is not None:
-        layout.load_model_state(model, {k: tensors[f"model/{k}"] for k in manifest["model"]})
-    if optimizer is not None:
+    opt_state = None
+    if optimizer is not None:  # validated before the model is touched
         assert model is not None
         groups = layout.optimizer_groups(model, optimizer)
-        layout.load_optimizer_state(
-            model, optimizer, layout.decode_optimizer(manifest["optimizer"], tensors, groups)
-        )
+        opt_state = layout.decode_optimizer(manifest["optimizer"], tensors, groups)
+    if model is not None:
+        layout.load_model_state(model, {k: tensors[f"model/{k}"] for k in manifest["model"]})
+    if optimizer is not None and opt_state is not None:
+        assert model is not None
+        layout.load_optimizer_state(model, optimizer, opt_state)
     if sampler is not None:
         sampler.load_state_dict(manifest["sampler"])
     if scaler is not None:

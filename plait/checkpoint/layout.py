@@ -110,13 +110,22 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             )
         loader(model, state)
         return
-    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
-    if missing or unexpected:
+    inner = unwrap(model)
+    current = inner.state_dict()
+    missing = sorted(set(current) - set(state))
+    unexpected = sorted(set(state) - set(current))
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)}"
+        for k, v in current.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:  # checked before anything is copied
         raise ValueError(
             f"checkpoint.load: the model does not match the checkpoint: missing from the "
-            f"checkpoint {sorted(missing)[:8]}, not in the model {sorted(unexpected)[:8]}; "
-            f"build the same model (parameter names as in the unwrapped model) before loading"
+            f"checkpoint {missing[:8]}, not in the model {unexpected[:8]}, other shapes "
+            f"{shapes[:8]}; build the same model (names as in the unwrapped model) first"
         )
+    inner.load_state_dict(state, strict=True)
 
 
 # --- optimizers ------------------------------------------------------------------------------
