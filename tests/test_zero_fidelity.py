@@ -103,6 +103,19 @@ def test_grouped_state_round_trips_through_the_plain_optimizer(ranks):
             _close(got["params"], want)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_frozen_parameters_keep_the_plain_optimizer_ids(ranks, stage):
+    want = zero_fns.frozen_first_layer(None, 3)
+    assert sorted(want["state"]["state"]) == [2, 3]  # fc1's ids 0, 1 have no state
+    for got in ranks(2, zero_fns.frozen_first_layer, stage, 3):
+        _close(got["params"], want["params"])
+        assert got["state"]["param_groups"] == want["state"]["param_groups"]
+        assert sorted(got["state"]["state"]) == [2, 3]
+        for i in (2, 3):
+            for key, value in got["state"]["state"][i].items():
+                torch.testing.assert_close(value, want["state"]["state"][i][key], **TOL)
+
+
 # --- 3. loss scaling -----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["torch", "plait"])
 @pytest.mark.parametrize("stage", [1, 2])
@@ -117,6 +130,23 @@ def test_loss_scaler_skips_on_every_rank_and_halves(ranks, stage, kind):
         optimizer.step()
     want = [p.detach() for p in model.parameters()]
     for got in ranks(2, zero_fns.scaled, stage, kind, 3):
+        assert got["unchanged"] == [False, True, False]
+        assert got["scales"] == [256.0, 128.0, 128.0]
+        _close(got["params"], want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_grad_scaler_unscale_then_clip_then_step(ranks, stage):
+    model = ddp_fns.make_model()
+    optimizer = ddp_fns.make_optimizer(model, "sgd")
+    for step in (0, 2):  # step 1 overflows on rank 1 and is skipped everywhere
+        x, y = ddp_fns.batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    want = [p.detach() for p in model.parameters()]
+    for got in ranks(2, zero_fns.scaled, stage, "torch", 3, MAX_NORM):
         assert got["unchanged"] == [False, True, False]
         assert got["scales"] == [256.0, 128.0, 128.0]
         _close(got["params"], want)

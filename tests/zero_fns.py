@@ -292,8 +292,10 @@ def train_grouped(
             for p, s in zip(model.parameters(), params, strict=True):
                 p.copy_(s)
     optimizer = grouped_optimizer(model, opt)
-    if stage is not None:
-        model, optimizer = prepare_zero(model, optimizer, stage=stage)
+    if stage is not None:  # through plait.prepare, as a ported script would
+        model, prepared = plait.prepare(model, optimizer, strategy=f"zero{stage}")
+        assert isinstance(prepared, ZeroOptimizer)
+        optimizer = prepared
     if state is not None:
         optimizer.load_state_dict(copy.deepcopy(state))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if scheduled else None
@@ -317,9 +319,11 @@ def _overflow(grad: torch.Tensor) -> torch.Tensor:
     return grad.index_fill(0, torch.tensor([0]), float("inf"))
 
 
-def scaled(stage: int, kind: str, steps: int) -> dict[str, Any]:
+def scaled(stage: int, kind: str, steps: int, max_norm: float | None = None) -> dict[str, Any]:
     """Loss scaling with ``torch.amp.GradScaler`` (``kind="torch"``) or plait's
-    DynamicLossScaler; at step 1 rank 1's gradient of fc2.bias gets an inf."""
+    DynamicLossScaler; at step 1 rank 1's gradient of fc2.bias gets an inf. With
+    ``max_norm`` (torch only): the documented recipe ``scaler.unscale_(optimizer)``, then
+    ``optimizer.clip_grad_norm_(max_norm)``, then ``scaler.step(optimizer)``."""
     world = plait.world()
     model: nn.Module = make_model()
     model, zero = prepare_zero(model, make_optimizer(model, "sgd"), stage=stage)
@@ -335,6 +339,9 @@ def scaled(stage: int, kind: str, steps: int) -> dict[str, Any]:
         before = _params(model)
         if kind == "torch":
             torch_scaler.scale(loss).backward()
+            if max_norm is not None:
+                torch_scaler.unscale_(zero)
+                zero.clip_grad_norm_(max_norm)
             torch_scaler.step(zero)
             torch_scaler.update()
             scales.append(torch_scaler.get_scale())
@@ -402,3 +409,23 @@ def accumulate_with(stage: int, steps: int, clear: str) -> list[torch.Tensor]:
             (nn.functional.mse_loss(model(x[part]), y[part]) / 2).backward()
         zero.step()
     return _params(model)
+
+
+def frozen_first_layer(stage: int | None, steps: int) -> dict[str, Any]:
+    """fc1 frozen, Adam on all parameters (as fine-tuning scripts do): the frozen ones stay
+    in the param group and out of the state, as with the plain optimizer.
+    ``stage=None``: the oracle, in this process."""
+    model: nn.Module = make_model()
+    for p in model.fc1.parameters():
+        p.requires_grad_(False)
+    optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    rank, size = 0, 1
+    if stage is not None:
+        rank, size = plait.world().rank, plait.world().size
+        model, optimizer = prepare_zero(model, optimizer, stage=stage)
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
+        optimizer.step()
+    return {"params": _params(model), "state": optimizer.state_dict()}
