@@ -251,6 +251,17 @@ def test_single_process_round_trip_without_init(tmp_path: Path):
         checkpoint.load(tmp_path, model=fresh)
 
 
+def test_saving_a_step_again_replaces_it_and_a_stale_latest_falls_back(tmp_path: Path):
+    checkpoint.save(tmp_path, {"v": torch.zeros(2)}, step=5, keep_last=None)
+    checkpoint.save(tmp_path, {"v": torch.ones(2)}, step=5, keep_last=None)
+    assert torch.equal(checkpoint.load(tmp_path)["v"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
+    checkpoint.save(tmp_path, {"v": torch.full((2,), 7.0)}, step=7, keep_last=None)
+    shutil.rmtree(tmp_path / "step-7")  # latest now names a missing checkpoint
+    restored = checkpoint.load(tmp_path)
+    assert restored.step == 5 and torch.equal(restored["v"], torch.ones(2))
+
+
 def test_another_model_is_refused_before_anything_is_copied(tmp_path: Path):
     model = checkpoint_fns.Net()
     checkpoint.save(tmp_path, step=1, model=model)
