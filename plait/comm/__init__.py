@@ -7,7 +7,12 @@ plait's own algorithms (``comm/ring.py``, ``tree.py``, ``halving_doubling.py``,
 ``"native"`` ones, and ``"auto"`` choosing between them (``tuner.py``).
 """
 
-from plait.comm.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from plait.comm.errors import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    PeerUnresponsive,
+)
 from plait.comm.group import CommStat, Group, Handle, reset_stats, stats
 from plait.comm.ops import (
     ALGORITHMS,
@@ -34,6 +39,7 @@ __all__ = [
     "CommStat",
     "Group",
     "Handle",
+    "PeerUnresponsive",
     "ReduceOp",
     "all_gather",
     "all_reduce",

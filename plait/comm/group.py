@@ -219,7 +219,11 @@ class Channel:
         whom = "the group" if peer is None else f"rank {self.global_rank(peer)}"
         text = str(exc)
         error = self._failure(peer, verb, exc, whom, text)
-        recorder.dump(f"{type(error).__name__}: {error}")
+        if isinstance(error, CollectiveTimeout):
+            # tell the other ranks (whose connections to this one the timeout closed) why
+            watchdog.fail(group, error)
+        else:
+            recorder.dump(f"{type(error).__name__}: {error}")
         return error
 
     def _failure(

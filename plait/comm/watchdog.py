@@ -29,14 +29,18 @@ import datetime
 import json
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from plait.comm import progress, recorder
-from plait.comm.errors import CollectiveError, CollectiveMismatch, PeerUnresponsive
+from plait.comm.errors import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    PeerUnresponsive,
+)
 
 if TYPE_CHECKING:
     from plait.comm.group import Call, Group
@@ -117,6 +121,21 @@ def tick() -> None:
         error = _diagnose(g, peer, call, now - since)
         if error is not None and g.waiting is not None and g.waiting[1] is call:
             fail(g, error)
+    for r in list(_silent_since):  # a silent peer seen while waiting: did it come back?
+        beat = progress.last_beat(r)
+        if beat is not None and time.time() - beat <= STALL_LOG_S:
+            _stall_ended(r, beat, "")
+
+
+def _stall_ended(r: int, beat: float, during: str) -> None:
+    seconds = beat - _silent_since.pop(r)
+    _stalls.append((r, seconds))
+    message = (
+        f"plait: rank {r}{progress.whereabouts(r)} sent no heartbeat for {seconds:.1f}s, "
+        f"then resumed{during} (a stall, below the heartbeat timeout of "
+        f"{_heartbeat_timeout:g}s)"
+    )
+    log.warning(message)
 
 
 def _fingerprint(seq: int, name: str, sig: str, desc: str) -> str:
@@ -183,15 +202,7 @@ def _check_heartbeats(
         elif age > STALL_LOG_S:
             _silent_since.setdefault(r, beat)
         elif r in _silent_since:
-            seconds = beat - _silent_since.pop(r)
-            _stalls.append((r, seconds))
-            message = (
-                f"plait: rank {me} waited in {call.describe()}; rank {r}"
-                f"{progress.whereabouts(r)} sent no heartbeat for {seconds:.1f}s, then "
-                f"resumed (a stall, below the heartbeat timeout of {_heartbeat_timeout:g}s)"
-            )
-            log.warning(message)
-            print(message, file=sys.stderr, flush=True)
+            _stall_ended(r, beat, f" while rank {me} waited in {call.describe()}")
     if not dead:
         return None
     names = ", ".join(
@@ -229,12 +240,15 @@ def _read_verdict(g: Group, call: Call) -> CollectiveError | None:
     if data.get("from") == me:
         return None
     message = (
-        f"{call.describe()}: rank {me} stopped because rank {data['from']} found: {data['message']}"
+        f"{call.describe()}: rank {me} gives up because rank {data['from']} found: "
+        f"{data['message']}"
     )
     if data["kind"] == "CollectiveMismatch":
         return CollectiveMismatch(message, list(data["ranks"]))
     if data["kind"] == "PeerUnresponsive":
         return PeerUnresponsive(message, list(data["ranks"]))
+    if data["kind"] == "CollectiveTimeout":
+        return CollectiveTimeout(message, list(data["ranks"]))
     return CollectiveError(message)
 
 
@@ -244,7 +258,12 @@ def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
     if g.failure is not None:
         return
     g.failure = error
-    ranks = getattr(error, "disagreeing", None) or getattr(error, "ranks", None) or []
+    ranks = (
+        getattr(error, "disagreeing", None)
+        or getattr(error, "ranks", None)
+        or getattr(error, "missing", None)
+        or []
+    )
     try:
         client = progress.store() if publish else None
         if client is not None:
