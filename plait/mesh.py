@@ -18,6 +18,7 @@ and every op takes the group it should use (``group=mesh.group("tp")``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from plait.comm.group import Group
 
 # Innermost (fastest-varying) first: PTD-P's rule, tp adjacent and pp furthest apart.
 DEFAULT_ORDER = ("tp", "cp", "ep", "dp", "pp")
+
+# Numbers the meshes this process builds, only to give their groups distinct names
+# (group names key the progress board and the flight recorder). Every rank builds meshes
+# in the same order (construction is collective), so the numbers agree across ranks.
+_mesh_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,7 @@ class Mesh:
         self.layout = layout(len(members), dims, order=order, ranks=members)
         self.global_rank = w.global_rank
         self._timeout = timeout
+        self._id = next(_mesh_ids)
         self._groups: dict[tuple[str, ...], Group | None] = {}
         for name in self.layout.names:
             self._groups[(name,)] = self._create((name,))
@@ -215,7 +222,8 @@ class Mesh:
         mine: Group | None = None
         label = "+".join(dims)
         for i, ranks in enumerate(self.layout.groups(*dims)):
-            g = plait.new_group(ranks, name=f"{label}{i}{ranks}", timeout=self._timeout)
+            name = f"mesh{self._id}.{label}{i}{ranks}"
+            g = plait.new_group(ranks, name=name, timeout=self._timeout)
             if g is not None:
                 mine = g
         return mine
@@ -263,6 +271,7 @@ class Mesh:
         sub.layout = Layout(flat, tuple(self.layout.size(d) for d in flat), tuple(members))
         sub.global_rank = self.global_rank
         sub._timeout = self._timeout
+        sub._id = self._id
         sub._groups = {(d,): self._groups[(d,)] for d in flat}
         sub._groups[flat] = group
         return sub
