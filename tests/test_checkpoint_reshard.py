@@ -17,10 +17,20 @@ from typing import Any
 import pytest
 import torch
 
+from plait.strategies import fsdp
 from tests import checkpoint_fns, faultlog
 
-SAVING = ["ddp", "zero1", "zero2"]
-LOADING = ["ddp", "zero1", "zero2", "none"]
+# fully_shard models load through plait.strategies.fsdp's full-state API
+HAVE_FSDP = all(
+    hasattr(fsdp, name)
+    for name in (
+        "load_full_state_dict",
+        "full_optimizer_state_dict",
+        "load_full_optimizer_state_dict",
+    )
+)
+SAVING = ["ddp", "zero1", "zero2"] + (["fsdp"] if HAVE_FSDP else [])
+LOADING = ["ddp", "zero1", "zero2", "none"] + (["fsdp"] if HAVE_FSDP else [])
 STEPS = 3
 FULL = os.environ.get("PLAIT_RESHARD_FULL") == "1"
 
