@@ -27,6 +27,7 @@ the group's ``CollectiveError``); a failed save leaves the previous checkpoints 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import random
@@ -119,6 +120,17 @@ _pending: SaveHandle | None = None
 def _finish_pending() -> None:
     if _pending is not None:
         _pending.wait()
+
+
+@atexit.register
+def _warn_uncommitted() -> None:
+    if _pending is not None:
+        warnings.warn(
+            f"plait.checkpoint: the asynchronous save of {_pending.path} was never committed "
+            f"(call handle.wait() on every rank before exiting); it stays uncommitted and "
+            f"is never loaded",
+            stacklevel=1,
+        )
 
 
 def _python_random_state() -> Any:
