@@ -60,7 +60,9 @@ is communicated and the result is bitwise that of the plain optimizer.
 
 Every function that communicates is a collective (every rank of ``group`` must call it)
 and blocks on the other ranks for at most the group's timeout. With a ``tracer`` every
-reduce-scatter and all-gather is recorded as a ``comm`` span from launch to completion.
+reduce-scatter and all-gather is recorded as a ``comm`` span from launch to completion, and
+each backward as a ``backward`` span from its first parameter gradient to its end (so
+``plait.trace.overlap_report`` sees what stage 2 hides).
 """
 
 from plait.strategies.zero.guard import ShardedGrad, ShardedGradientError

@@ -63,6 +63,7 @@ class ShardGradients:
         self._waiting: list[int] = []
         self._launched = 0
         self._accumulate = False
+        self._backward_token: int | None = None
         self.hooks: list[Any] = [p.register_hook(self._make_pre_hook()) for p in opt._params]
         if opt.stage == 2:
             self.hooks += [
@@ -165,6 +166,8 @@ class ShardGradients:
         opt = self.opt
         self._in_backward = True
         self.reduced = False
+        if opt.tracer is not None:  # from the first parameter gradient to the end of backward
+            self._backward_token = opt.tracer.begin("backward", stream="compute")
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if opt.stage == 1:
             return
@@ -203,6 +206,9 @@ class ShardGradients:
         """End of backward. Stage 2: parameters that got no gradient are reduced as zeros.
         Stage 1: every local gradient is put behind its guard."""
         opt = self.opt
+        if opt.tracer is not None and self._backward_token is not None:
+            opt.tracer.end(self._backward_token)
+            self._backward_token = None
         try:
             if opt.stage == 1:
                 for p, name in zip(opt._params, opt._names, strict=True):
