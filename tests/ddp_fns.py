@@ -302,7 +302,7 @@ def nonfinite(policy: str, bad_rank: int, options: dict[str, Any] | None = None)
     return out
 
 
-def reordered_model() -> str:
+def reordered_model(strategy: str) -> str:
     """Rank 1 registers fc2 before fc1 (same modules, another order): DDP must refuse."""
     world = plait.world()
     torch.manual_seed(0)
@@ -310,8 +310,9 @@ def reordered_model() -> str:
     layers = [("fc1", nn.Linear(FEATURES, 16)), ("fc2", nn.Linear(16, OUT))]
     for name, layer in reversed(layers) if world.rank == 1 else layers:
         model.add_module(name, layer)
+    wrapper = plait.DistributedDataParallel if strategy == "ddp" else plait.NaiveDataParallel
     try:
-        plait.DistributedDataParallel(model)
+        wrapper(model)
     except ValueError as exc:
         return str(exc)
     return "accepted"

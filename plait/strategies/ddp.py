@@ -38,10 +38,13 @@ or a user hook whose future carries the error (a ``.then`` callback must read it
 value, ``fut.value()``; one that ignores it hides the failure, and plait cannot see it).
 
 Non-finite gradients (``check_finite``). Before its all-reduce each bucket is checked on
-its rank (one sum: ~1 ms per 25 MiB of float32); after it, every rank checks the averaged
-buffer, which is bitwise the same everywhere, so all ranks take the same decision without
-an extra collective. Only when it is not finite do the ranks run one small all-reduce to
-name which rank(s) and parameter(s) produced it; then ``"raise"`` (default) raises
+its rank (one sum: ~1 ms per 25 MiB of float32 on one core); a rank that finds inf or NaN
+sets the bucket's element 0 to NaN, which survives the average, and after the all-reduce
+every rank reads element 0 of each averaged bucket (bitwise the same everywhere), so all
+ranks take the same decision without an extra collective or a second pass. Only then do
+the ranks run one small all-reduce to name which rank(s) and parameter(s) produced it
+(an average that overflows to inf although every rank's gradients were finite is not
+caught here: the next step's gradients are); then ``"raise"`` (default) raises
 :class:`~plait.strategies.grad_sync.NonFiniteGradientError` on every rank, ``"skip"`` sets
 every gradient to None on every rank (``optimizer.step()`` leaves the parameters
 bit-identical; ``skipped_steps`` counts them) and warns, ``None`` lets the NaN through
@@ -221,7 +224,18 @@ class DistributedDataParallel(nn.Module):
             if self.broadcast_buffers and self.group.size > 1:
                 buffers = list(self.module.buffers())
                 if buffers:
-                    broadcast_tensors(buffers, self.group, "auto")
+                    seq = self.group.seq + 1
+                    try:
+                        broadcast_tensors(buffers, self.group, "auto")
+                    except Exception as exc:
+                        raise grad_sync.collective_failure(
+                            exc,
+                            who="DistributedDataParallel",
+                            what="the broadcast of rank 0's buffers in forward",
+                            group=self.group,
+                            seq=seq,
+                            collective="broadcast",
+                        ) from exc
             out = self.module(*args, **kwargs)
         if tracer is not None and torch.is_grad_enabled():
             self._mark_backward_start(out)
@@ -296,7 +310,9 @@ class DistributedDataParallel(nn.Module):
             self._launched += 1
 
     def _check_local(self, bucket: Bucket) -> None:
-        """Before the all-reduce: remember this rank's first non-finite parameter."""
+        """Before the all-reduce: if this rank's gradients in ``bucket`` are not finite,
+        remember the first such parameter and make the bucket's element 0 a NaN, the flag
+        that every rank reads in the averaged bucket (NaN survives any average)."""
         if grad_sync.bucket_is_finite(bucket.buffer):
             return
         bad = grad_sync.first_nonfinite(
@@ -304,6 +320,8 @@ class DistributedDataParallel(nn.Module):
         )
         if bad is not None and (self._local_nonfinite is None or bad < self._local_nonfinite):
             self._local_nonfinite = bad
+        if bad is not None:
+            bucket.buffer[0] = float("nan")
 
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite is not None:
@@ -356,7 +374,7 @@ class DistributedDataParallel(nn.Module):
         return grad_sync.collective_failure(
             exc,
             who="DistributedDataParallel",
-            what=f"bucket {bucket.index} (parameters {names}{more})",
+            what=f"the gradient all-reduce of bucket {bucket.index} (parameters {names}{more})",
             group=self.group,
             seq=seq,
         )
@@ -441,21 +459,20 @@ class DistributedDataParallel(nn.Module):
                 raise grad_sync.collective_failure(
                     exc,
                     who="DistributedDataParallel",
-                    what="the used-parameter flags (find_unused_parameters=True)",
+                    what="the all-reduce of the used-parameter flags (find_unused_parameters)",
                     group=self.group,
                     seq=seq,
                 ) from exc
         return [bool(v) for v in flags.tolist()]
 
     def _averages_finite(self) -> bool:
-        """After the all-reduce: True if every averaged gradient is finite. Otherwise every
-        rank (they all hold the same averages) names the culprits, then raises or skips."""
-        bad = [b for b in self.buckets if not grad_sync.bucket_is_finite(b.buffer)]
-        if not bad:
+        """After the all-reduce: True unless some rank flagged a bucket (its element 0 is
+        not finite; the averaged buckets are bitwise the same on every rank, so every rank
+        decides alike). Otherwise every rank names the culprits, then raises or skips."""
+        firsts = torch.stack([b.buffer[0] for b in self.buckets])
+        if bool(torch.isfinite(firsts).all()):
             return True
-        after = grad_sync.first_nonfinite(
-            (self._index_of[p], b.slot(i)) for b in bad for i, p in enumerate(b.params)
-        )
+        after = next(b.names[0] for b in self.buckets if not torch.isfinite(b.buffer[0]))
         culprits = grad_sync.name_culprits(self._local_nonfinite, self.group)
         named = [(r, self._named[i][0]) for r, i in culprits]
         policy = self.check_finite or "raise"
@@ -463,7 +480,7 @@ class DistributedDataParallel(nn.Module):
             "DistributedDataParallel",
             self._backward_passes,
             named,
-            self._named[after if after is not None else 0][0],
+            after,
             policy,
         )
         self.last_nonfinite = message

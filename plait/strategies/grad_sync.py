@@ -11,7 +11,8 @@
   checks a buffer with one sum (about 1 ms per 25 MiB of float32 on one core, twenty times
   cheaper than ``isfinite().all()``; only a non-finite sum is checked element-wise), and
   :func:`name_culprits` (a collective, run only once a problem was seen) tells every rank
-  which ranks and parameters produced it.
+  which ranks and parameters produced it. How the ranks agree without a collective is
+  the wrapper's business (DDP: a NaN flag in each bucket's first element).
 - :func:`clip_grad_norm_`: gradient clipping on gradients that are already averaged and
   identical on every rank, hence local (no communication).
 """
@@ -53,10 +54,17 @@ def value_of(future: torch.futures.Future[Any]) -> Any:
 
 
 def collective_failure(
-    exc: BaseException, *, who: str, what: str, group: Group, seq: int | None
+    exc: BaseException,
+    *,
+    who: str,
+    what: str,
+    group: Group,
+    seq: int | None,
+    collective: str = "all_reduce",
 ) -> CollectiveError:
-    """The error to raise when the all-reduce of ``what`` (collective ``seq`` on
-    ``group``) failed with ``exc``: names the ranks that had not reached it."""
+    """The error to raise when ``what`` (``collective`` number ``seq`` on ``group``, e.g.
+    "the gradient all-reduce of bucket 0") failed with ``exc``: names the ranks that had
+    not reached it."""
     me = group.global_rank
     missing: list[int] = []
     if isinstance(exc, CollectiveTimeout) and exc.missing:
@@ -65,7 +73,7 @@ def collective_failure(
         board = progress.read(group)
         if board.get(me, (0, ""))[0] >= seq:  # the board is readable and up to date
             missing = [r for r in group.ranks if r != me and board.get(r, (0, ""))[0] < seq]
-    where = f"all_reduce #{seq} on group {group.name!r}" if seq else f"group {group.name!r}"
+    where = f"{collective} #{seq} on group {group.name!r}" if seq else f"group {group.name!r}"
     if missing:
         last = progress.read(group)
         seen = ", ".join(
@@ -87,8 +95,7 @@ def collective_failure(
         )
     cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
     message = (
-        f"{who}: the gradient all-reduce of {what} ({where}) failed on rank {me}. {why}"
-        f"Cause: {type(exc).__name__}: {cause}"
+        f"{who}: {what} ({where}) failed on rank {me}. {why}Cause: {type(exc).__name__}: {cause}"
     )
     if isinstance(exc, CollectiveTimeout):
         return CollectiveTimeout(message, missing)

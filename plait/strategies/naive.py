@@ -108,12 +108,12 @@ class NaiveDataParallel(nn.Module):
 
         return hook
 
-    def _all_reduce(self, t: torch.Tensor, op: str, what: str) -> None:
+    def _all_reduce(self, t: torch.Tensor, op: str, span: str, what: str) -> None:
         g = self.group
         token = None
         if self.tracer is not None:
             nbytes = t.numel() * t.element_size()
-            token = self.tracer.begin(f"all_reduce {what}", stream="comm", bytes=nbytes)
+            token = self.tracer.begin(span, stream="comm", bytes=nbytes)
         seq = g.seq + 1
         try:
             comm.all_reduce(t, op, group=g, algorithm=self.algorithm)
@@ -130,10 +130,13 @@ class NaiveDataParallel(nn.Module):
         self._used = [False] * len(self._named)
         if self.group.size == 1:
             return
-        self._all_reduce(flags, "sum", "the used-parameter flags")
+        self._all_reduce(
+            flags, "sum", "all_reduce used flags", "the all-reduce of the used-parameter flags"
+        )
         for (name, p), used in zip(self._named, flags.tolist(), strict=True):
             if not used:
                 continue  # no rank used it: leave .grad as it is
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self._all_reduce(p.grad, "avg", f"parameter {name!r}")
+            what = f"the gradient all-reduce of parameter {name!r}"
+            self._all_reduce(p.grad, "avg", f"all_reduce {name}", what)
