@@ -25,20 +25,20 @@ def config(tied: bool) -> GPTConfig:
     )
 
 
-def batch(step: int, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, cfg: GPTConfig, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, cfg.vocab, (BATCH, cfg.seq_len + 1), generator=g)
+    ids = torch.randint(0, cfg.vocab, (size, cfg.seq_len + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
 
-def oracle(tied: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, the dense GPT, the same batches."""
+def oracle(tied: bool, size: int = BATCH) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the dense GPT, the same (global) batches."""
     cfg = config(tied)
     model = GPT(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, cfg)
+        x, y = batch(step, cfg, size)
         opt.zero_grad()
         loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1))
         loss.backward()
@@ -78,6 +78,26 @@ def train(tied: bool, sequence_parallel: bool) -> dict[str, Any]:
         "local_numel": local_numel,
         "tied": model.head.weight is model.tok.weight,
     }
+
+
+def train_dp_tp(sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    """4 ranks as Mesh(dp=2, tp=2): the GPT split over tp, replicated over dp under plait's
+    DDP on the dp group; each dp rank trains on its half of a global batch of 4."""
+    cfg = config(tied=False)
+    mesh = plait.Mesh(dp=2, tp=2)
+    model = parallelize(
+        GPT(cfg), mesh, tp_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
+    )
+    ddp = plait.DistributedDataParallel(model, group=mesh.group("dp"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_of = loss_fn(model)
+    d = mesh.rank("dp")
+    for step in range(STEPS):
+        x, y = batch(step, cfg, 2 * BATCH)
+        opt.zero_grad()
+        loss_of(ddp(x[d * BATCH : (d + 1) * BATCH]), y[d * BATCH : (d + 1) * BATCH]).backward()
+        opt.step()
+    return checkpoint.full_state_dict(model)
 
 
 def refusals() -> dict[str, str]:

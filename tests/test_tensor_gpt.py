@@ -58,3 +58,12 @@ def test_refusals_name_what_to_change(ranks):
         assert "['tok.weight', 'head.weight'] are one shared tensor" in out["half_tied"]
         assert "'mha' is an nn.MultiheadAttention" in out["mha"]
         assert "needs plan= for a MLP" in out["no_plan"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_gpt_under_dp_and_tp_matches_oracle(ranks, sp):
+    want, _ = fns.oracle(False, size=2 * fns.BATCH)
+    for got in ranks(4, fns.train_dp_tp, sp, timeout=300):
+        assert list(got) == list(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], **TOL, msg=lambda m, k=key: f"{k}: {m}")
