@@ -182,3 +182,10 @@ def test_accumulation_with_every_way_of_clearing(ranks, stage, clear):
     want = ddp_fns.oracle(3, "adam")
     for got in ranks(2, zero_fns.accumulate_with, stage, 3, clear):
         _close(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zeroing_one_gradient_zeroes_its_averaged_gradient(ranks, stage):
+    want = zero_fns.zero_one_gradient(None, 3)
+    for got in ranks(2, zero_fns.zero_one_gradient, stage, 3):
+        _close(got, want)

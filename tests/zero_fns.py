@@ -429,3 +429,21 @@ def frozen_first_layer(stage: int | None, steps: int) -> dict[str, Any]:
         nn.functional.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
         optimizer.step()
     return {"params": _params(model), "state": optimizer.state_dict()}
+
+
+def zero_one_gradient(stage: int | None, steps: int) -> list[torch.Tensor]:
+    """``model.fc2.bias.grad.zero_()`` between backward and step (SGD with momentum).
+    ``stage=None``: the oracle, in this process."""
+    model: nn.Module = make_model()
+    optimizer = make_optimizer(model, "sgd")
+    rank, size = 0, 1
+    if stage is not None:
+        rank, size = plait.world().rank, plait.world().size
+        model, optimizer = prepare_zero(model, optimizer, stage=stage)
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
+        model.fc2.bias.grad.zero_()
+        optimizer.step()
+    return _params(model)

@@ -199,7 +199,7 @@ class ShardGradients:
             self._launch(bucket, self._accumulate)
             for i in bucket.params:
                 p = opt._params[i]
-                p.grad = placeholder_guard(p, opt, opt._names[i])
+                p.grad = placeholder_guard(p, opt, i)
             self._launched += 1
 
     def _finish_backward(self) -> None:
@@ -211,9 +211,9 @@ class ShardGradients:
             self._backward_token = None
         try:
             if opt.stage == 1:
-                for p, name in zip(opt._params, opt._names, strict=True):
+                for i, p in enumerate(opt._params):
                     if p.grad is not None and not isinstance(p.grad, ShardedGrad):
-                        p.grad = local_guard(p.grad, opt, name)
+                        p.grad = local_guard(p.grad, opt, i)
                 return
             for i, ready in enumerate(self._ready):
                 if not ready:
@@ -223,14 +223,19 @@ class ShardGradients:
         finally:
             self._in_backward = False
 
-    def user_zeroed(self) -> None:
-        """A guard was zeroed (``model.zero_grad(set_to_none=False)``): clear what it
-        stands for."""
+    def user_zeroed(self, index: int) -> None:
+        """Parameter ``index``'s guard was zeroed (``model.zero_grad(set_to_none=False)``,
+        ``p.grad.zero_()``): stage 1 re-reduces the (zeroed) local gradients at the next
+        use; stage 2 zeroes this rank's part of the parameter's averaged gradient."""
+        opt = self.opt
         self.reduced = False
-        if self.opt.stage == 2:
+        if opt.stage == 2:
             self.wait()
             if self.flat is not None:
-                self.flat.zero_()
+                lo = max(opt._offsets[index], opt.lo) - opt.lo
+                hi = min(opt._offsets[index + 1], opt.hi) - opt.lo
+                if lo < hi:
+                    self.flat[lo:hi].zero_()
 
     def zero(self, set_to_none: bool) -> None:
         """``ZeroOptimizer.zero_grad``: the parameters' gradients and the shard's."""

@@ -74,6 +74,7 @@ class ShardedGrad(torch.Tensor):
 
     owner: ZeroOptimizer | None = None  # set per instance by the optimizer
     param_name = "?"
+    param_index = -1  # among the owner's trainable parameters
 
     @classmethod
     def __torch_function__(
@@ -144,19 +145,21 @@ def _message(guards: list[ShardedGrad], what: str) -> str:
     )
 
 
-def local_guard(grad: torch.Tensor, owner: ZeroOptimizer, name: str) -> ShardedGrad:
+def local_guard(grad: torch.Tensor, owner: ZeroOptimizer, index: int) -> ShardedGrad:
     """ZeRO-1: the guard over this rank's local gradient ``grad`` (same data)."""
     with torch._C.DisableTorchFunctionSubclass():
         guard = grad.as_subclass(ShardedGrad)
     assert isinstance(guard, ShardedGrad)
-    guard.owner, guard.param_name = owner, name
+    guard.owner, guard.param_index = owner, index
+    guard.param_name = owner._names[index]
     return guard
 
 
-def placeholder_guard(param: torch.Tensor, owner: ZeroOptimizer, name: str) -> ShardedGrad:
+def placeholder_guard(param: torch.Tensor, owner: ZeroOptimizer, index: int) -> ShardedGrad:
     """ZeRO-2: a guard of ``param``'s shape holding one element (a stride-0 view)."""
     one = torch.zeros((), dtype=param.dtype, device=param.device)
     guard = one.expand(param.shape).as_subclass(ShardedGrad)
     assert isinstance(guard, ShardedGrad)
-    guard.owner, guard.param_name = owner, name
+    guard.owner, guard.param_index = owner, index
+    guard.param_name = owner._names[index]
     return guard

@@ -219,7 +219,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         found_inf.copy_(torch.maximum(found_inf, found.to(found_inf)))
 
     def _user_zeroed_(self, guard: ShardedGrad) -> None:
-        self.gradients.user_zeroed()
+        self.gradients.user_zeroed(guard.param_index)
 
     # --- step --------------------------------------------------------------------------
     @torch.no_grad()
