@@ -36,7 +36,7 @@ from plait.strategies import comm_hooks
 
 FAULT_STEP = 2
 STEPS = 4
-TIMEOUT_S = 60.0
+TIMEOUT_S = 120.0  # peers wait at their wrap while the survivor serves earlier scenarios
 
 
 def user_hook(state: Any, bucket: comm_hooks.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -53,11 +53,23 @@ def user_hook(state: Any, bucket: comm_hooks.GradBucket) -> torch.futures.Future
     return handle.get_future().then(done)
 
 
+def swallowing_hook(
+    state: Any, bucket: comm_hooks.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A careless user's hook: its callback never reads the parent's value."""
+    buf = bucket.buffer()
+    buf.div_(bucket.group.size)
+    handle = comm.all_reduce(buf, "sum", group=bucket.group, algorithm="ring", async_op=True)
+    assert handle is not None
+    return handle.get_future().then(lambda _: buf)
+
+
 HOOKS = {
     "allreduce_hook": comm_hooks.allreduce_hook,
     "fp16_hook": comm_hooks.fp16_compress_hook,
     "bf16_hook": comm_hooks.bf16_compress_hook,
     "user_hook": user_hook,
+    "swallowing_hook": swallowing_hook,
 }
 
 

@@ -16,7 +16,8 @@ A hook's future must fail when its communication fails: every ``.then`` callback
 reads its parent's value first (``fut.value()`` re-raises the error), so a dead or failed
 peer reaches ``backward()`` as a :class:`~plait.comm.CollectiveError`. Write your own hooks
 the same way: a callback that ignores its argument turns a failed all-reduce into a
-"successful" one that leaves this rank's local gradient in the buffer.
+"successful" one that leaves this rank's local gradient in the buffer (DDP still finds the
+error of a collective run on plait's communication thread, not of a "native" one).
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ stopped early with uneven data, a timeout) is raised by ``backward()`` as a
 that never reached it (:func:`plait.strategies.grad_sync.collective_failure`), whatever
 the path: the backend's all-reduce, plait's algorithms, the built-in communication hooks,
 or a user hook whose future carries the error (a ``.then`` callback must read its parent's
-value, ``fut.value()``; one that ignores it hides the failure, and plait cannot see it).
+value, ``fut.value()``). A hook whose callback ignores it is still caught when its
+collectives ran on plait's communication thread (plait's algorithms: DDP checks the group's
+last one), not when it used the backend's own all-reduce (``"native"``).
 
 Non-finite gradients (``check_finite``). Before its all-reduce each bucket is checked on
 its rank (one sum: ~1 ms per 25 MiB of float32 on one core); a rank that finds inf or NaN
@@ -404,6 +406,8 @@ class DistributedDataParallel(nn.Module):
                     result = result[0]
                 if isinstance(result, torch.Tensor) and result.data_ptr() != b.buffer.data_ptr():
                     b.buffer.copy_(result.view_as(b.buffer))
+            if self._comm_hook is not None and self.group.size > 1:
+                self._check_hook_collectives()
             self._used = [False] * len(self._named)
             if self.check_finite is not None and not self._averages_finite():
                 return
@@ -423,6 +427,16 @@ class DistributedDataParallel(nn.Module):
             if wait_token is not None:
                 assert self.tracer is not None
                 self.tracer.end(wait_token)
+
+    def _check_hook_collectives(self) -> None:
+        """A hook whose ``.then`` ignores its parent's value hides a failed collective; the
+        last one it left on plait's communication thread still holds the error (after a
+        peer fails, every later collective fails too). The backend's own collectives
+        started without that thread cannot be checked this way."""
+        try:
+            self.group.synchronize()
+        except Exception as exc:
+            raise self._failure(exc, self.buckets[-1], self._seqs[-1]) from exc
 
     def _reduce_unused(self) -> list[bool] | None:
         """Fill the slots of parameters without a gradient in this pass, launch the rest of
