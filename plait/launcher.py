@@ -11,7 +11,8 @@ to die with the launcher (:mod:`plait.lifeline`). It then polls, every 50 ms:
 - heartbeats: a rank that has written ``plait/heartbeat/<rank>`` (the decimal
   ``time.time()`` of its last beat) and then beats no more for ``heartbeat_timeout``
   seconds while its process is alive is declared frozen, named with its pid (and whether
-  it is stopped), and fails the attempt. A rank that never beat is not watched;
+  it is stopped), and fails the attempt. A rank that never beat is not watched, nor one
+  that set ``plait/heartbeat/<rank>/done`` (its script ended, or it left the group);
 - the wall-clock limit and the stop signals (SIGTERM, SIGINT, SIGHUP) handed to the
   launcher.
 
@@ -42,6 +43,9 @@ POLL_S = 0.05
 HEARTBEAT_POLL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 HEARTBEAT_KEY = "plait/heartbeat/{rank}"
+# Set (to anything) when the rank stopped beating on purpose: its script ended, or it left
+# the process group; from then on it is not watched (exiting can take seconds).
+HEARTBEAT_DONE_KEY = "plait/heartbeat/{rank}/done"
 MAY_EXIT_KEY = "plait/launch/may_exit/{rank}"
 # Where torch's env:// rendezvous puts the default group's keys in the same store.
 _PG_PREFIX = "default_pg/"
@@ -76,6 +80,7 @@ class RankProc:
     exited_wall: float | None = None  # the same moment, wall clock
     allowed_exit: bool = False
     beat_seen: bool = False
+    beat_done: bool = False
     stopped_by_launcher: bool = False
 
     @property
@@ -260,15 +265,17 @@ class Attempt:
     def _check_heartbeats(self) -> Failure | None:
         now = time.time()
         for r in self.ranks:
-            if r.exited_at is not None:
+            if r.exited_at is not None or r.beat_done:
+                continue
+            if self._read(HEARTBEAT_DONE_KEY.format(rank=r.rank)) is not None:
+                r.beat_done = True
                 continue
             value = self._read(HEARTBEAT_KEY.format(rank=r.rank))
             if value is None:
                 continue
             try:
                 beat = float(value)
-            except ValueError:  # "done": the rank left the group and stopped beating
-                r.beat_seen = False
+            except ValueError:  # not a time: not a heartbeat this launcher understands
                 continue
             r.beat_seen = True
             silent = now - beat

@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from plait import lifeline
 
@@ -74,7 +75,8 @@ def write_error(path: str, exc: BaseException) -> None:
     os.replace(tmp, path)
 
 
-def _preflight() -> None:
+def _preflight() -> Any:
+    """The store client (kept for :func:`_beat_done`) after the rendezvous checks."""
     from plait import rendezvous
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -91,6 +93,18 @@ def _preflight() -> None:
         job_id=os.environ.get("PLAIT_JOB_ID"),
         timeout=float(os.environ.get("PLAIT_RENDEZVOUS_TIMEOUT", "300")),
     )
+    return store
+
+
+def _beat_done(store: Any) -> None:
+    """Tell the launcher this rank's script is over (``plait/heartbeat/<rank>/done``), so
+    the seconds the interpreter takes to exit are never mistaken for a frozen rank."""
+    if store is None:
+        return
+    try:
+        store.set(f"plait/heartbeat/{os.environ['RANK']}/done", "1")
+    except Exception:  # the launcher's store is gone: nobody is watching
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -101,15 +115,18 @@ def main(argv: list[str]) -> int:
     script = argv[0]
     error_file = os.environ.get("PLAIT_ERROR_FILE")
     rank = os.environ.get("RANK", "?")
+    store = None
     try:
         if os.environ.get("PLAIT_JOB_ID"):
-            _preflight()
+            store = _preflight()
         sys.argv = list(argv)
         sys.path.insert(0, str(Path(script).resolve().parent))
         runpy.run_path(script, run_name="__main__")
     except SystemExit:
+        _beat_done(store)
         raise
     except BaseException as exc:
+        _beat_done(store)
         if not error_file:
             raise
         write_error(error_file, exc)
@@ -120,6 +137,7 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    _beat_done(store)
     return 0
 
 
