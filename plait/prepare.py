@@ -18,6 +18,7 @@ unchanged).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
-from plait.strategies.fsdp import fully_shard
+from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.ps import ParameterServer
 from plait.strategies.tensor import prepare_tp
 from plait.strategies.zero import prepare_zero
@@ -68,26 +69,37 @@ def _zero(stage: int) -> Callable[..., Prepared]:
     return wrap
 
 
-def _rebuilt(optimizer: Optimizer, params: Any, strategy: str) -> Optimizer:
-    """The same optimizer class and hyper-parameters, on new (sharded) parameters."""
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(
-            f"strategy {strategy!r} supports one parameter group, got {len(optimizer.param_groups)}"
-        )
-    if optimizer.state:
-        raise ValueError(
-            f"strategy {strategy!r} re-creates the optimizer on the parameter shards; pass an "
-            f"optimizer that has not stepped yet (load its state after prepare)"
-        )
-    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
-    return type(optimizer)(params, **hyper)
+def _rebuilt(optimizer: Optimizer, shards: list[list[nn.Parameter]], strategy: str) -> Optimizer:
+    """The same optimizer class, on the shards: one group per original group (``shards[i]``
+    holds group i's flat shards), every group entry kept (per-group ``lr``,
+    ``weight_decay``, ...); the constructor gets only the defaults its signature names (so
+    AdamW's ``decoupled_weight_decay`` and the like are never passed where not taken)."""
+    cls = type(optimizer)
+    taken = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    groups = []
+    for i, (group, params) in enumerate(zip(optimizer.param_groups, shards, strict=True)):
+        if not params:
+            raise ValueError(
+                f"strategy {strategy!r}: parameter group {i} of the optimizer holds no "
+                f"parameter elements, so it has no shard; drop the empty group"
+            )
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return cls(groups, **defaults)
 
 
 def _fsdp(name: str) -> Callable[..., Prepared]:
     def wrap(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+        if optimizer is not None and optimizer.state:
+            raise ValueError(
+                f"strategy {name!r} re-creates the optimizer on the parameter shards; pass an "
+                f"optimizer that has not stepped yet (load its state after prepare)"
+            )
+        if optimizer is not None:
+            options.setdefault("param_groups", [g["params"] for g in optimizer.param_groups])
         sharded = fully_shard(model, **options)
         if optimizer is not None:
-            optimizer = _rebuilt(optimizer, sharded.parameters(), name)
+            optimizer = _rebuilt(optimizer, shard_param_groups(sharded), name)
         return sharded, optimizer
 
     return wrap
@@ -138,11 +150,13 @@ def prepare(
     ``model.parameters()`` before calling. Data-parallel strategies return the caller's
     optimizer itself; ZeRO-1/2 return a :class:`~plait.strategies.zero.ZeroOptimizer` built
     from its class and hyper-parameters (and state, if any); ZeRO-3/FSDP return a new
-    optimizer of the same class and hyper-parameters over the parameter shards.
+    optimizer of the same class over the parameter shards, one group per original group
+    with all its entries (each unit gets one flat shard per group, so per-group
+    hyper-parameters apply exactly; any ``torch.optim`` optimizer).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
-    if strategy in ("ddp", "zero3", "fsdp", "ps") and tracer is not None:
+    if strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "ps") and tracer is not None:
         options["tracer"] = tracer
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)

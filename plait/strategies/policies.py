@@ -1,7 +1,7 @@
 """Typed policies for sharded strategies: mixed precision and CPU offload.
 
-Plain frozen dataclasses passed by keyword (``fully_shard(model, mixed_precision=...,
-offload=...)``), in the manner of FSDP2's ``MixedPrecisionPolicy`` and ``OffloadPolicy``.
+Plain frozen dataclasses passed by keyword (``fully_shard(model, mp_policy=...,
+offload_policy=...)``), in the manner of FSDP2's ``MixedPrecisionPolicy`` and ``OffloadPolicy``.
 """
 
 from __future__ import annotations
@@ -57,3 +57,43 @@ class OffloadPolicy:
     @property
     def shards_on_cpu(self) -> bool:
         return self.params or self.optimizer_state
+
+
+MIXED_PRECISION_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def resolve_mixed_precision(value: object) -> MixedPrecisionPolicy:
+    """A :class:`MixedPrecisionPolicy` from ``value``: a policy, None (full precision), or
+    ``"bf16"``/``"fp16"`` (parameters and gradient reduction in that dtype) or ``"fp32"``.
+    An object with ``param_dtype`` and ``reduce_dtype`` attributes (PyTorch's own policy)
+    is read by those attributes."""
+    if value is None:
+        return MixedPrecisionPolicy()
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, str):
+        if value not in MIXED_PRECISION_NAMES:
+            raise ValueError(
+                f"mixed precision {value!r} is not known; use one of "
+                f"{sorted(MIXED_PRECISION_NAMES)} or a MixedPrecisionPolicy"
+            )
+        return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_NAMES[value])
+    if hasattr(value, "param_dtype") and hasattr(value, "reduce_dtype"):
+        return MixedPrecisionPolicy(param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype)
+    raise TypeError(
+        f"mixed precision must be a MixedPrecisionPolicy, 'bf16', 'fp16', 'fp32' or None; "
+        f"got {value!r}"
+    )
+
+
+def resolve_offload(value: object) -> OffloadPolicy | None:
+    """An :class:`OffloadPolicy` from ``value``: a policy, None (no offload), or an object
+    of a class named ``CPUOffloadPolicy`` (PyTorch's: parameters and optimizer state on
+    the CPU)."""
+    if value is None or isinstance(value, OffloadPolicy):
+        return value
+    if type(value).__name__ == "CPUOffloadPolicy":
+        return OffloadPolicy(params=True, optimizer_state=True)
+    if type(value).__name__ == "OffloadPolicy":  # PyTorch's base class: no offload
+        return None
+    raise TypeError(f"offload policy must be an OffloadPolicy or None; got {value!r}")
