@@ -292,6 +292,8 @@ def nonfinite(policy: str, bad_rank: int, options: dict[str, Any] | None = None)
         except plait.strategies.NonFiniteGradientError as exc:
             out.update(error=str(exc), culprits=exc.culprits, after_s=time.perf_counter() - t0)
             return out
+        if step == 1:
+            out["after_s"] = time.perf_counter() - t0  # backward that found the NaN
         optimizer.step()
         after = [p.detach().clone() for p in model.parameters()]
         out["skipped"].append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))

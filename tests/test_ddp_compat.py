@@ -84,10 +84,9 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(ranks, options):
     faultlog.record(
         row=7,
         fault="NaN gradient on rank 0 (check_finite='skip')",
-        detected_after_s=0.0,
-        named_correctly=True,
-        recovered_after_s=0.0,
-        state_equal=True,
+        detected_after_s=max(r["after_s"] for r in results),  # within that backward
+        named_correctly=all("rank 0 in parameter" in r["warning"] for r in results),
+        state_equal=all(r["skipped"][1] for r in results),
     )
 
 

@@ -483,10 +483,10 @@ class DistributedDataParallel(nn.Module):
         """After the all-reduce: True unless some rank flagged a bucket (its element 0 is
         not finite; the averaged buckets are bitwise the same on every rank, so every rank
         decides alike). Otherwise every rank names the culprits, then raises or skips."""
-        firsts = torch.stack([b.buffer[0] for b in self.buckets])
+        firsts = torch.cat([b.buffer[:1].float() for b in self.buckets])  # dtypes may differ
         if bool(torch.isfinite(firsts).all()):
             return True
-        after = next(b.names[0] for b in self.buckets if not torch.isfinite(b.buffer[0]))
+        after = next(b.names[0] for b in self.buckets if not torch.isfinite(b.buffer[:1]).all())
         culprits = grad_sync.name_culprits(self._local_nonfinite, self.group)
         named = [(r, self._named[i][0]) for r, i in culprits]
         policy = self.check_finite or "raise"
