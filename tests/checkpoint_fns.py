@@ -40,13 +40,19 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Setup:
-    """A model, Adam, sampler and loss scaler prepared for ``strategy`` on the world."""
+    """A model, Adam, sampler and loss scaler prepared for ``strategy`` on the world
+    (``plait.prepare``'s names, and ``"fsdp_units"``: fully_shard with a unit per Linear)."""
 
     def __init__(self, strategy: str, seed: int = 0, lr: float = 0.01) -> None:
         torch.manual_seed(seed)
         self.raw = Net()
         optimizer = torch.optim.Adam(self.raw.parameters(), lr=lr)
-        self.model, self.optimizer = plait.prepare(self.raw, optimizer, strategy=strategy)
+        if strategy == "fsdp_units":  # one unit per Linear, the root holding the buffer
+            self.model, self.optimizer = plait.prepare(
+                self.raw, optimizer, strategy="fsdp", wrap={nn.Linear}
+            )
+        else:
+            self.model, self.optimizer = plait.prepare(self.raw, optimizer, strategy=strategy)
         self.sampler = DistributedSampler(range(N_SAMPLES), shuffle=True, seed=3)
         self.scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
         self.consumed: list[int] = []

@@ -29,8 +29,8 @@ HAVE_FSDP = all(
         "load_full_optimizer_state_dict",
     )
 )
-SAVING = ["ddp", "zero1", "zero2"] + (["fsdp"] if HAVE_FSDP else [])
-LOADING = ["ddp", "zero1", "zero2", "none"] + (["fsdp"] if HAVE_FSDP else [])
+SAVING = ["ddp", "zero1", "zero2"] + (["fsdp", "fsdp_units"] if HAVE_FSDP else [])
+LOADING = ["ddp", "zero1", "zero2", "none"] + (["fsdp", "fsdp_units"] if HAVE_FSDP else [])
 STEPS = 3
 FULL = os.environ.get("PLAIT_RESHARD_FULL") == "1"
 
@@ -99,7 +99,7 @@ def test_reshard_matrix(ranks, tmp_path: Path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"] + (["fsdp_units"] if HAVE_FSDP else []))
 def test_resume_at_the_same_world_size_is_bit_exact(ranks, tmp_path: Path, strategy: str):
     """Row 12: train 6 steps straight vs 3 + save + load into a fresh setup + 3: the same
     samples in the same order, the same final parameters and optimizer state."""

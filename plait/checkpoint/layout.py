@@ -163,33 +163,10 @@ def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
 
 
 def _fully_sharded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The FQNs, in the unsharded model's ``parameters()`` order, of each param group of an
-    optimizer built on a ``fully_shard`` model's shards: a parameter belongs to the group
-    holding its unit's shard (the plain format ``full_optimizer_state_dict`` returns)."""
-    from plait.strategies import fsdp
-
-    names_fn = getattr(fsdp, "full_optimizer_param_names", None)
-    if callable(names_fn):
-        return names_fn(model, optimizer)  # type: ignore[no-any-return]
-    order: list[tuple[str, int]] = []  # (fqn, id of its unit's shard)
-    seen: set[tuple[int, int]] = set()
-    for prefix, module in model.named_modules():
-        for name, unit, i in module.__dict__.get(fsdp.NAMES_ATTR, []):
-            if (id(unit), i) not in seen:  # a tied parameter counts once, as in parameters()
-                seen.add((id(unit), i))
-                order.append((f"{prefix}.{name}" if prefix else name, id(unit.shard)))
-    groups = []
-    for group in optimizer.param_groups:
-        ids = {id(p) for p in group["params"]}
-        groups.append([fqn for fqn, shard in order if shard in ids])
-    placed = sum(len(g) for g in groups)
-    if placed != len(order):
-        missing = [fqn for fqn, shard in order if all(fqn not in g for g in groups)]
-        raise ValueError(
-            f"checkpoint: the optimizer does not hold the shards of {missing[:6]}; build it "
-            f"on the fully_shard model's parameters()"
-        )
-    return groups
+    """The FQNs of each param group of an optimizer over a ``fully_shard`` model's shards,
+    in the order of ``full_optimizer_state_dict``'s indices (the FSDP helper's own rule)."""
+    names_fn = _fsdp_optimizer_api("full_optimizer_param_names")
+    return names_fn(model, optimizer)  # type: ignore[no-any-return]
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
