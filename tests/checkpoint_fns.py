@@ -377,3 +377,43 @@ def unsavable_state_on_one_rank(root: str, bad_rank: int) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "saved"
+
+
+def _grouped(strategy: str, seed: int, lrs: tuple[float, float]) -> tuple[nn.Module, Any]:
+    torch.manual_seed(seed)
+    raw = Net()
+    weights = [p for n, p in raw.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in raw.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.Adam(
+        [{"params": weights, "lr": lrs[0]}, {"params": biases, "lr": lrs[1], "weight_decay": 0.1}]
+    )
+    return plait.prepare(raw, optimizer, strategy=strategy)
+
+
+def _group_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": params(model),
+        "optimizer": named_optimizer_state(model, optimizer),
+        "groups": [(g["lr"], g["weight_decay"], len(g["params"])) for g in optimizer.param_groups],
+        "names": layout.optimizer_groups(model, optimizer),
+    }
+
+
+def save_param_groups(strategy: str, root: str) -> dict[str, Any]:
+    """Two param groups (weights; biases with their own lr and weight decay), 2 steps."""
+    model, optimizer = _grouped(strategy, 0, (0.01, 0.02))
+    x, y = data()
+    for step in range(2):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(
+            model(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8]
+        ).backward()
+        optimizer.step()
+    checkpoint.save(root, step=2, model=model, optimizer=optimizer)
+    return _group_report(model, optimizer)
+
+
+def load_param_groups(strategy: str, root: str) -> dict[str, Any]:
+    model, optimizer = _grouped(strategy, 1, (0.5, 0.5))
+    checkpoint.load(root, model=model, optimizer=optimizer)
+    return _group_report(model, optimizer)

@@ -122,3 +122,20 @@ def test_resume_at_the_same_world_size_is_bit_exact(ranks, tmp_path: Path, strat
         named_correctly=None,
         state_equal=True,
     )
+
+
+def test_param_groups_survive_resharding(ranks, tmp_path: Path):
+    """A ZeRO-1 optimizer with two param groups (own lr and weight decay) saved at ws=2
+    loads into a plain optimizer at ws=1 and into ZeRO-2 at ws=3: the same groups, hyper-
+    parameters and state."""
+    root = str(tmp_path / "groups")
+    saved = ranks(2, checkpoint_fns.save_param_groups, "zero1", root)[0]
+    assert saved["groups"] == [(0.01, 0.0, 2), (0.02, 0.1, 2)]
+    for world, strategy in ((1, "none"), (3, "zero2")):
+        for got in ranks(world, checkpoint_fns.load_param_groups, strategy, root):
+            assert got["groups"] == saved["groups"] and got["names"] == saved["names"]
+            for k, v in saved["model"].items():
+                assert torch.equal(v, got["model"][k]), k
+            for fqn, entry in saved["optimizer"].items():
+                for key, value in entry.items():
+                    assert torch.equal(value, got["optimizer"][fqn][key]), (fqn, key)
