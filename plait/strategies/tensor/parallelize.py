@@ -77,6 +77,7 @@ class TensorParallelInfo:
     sequence_parallel: bool
     styles: dict[str, Style]
     vocab_size: int | None  # the real vocabulary of a "vocab" head, for the loss
+    algorithm: str = "auto"  # the collectives' algorithm, the loss's too
 
 
 def _group_of(mesh: Any) -> Group:
@@ -245,7 +246,7 @@ def parallelize(
         for n, m in replaced.items()
         if styles[n].kind == "vocab" and isinstance(m, ColumnParallelLinear)
     ]
-    info = TensorParallelInfo(group, sp, styles, vocab[0] if vocab else None)
+    info = TensorParallelInfo(group, sp, styles, vocab[0] if vocab else None, algorithm)
     object.__setattr__(model, "plait_tensor_parallel", info)
     object.__setattr__(model, "plait_full_state_dict", lambda: full_state_dict(model))
     return model
@@ -342,7 +343,11 @@ def loss_fn(model: nn.Module) -> Any:
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if info is not None and info.vocab_size is not None:
             return vocab_parallel_cross_entropy(
-                logits, target, group=info.group, vocab_size=info.vocab_size
+                logits,
+                target,
+                group=info.group,
+                vocab_size=info.vocab_size,
+                algorithm=info.algorithm,
             )
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
