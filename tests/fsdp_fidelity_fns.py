@@ -292,3 +292,88 @@ def refuses_other_order() -> str:
     except ValueError as error:
         return str(error)
     return ""
+
+
+# --- 4. explicit prefetch, unshard/reshard, frozen parameters ----------------------------------
+def explicit_prefetch_train(steps: int, world: int | None = None) -> dict[str, Any]:
+    """Adam (as resume_oracle) with explicit prefetch lists and ``prefetch=False``: the
+    listed units are all-gathered asynchronously; the numbers stay the oracle's."""
+    from plait import comm
+
+    rank, size = _rank_size(world)
+    model = fully_shard(make_deep(seed=7), wrap={nn.Linear}, prefetch=False)
+    m: Any = model
+    m.set_modules_to_forward_prefetch([m.inp, m.blocks[0].fc])
+    m.blocks[1].fc.set_modules_to_backward_prefetch([m.blocks[0].fc, m.inp])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    issued: list[bool] = []
+    original = comm.all_gather
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        issued.append(bool(kwargs.get("async_op", False)))
+        return original(*args, **kwargs)
+
+    comm.all_gather = recording  # type: ignore[assignment]
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            _step(model, step, rank, size)
+            opt.step()
+    finally:
+        comm.all_gather = original
+    return {"state": full_state_dict(model), "async_gathers": sum(issued)}
+
+
+def unshard_edit_reshard(world: int | None = None) -> dict[str, Any]:
+    """``unshard()``, edit a weight in place, ``reshard()``: the edit is kept. Then the
+    meta-device route of FSDP2: ``to_empty``, ``unshard``, ``reset_parameters``, ``reshard``."""
+    model: Any = fully_shard(make_deep(), wrap={nn.Linear})
+    model.unshard()
+    gathered = model.inp.weight.device.type != "meta"
+    with torch.no_grad():
+        model.inp.weight.fill_(0.25)
+    model.reshard()
+    edited = full_state_dict(model)["inp.weight"]
+    with torch.device("meta"):
+        meta: Any = make_deep()
+    fully_shard(meta, wrap={nn.Linear})
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta.unshard()
+    with torch.no_grad():
+        for sub in meta.modules():
+            if isinstance(sub, (nn.Linear, nn.LayerNorm)):
+                sub.reset_parameters()
+        meta.scale.fill_(0.5)
+    meta.reshard()
+    return {"gathered": gathered, "edited": edited, "meta": full_state_dict(meta)}
+
+
+def frozen_train(steps: int, world: int | None = None) -> dict[str, Any]:
+    """``inp.weight`` frozen: the root unit holds a frozen and a trainable flat shard."""
+    rank, size = _rank_size(world)
+    model = make_deep(seed=7)
+    model.inp.weight.requires_grad_(False)
+    fully_shard(model, wrap={Block})
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        _step(model, step, rank, size)
+        opt.step()
+    kinds = sorted(
+        (u.requires_grad, u.numel)
+        for u in model.sharded_units()  # type: ignore[operator]
+        if u.module is model
+    )
+    return {"state": full_state_dict(model), "kinds": kinds}
+
+
+def frozen_oracle(steps: int) -> dict[str, torch.Tensor]:
+    model = make_deep(seed=7)
+    model.inp.weight.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        _step(model, step, 0, 1)
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}

@@ -155,3 +155,32 @@ def test_policies_by_pytorch_names_and_strings():
         fully_shard(make_deep(), mp_policy="bf16", mixed_precision=MixedPrecisionPolicy())
     model = fully_shard(make_deep(), mixed_precision="fp32")
     assert model.sharded_units()[0].param_dtype == torch.float32
+
+
+def test_explicit_prefetch_setters_prefetch_and_match_oracle(ranks):
+    want = F.resume_oracle(STEPS)["model"]
+    for r in ranks(2, F.explicit_prefetch_train, STEPS, timeout=180):
+        _close(r["state"], want)
+        # prefetch=False issues no asynchronous gather by itself; per step the lists add 2
+        # in forward (inp, blocks.0.fc, when the root starts) and 2 in backward (both
+        # were freed after forward; when blocks.1.fc's backward starts)
+        assert r["async_gathers"] == 4 * STEPS
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_unshard_edit_reshard_keeps_the_edit(ranks, world):
+    torch.manual_seed(3)
+    dense = DeepNet().state_dict()
+    for r in _run(ranks, world, F.unshard_edit_reshard):
+        assert r["gathered"]
+        assert torch.equal(r["edited"], torch.full_like(r["edited"], 0.25))
+        for key, value in dense.items():
+            assert torch.equal(r["meta"][key], value), key
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_frozen_parameter_gets_its_own_shard(ranks, world):
+    want = F.frozen_oracle(STEPS)
+    for r in _run(ranks, world, F.frozen_train, STEPS):
+        _close(r["state"], want)
+        assert [k for k, _ in r["kinds"]] == [False, True]

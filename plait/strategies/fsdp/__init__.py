@@ -56,9 +56,11 @@ compute with the placeholder: :class:`UngatheredParameterError` names the parame
 its unit (a device error on "meta" inside a unit's forward is re-raised as one too, the
 original as ``__cause__``).
 
+A unit's parameters of different dtypes, ``requires_grad`` or optimizer parameter groups
+go into separate flat shards (one ``ShardedUnit`` each, hooked on the same module).
+
 Not supported: a second backward through one graph (``retain_graph``), re-running forward
-inside backward (activation checkpointing), units whose parameters differ in dtype or
-``requires_grad`` (refused with a message), and the units above.
+inside backward (activation checkpointing), and the units above.
 
 Package layout: :mod:`.placeholder` (what a parameter is between gathers), :mod:`.unit`
 (one flat shard: gather, free, reduce-scatter), :mod:`.schedule` (orders, prefetch, the
@@ -73,7 +75,7 @@ a shard gradient raises :class:`ShardedGradNormError`); ``torch.amp.GradScaler``
 ``plait.amp.DynamicLossScaler`` skip or step on every rank together.
 """
 
-from plait.strategies.fsdp.grads import ShardedGradNormError, ShardGrad, clip_grad_norm_
+from plait.strategies.fsdp.grads import ShardedGradNormError, ShardGrad
 from plait.strategies.fsdp.module import FSDPModule
 from plait.strategies.fsdp.placeholder import UngatheredParameterError
 from plait.strategies.fsdp.state import (
@@ -100,7 +102,6 @@ __all__ = [
     "UNIT_ATTR",
     "UngatheredParameterError",
     "Wrap",
-    "clip_grad_norm_",
     "full_optimizer_param_names",
     "full_optimizer_state_dict",
     "full_state_dict",

@@ -10,9 +10,9 @@ one for the optimizer and for loss scalers, but refuses norm operations
 runs) the found-inf flag is all-reduced (max) over the group, so every rank skips or takes
 the step together.
 
-:func:`clip_grad_norm_` is the global version. Communication: one all-reduce of one
-float32 element (sum, or max for the inf-norm) on the units' group; every rank of the group
-must call it (it blocks on the others).
+:func:`clip_units_grad_norm_` (``FSDPModule.clip_grad_norm_``) is the global version.
+Communication: one all-reduce of one float32 element (sum, or max for the inf-norm) on the
+units' group; every rank of the group must call it (it blocks on the others).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def _norm_message(args: Any, kwargs: Any) -> str:
         f"fully_shard: a norm of a shard gradient{where} was requested: after backward each "
         f"rank holds only its slice of every gradient, so torch.nn.utils.clip_grad_norm_("
         f"model.parameters(), ...) or p.grad.norm() would give each rank a different, partial "
-        f"norm. Use model.clip_grad_norm_(max_norm, norm_type) (collective: every rank calls "
-        f"it; it returns the global norm), or plait.strategies.fsdp.clip_grad_norm_(model, ...)"
+        f"norm. Use model.clip_grad_norm_(max_norm, norm_type) on the fully_shard root "
+        f"(collective: every rank calls it; it returns the global norm, the same on every rank)"
     )
 
 
@@ -108,7 +108,7 @@ def guard_grad(grad: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
     return guarded
 
 
-def clip_grad_norm_(
+def clip_units_grad_norm_(
     units: list[ShardedUnit],
     max_norm: float,
     norm_type: float = 2.0,

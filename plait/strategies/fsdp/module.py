@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.strategies.fsdp.grads import clip_grad_norm_
+from plait.strategies.fsdp.grads import clip_units_grad_norm_
 from plait.strategies.fsdp.placeholder import UngatheredParameterError
 from plait.strategies.fsdp.unit import UNITS_ATTR, ShardedUnit
 
@@ -49,7 +49,7 @@ class FSDPModule(nn.Module):
         call it (after backward, after ``GradScaler.unscale_`` if one is used).
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` raises instead: each
         rank would see only its shard."""
-        return clip_grad_norm_(
+        return clip_units_grad_norm_(
             self.sharded_units(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
