@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/faults.py --repeat 3      # medians of 3 runs
     .venv/bin/python benchmarks/faults.py -k launcher     # a subset (pytest -k)
 
-Runs ``pytest -m faults`` with ``PLAIT_FAULT_TABLE`` naming a temporary file; every fault
+Runs ``pytest -m faults`` with ``PLAIT_FAULT_TABLE`` naming a temporary file and
+``PLAIT_FULL_FAULTS=1`` (the tests too slow for the suite: two hosts in network
+namespaces, torchrun restarts); every fault
 test appends one JSON row per measurement there (``tests/faultlog.py``). Rows with the same
 matrix row and fault are merged: numbers become the median over the repetitions, flags
 are "yes" only when every repetition agreed (else "k/n"). The markdown table goes to
@@ -31,7 +33,7 @@ COLUMNS = ("detected_after_s", "named_correctly", "recovered_after_s", "state_eq
 
 def run_once(pytest_args: list[str], table: Path) -> tuple[int, str, float]:
     """One ``pytest -m faults`` run; (exit code, its summary line, seconds)."""
-    env = dict(os.environ, PLAIT_FAULT_TABLE=str(table))
+    env = dict(os.environ, PLAIT_FAULT_TABLE=str(table), PLAIT_FULL_FAULTS="1")
     start = time.monotonic()
     done = subprocess.run(
         [

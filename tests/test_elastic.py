@@ -5,7 +5,9 @@ method). Also: the restart budget is enforced."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +22,15 @@ SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 ROOT = Path(__file__).parent.parent
 
 
-def train(tmp: Path, name: str, *extra: str, restarts: int = 0) -> tuple[dict, str, float]:
+full_matrix = pytest.mark.skipif(
+    not os.environ.get("PLAIT_FULL_FAULTS"),
+    reason="full fault matrix only: benchmarks/faults.py (or PLAIT_FULL_FAULTS=1)",
+)
+
+
+def train(
+    tmp: Path, name: str, *extra: str, restarts: int = 0, launcher: tuple[str, ...] = ()
+) -> tuple[dict, str, float]:
     """Run the training script under plait run; its final parameters, stderr, seconds."""
     ckpt = tmp / name
     ckpt.mkdir(exist_ok=True)
@@ -38,6 +48,7 @@ def train(tmp: Path, name: str, *extra: str, restarts: int = 0) -> tuple[dict, s
             str(restarts),
             "--grace",
             "2",
+            *launcher,
             str(SCRIPT),
             "--ckpt-dir",
             str(ckpt),
@@ -121,4 +132,29 @@ def test_restart_budget_is_enforced(tmp_path: Path) -> None:
         recovered_after_s=None,
         state_equal=None,
         note="budget enforced: 2 attempts, then exit code 3",
+    )
+
+
+@full_matrix
+@pytest.mark.faults
+def test_restart_through_torchrun_equals_uninterrupted(tmp_path: Path) -> None:
+    """plait run --master-addr hands over to torchrun with --max-restarts and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the restarted run ends where the uninterrupted
+    one does."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    via = ("--master-addr", "127.0.0.1", "--master-port", str(port))
+    restarted, log, took = train(tmp_path, "tr", "--kill", "1:6", restarts=1, launcher=via)
+    assert "attempt 1: starting at step 4" in log, log
+    uninterrupted, _, plain = train(tmp_path, "plain")
+    assert equal(restarted, uninterrupted)
+    record(
+        row=1,
+        fault="kill -9 of rank 1 at step 6 under torchrun --max-restarts 1",
+        detected_after_s=None,
+        named_correctly=None,
+        recovered_after_s=round(took - plain, 2),
+        state_equal=True,
+        note="plait run hands over to torchrun; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
     )

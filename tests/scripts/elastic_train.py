@@ -6,7 +6,8 @@ would differ). Every ``--every`` steps rank 0 writes the full state (model, opti
 next step) to ``<ckpt-dir>/step-<k>.pt`` atomically, then all ranks pass a barrier. On
 start the script resumes from the highest step file there; ``--cold-from S`` instead
 starts fresh (new model, new optimizer) at step S. ``--kill R:S[,S2...]``: on restart
-attempt a (``PLAIT_RESTART_COUNT``) rank R SIGKILLs itself at step S_a. Rank 0 writes the
+attempt a (``PLAIT_RESTART_COUNT``, or
+``TORCHELASTIC_RESTART_COUNT`` under torchrun) rank R SIGKILLs itself at step S_a. Rank 0 writes the
 final parameters to ``--out``.
 """
 
@@ -30,7 +31,9 @@ parser.add_argument("--cold-from", type=int, default=None)
 args = parser.parse_args()
 
 world = plait.init()
-attempt = int(os.environ.get("PLAIT_RESTART_COUNT", "0"))
+attempt = int(
+    os.environ.get("PLAIT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+)
 kill_rank, kill_steps = -1, []
 if args.kill:
     r, steps = args.kill.split(":")
