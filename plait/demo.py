@@ -2,15 +2,23 @@
 
 The data are the 8x8 digits that ship inside scikit-learn (1797 images, no download),
 split 80/20 into train and test with a fixed seed. The model is the CNN of the seeds
-(conv, conv, pool, fc, fc). Each rank reads its share of every epoch through
-:class:`plait.data.DistributedSampler` (``drop_last``, so every rank takes the same number
-of equal steps), trains under the chosen strategy through :func:`plait.prepare`, and
-records a timeline. Rank 0 shows a progress bar and per-epoch loss, throughput and test
-accuracy. At the end the parent writes ``runs/<name>/``: ``report.json``, ``trace.json``
-(chrome://tracing or Perfetto) and ``curves.png`` (loss and accuracy against time).
+(conv, conv, pool, fc, fc). Every epoch all ranks shuffle the training set the same way
+(:meth:`plait.data.DistributedSampler.global_order`) and cut it into global batches of
+``batch_size`` samples (the incomplete last one is dropped); each training rank keeps its
+rows of every global batch through :func:`plait.data.split_batch` and scales its mean
+loss by the returned weight, so the batch need not divide evenly among the ranks. Each
+rank trains under the chosen strategy through :func:`plait.prepare` and records a
+timeline. The leading rank shows a tqdm progress bar when its output is a terminal (one
+line per epoch otherwise, so logs hold no carriage returns) and per-epoch loss,
+throughput and test accuracy. At the end the parent writes ``runs/<name>/``:
+``report.json``, ``trace.json`` (chrome://tracing or Perfetto) and ``curves.png`` (loss and
+accuracy against time).
 
-``--check`` also trains the same model in this process on the global batches (the
-union of the ranks' batches, step by step) and prints the largest parameter difference.
+Options are checked by :func:`validate` before any rank starts; a bad one raises
+:class:`DemoOptionError`, one line naming the option and its valid range.
+
+``--check`` also trains the same model in this process on the global batches and prints
+the largest parameter difference.
 """
 
 from __future__ import annotations
@@ -28,9 +36,18 @@ from torch import nn
 
 import plait
 from plait import checkpoint, comm
-from plait.data import DistributedSampler
+from plait.data import DistributedSampler, split_batch
 from plait.strategies.ps import ps_of
 from plait.trace import Span, Tracer, overlap_report, write_chrome
+
+#: Training samples: 80% of scikit-learn's 1797 digits (``load_digits`` checks it).
+TRAIN_SAMPLES = 1437
+STRATEGIES = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "none")
+PS_MODES = ("sync", "async", "ssp")
+
+
+class DemoOptionError(ValueError):
+    """A demo option outside its valid range; the message is one line naming it."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,11 @@ def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(y))
     train, test = order[:cut], order[cut:]
+    if len(train) != TRAIN_SAMPLES:
+        raise RuntimeError(
+            f"scikit-learn's digits gave {len(train)} training samples, the demo validates "
+            f"options against {TRAIN_SAMPLES}: update plait.demo.TRAIN_SAMPLES"
+        )
     return x[train], y[train], x[test], y[test]
 
 
@@ -113,9 +135,129 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def _bar(done: int, total: int, width: int = 28) -> str:
-    filled = width * done // max(total, 1)
-    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+def validate(config: DemoConfig) -> None:
+    """Raise :class:`DemoOptionError` (one line: the option, its valid range, the value)
+    unless every option of ``config`` is usable. Runs before any rank starts."""
+
+    def bad(message: str) -> DemoOptionError:
+        return DemoOptionError(message)
+
+    c = config
+    if c.strategy not in STRATEGIES:
+        raise bad(f"--strategy must be one of {', '.join(STRATEGIES)}, got {c.strategy!r}")
+    if not isinstance(c.world_size, int) or c.world_size < 1:
+        raise bad(f"-n/--nproc must be at least 1 (ranks on this machine), got {c.world_size}")
+    if c.strategy == "none" and c.world_size != 1:
+        raise bad(f"--strategy none trains in one process: use -n 1, got -n {c.world_size}")
+    if c.strategy == "ps":
+        if c.world_size < 2:
+            raise bad(
+                f"--strategy ps needs -n of at least 2 (a server and a worker), got "
+                f"-n {c.world_size}"
+            )
+        if not 1 <= c.servers <= c.world_size - 1:
+            raise bad(
+                f"--servers must be in 1..{c.world_size - 1} with -n {c.world_size} (at least "
+                f"one rank must be a worker), got {c.servers}"
+            )
+        if c.ps_mode not in PS_MODES:
+            raise bad(f"--ps-mode must be one of {', '.join(PS_MODES)}, got {c.ps_mode!r}")
+        if c.ps_mode == "ssp" and (c.staleness is None or c.staleness < 0):
+            raise bad(
+                f"--ps-mode ssp needs --staleness S, an integer >= 0 (steps a worker may run "
+                f"ahead of the slowest), got {c.staleness}"
+            )
+        if c.ps_mode != "ssp" and c.staleness is not None:
+            raise bad(f"--staleness applies to --ps-mode ssp only, not {c.ps_mode}")
+        workers = c.world_size - c.servers
+        if c.backup_workers and c.ps_mode != "sync":
+            raise bad(f"--backup-workers applies to --ps-mode sync only, not {c.ps_mode}")
+        if not 0 <= c.backup_workers <= workers - 1:
+            raise bad(
+                f"--backup-workers must be in 0..{workers - 1} with {workers} workers (a step "
+                f"needs at least one gradient), got {c.backup_workers}"
+            )
+        if c.slow_worker is not None:
+            rank, factor = c.slow_worker
+            if not c.servers <= rank <= c.world_size - 1:
+                raise bad(
+                    f"--slow-worker RANK:FACTOR: RANK must be a worker rank, "
+                    f"{c.servers}..{c.world_size - 1}, got {rank}"
+                )
+            if not (math.isfinite(factor) and factor >= 1.0):
+                raise bad(
+                    f"--slow-worker RANK:FACTOR: FACTOR must be a finite number >= 1 (how many "
+                    f"times as long a step takes), got {factor:g}"
+                )
+    else:
+        given = [
+            option
+            for option, used in (
+                ("--ps-mode", c.ps_mode != "sync"),
+                ("--servers", c.servers != 1),
+                ("--staleness", c.staleness is not None),
+                ("--backup-workers", c.backup_workers != 0),
+                ("--slow-worker", c.slow_worker is not None),
+            )
+            if used
+        ]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise bad(f"{', '.join(given)} {verb} to --strategy ps only, not {c.strategy}")
+    if c.epochs < 1:
+        raise bad(f"--epochs must be at least 1, got {c.epochs}")
+    if not c.trainers <= c.batch_size <= TRAIN_SAMPLES:
+        who = f"the {c.trainers} ranks that train" if c.trainers > 1 else "one rank"
+        raise bad(
+            f"--batch-size (the global batch) must be in {c.trainers}..{TRAIN_SAMPLES}: at "
+            f"least one sample for each of {who}, at most the {TRAIN_SAMPLES} training "
+            f"samples; got {c.batch_size}"
+        )
+    if not (math.isfinite(c.lr) and c.lr > 0):
+        raise bad(f"--lr must be a finite number > 0, got {c.lr:g}")
+    steps = TRAIN_SAMPLES // c.batch_size
+    if not 1 <= c.evals_per_epoch <= steps:
+        raise bad(
+            f"--evals-per-epoch must be in 1..{steps} (the steps of an epoch at --batch-size "
+            f"{c.batch_size}), got {c.evals_per_epoch}"
+        )
+    if not (math.isfinite(c.bucket_mb) and c.bucket_mb > 0):
+        raise bad(f"--bucket-mb must be a finite number > 0, got {c.bucket_mb:g}")
+    algorithms = ("auto", *comm.ALGORITHMS)
+    if c.algorithm not in algorithms:
+        raise bad(f"--algorithm must be one of {', '.join(algorithms)}, got {c.algorithm!r}")
+    if c.seed < 0:
+        raise bad(f"--seed must be >= 0, got {c.seed}")
+    if c.name and (c.name in (".", "..") or "/" in c.name or "\\" in c.name):
+        raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
+
+
+def global_batches(config: DemoConfig, epoch: int) -> list[list[int]]:
+    """Epoch ``epoch``'s global batches of training-sample indices: the same shuffled
+    order on every rank, cut into ``batch_size`` pieces, the incomplete last one dropped."""
+    sampler = DistributedSampler(
+        range(TRAIN_SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=config.seed
+    )
+    sampler.set_epoch(epoch)
+    order = sampler.global_order()
+    b = config.batch_size
+    return [order[i * b : (i + 1) * b] for i in range(len(order) // b)]
+
+
+def _progress(config: DemoConfig, epoch: int, steps: int, show: bool) -> Any:
+    """A tqdm bar over an epoch's steps; disabled (writes nothing) unless ``show`` and
+    stdout is a terminal, so piped output and log files hold no carriage returns."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=steps,
+        desc=f"epoch {epoch + 1}/{config.epochs}",
+        unit="step",
+        leave=False,
+        file=sys.stdout,
+        disable=not (show and sys.stdout.isatty()),
+        dynamic_ncols=True,
+    )
 
 
 def _options(config: DemoConfig, tracer: Tracer) -> dict[str, Any]:
@@ -140,11 +282,7 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: the training loop a user would write, under ``plait.prepare``."""
     world = plait.world()
     n, rank = config.trainers, world.rank
-    if config.batch_size % n:
-        raise ValueError(
-            f"--batch-size {config.batch_size} must be divisible by the {n} ranks that "
-            f"train: every rank takes an equal share of each global batch"
-        )
+    validate(config)
     x_train, y_train, x_test, y_test = load_digits(config.seed)
     model = _model(config.seed)
     optimizer: torch.optim.Optimizer | None
@@ -163,41 +301,33 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
             "history": [],
         }
     trainer = rank - config.lead
-    sampler = DistributedSampler(
-        range(len(y_train)),
-        num_replicas=n,
-        rank=trainer,
-        shuffle=True,
-        seed=config.seed,
-        drop_last=True,
-    )
-    local_batch = config.batch_size // n
     history: list[EpochStats] = []
     start = time.perf_counter()
     comm.reset_stats()
-    evals = max(1, config.evals_per_epoch)
+    evals = config.evals_per_epoch
+    steps = 0
     for epoch in range(config.epochs):
-        sampler.set_epoch(epoch)
-        indices = list(sampler)
-        steps = len(indices) // local_batch
+        batches = global_batches(config, epoch)
+        steps = len(batches)
         marks = {round(steps * (k + 1) / evals) for k in range(evals)}
         t0 = time.perf_counter()
         loss_sum = torch.zeros(1, dtype=torch.float64)
         done, done_loss = 0, 0.0
         model_w.train()
+        bar = _progress(config, epoch, steps, show=rank == config.lead)
         for step in range(steps):
-            batch = torch.tensor(indices[step * local_batch : (step + 1) * local_batch])
+            batch = torch.tensor(batches[step])
+            (x, y), weight = split_batch(
+                (x_train[batch], y_train[batch]), num_replicas=n, rank=trainer
+            )
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model_w(x_train[batch]), y_train[batch])
-            loss.backward()
+            loss = nn.functional.cross_entropy(model_w(x), y)
+            # weight = rows * n / batch: the ranks' average of weighted means is the mean
+            # over the global batch, however unevenly it divides
+            (loss * weight).backward()
             optimizer.step()
-            loss_sum += loss.item()
-            if rank == config.lead and (step % 4 == 0 or step == steps - 1):
-                print(
-                    f"\repoch {epoch + 1}/{config.epochs} {_bar(step + 1, steps)}",
-                    end="",
-                    flush=True,
-                )
+            loss_sum += loss.item() * weight
+            bar.update(1)
             if step + 1 in marks and step + 1 < steps:  # a mid-epoch evaluation point
                 point = _evaluate(
                     model_w,
@@ -213,6 +343,7 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
                 history.append(point)
                 done, done_loss = step + 1, float(loss_sum)
         seconds = time.perf_counter() - t0
+        bar.close()
         if not ps:  # workers under a parameter server report their own loss
             comm.all_reduce(loss_sum, "sum", group=world, algorithm="auto")
         ranks_in_loss = 1 if ps else n
@@ -230,7 +361,7 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
         history.append(stats)
         if rank == config.lead:
             print(
-                f"\repoch {stats.epoch}/{config.epochs}  loss {stats.loss:.4f}  "
+                f"epoch {stats.epoch}/{config.epochs}  loss {stats.loss:.4f}  "
                 f"test accuracy {stats.test_accuracy:.2%}  "
                 f"{stats.samples_per_s:,.0f} samples/s  ({seconds:.1f} s)",
                 flush=True,
@@ -290,33 +421,27 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     return out
 
 
-def oracle(config: DemoConfig, n: int) -> dict[str, torch.Tensor]:
+def oracle(config: DemoConfig) -> dict[str, torch.Tensor]:
     """One process, the global batch of every step (the union of the ranks' batches)."""
     x_train, y_train, _, _ = load_digits(config.seed)
     model = _model(config.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-    local = config.batch_size // n
+    n = config.trainers
     for epoch in range(config.epochs):
-        per_rank = []
-        for r in range(n):
-            sampler = DistributedSampler(
-                range(len(y_train)),
-                num_replicas=n,
-                rank=r,
-                shuffle=True,
-                seed=config.seed,
-                drop_last=True,
-            )
-            sampler.set_epoch(epoch)
-            per_rank.append(list(sampler))
-        steps = len(per_rank[0]) // local
-        for step in range(steps):
-            batch = torch.tensor(
-                [i for r in range(n) for i in per_rank[r][step * local : (step + 1) * local]]
-            )
+        for indices in global_batches(config, epoch):
+            batch = torch.tensor(indices)
             optimizer.zero_grad()
-            # the mean over the global batch = the average of the ranks' equal-sized means
-            nn.functional.cross_entropy(model(x_train[batch]), y_train[batch]).backward()
+            # the mean loss over the global batch, written as the ranks' weighted shard
+            # means averaged (the same value; computed shard by shard, its rounding stays
+            # close to the ranks', which the training dynamics would otherwise amplify)
+            loss = torch.zeros(())
+            for r in range(n):
+                (x, y), weight = split_batch(
+                    (x_train[batch], y_train[batch]), num_replicas=n, rank=r
+                )
+                if weight:
+                    loss = loss + nn.functional.cross_entropy(model(x), y) * weight
+            (loss / n).backward()
             optimizer.step()
     return model.state_dict()
 
@@ -351,9 +476,11 @@ class DemoReport:
     test_accuracy: float
     samples_per_s: float
     train_seconds: float
-    comm_share: float
-    hidden_fraction: float
-    comm_seconds_per_rank: float
+    # None: the strategy's tracer recorded no communication span ("not traced"), which is
+    # not the same as no communication
+    comm_share: float | None
+    hidden_fraction: float | None
+    comm_seconds_per_rank: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
     bytes: dict[str, Any] = field(default_factory=dict)
     max_param_diff: float | None = None
@@ -384,6 +511,9 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")) -> DemoReport:
+    """Validate ``config``, train on ``config.world_size`` spawned ranks, report and write
+    ``out_dir/<name>/``. Raises :class:`DemoOptionError` before spawning on a bad option."""
+    validate(config)
     label = config.strategy if config.strategy != "ps" else f"ps-{config.ps_mode}"
     name = config.name or f"{label}-n{config.world_size}-{time.strftime('%H%M%S')}"
     run_dir = out_dir / name
@@ -405,10 +535,24 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         flush=True,
     )
     results = plait.spawn(train_rank, world_size=config.world_size, args=(config,), timeout=3600)
+    return summarize(config, results, check=check, run_dir=run_dir)
+
+
+def comm_traced(spans: list[Span]) -> bool:
+    """Did any rank's tracer record a communication span?"""
+    return any(s.stream == "comm" for s in spans)
+
+
+def summarize(
+    config: DemoConfig, results: list[dict[str, Any]], *, check: bool, run_dir: Path
+) -> DemoReport:
+    """The report of a finished run (``results``: what :func:`train_rank` returned on each
+    rank, in rank order): printed, and written to ``run_dir``."""
     lead = results[config.lead]
     history = lead["history"]
     spans: list[Span] = [s for r in results for s in r["spans"]]
     overlap = overlap_report(spans)
+    traced = comm_traced(spans)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_chrome(run_dir / "trace.json", [r["spans"] for r in results])
     epochs = [h for h in history if h["seconds"] > 0 and h is _last_of_epoch(history, h)]
@@ -419,9 +563,9 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         test_accuracy=history[-1]["test_accuracy"],
         samples_per_s=steps * config.batch_size / total,
         train_seconds=total,
-        comm_share=overlap.comm_share,
-        hidden_fraction=overlap.hidden_fraction,
-        comm_seconds_per_rank=overlap.comm_s,
+        comm_share=overlap.comm_share if traced else None,
+        hidden_fraction=overlap.hidden_fraction if traced else None,
+        comm_seconds_per_rank=overlap.comm_s if traced else None,
         history=history,
         bytes=lead["comm"],
     )
@@ -432,7 +576,7 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         }
     comparable = config.strategy != "ps" or (config.ps_mode, config.backup_workers) == ("sync", 0)
     if check and comparable:
-        want = oracle(config, config.trainers)
+        want = oracle(config)
         got = results[0]["state"]
         report.max_param_diff = max(float((got[k].float() - want[k]).abs().max()) for k in want)
     elif check:
@@ -448,11 +592,19 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         f"throughput            {report.samples_per_s:,.0f} samples/s "
         f"({report.train_seconds:.1f} s of training)"
     )
-    print(
-        f"communication share   {report.comm_share:.1%} of traced time exposed, "
-        f"{overlap.comm_s:.2f} s of communication per rank"
-    )
-    print(f"hidden behind backward {report.hidden_fraction:.1%}")
+    if traced:
+        print(
+            f"communication share   {overlap.comm_share:.1%} of traced time exposed, "
+            f"{overlap.comm_s:.2f} s of communication per rank"
+        )
+        print(f"hidden behind backward {overlap.hidden_fraction:.1%}")
+    elif config.strategy == "none":
+        print("communication share   none (one process, --strategy none)")
+    else:
+        print(
+            f"communication share   not traced (strategy {config.strategy} records no "
+            f"communication spans in the timeline)"
+        )
     if report.ps:
         _print_ps(report.ps)
     if report.max_param_diff is not None:
