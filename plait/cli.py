@@ -206,20 +206,37 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
         rank, factor = text.split(":")
         return int(rank), float(factor)
     except ValueError:
-        raise SystemExit(
-            f"plait demo: --slow-worker {text!r}: expected RANK:FACTOR, e.g. 3:3 (rank 3 takes "
-            f"3x as long per step)"
+        from plait.demo import DemoOptionError
+
+        raise DemoOptionError(
+            f"--slow-worker must be RANK:FACTOR, e.g. 3:3 (rank 3 takes 3x as long per step), "
+            f"got {text!r}"
         ) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from plait.demo import DemoConfig, run
+    from plait.demo import DemoOptionError, run, validate
 
-    if args.strategy == "none" and args.nproc != 1:
-        print("plait demo: --strategy none trains in one process; use -n 1", file=sys.stderr)
+    # --ps-mode ssp without --staleness: bound the workers' lead at 2 steps (printed)
+    staleness = args.staleness
+    if staleness is None and args.strategy == "ps" and args.ps_mode == "ssp":
+        staleness = 2
+    try:
+        config = _demo_config(args, staleness)
+        validate(config)  # before any rank starts: one line, exit 2
+    except DemoOptionError as e:
+        print(f"plait demo: {e}", file=sys.stderr)
         return 2
-    config = DemoConfig(
-        world_size=args.nproc,
+    run(config, check=args.check, out_dir=Path(args.out))
+    return 0
+
+
+def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
+    from plait.demo import DemoConfig
+
+    nproc = args.nproc if args.nproc is not None else (1 if args.strategy == "none" else 4)
+    return DemoConfig(
+        world_size=nproc,
         strategy=args.strategy,
         epochs=args.epochs,
         batch_size=args.batch_size,
@@ -230,13 +247,11 @@ def _demo(args: argparse.Namespace) -> int:
         name=args.name or "",
         ps_mode=args.ps_mode,
         servers=args.servers,
-        staleness=args.staleness,
+        staleness=staleness,
         backup_workers=args.backup_workers,
         slow_worker=_slow_worker(args.slow_worker),
         evals_per_epoch=args.evals_per_epoch,
     )
-    run(config, check=args.check, out_dir=Path(args.out))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_run)
 
     demo = sub.add_parser("demo", help="train a CNN on digits with N local ranks")
-    demo.add_argument("-n", "--nproc", type=int, default=4)
+    demo.add_argument(
+        "-n", "--nproc", type=int, default=None, help="ranks (default 4; 1 for --strategy none)"
+    )
     demo.add_argument(
         "--strategy",
         default="ddp",
@@ -290,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = demo.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync")
     ps.add_argument("--servers", type=int, default=1, help="server ranks (0..S-1)")
-    ps.add_argument("--staleness", type=int, default=None, help="ssp bound s")
+    ps.add_argument("--staleness", type=int, default=None, help="ssp bound s (default 2)")
     ps.add_argument("--backup-workers", type=int, default=0, help="sync: proceed after n-b")
     ps.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="a straggler")
     demo.add_argument(
