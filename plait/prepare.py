@@ -88,8 +88,28 @@ def _rebuilt(optimizer: Optimizer, shards: list[list[nn.Parameter]], strategy: s
     return cls(groups, **defaults)
 
 
+# torch.optim optimizers whose update of an element depends on other elements (a norm,
+# a matrix factorisation or a line search): over flat 1/n shards they would compute a
+# different step, so ZeRO-3/FSDP refuses them.
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon")
+
+
 def _fsdp(name: str) -> Callable[..., Prepared]:
     def wrap(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+        if optimizer is not None:
+            bases = {
+                c.__name__
+                for c in type(optimizer).__mro__
+                if c.__module__.startswith("torch.optim")
+            }
+            refused = sorted(bases & set(_NOT_ELEMENTWISE))
+            if refused:
+                raise ValueError(
+                    f"strategy {name!r} steps the optimizer on flat 1/n parameter shards, "
+                    f"which is exact only for element-wise optimizers (SGD, Adam, AdamW, ...); "
+                    f"{refused[0]} combines elements across a parameter, so its step would "
+                    f"differ. Use strategy 'ddp' with it"
+                )
         if optimizer is not None and optimizer.state:
             raise ValueError(
                 f"strategy {name!r} re-creates the optimizer on the parameter shards; pass an "

@@ -184,3 +184,11 @@ def test_frozen_parameter_gets_its_own_shard(ranks, world):
     for r in _run(ranks, world, F.frozen_train, STEPS):
         _close(r["state"], want)
         assert [k for k, _ in r["kinds"]] == [False, True]
+
+
+def test_prepare_refuses_an_optimizer_that_is_not_element_wise():
+    import plait
+
+    model = make_deep()
+    with pytest.raises(ValueError, match="LBFGS combines elements"):
+        plait.prepare(model, torch.optim.LBFGS(model.parameters()), strategy="fsdp")
