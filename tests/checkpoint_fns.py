@@ -53,6 +53,7 @@ class Setup:
             )
         else:
             self.model, self.optimizer = plait.prepare(self.raw, optimizer, strategy=strategy)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
         self.sampler = DistributedSampler(range(N_SAMPLES), shuffle=True, seed=3)
         self.scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
         self.consumed: list[int] = []
@@ -67,6 +68,7 @@ class Setup:
             loss = nn.functional.mse_loss(self.model(x[idx]), y[idx])
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
+            self.scheduler.step()
 
     def rest_of_epoch(self) -> list[int]:
         return list(self._it)
@@ -79,6 +81,7 @@ class Setup:
             optimizer=self.optimizer,
             sampler=self.sampler,
             scaler=self.scaler,
+            scheduler=self.scheduler,
             **kwargs,
         )
 
@@ -89,6 +92,7 @@ class Setup:
             optimizer=self.optimizer,
             sampler=self.sampler,
             scaler=self.scaler,
+            scheduler=self.scheduler,
             **kwargs,
         )
         self._it = iter(self.sampler)
@@ -101,6 +105,7 @@ class Setup:
             "optimizer": named_optimizer_state(self.model, self.optimizer),
             "lr": self.optimizer.param_groups[0]["lr"],
             "scaler": self.scaler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
         }
 

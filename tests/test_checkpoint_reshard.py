@@ -2,7 +2,8 @@
 1, 3 and 4 under another, with parameters and Adam state (exp_avg, exp_avg_sq, step)
 bitwise equal to the saving run's dense state, the sampler continuing the same global order
 (the samples read before and after the restart are exactly the epoch, none lost or twice),
-the loss-scaler state restored, and RNG states restored only at the same world size.
+the loss-scaler and LR-scheduler state restored, and RNG states restored only at the same
+world size.
 
 The suite runs each saving strategy against each new world size under a rotating loading
 strategy; ``PLAIT_RESHARD_FULL=1`` runs the whole cross product (slower)."""
@@ -44,8 +45,9 @@ def _check_state(saved: dict[str, Any], got: dict[str, Any], where: str) -> None
         assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}, entry.keys()
         for key, value in entry.items():
             assert torch.equal(value, got["optimizer"][fqn][key]), f"{where}: {fqn} {key}"
-    assert got["lr"] == saved["lr"] == 0.01, where
+    assert got["lr"] == saved["lr"] == 0.005, where  # StepLR halved it after step 2
     assert got["scaler"] == saved["scaler"], where
+    assert got["scheduler"] == saved["scheduler"], where
     assert got["loss_finite"], where
 
 
@@ -115,6 +117,7 @@ def test_resume_at_the_same_world_size_is_bit_exact(ranks, tmp_path: Path, strat
             for key in a["optimizer"][fqn]:
                 assert torch.equal(a["optimizer"][fqn][key], b["optimizer"][fqn][key])
         assert a["scaler"] == b["scaler"] and a["sampler"] == b["sampler"]
+        assert a["scheduler"] == b["scheduler"] and a["lr"] == b["lr"]
     faultlog.record(
         row=12,
         fault=f"resume mid-epoch from a checkpoint ({strategy}, ws=2; no kill)",

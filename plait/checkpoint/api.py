@@ -2,8 +2,8 @@
 
 What is stored (see ``layout.py`` and ``transaction.py``): the dense model state and the
 plain-format optimizer state keyed by parameter names, split over the ranks' files by
-bytes (largest first to the least-loaded rank); sampler, loss-scaler state and ``extra``
-(rank 0's) as JSON in the manifest; per rank, the torch CPU generator state (a byte
+bytes (largest first to the least-loaded rank); sampler, loss-scaler and LR-scheduler state
+and ``extra`` (rank 0's) as JSON in the manifest; per rank, the torch CPU generator state (a byte
 tensor), Python's ``random`` state (JSON) and the simple form's ``state``. Tensors are
 safetensors, everything else JSON: nothing is pickled.
 
@@ -203,6 +203,7 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     sampler: Any = None,
     scaler: Any = None,
+    scheduler: Any = None,
     extra: Any = None,
     group: Group | None = None,
     keep_last: int | None = 3,
@@ -215,7 +216,8 @@ def save(
     its dense state dict is saved. ``optimizer``: its state, keyed by the model's parameter
     names (needs ``model``); a ZeroOptimizer's consolidated state. ``sampler``/``scaler``:
     objects with a JSON-able ``state_dict()`` (e.g. ``plait.DistributedSampler``,
-    ``plait.amp.DynamicLossScaler``); every rank must hold the same state. ``extra``: a
+    ``plait.amp.DynamicLossScaler``); every rank must hold the same state. ``scheduler``:
+    an LR scheduler (its ``state_dict()``, a JSON tree; the same on every rank). ``extra``: a
     JSON tree (tensor leaves allowed) from rank 0. ``state`` (the simple form,
     ``save(directory, state)``): this rank's own dict of tensors and JSON values, loaded
     back only by the same rank at the same world size; ``step`` defaults to 0 then.
@@ -274,6 +276,7 @@ def save(
             plain,
             sampler,
             scaler,
+            scheduler,
             extra,
             state,
             rng,
@@ -294,6 +297,7 @@ def save(
         ("layout", "every rank must save the same model and optimizer (names, shapes, dtypes)"),
         ("sampler", "the ranks' samplers are at different positions: step them in lockstep"),
         ("scaler", "the ranks' loss scalers differ: give them the same group"),
+        ("scheduler", "the ranks' LR schedulers differ: step them in lockstep"),
     ):
         require_same(
             f"checkpoint.save: {what}",
@@ -330,6 +334,7 @@ def _capture(
     plain: dict[str, Any] | None,
     sampler: Any,
     scaler: Any,
+    scheduler: Any,
     extra: Any,
     state: dict[str, Any] | None,
     rng: bool,
@@ -365,7 +370,13 @@ def _capture(
         ).hexdigest(),
         "sampler": sampler.state_dict() if sampler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
+        "scheduler": None,
     }
+    if scheduler is not None:
+        agreed["scheduler"] = layout.encode_tree(
+            scheduler.state_dict(), "scheduler", local if rank == 0 else {}
+        )
+        body["scheduler"] = agreed["scheduler"]
     if sampler is not None:
         body["sampler"] = agreed["sampler"]
     if scaler is not None:
@@ -386,6 +397,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     sampler: Any = None,
     scaler: Any = None,
+    scheduler: Any = None,
     step: int | str = "latest",
     fallback: bool = False,
     group: Group | None = None,
@@ -476,6 +488,7 @@ def load(
         optimizer,
         sampler,
         scaler,
+        scheduler,
         rng,
     )
 
@@ -495,8 +508,8 @@ def _files_needed(
         head = key.split("/", 1)[0]
         if head == "model" and model is not None:
             wanted.append(key)
-        elif head in ("optimizer", "extra"):
-            if head == "extra" or optimizer is not None:
+        elif head in ("optimizer", "extra", "scheduler"):
+            if head != "optimizer" or optimizer is not None:
                 wanted.append(key)
         elif same_world and (
             key.startswith(f"rank{rank}/") or (rng and key == f"rng/torch/{rank}")
@@ -516,6 +529,7 @@ def _apply(
     optimizer: torch.optim.Optimizer | None,
     sampler: Any,
     scaler: Any,
+    scheduler: Any,
     rng: bool,
 ) -> Restored:
     where = f"checkpoint.load of {directory}"
@@ -524,6 +538,7 @@ def _apply(
         ("optimizer", optimizer, "optimizer"),
         ("sampler", sampler, "sampler"),
         ("scaler", scaler, "scaler"),
+        ("scheduler", scheduler, "scheduler"),
     ):
         if obj is not None and key not in manifest:
             raise ValueError(
@@ -547,6 +562,8 @@ def _apply(
         sampler.load_state_dict(manifest["sampler"])
     if scaler is not None:
         scaler.load_state_dict(manifest["scaler"])
+    if scheduler is not None:
+        scheduler.load_state_dict(layout.decode_tree(manifest["scheduler"], tensors))
     mine = manifest["ranks"][rank] if same_world else {}
     rng_restored = False
     if rng and same_world and f"rng/torch/{rank}" in tensors:
