@@ -346,8 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     mem_p.set_defaults(func=_plan_memory)
 
+    doctor_p = sub.add_parser(
+        "doctor", help="read the flight-recorder dumps of a failed job; name what went wrong"
+    )
+    doctor_p.add_argument("directory", help="PLAIT_RECORDER_DIR (named in the error message)")
+    doctor_p.set_defaults(func=_doctor)
+
     args = parser.parse_args(argv)
     return int(args.func(args))
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from plait import doctor
+
+    print(doctor.report(args.directory))
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait import RankPool
+from plait import RankPool, cli
 from tests import faultlog, mismatch_fns
 
 # what each scenario's message must show of both ranks' calls
@@ -23,9 +23,15 @@ DETECT_S = 1.0  # the target; the test allows for a loaded machine below
 
 
 @pytest.fixture(scope="module")
-def outcomes():
+def recorder_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recorder")
+
+
+@pytest.fixture(scope="module")
+def outcomes(recorder_dir):
     # a long collective timeout: what fires must be the check, not the timeout
-    with RankPool(2, timeout=120) as pool:
+    env = {"PLAIT_RECORDER_DIR": str(recorder_dir)}
+    with RankPool(2, timeout=120, env=env) as pool:
         results = pool.run(mismatch_fns.run, list(EXPECTED), timeout=240)
         after = pool.run(mismatch_fns.agree_after, timeout=60)
     assert after == [6.0, 6.0]  # the world group is untouched by the failed sub-groups
@@ -54,3 +60,19 @@ def test_disagreeing_ranks_are_named(outcomes, scenario):
     # the target is DETECT_S; a 2-core machine shared by many processes may add seconds,
     # never the 120 s collective timeout
     assert max(seconds) < 20 * DETECT_S, seconds
+
+
+def test_doctor_names_the_first_disagreement(outcomes, recorder_dir, capsys):
+    assert sorted(p.name for p in recorder_dir.glob("rank*.json")) == [
+        "rank0.json",
+        "rank1.json",
+    ]
+    assert cli.main(["doctor", str(recorder_dir)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(" *"): line for line in out.splitlines()}
+    skip = lines["group 'm-skip' #1"]
+    assert "rank 0: all_reduce #1" in skip and "rank 1: broadcast #1" in skip, out
+    zero = lines["group 'm-zero_state_dict_on_rank0' #4"]
+    assert "rank 0: all_gather #4" in zero and "rank 1: reduce_scatter #4" in zero, out
+    assert "int32" in lines["group 'm-int32_vs_float32' #1"], out
+    assert "CollectiveMismatch" in out  # each rank's reason
