@@ -94,8 +94,10 @@ def test_a_large_tensor_is_split_across_ranks():
 def test_reduction_buckets_run_backwards_in_whole_parameters():
     # 4-byte elements; limits: first bucket 100 bytes, then 400
     buckets = reduction_buckets([50, 10, 20, 30, 5], 4, 400, first_bucket_bytes=100)
-    assert buckets == [range(3, 5), range(0, 3)]
-    assert reduction_buckets([1, 2, 3], 4, 4) == [range(2, 3), range(1, 2), range(0, 1)]
+    assert buckets == [[3, 4], [0, 1, 2]]
+    assert reduction_buckets([1, 2, 3], 4, 4) == [[2], [1], [0]]
+    # in the model's order (param groups reorder the flat space): reverse model order
+    assert reduction_buckets([1, 2, 3, 4], 4, 12, order=[0, 2, 1, 3]) == [[3], [1, 2], [0]]
 
 
 def test_mixed_dtypes_and_bad_arguments_are_refused():

@@ -80,6 +80,20 @@ def test_other_torch_optimizers_with_groups_match_oracle(ranks, opt):
         _close(got["params"], want["params"])
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_buckets_follow_the_model_not_the_groups(ranks, stage):
+    # flat space in group order: fc1.weight 0, fc2.weight 1 (decay), fc1.bias 2, fc2.bias 3;
+    # backward produces fc2's gradients first, so the first bucket holds them (a bucket's
+    # blocks are then cut from parameters apart in the flat space)
+    want = zero_fns.train_grouped(None, "adamw", 0, 3)
+    options = {"bucket_mb": 0.0002, "algorithm": "ring"}  # buckets close at 209 bytes
+    for got in ranks(2, zero_fns.train_grouped, stage, "adamw", 0, 3, options=options):
+        # rank 1 owns flat [106, 212): its blocks are fc2.weight + fc2.bias, then
+        # fc1.weight[106:128] + fc1.bias, neither contiguous in the flat space
+        assert got["buckets"] == [[1, 3], [0, 2]]
+        _close(got["params"], want["params"])
+
+
 def test_grouped_state_round_trips_through_the_plain_optimizer(ranks):
     want = zero_fns.train_grouped(None, "adamw", 0, 5, scheduled=True)["params"]
     # zero (world 2) -> plain AdamW with two groups

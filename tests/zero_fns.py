@@ -283,9 +283,11 @@ def train_grouped(
     scheduled: bool = False,
     params: list[torch.Tensor] | None = None,
     state: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Steps [first, last) with two param groups, from ``params``/``state`` if given.
-    ``stage=None``: plain optimizer, global batch, this process (the oracle)."""
+    ``stage=None``: plain optimizer, global batch, this process (the oracle). Also returns
+    the ZeroOptimizer's buckets (parameter indices, launch order)."""
     model: nn.Module = make_model()
     if params is not None:
         with torch.no_grad():
@@ -293,7 +295,9 @@ def train_grouped(
                 p.copy_(s)
     optimizer = grouped_optimizer(model, opt)
     if stage is not None:  # through plait.prepare, as a ported script would
-        model, prepared = plait.prepare(model, optimizer, strategy=f"zero{stage}")
+        model, prepared = plait.prepare(
+            model, optimizer, strategy=f"zero{stage}", **(options or {})
+        )
         assert isinstance(prepared, ZeroOptimizer)
         optimizer = prepared
     if state is not None:
@@ -311,7 +315,13 @@ def train_grouped(
         lrs.append([g["lr"] for g in optimizer.param_groups])
         if scheduler is not None:
             scheduler.step()
-    return {"params": _params(model), "state": optimizer.state_dict(), "lrs": lrs}
+    buckets = [b.params for b in optimizer._buckets] if stage is not None else []
+    return {
+        "params": _params(model),
+        "state": optimizer.state_dict(),
+        "lrs": lrs,
+        "buckets": buckets,
+    }
 
 
 def _overflow(grad: torch.Tensor) -> torch.Tensor:

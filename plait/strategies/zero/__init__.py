@@ -27,7 +27,9 @@ Communication contract, on ``group`` (n ranks, b bytes per element, S_r = hi_r -
 - stage 1, in ``step()`` (or earlier in ``clip_grad_norm_`` / loss-scaler unscaling, which
   ``step()`` then reuses): the gradients are averaged with ``reduce_scatter`` (op avg),
   bucket by bucket (buckets of about ``bucket_mb`` MiB, whole parameters, in the reverse of
-  the flat order; each bucket's blocks are its intersections with the ranks' ranges), so
+  the model's registration order, the order backward produces gradients in, whatever the
+  param groups; a rank's block of a bucket is the concatenation of the bucket's parts in
+  the rank's range), so
   rank r receives only the averaged gradient of its range. With the ring each rank sends
   (S - S_r)·b ≈ (n-1)/n·S·b in all: exactly the reduce-scatter half of a ring all-reduce.
   The full local gradients stay allocated (behind the ``.grad`` guards), as in DDP;
@@ -38,9 +40,7 @@ Communication contract, on ``group`` (n ranks, b bytes per element, S_r = hi_r -
   parameters is dropped (replaced by a one-element guard), so full gradients are never all
   alive at once and none remains after backward; each rank keeps only its shard of the
   averaged gradient. ``step()`` waits for the outstanding reduce-scatters. A parameter
-  that got no gradient is reduced as zeros (at the end of backward). With several param
-  groups whose order differs from the model's, buckets complete later in backward (less
-  overlap, same bytes);
+  that got no gradient is reduced as zeros (at the end of backward);
 - ``clip_grad_norm_``: one all-reduce of one scalar (sum, or max for the inf norm);
   loss-scaler unscaling (``unscale_grads_``, reached by ``torch.amp.GradScaler``): one
   all-reduce (max) of one float;

@@ -34,15 +34,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Reduction:
-    """One launched reduce-scatter: ``out`` lands in the gradient shard's ``[start, stop)``."""
+    """One launched reduce-scatter: ``out`` holds this rank's block, the concatenation of
+    its ``pieces`` (flat ``[start, stop)``); ``direct``: ``out`` is already a view of the
+    gradient shard."""
 
     handle: Handle | None
-    packed: torch.Tensor  # the bucket's gradients, alive until the collective is done
+    packed: list[torch.Tensor]  # every rank's block, alive until the collective is done
     out: torch.Tensor
-    start: int
-    stop: int
+    pieces: list[tuple[int, int]]
     accumulate: bool
+    direct: bool
     traced: Callable[[], None]
+
+
+def join(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``parts`` as one flat tensor: the part itself when there is one (no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return like.new_empty(0)
+    return torch.cat(parts)
 
 
 def _nothing() -> None:
@@ -82,30 +93,35 @@ class ShardGradients:
         return trace_span(self.opt, label, nbytes, handle)
 
     def _launch(self, bucket: Bucket, accumulate: bool) -> None:
-        """Pack the bucket's gradients (zeros where none) and start its reduce-scatter."""
+        """Cut the bucket's gradients (zeros where none) into every rank's block and start
+        the reduce-scatter."""
         opt = self.opt
-        grads = []
+        flats: dict[int, torch.Tensor] = {}
         for i in bucket.params:
             p = opt._params[i]
             g = p.grad
-            grads.append(real(g).reshape(-1) if g is not None else p.new_zeros(p.numel()))
-        packed = torch.cat(grads)
-        blocks = [packed[a - bucket.lo : b - bucket.lo] for a, b in bucket.blocks]
-        a, b = bucket.blocks[opt.group.rank]
-        start, stop = a - opt.lo, b - opt.lo
+            flats[i] = real(g).reshape(-1) if g is not None else p.new_zeros(p.numel())
+        offsets, like = opt._offsets, flats[bucket.params[0]]
+        blocks = [
+            join([flats[i][a - offsets[i] : b - offsets[i]] for i, a, b in pieces], like)
+            for pieces in bucket.pieces
+        ]
+        rank = opt.group.rank
+        mine = [(a - opt.lo, b - opt.lo) for _, a, b in bucket.pieces[rank]]
         flat = self.flat
         assert flat is not None
-        if accumulate or flat.dtype != packed.dtype:
-            out = packed.new_empty(stop - start)
+        span = bucket.contiguous(rank)
+        direct = not accumulate and span is not None and flat.dtype == blocks[rank].dtype
+        if direct and span is not None:
+            out = flat[span[0] - opt.lo : span[1] - opt.lo]
         else:
-            out = flat[start:stop]
+            out = blocks[rank].new_empty(bucket.sizes[rank])
         handle = comm.reduce_scatter(
             out, blocks, "avg", group=opt.group, algorithm=opt.algorithm, async_op=True
         )
-        traced = self._trace(
-            f"reduce_scatter bucket {bucket.index}", packed.numel() * packed.element_size(), handle
-        )
-        self.pending.append(_Reduction(handle, packed, out, start, stop, accumulate, traced))
+        nbytes = bucket.numel * blocks[rank].element_size()
+        traced = self._trace(f"reduce_scatter bucket {bucket.index}", nbytes, handle)
+        self.pending.append(_Reduction(handle, blocks, out, mine, accumulate, direct, traced))
 
     def wait(self) -> None:
         """Wait for every launched reduce-scatter and put its result into ``flat``."""
@@ -115,12 +131,17 @@ class ShardGradients:
             if red.handle is not None:
                 red.handle.wait()
             red.traced()
+            if red.direct:
+                continue
             assert flat is not None
-            target = flat[red.start : red.stop]
-            if red.accumulate:
-                target.add_(red.out)
-            elif red.out.data_ptr() != target.data_ptr() or red.out.dtype != target.dtype:
-                target.copy_(red.out)
+            offset = 0
+            for a, b in red.pieces:
+                source = red.out[offset : offset + b - a]
+                offset += b - a
+                if red.accumulate:
+                    flat[a:b].add_(source)
+                else:
+                    flat[a:b].copy_(source)
 
     def averaged(self) -> bool:
         """Make ``flat`` this rank's averaged gradient shard; False if there is none.
@@ -265,8 +286,8 @@ class ShardGradients:
         if self.flat is not None:
             grads.append(self.flat)
         for red in self.pending:
-            grads.append(red.packed)
-            if red.accumulate or self.flat is None or red.out.dtype != self.flat.dtype:
+            grads.extend(red.packed)
+            if not red.direct:
                 grads.append(red.out)
         return grads
 

@@ -30,6 +30,8 @@ class ParamGroups:
     names: dict[int, str]  # id(param) -> name
     trainable: list[nn.Parameter] = field(default_factory=list)
     group_starts: list[int] = field(default_factory=list)
+    # trainable indices in the model's registration order (flat order without a module)
+    model_order: list[int] = field(default_factory=list)
 
     def name_of(self, p: torch.Tensor) -> str:
         return self.names.get(id(p), "?")
@@ -89,6 +91,10 @@ def parse_param_groups(params: Iterable[Any], module: nn.Module | None) -> Param
         layout.trainable.extend(p for p in tensors if p.requires_grad)  # type: ignore[misc]
     layout.group_starts.append(len(layout.trainable))
     trainable = layout.trainable
+    position = {id(p): k for k, p in enumerate(module.parameters())} if module is not None else {}
+    layout.model_order = sorted(
+        range(len(trainable)), key=lambda i: (position.get(id(trainable[i]), len(position)), i)
+    )
     if not trainable:
         raise ValueError("ZeroOptimizer: no trainable parameters (requires_grad=True) given")
     dtypes = sorted({str(p.dtype) for p in trainable})

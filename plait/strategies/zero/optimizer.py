@@ -16,7 +16,7 @@ from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.ddp import MIB, broadcast_tensors
 from plait.strategies.zero import state as zstate
-from plait.strategies.zero.gradients import ShardGradients, trace_span
+from plait.strategies.zero.gradients import ShardGradients, join, trace_span
 from plait.strategies.zero.groups import ParamGroups, parse_param_groups
 from plait.strategies.zero.guard import ShardedGrad
 from plait.strategies.zero.partition import (
@@ -107,7 +107,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for a, b in zip(self.group_bounds, self.group_bounds[1:], strict=False)
         ]
         elem = self._params[0].element_size()
-        self._buckets = make_buckets(self._numels, elem, self.bucket_bytes, self.bounds)
+        # buckets follow the model's order (backward's, reversed) even where param groups
+        # reorder the flat space, so stage 2 launches them during backward
+        self._buckets = make_buckets(
+            self._numels, elem, self.bucket_bytes, self.bounds, order=layout.model_order
+        )
         self._bucket_of = {i: b for b in self._buckets for i in b.params}
         if self.group.size > 1:
             verify_same_parameters(layout.checked_names(), self.group, who="ZeroOptimizer")
@@ -260,30 +264,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gather_parameters(self) -> None:
         """All-gather the updated shards into the parameters, bucket by bucket."""
-        launched = []
+        rank, launched = self.group.rank, []
+        shard = self.shard.detach()
         for bucket in self._buckets:
-            flat = self._params[0].new_empty(bucket.hi - bucket.lo)
-            blocks = [flat[a - bucket.lo : b - bucket.lo] for a, b in bucket.blocks]
-            a, b = bucket.blocks[self.group.rank]
-            mine = self.shard.detach()[a - self.lo : b - self.lo].to(self.dtype)
+            blocks = [self._params[0].new_empty(n) for n in bucket.sizes]
+            parts = [shard[a - self.lo : b - self.lo] for _, a, b in bucket.pieces[rank]]
+            mine = join(parts, shard).to(self.dtype)
             handle = comm.all_gather(
                 blocks, mine, group=self.group, algorithm=self.algorithm, async_op=True
             )
-            traced = trace_span(
-                self,
-                f"all_gather bucket {bucket.index}",
-                flat.numel() * flat.element_size(),
-                handle,
-            )
-            launched.append((bucket, flat, handle, traced))
-        for bucket, flat, handle, traced in launched:
+            nbytes = bucket.numel * self._params[0].element_size()
+            traced = trace_span(self, f"all_gather bucket {bucket.index}", nbytes, handle)
+            launched.append((bucket, blocks, handle, traced))
+        for bucket, blocks, handle, traced in launched:
             if handle is not None:
                 handle.wait()
             traced()
-            for i in bucket.params:
-                p = self._params[i]
-                start = self._offsets[i] - bucket.lo
-                p.copy_(flat[start : start + p.numel()].view_as(p))
+            full = {i: self._params[i].new_empty(self._numels[i]) for i in bucket.params}
+            for pieces, block in zip(bucket.pieces, blocks, strict=True):
+                offset = 0
+                for i, a, b in pieces:
+                    start = self._offsets[i]
+                    full[i][a - start : b - start].copy_(block[offset : offset + b - a])
+                    offset += b - a
+            for i, values in full.items():
+                self._params[i].copy_(values.view_as(self._params[i]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the model's gradients and this rank's gradient shard (stage 2: after

@@ -89,37 +89,55 @@ def reduction_buckets(
     element_size: int,
     bucket_bytes: int,
     first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-) -> list[range]:
-    """Parameter index ranges of the gradient buckets, in launch order.
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Parameter indices of the gradient buckets, in launch order.
 
-    Parameters are taken in the reverse of the flat order (for one param group, the order
-    backward produces their gradients); a bucket closes once it holds at least its limit,
-    the first one at ``min(first_bucket_bytes, bucket_bytes)`` so communication starts
-    early (as in :func:`plait.strategies.buckets.build_buckets`). Each bucket is a
-    contiguous range of the flat index space.
+    Parameters are taken in the reverse of ``order`` (default: the flat order; give the
+    model's registration order, the order whose reverse backward produces gradients in); a
+    bucket closes once it holds at least its limit, the first one at
+    ``min(first_bucket_bytes, bucket_bytes)`` so communication starts early (as in
+    :func:`plait.strategies.buckets.build_buckets`). Each bucket lists its parameters in
+    flat order; with the default order every bucket is a contiguous run of the flat space.
     """
+    sequence = list(range(len(numels))) if order is None else list(order)
     groups: list[list[int]] = []
     size = 0
-    for i in reversed(range(len(numels))):
+    for i in reversed(sequence):
         limit = min(first_bucket_bytes, bucket_bytes) if len(groups) <= 1 else bucket_bytes
         if not groups or size >= limit:
             groups.append([])
             size = 0
         groups[-1].append(i)
         size += numels[i] * element_size
-    return [range(g[-1], g[0] + 1) for g in groups]
+    return [sorted(g) for g in groups]
 
 
 @dataclass
 class Bucket:
-    """A bucket of parameters ``params``: flat range ``[lo, hi)``, and every rank's block
-    of it (flat ``[start, stop)``, possibly empty)."""
+    """A bucket of parameters ``params`` (flat order). ``pieces[r]``: rank r's part of it,
+    as ``(param, flat start, flat stop)`` in that order (possibly none): the rank's block
+    of the bucket's reduce-scatter and all-gather is their concatenation, ``sizes[r]``
+    elements."""
 
     index: int
-    params: range
-    lo: int
-    hi: int
-    blocks: list[tuple[int, int]]
+    params: list[int]
+    pieces: list[list[tuple[int, int, int]]]
+    sizes: list[int]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    def contiguous(self, rank: int) -> tuple[int, int] | None:
+        """Rank's block as one flat ``[start, stop)`` when its pieces are adjacent."""
+        pieces = self.pieces[rank]
+        if not pieces:
+            return None
+        for (_, _, stop), (_, start, _) in zip(pieces, pieces[1:], strict=False):
+            if stop != start:
+                return None
+        return pieces[0][1], pieces[-1][2]
 
 
 def make_buckets(
@@ -127,11 +145,22 @@ def make_buckets(
     element_size: int,
     bucket_bytes: int,
     bounds: Sequence[tuple[int, int]],
+    order: Sequence[int] | None = None,
 ) -> list[Bucket]:
-    """The gradient buckets of :func:`reduction_buckets`, with their per-rank blocks."""
+    """The gradient buckets of :func:`reduction_buckets`, with every rank's pieces."""
     offsets = offsets_of(numels)
     buckets = []
-    for index, params in enumerate(reduction_buckets(numels, element_size, bucket_bytes)):
-        lo, hi = offsets[params.start], offsets[params.stop]
-        buckets.append(Bucket(index, params, lo, hi, blocks_of(lo, hi, bounds)))
+    for index, params in enumerate(
+        reduction_buckets(numels, element_size, bucket_bytes, order=order)
+    ):
+        pieces: list[list[tuple[int, int, int]]] = []
+        for lo, hi in bounds:
+            mine = []
+            for i in params:
+                a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
+                if a < b:
+                    mine.append((i, a, b))
+            pieces.append(mine)
+        sizes = [sum(b - a for _, a, b in mine) for mine in pieces]
+        buckets.append(Bucket(index, params, pieces, sizes))
     return buckets
