@@ -266,15 +266,19 @@ def unused_vs_torch_ddp(opt: str) -> tuple[list[torch.Tensor], list[torch.Tensor
     return results[0], results[1], grad_none
 
 
-def nonfinite(policy: str, bad_rank: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Step 1: rank ``bad_rank`` feeds a NaN; what DDP with ``check_finite=policy`` does."""
+def nonfinite(
+    policy: str, bad_rank: int, options: dict[str, Any] | None = None, strategy: str = "ddp"
+) -> dict[str, Any]:
+    """Step 1: rank ``bad_rank`` feeds a NaN; what the wrapper with ``check_finite=policy``
+    does."""
     import time
     import warnings
 
     world = plait.world()
     model = make_model()
     optimizer = make_optimizer(model, "adam")
-    ddp = plait.DistributedDataParallel(model, check_finite=policy, **(options or {}))
+    wrapper = plait.DistributedDataParallel if strategy == "ddp" else plait.NaiveDataParallel
+    ddp = wrapper(model, check_finite=policy, **(options or {}))
     out: dict[str, Any] = {"skipped": []}
     for step in range(3):
         x, y = batch(step)
@@ -331,7 +335,7 @@ def grad_scaler(strategy: str, inf_rank: int | None, steps: int = 4) -> dict[str
             model, check_finite=None, broadcast_buffers=False
         )
     else:
-        wrapped = plait.NaiveDataParallel(model)
+        wrapped = plait.NaiveDataParallel(model, check_finite=None)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     scales = []
     for step in range(steps):

@@ -53,16 +53,17 @@ def test_reordered_model_is_refused_naming_rank_and_parameter(ranks, strategy):
 
 
 @pytest.mark.faults
-def test_nonfinite_gradient_raises_on_every_rank_naming_the_rank(ranks):
+@pytest.mark.parametrize("strategy", ["ddp", "naive"])
+def test_nonfinite_gradient_raises_on_every_rank_naming_the_rank(ranks, strategy):
     t0 = time.perf_counter()
-    results = ranks(2, ddp_fns.nonfinite, "raise", 1)
+    results = ranks(2, ddp_fns.nonfinite, "raise", 1, None, strategy)
     for r in results:
         assert r["culprits"] == [(1, "fc1.weight")], r
         assert "rank 1 in parameter 'fc1.weight'" in r["error"]
         assert r["skipped"] == [False]  # the first step trained; the second raised
     faultlog.record(
         row=7,
-        fault="NaN gradient on rank 1 (check_finite='raise')",
+        fault=f"NaN gradient on rank 1 ({strategy}, check_finite='raise')",
         detected_after_s=max(r["after_s"] for r in results),
         named_correctly=True,
         state_equal=None,
@@ -71,9 +72,16 @@ def test_nonfinite_gradient_raises_on_every_rank_naming_the_rank(ranks):
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True, "bucket_mb": 0.0005}])
-def test_nonfinite_gradient_skips_the_step_on_every_rank(ranks, options):
-    results = ranks(2, ddp_fns.nonfinite, "skip", 0, options)
+@pytest.mark.parametrize(
+    "strategy,options",
+    [
+        ("ddp", {}),
+        ("ddp", {"gradient_as_bucket_view": True, "bucket_mb": 0.0005}),
+        ("naive", {}),
+    ],
+)
+def test_nonfinite_gradient_skips_the_step_on_every_rank(ranks, strategy, options):
+    results = ranks(2, ddp_fns.nonfinite, "skip", 0, options, strategy)
     for r in results:
         assert r["skipped"] == [False, True, False], r  # step 1 left the parameters as they were
         assert r["skipped_steps"] == 1
@@ -83,7 +91,7 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(ranks, options):
         assert torch.equal(a, b)  # replicas stay bitwise identical
     faultlog.record(
         row=7,
-        fault="NaN gradient on rank 0 (check_finite='skip')",
+        fault=f"NaN gradient on rank 0 ({strategy}, check_finite='skip')",
         detected_after_s=max(r["after_s"] for r in results),  # within that backward
         named_correctly=all("rank 0 in parameter" in r["warning"] for r in results),
         state_equal=all(r["skipped"][1] for r in results),

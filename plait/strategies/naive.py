@@ -6,7 +6,8 @@ is tested against, and the "DP" of the seeds. Communication contract, on ``group
 - wrap: the ranks' parameter lists are compared (:func:`verify_same_parameters`), then
   parameters and buffers are broadcast from rank 0;
 - end of every synchronized backward: one all-reduce (sum) of one int32 per trainable
-  parameter (which ranks used it since the last synchronized backward), then one
+  parameter (which ranks used it since the last synchronized backward) and one per rank
+  (its first non-finite gradient, with ``check_finite``), then one
   blocking all-reduce (average) per parameter that some rank used, in registration order.
   A parameter that a rank did not use contributes its ``.grad`` (zeros if None); one that
   no rank used keeps its ``.grad`` untouched (PyTorch DDP's rule, so optimizers skip it);
@@ -20,6 +21,7 @@ that never reached it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,8 +41,11 @@ WHO = "NaiveDataParallel"
 class NaiveDataParallel(nn.Module):
     """Wrap ``module``; average gradients over ``group`` (default: the world) after backward.
 
-    ``algorithm``: the all-reduce algorithm (``plait.comm``'s names). ``tracer``: record
-    each all-reduce as a ``comm`` span (see :mod:`plait.trace`). ``.module`` is the wrapped
+    ``algorithm``: the all-reduce algorithm (``plait.comm``'s names). ``check_finite``:
+    ``"raise"`` (default), ``"skip"`` or ``None``, as for DistributedDataParallel (here each
+    rank checks its gradients before any all-reduce and the verdict rides in the flags
+    all-reduce, so a NaN never spreads). ``tracer``: record each all-reduce as a ``comm``
+    span (see :mod:`plait.trace`). ``.module`` is the wrapped
     module. Collective: every rank of the group must wrap and run the same number of
     synchronized backward passes.
     """
@@ -51,6 +56,7 @@ class NaiveDataParallel(nn.Module):
         *,
         group: Group | None = None,
         algorithm: str = "auto",
+        check_finite: str | None = "raise",
         tracer: Tracer | None = None,
     ) -> None:
         super().__init__()
@@ -58,6 +64,10 @@ class NaiveDataParallel(nn.Module):
         self.group = group if group is not None else comm.world()
         self.algorithm = algorithm
         self.tracer = tracer
+        self.check_finite = grad_sync.check_policy(check_finite)
+        self.skipped_steps = 0
+        self.last_nonfinite: str | None = None
+        self._backward_passes = 0
         self.require_backward_grad_sync = True
         self._queued = False
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -99,6 +109,20 @@ class NaiveDataParallel(nn.Module):
             foreach=foreach,
         )
 
+    def _nonfinite(self, culprits: list[tuple[int, int]]) -> None:
+        """Some rank's gradient is not finite (every rank knows, before any gradient was
+        reduced): raise on every rank, or skip the step on every rank."""
+        named = [(r, self._named[i][0]) for r, i in culprits]
+        policy = self.check_finite or "raise"
+        message = grad_sync.nonfinite_message(WHO, self._backward_passes, named, "", policy)
+        self.last_nonfinite = message
+        if policy == "raise":
+            raise grad_sync.NonFiniteGradientError(message, named)
+        self.skipped_steps += 1
+        for _, p in self._named:
+            p.grad = None
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
     def _make_hook(self, index: int) -> Any:
         def hook(_: torch.Tensor) -> None:
             self._used[index] = True
@@ -126,14 +150,27 @@ class NaiveDataParallel(nn.Module):
 
     def _average(self) -> None:
         self._queued = False
-        flags = torch.tensor(self._used, dtype=torch.int32)
-        self._used = [False] * len(self._named)
-        if self.group.size == 1:
+        self._backward_passes += 1
+        g, n = self.group, len(self._named)
+        # one int32 per parameter (used by this rank), then one per rank (index + 1 of its
+        # first parameter with a non-finite gradient, 0 if none): agreed in one all-reduce
+        flags = torch.zeros(n + g.size, dtype=torch.int32)
+        flags[:n] = torch.tensor(self._used, dtype=torch.int32)
+        self._used = [False] * n
+        if self.check_finite is not None:
+            bad = grad_sync.first_nonfinite((i, p.grad) for i, (_, p) in enumerate(self._named))
+            flags[n + g.rank] = 0 if bad is None else bad + 1
+        if g.size > 1:
+            self._all_reduce(
+                flags, "sum", "all_reduce used flags", "the all-reduce of the used-parameter flags"
+            )
+        culprits = [(g.ranks[r], int(v) - 1) for r, v in enumerate(flags[n:].tolist()) if v > 0]
+        if culprits:
+            self._nonfinite(culprits)
             return
-        self._all_reduce(
-            flags, "sum", "all_reduce used flags", "the all-reduce of the used-parameter flags"
-        )
-        for (name, p), used in zip(self._named, flags.tolist(), strict=True):
+        if g.size == 1:
+            return
+        for (name, p), used in zip(self._named, flags[:n].tolist(), strict=True):
             if not used:
                 continue  # no rank used it: leave .grad as it is
             if p.grad is None:
