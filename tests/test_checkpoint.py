@@ -88,6 +88,9 @@ def test_damaged_file_is_refused_naming_file_and_rank_then_fallback(ranks, tmp_p
     saved = ranks(2, checkpoint_fns.save_steps, str(root), [1, 2], 3)[0]
     victim = root / "step-2" / transaction.part_name(1, 2)
     checkpoint_fns.corrupt(victim, mode)
+    problems = checkpoint.verify(root)
+    assert len(problems) == 1 and str(victim) in problems[0] and "rank 1" in problems[0]
+    assert checkpoint.verify(root, step=1) == []
     t0 = time.monotonic()
     refused = ranks(2, checkpoint_fns.load_params, str(root))
     detected = time.monotonic() - t0

@@ -16,7 +16,8 @@ size).
 
 The simple form ``save(directory, state)`` / ``load(directory)["key"]`` keeps one dict per
 rank (same world size to load) with the same transaction and checks. :func:`full_state_dict`
-returns the unsharded model state dict from any strategy.
+returns the unsharded model state dict from any strategy; :func:`verify` checks a committed
+checkpoint's files from any single process.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from plait.checkpoint.agree import CheckpointCorrupt, CheckpointError, Checkpoin
 from plait.checkpoint.api import Restored, SaveHandle, load, save
 from plait.checkpoint.files import save_atomic, write_bytes_atomic
 from plait.checkpoint.layout import full_state_dict
-from plait.checkpoint.transaction import committed_steps, read_latest
+from plait.checkpoint.transaction import committed_steps, read_latest, verify
 
 __all__ = [
     "CheckpointCorrupt",
@@ -39,5 +40,6 @@ __all__ = [
     "read_latest",
     "save",
     "save_atomic",
+    "verify",
     "write_bytes_atomic",
 ]

@@ -227,3 +227,25 @@ def commit(root: Path, step: int, body: dict[str, Any], *, keep_last: int | None
 def abort(root: Path, step: int) -> None:
     """Coordinator: remove a partial save (best effort; a leftover is never selected)."""
     shutil.rmtree(partial_dir(root, step), ignore_errors=True)
+
+
+def verify(root: str | Path, step: int | str = "latest") -> list[str]:
+    """Check one committed checkpoint under ``root`` (its manifest checksum, then every
+    file's size and SHA-256); the problems found, empty if it is intact. Reads every file
+    whole. No communication: any single process may call it."""
+    path = Path(root)
+    steps = candidates(path, step)
+    if not steps:
+        return [f"{path} holds no committed checkpoint"]
+    directory = path / step_name(steps[0])
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointCorrupt as exc:
+        return [str(exc)]
+    problems = []
+    for name in sorted(manifest["files"]):
+        try:
+            read_files(directory, manifest, [name], reader=-1)
+        except CheckpointCorrupt as exc:
+            problems.append(str(exc).replace(", read by rank -1", ""))
+    return problems
