@@ -366,3 +366,39 @@ def test_plait_debug_reaches_spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setenv("PLAIT_DEBUG", "1")
     assert plait.spawn(rank_fns.debug_setting, world_size=2, timeout=120) == [(True, "1")] * 2
+
+
+@pytest.mark.faults
+def test_a_frozen_rank_restarts_the_job(tmp_path: Path, jobs: list[Job]) -> None:
+    """--max-restarts: a SIGSTOPped rank is named, every rank stopped, the job restarted."""
+    args = sleeper(
+        ["-n", "2", "--heartbeat-timeout", "2", "--grace", "1", "--max-restarts", "1"], tmp_path
+    )
+    job = plait_run(tmp_path, *args, "--beat", "--exit-after", "2", "--from-attempt", "1")
+    jobs.append(job)
+    pids = job.wait_ranks(2)
+    time.sleep(0.5)
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = job.wait(180)
+    err = job.stderr()
+    assert code == 0, err
+    assert re.search(rf"rank 1 \(pid {pids[1]}\) sent no heartbeat for .* root cause", err), err
+    assert "restarting every rank (restart 1 of 1" in err, err
+    again = {
+        int(p.name): int(p.read_text())
+        for p in (tmp_path / "pids" / "a1").iterdir()
+        if p.name.isdigit()
+    }
+    assert sorted(again) == [0, 1] and not set(again.values()) & set(pids.values())
+    assert wait_gone([*pids.values(), *again.values()], 5) is not None
+    record(
+        row=2,
+        fault="SIGSTOP of rank 1 under plait run --max-restarts 1",
+        detected_after_s=None,
+        named_correctly=True,
+        recovered_after_s=round(time.monotonic() - stopped, 2),
+        state_equal=None,
+        note="launcher heartbeat watch (threshold 2s); recovered = until the restarted "
+        "job finished (2s of work)",
+    )

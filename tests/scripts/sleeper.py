@@ -4,7 +4,8 @@ Options: ``--beat`` writes ``plait/heartbeat/<rank>`` into the launcher's store 
 from the main thread (so a SIGSTOPped rank stops beating); ``--ignore-term R`` makes rank R
 ignore SIGTERM (the launcher must SIGKILL it); ``--may-exit R`` makes rank R set
 ``plait/launch/may_exit/R`` and exit with code 5; ``--exit-after S``: the others exit 0
-after S seconds.
+after S seconds (from restart attempt ``--from-attempt`` on; earlier attempts wait).
+Attempt a > 0 writes its pid files under ``<pid-dir>/a<a>/``.
 """
 
 import argparse
@@ -20,8 +21,15 @@ parser.add_argument("--beat", action="store_true")
 parser.add_argument("--ignore-term", type=int, default=-1)
 parser.add_argument("--may-exit", type=int, default=-1)
 parser.add_argument("--exit-after", type=float, default=600.0)
+parser.add_argument("--from-attempt", type=int, default=0, help="--exit-after from attempt")
 args = parser.parse_args()
 rank = int(os.environ["RANK"])
+attempt = int(os.environ.get("PLAIT_RESTART_COUNT", "0"))
+if attempt < args.from_attempt:
+    args.exit_after = 600.0
+if attempt:  # later attempts record their pids apart: a<attempt>-<rank>
+    os.makedirs(os.path.join(args.pid_dir, f"a{attempt}"), exist_ok=True)
+    args.pid_dir = os.path.join(args.pid_dir, f"a{attempt}")
 if rank == args.ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 store = None
