@@ -53,7 +53,7 @@ from plait.checkpoint.agree import (
 )
 from plait.comm.group import Group
 
-SAME_ARGS = "every rank must pass the same root and step"
+SAME_ARGS = "every rank must call the same function (save or load) with the same root and step"
 
 
 @dataclass
@@ -253,8 +253,8 @@ def save(
     path = Path(root).resolve()
     require_same(
         "checkpoint.save",
-        "the checkpoint root and step",
-        gather_json({"root": str(path), "step": step}, g),
+        "the call, checkpoint root and step",
+        gather_json({"call": "save", "root": str(path), "step": step}, g),
         hint=SAME_ARGS,
     )
 
@@ -427,8 +427,8 @@ def load(
         raise ValueError(f"checkpoint.load: step must be 'latest' or an int, got {step!r}")
     require_same(
         "checkpoint.load",
-        "the checkpoint root and step",
-        gather_json({"root": str(path), "step": step}, g),
+        "the call, checkpoint root and step",
+        gather_json({"call": "load", "root": str(path), "step": step}, g),
         hint=SAME_ARGS,
     )
     listing = None
