@@ -328,7 +328,7 @@ def unshard_edit_reshard(world: int | None = None) -> dict[str, Any]:
     """``unshard()``, edit a weight in place, ``reshard()``: the edit is kept. Then the
     meta-device route of FSDP2: ``to_empty``, ``unshard``, ``reset_parameters``, ``reshard``."""
     model: Any = fully_shard(make_deep(), wrap={nn.Linear})
-    model.unshard()
+    model.unshard(async_op=True).wait()
     gathered = model.inp.weight.device.type != "meta"
     with torch.no_grad():
         model.inp.weight.fill_(0.25)

@@ -53,18 +53,19 @@ class FSDPModule(nn.Module):
             self.sharded_units(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> _Done | None:
         """All-gather every unit of this subtree and set the original parameters to views of
-        the full buffers (until :meth:`reshard` or the next forward's end). Collective:
-        blocks on the group (``async_op`` is accepted for FSDP2 parity; the gathers run
-        synchronously). The views may be modified (under ``torch.no_grad()``); :meth:`reshard`
-        copies this rank's slice back into the shards (e.g. after an init function)."""
-        del async_op
+        the full buffers (until :meth:`reshard`; the next forward gathers afresh).
+        Collective: blocks on the group. With ``async_op`` (FSDP2's spelling) the gathers
+        still run synchronously and a handle whose ``wait()`` returns at once comes back.
+        The views may be modified (under ``torch.no_grad()``); :meth:`reshard` copies this
+        rank's slice back into the shards (e.g. after an init function)."""
         for unit in self.sharded_units():
             unit.wait()
             unit.unshard()
             if unit.numel:
                 unit.install_views()
+        return _Done() if async_op else None
 
     def reshard(self) -> None:
         """Free the full parameters of every unit of this subtree, first copying this rank's
@@ -165,6 +166,13 @@ def _ungathered_message(module: nn.Module, placeholders: list[ShardedUnit]) -> s
         f"enclosing module instead (e.g. wrap={{nn.TransformerEncoderLayer}} rather than "
         f"wrap={{nn.Linear}})"
     )
+
+
+class _Done:
+    """What ``unshard(async_op=True)`` returns: the gathers are complete already."""
+
+    def wait(self) -> None:
+        return None
 
 
 def _units_of(modules: list[nn.Module], who: str) -> list[ShardedUnit]:
