@@ -43,7 +43,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``param_groups[g]`` is copied to its group before every step, so LR schedulers on this
     object work, per group. ``algorithm``: the reduce-scatter / all-gather algorithm
     (``plait.comm``'s names). ``bucket_mb``: gradient bucket size in MiB. ``tracer``:
-    record every reduce-scatter and all-gather as a ``comm`` span (launch to completion).
+    record every reduce-scatter and all-gather as a ``comm`` span (launch to completion)
+    and each backward as a ``backward`` span (from its first parameter gradient).
     ``module``: the model, to name parameters in errors and in the wrap-time check.
 
     Gradients: after backward a parameter's ``.grad`` is a guard (see
