@@ -26,11 +26,15 @@ def train_ps(
     die_after: dict[int, int] | None = None,
     save_at: int | None = None,
     step_sleep: dict[int, float] | None = None,
+    pause: dict[int, tuple[int, float]] | None = None,
+    stop_self: dict[int, tuple[int, str]] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps under strategy 'ps'; returns this rank's role, final
     parameters and statistics. ``die_after={rank: k}`` kills that worker (os._exit) after
     k steps; ``save_at=k`` asks for a checkpoint after step k; ``step_sleep={rank: s}``
-    makes that worker sleep s seconds per step (a straggler)."""
+    makes that worker sleep s seconds per step (a straggler); ``pause={rank: (k, s)}``
+    sleeps s seconds once, before step k; ``stop_self={rank: (k, file)}`` writes
+    "<pid> <time>" to file and SIGSTOPs that worker before step k."""
     world = plait.world()
     model = make_model()
     with torch.no_grad():  # replicas start different: wrap must broadcast rank 0's model
@@ -50,6 +54,14 @@ def train_ps(
     for step in range(start, steps):
         if die_after and die_after.get(world.rank) == step:
             os._exit(17)
+        if pause and pause.get(world.rank, (-1, 0.0))[0] == step:
+            time.sleep(pause[world.rank][1])
+        if stop_self and stop_self.get(world.rank, (-1, ""))[0] == step:
+            import signal
+
+            with open(stop_self[world.rank][1], "w") as f:
+                f.write(f"{os.getpid()} {time.time()}")
+            os.kill(os.getpid(), signal.SIGSTOP)
         x, y = batch(step)
         optimizer.zero_grad()
         out = wrapped(shard(x, w, n_workers))
@@ -109,5 +121,91 @@ def validation_error(options: dict[str, Any]) -> str:
     try:
         plait.prepare(model, make_optimizer(model, "sgd"), strategy="ps", **options)
     except (ValueError, TypeError) as exc:
+        return str(exc)
+    return "no error"
+
+
+def stall_worker(
+    steps: int, options: dict[str, Any], *, slow_rank: int, pause_s: float, at_step: int
+) -> dict[str, Any]:
+    """A worker alive but slow: ``slow_rank`` sleeps ``pause_s`` seconds (longer than the
+    heartbeat timeout in ``options``) before step ``at_step``; heartbeats keep beating."""
+    from plait.comm import progress
+    from plait.strategies.ps.liveness import last_beat, may_exit_key
+
+    result = train_ps(steps, "sgd", options, pause={slow_rank: (at_step, pause_s)})
+    world = plait.world()
+    if world.rank == 0:  # the heartbeat the server judged by was really there
+        result["beat"] = last_beat(slow_rank)
+    else:  # an asynchronous worker told `plait run` it may die without ending the job
+        client = progress.store()
+        key = may_exit_key(world.rank)
+        result["may_exit"] = client is not None and client.check([key]) and client.get(key)
+    return result
+
+
+def hung_worker(steps: int, options: dict[str, Any], *, hung_rank: int, pid_file: str) -> Any:
+    """``hung_rank`` stops itself (SIGSTOP: alive, silent, heartbeat frozen) after 2 steps;
+    the server, once it has served, kills it (SIGKILL, then SIGCONT so it can die)."""
+    import signal
+
+    world = plait.world()
+    if world.rank == hung_rank:
+        return train_ps(steps, "sgd", options, stop_self={hung_rank: (2, pid_file)})
+    result = guarded("train_ps", steps, "sgd", options)
+    if world.rank == 0:
+        with open(pid_file) as f:
+            pid, stopped_at = f.read().split()
+        os.kill(int(pid), signal.SIGKILL)
+        os.kill(int(pid), signal.SIGCONT)
+        result["stopped_at"] = float(stopped_at)
+    return result
+
+
+def killed_server(
+    steps: int, opt: str, options: dict[str, Any], *, kill_at_version: int, kill_file: str
+) -> dict[str, Any]:
+    """Rank 0 (the one server) exits hard (os._exit) once its checkpoint holds version
+    ``kill_at_version`` and writes the time to ``kill_file`` first; the workers return
+    what they raised and when."""
+    import threading
+    from pathlib import Path
+
+    world = plait.world()
+    if world.rank == 0:
+        ckpt = Path(options["checkpoint_dir"]) / "server-0.pt"
+
+        def killer() -> None:
+            while True:
+                time.sleep(0.005)
+                try:
+                    version = torch.load(ckpt, weights_only=True)["version"]
+                except Exception:  # not written yet
+                    continue
+                if version >= kill_at_version:
+                    Path(kill_file).write_text(f"{time.time()} {version}")
+                    os._exit(17)
+
+        threading.Thread(target=killer, daemon=True).start()
+        return train_ps(steps, opt, options)
+    try:
+        return train_ps(steps, opt, options, step_sleep={world.rank: 0.05})
+    except Exception as exc:
+        return {
+            "role": "error",
+            "error": f"{type(exc).__name__}: {exc}",
+            "at": time.time(),
+            "server": getattr(exc, "rank", None),
+        }
+
+
+def different_model(options: dict[str, Any], odd_rank: int) -> str:
+    """``odd_rank`` builds the model with an extra branch; every rank returns what wrap
+    raised."""
+    world = plait.world()
+    model = make_model(unused_branch=world.rank == odd_rank)
+    try:
+        plait.prepare(model, make_optimizer(model, "sgd"), strategy="ps", **options)
+    except ValueError as exc:
         return str(exc)
     return "no error"

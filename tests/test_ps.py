@@ -8,13 +8,16 @@ worker computes exactly what plain training computes, so that comparison is bitw
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from plait.launch import RankExited
-from plait.strategies.ps import Header, Kind, MalformedMessage, decode
+from plait.strategies.ps import Header, Kind, Liveness, MalformedMessage, Server, decode
+from plait.strategies.ps.liveness import last_beat
 from plait.strategies.zero import partition
-from tests import ddp_fns, ps_fns
+from tests import ddp_fns, faultlog, ps_fns
 
 STEPS = 5
 TOL = {"rtol": 2e-4, "atol": 2e-5}
@@ -237,3 +240,195 @@ def test_checkpoint_on_request(ranks, tmp_path):
 def test_bad_configuration_is_refused_up_front(ranks, options, needle):
     for message in ranks(2, ps_fns.validation_error, options):
         assert needle in message
+
+
+# --- liveness: heartbeats, not receive timeouts; step-stamped pushes ------------------------
+
+
+class _FakeGroup:
+    """What a Server reads of its group outside the handler threads."""
+
+    global_rank, rank, size, name, ranks, timeout = 0, 0, 3, "fake", [0, 1, 2], 30.0
+
+
+def _server(mode: str, tmp_path=None, resume: bool = False) -> Server:
+    return Server(
+        group=_FakeGroup(),  # type: ignore[arg-type]
+        index=0,
+        shard=torch.zeros(4),
+        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        workers=[1, 2],
+        mode=mode,
+        staleness=0,
+        backup_workers=0,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=1 if tmp_path is not None else 0,
+        resume=resume,
+        liveness=Liveness(timeout=5, read=lambda r: None),
+    )
+
+
+def _push(server: Server, worker: int, clock: int) -> None:
+    server._queued += 1
+    header = Header(Kind.PUSH, server.version, 0, 4, clock=clock, lr=0.1)
+    server._push(worker, header, torch.ones(4))
+
+
+def test_a_push_whose_clock_was_applied_is_ignored_and_counted():
+    server = _server("async")
+    _push(server, 1, 0)
+    _push(server, 1, 0)  # a retry of the same stamp
+    _push(server, 1, 1)
+    assert (server.stats.updates, server.stats.duplicates) == (2, 1)
+    assert torch.allclose(server.param, torch.full((4,), -0.2))
+    sync = _server("sync")
+    _push(sync, 1, 0)
+    _push(sync, 1, 0)  # pending for this version already
+    _push(sync, 2, 0)
+    assert (sync.stats.updates, sync.stats.duplicates, sync.version) == (1, 1, 1)
+    assert torch.allclose(sync.param, torch.full((4,), -0.1))
+
+
+def test_a_resumed_server_ignores_pushes_its_checkpoint_already_holds(tmp_path):
+    first = _server("async", tmp_path)
+    for clock in (0, 1):
+        _push(first, 1, clock)
+    resumed = _server("async", tmp_path, resume=True)
+    assert resumed.version == 2 and resumed.clocks == {1: 2, 2: 0}
+    _push(resumed, 1, 1)  # replayed after the restart: applied before it
+    _push(resumed, 1, 2)
+    assert (resumed.stats.updates, resumed.stats.duplicates) == (1, 1)
+    assert torch.allclose(resumed.param, torch.full((4,), -0.3))  # three updates, none twice
+
+
+def test_liveness_reads_the_heartbeat_key_and_tells_slow_from_dead():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set("plait/heartbeat/3", f"{time.time():.3f}")
+    store.set("plait/heartbeat/4", f"{time.time() - 9:.3f}")
+    live = Liveness(timeout=5, read=lambda r: last_beat(r, store))
+    assert live.dead(3) is None
+    why = live.dead(4)
+    assert why is not None and "no heartbeat for 9." in why and "5s heartbeat timeout" in why
+    assert live.dead(5) is None  # never beat: unknown, left to its connection
+
+
+def test_a_slow_but_alive_worker_past_the_heartbeat_timeout_is_never_dropped(ranks):
+    """Issue 16.5: a straggler silent for longer than the timeout, but beating, used to be
+    dropped (gloo receive timeout) along with a healthy worker."""
+    options = {"mode": "async", "timeout": 1.0}
+    results = ranks(
+        4, ps_fns.stall_worker, 4, options, slow_rank=3, pause_s=2.5, at_step=1, timeout=120
+    )
+    server = results[0]["stats"]
+    assert server.failed_workers == {} and server.errors == []
+    assert sorted(server.finished_workers) == [1, 2, 3]
+    assert server.updates == server.gradients == 12 and server.duplicates == 0
+    assert all(r["stats"].steps == 4 for r in results[1:])
+    assert results[0]["beat"] is not None  # judged by a real heartbeat
+    assert all(r["may_exit"] == b"1" for r in results[1:])
+
+
+@pytest.mark.faults
+def test_a_hung_worker_is_named_by_its_heartbeat_and_async_training_goes_on(ranks, tmp_path):
+    timeout = 1.5
+    results = ranks(
+        4,
+        ps_fns.hung_worker,
+        6,
+        {"mode": "async", "timeout": timeout},
+        hung_rank=3,
+        pid_file=str(tmp_path / "pid"),
+        may_exit=[3],
+        timeout=120,
+    )
+    assert isinstance(results[3], RankExited)
+    server = results[0]["stats"]
+    assert list(server.failed_workers) == [3]
+    assert "no heartbeat" in server.failed_workers[3]
+    detected = server.failed_at[3] - results[0]["stopped_at"]
+    # never before the threshold, counted from the last beat (beats every 0.5 s)
+    assert detected >= timeout - 0.6
+    assert results[1]["stats"].steps == results[2]["stats"].steps == 6
+    assert server.updates == 6 + 6 + 2 and server.errors == []
+    faultlog.record(
+        row=2,
+        fault="SIGSTOP a parameter-server worker (async)",
+        detected_after_s=round(detected, 3),
+        named_correctly=True,
+        recovered_after_s=0.0,
+        state_equal=None,
+        heartbeat_timeout_s=timeout,
+    )
+
+
+@pytest.mark.faults
+def test_a_killed_server_is_named_by_every_worker_and_a_restart_resumes_exactly(ranks, tmp_path):
+    """Row 21: the server dies (os._exit) mid-training; every worker raises ServerLost
+    naming it; the job restarted with resume=True continues from the server's last
+    checkpoint and ends where uninterrupted training ends (no update lost or doubled)."""
+    steps = 8
+    want = ddp_fns.oracle(steps, "sgd")
+    options = {"mode": "sync", "checkpoint_dir": str(tmp_path), "checkpoint_every": 1}
+    kill_file = tmp_path / "killed"
+    first = ranks(
+        3,
+        ps_fns.killed_server,
+        steps,
+        "sgd",
+        options,
+        kill_at_version=2,
+        kill_file=str(kill_file),
+        may_exit=[0],
+        timeout=120,
+    )
+    assert isinstance(first[0], RankExited) and first[0].exit_code == 17
+    killed_at, killed_version = kill_file.read_text().split()
+    assert int(killed_version) < steps
+    for r in first[1:]:
+        assert r["role"] == "error" and r["error"].startswith("ServerLost"), r
+        assert "parameter server 0 (rank 0)" in r["error"] and r["server"] == 0
+    detected = max(r["at"] for r in first[1:]) - float(killed_at)
+    t0 = time.time()
+    resumed = ranks(3, ps_fns.train_ps, steps, "sgd", {**options, "resume": True}, timeout=120)
+    recovered = time.time() - t0
+    server = resumed[0]["stats"]
+    assert server.start_version >= int(killed_version) and server.version == steps
+    assert server.duplicates == 0
+    for r in resumed:
+        _close(r["params"], want)
+    faultlog.record(
+        row=21,
+        fault="parameter server killed (os._exit) at version >= 2, restarted with resume",
+        detected_after_s=round(detected, 3),
+        named_correctly=True,
+        recovered_after_s=round(recovered, 3),
+        state_equal=True,
+        resumed_from_version=server.start_version,
+    )
+
+
+def test_under_plait_run_an_async_job_finishes_when_a_worker_dies():
+    """Issue 16.5: async workers set plait/launch/may_exit/<rank> at wrap, so `plait run`
+    lets one die; the server names it and the job ends with exit code 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "run", "-n", "4", "--timeout", "240",
+         "tests/scripts/ps_async_dies.py", "3"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "server: 14 updates, failed {3: 'rank 0 could not receive from worker rank 3" in (
+        proc.stdout
+    )
+    assert proc.stdout.count(": 6 steps") == 2
+
+
+def test_a_rank_with_another_model_is_refused_at_wrap_on_every_rank(ranks):
+    for message in ranks(3, ps_fns.different_model, {"mode": "sync"}, 2, timeout=120):
+        assert "ParameterServer" in message and "rank 2" in message

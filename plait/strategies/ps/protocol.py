@@ -16,7 +16,10 @@ Header fields, in order::
              PARAMS: the version sent
     shard    the server's shard index (a message for another shard is rejected)
     length   payload elements (must equal the shard's size)
-    clock    PUSH: the worker's step count
+    clock    PUSH: the worker's push count on this server, a stamp: the server applies
+             each clock once and ignores (and counts) a push whose clock it has applied;
+             PARAMS: the clock the server expects next from this worker (a worker
+             restarted against a resumed server continues from it)
     lr       PUSH: the worker's learning rate, a float64 stored bit for bit
     extra    ABORT: the failed worker's rank
 
@@ -28,15 +31,17 @@ its header.
 
 from __future__ import annotations
 
-import datetime
+import queue
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 import torch
 
-from plait.comm.errors import CollectiveError, CollectiveTimeout
+from plait.comm.errors import CollectiveError
 from plait.comm.group import Call, Group
 
 MAGIC = 0x504C4149
@@ -145,40 +150,91 @@ def decode(
     return Header(kind, version, shard_index, n, clock, _lr_from_bits(lr_bits), extra)
 
 
+class _Waiter:
+    """One daemon thread that waits on transport work for a watched :class:`Link`, so the
+    link's caller can check the peer's liveness meanwhile. A wait the peer never answers
+    keeps this thread blocked; being a daemon, it does not hold the process at exit."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]]
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, errors = self._jobs.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller
+                errors.append(exc)
+            finally:
+                done.set()
+
+    def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
+        done, errors = threading.Event(), list[BaseException]()
+        self._jobs.put((work, done, errors))
+        return done, errors
+
+
 class Link:
     """Blocking point-to-point messages with one peer on ``group`` (tag :data:`PS_TAG`).
 
-    Every wait is bounded by ``timeout`` seconds (default: the group's); a dead peer, a
-    closed connection or a timeout raise :class:`PeerLost` naming the peer. Bytes are
-    counted in :func:`plait.comm.stats` under ``("ps", "p2p")``.
+    No wait has a receive timeout: in gloo a timed-out receive fails every connection of
+    the process, so a slow peer would take healthy ones down with it. A dead peer's
+    closed connection raises :class:`PeerLost` at once. A hung peer is the job of
+    ``watch``: with it, waits run on a helper thread while the caller calls ``watch()``
+    every ``poll_s`` seconds; a reason returned (e.g. "no heartbeat for 6.1s") raises
+    :class:`PeerLost` naming the peer and the reason. Without it a wait blocks until the
+    peer answers or its connection fails (the server's handler threads, whose liveness a
+    monitor thread checks). Bytes are counted in :func:`plait.comm.stats` under
+    ``("ps", "p2p")``.
     """
 
-    def __init__(self, group: Group, peer: int, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        group: Group,
+        peer: int,
+        *,
+        watch: Callable[[], str | None] | None = None,
+        poll_s: float = 0.25,
+        what: str = "",
+    ) -> None:
         self.group = group
         self.peer = peer  # global rank
         self.peer_index = group.ranks.index(peer)
-        seconds = group.timeout if timeout is None else timeout
-        self.timeout = datetime.timedelta(seconds=seconds)
+        self.watch = watch
+        self.poll_s = poll_s
+        self.what = what or f"rank {peer}"  # how messages name the peer
+        self._waiter: _Waiter | None = None
 
-    def _wait(self, work: object, verb: str, nbytes: int, sent: bool) -> None:
-        try:
-            work.wait(self.timeout)  # type: ignore[attr-defined]
-        except RuntimeError as exc:
-            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-            why = (
-                f"it did not answer within {self.timeout.total_seconds():g}s"
-                if timed_out
-                else f"its connection failed ({text})"
-            )
-            error = PeerLost(
-                f"rank {self.group.global_rank} could not {verb} rank {self.peer}: {why}. "
-                f"The peer probably crashed, exited or hangs; look at its log",
-                self.peer,
-            )
-            if timed_out:
-                raise error from CollectiveTimeout(text, [self.peer])
-            raise error from exc
+    def _lost(self, verb: str, why: str) -> PeerLost:
+        return PeerLost(
+            f"rank {self.group.global_rank} could not {verb} {self.what}: {why}", self.peer
+        )
+
+    def _wait(self, work: Any, verb: str, nbytes: int, sent: bool) -> None:
+        errors: list[BaseException] = []
+        if self.watch is None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                errors.append(exc)
+        else:
+            if self._waiter is None:
+                self._waiter = _Waiter(f"plait-ps-link-{self.peer}")
+            done, errors = self._waiter.submit(work)
+            while not done.wait(self.poll_s):
+                why = self.watch()
+                if why is not None:
+                    raise self._lost(verb, f"{why}. Look at that process")
+        if errors:
+            first = errors[0]
+            text = str(first).strip().splitlines()[0][:200] if str(first).strip() else repr(first)
+            raise self._lost(
+                verb,
+                f"its connection failed ({text}). The peer probably crashed or exited; "
+                f"look at its log",
+            ) from first
         call = Call(self.group, "ps", "p2p", 0, nbytes)
         if sent:
             call.sent = nbytes

@@ -19,12 +19,23 @@ whose length is recorded). The rule is the mode:
   than ``staleness`` ahead of the slowest active worker waits until it is not; the wait
   is counted and timed, and the clock gap at every answer is recorded.
 
-Failures: a worker whose connection fails or that stays silent past the group timeout
-is marked failed (its rank and the reason go into the stats). In ``async``/``ssp`` the
-server goes on with the others. In ``sync`` it goes on only while the remaining workers
-can still provide ``needed`` gradients; otherwise every waiting worker is sent ABORT
-naming the failed rank and :meth:`Server.serve` raises :class:`WorkerFailed`.
-A malformed message counts as a failure of its sender.
+Liveness: no receive has a timeout (in gloo a timed-out receive fails every connection
+of the process). A worker is failed when its connection fails (it died), when it sends a
+malformed message, or when a monitor thread finds its heartbeat older than the heartbeat
+timeout (it hangs; see ``liveness.py``). A worker that is slow but alive is waited for,
+however long. Its rank and the reason go into the stats. In ``async``/``ssp`` the server
+goes on with the others. In ``sync`` it goes on only while the remaining workers can still
+provide ``needed`` gradients; otherwise every waiting worker is sent ABORT naming the
+failed rank and :meth:`Server.serve` raises :class:`WorkerFailed`. A handler thread never
+ends silently: an unexpected error fails its worker, is recorded in ``stats.errors`` and
+makes :meth:`Server.serve` raise :class:`ServerError` once the others are done.
+:meth:`Server.serve` returns only when every worker sent DONE or is named as failed.
+
+Pushes are step-stamped: a PUSH carries the worker's clock on this server (its count of
+pushes), and a push whose clock the server has already applied (a retry, or a replay
+after a restart) is ignored and counted in ``stats.duplicates``; no update is applied
+twice. PARAMS carries the clock the server expects next, so a restarted worker continues
+the stamps of a resumed server.
 
 Checkpoints: the shard, its optimizer state, the version and the clocks are written to
 ``<dir>/server-<index>.pt`` atomically (temporary file, fsync, rename) every
@@ -44,6 +55,7 @@ import torch
 
 from plait.checkpoint.files import save_atomic
 from plait.comm.group import Group
+from plait.strategies.ps.liveness import Liveness
 from plait.strategies.ps.protocol import Header, Kind, Link, MalformedMessage, PeerLost
 from plait.trace import Tracer
 
@@ -56,6 +68,14 @@ class WorkerFailed(RuntimeError):
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class ServerError(RuntimeError):
+    """A server's handler thread failed unexpectedly; ``errors`` lists what each raised."""
+
+    def __init__(self, message: str, errors: list[str]) -> None:
+        super().__init__(message)
+        self.errors = errors
 
 
 @dataclass
@@ -78,7 +98,10 @@ class ServerStats:
     max_clock_gap: int = 0
     clock_gaps: list[int] = field(default_factory=list)
     failed_workers: dict[int, str] = field(default_factory=dict)
+    failed_at: dict[int, float] = field(default_factory=dict)  # time.time() of the verdict
     finished_workers: list[int] = field(default_factory=list)
+    duplicates: int = 0  # pushes whose clock was already applied: ignored
+    errors: list[str] = field(default_factory=list)  # unexpected handler-thread errors
     checkpoints: int = 0
     seconds: float = 0.0
 
@@ -96,7 +119,9 @@ class Server:
     """Serve one shard to ``workers`` (global ranks) until every worker sent DONE or failed.
 
     ``shard`` is this server's slice of the flat parameters (updated in place);
-    ``make_optimizer(params)`` builds the optimizer for it.
+    ``make_optimizer(params)`` builds the optimizer for it. ``timeout``: seconds without a
+    heartbeat after which a worker counts as dead (default: the heartbeat timeout);
+    ``liveness`` replaces the heartbeat reader (tests).
     """
 
     def __init__(
@@ -115,6 +140,7 @@ class Server:
         resume: bool = False,
         timeout: float | None = None,
         tracer: Tracer | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -129,7 +155,8 @@ class Server:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.tracer = tracer
-        self.timeout = group.timeout if timeout is None else float(timeout)
+        self.liveness = liveness if liveness is not None else Liveness(timeout=timeout)
+        self.timeout = self.liveness.timeout
         self.version = 0
         self.clocks = {w: 0 for w in self.workers}
         self.active = set(self.workers)  # neither finished nor failed
@@ -177,6 +204,14 @@ class Server:
             self._queued -= 1
             self.stats.gradients += 1
             if self.fatal is not None:
+                return
+            if worker not in self.active:  # declared failed (or done): not applied
+                self.stats.dropped += 1
+                return
+            if header.clock < self.clocks[worker] or (
+                self.mode == "sync" and worker in self.pending
+            ):
+                self.stats.duplicates += 1  # this stamp was applied (or is pending): once only
                 return
             if self.mode == "sync":
                 if header.version < self.version:
@@ -226,25 +261,20 @@ class Server:
         return self.clocks[worker] - min(others)
 
     def _pull(self, worker: int, link: Link, header: Header) -> bool:
-        """Answer a PULL; False if training was aborted (ABORT sent)."""
+        """Answer a PULL; False if training was aborted (ABORT sent). Waits as long as the
+        rule says, with no deadline: workers that die are failed by their connection or
+        by the heartbeat monitor, which wakes this wait."""
         with self._cv:
             if not self._ready_for(worker, header.version):
                 self.stats.ssp_waits += self.mode == "ssp"
                 t0 = time.perf_counter()
-                deadline = time.monotonic() + self.timeout
-                while not self._ready_for(worker, header.version):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        late = sorted(w for w in self.active if w not in self.pending)
-                        self._fail_locked(
-                            late[0] if late else worker,
-                            f"no progress for {self.timeout:g}s (waiting for workers {late})",
-                        )
-                        break
-                    self._cv.wait(left)
+                while not self._ready_for(worker, header.version) and worker in self.active:
+                    self._cv.wait(1.0)
                 if self.mode == "ssp":
                     self.stats.ssp_wait_s += time.perf_counter() - t0
             fatal = self.fatal
+            if fatal is None and worker not in self.active:
+                fatal = WorkerFailed(f"worker rank {worker} was declared failed", worker)
             if fatal is None:
                 if self.mode == "ssp" and worker in self.active:
                     gap = self._gap(worker)
@@ -255,7 +285,8 @@ class Server:
         if fatal is not None:
             link.send_header(Header(Kind.ABORT, shard=self.index, extra=fatal.rank))
             return False
-        link.send_header(Header(Kind.PARAMS, version, self.index, data.numel()))
+        clock = self.clocks[worker]
+        link.send_header(Header(Kind.PARAMS, version, self.index, data.numel(), clock=clock))
         link.send(data)
         return True
 
@@ -266,6 +297,7 @@ class Server:
         self.active.discard(worker)
         self.pending.pop(worker, None)
         self.stats.failed_workers[worker] = reason
+        self.stats.failed_at[worker] = time.time()
         if self.mode == "sync" and len(self.active) + self.backup_workers < len(self.workers):
             if self.fatal is None:
                 self.fatal = WorkerFailed(
@@ -289,7 +321,22 @@ class Server:
             self._cv.notify_all()
 
     def _handle(self, worker: int) -> None:
-        link = Link(self.group, worker, timeout=self.timeout)
+        """One worker's messages, in order, until DONE or failure. Never ends silently:
+        an unexpected error fails the worker and is recorded in ``stats.errors``."""
+        link = Link(self.group, worker, what=f"worker rank {worker}")
+        try:
+            self._handle_messages(worker, link)
+        except Exception as exc:  # a defect: surfaces in serve(), never lost with the thread
+            why = f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                self.stats.errors.append(f"handler of worker rank {worker}: {why}")
+                self._fail_locked(worker, f"the server's handler failed ({why})")
+            try:  # the worker may wait for an answer: stop it instead of leaving it hanging
+                link.send_header(Header(Kind.ABORT, shard=self.index, extra=worker))
+            except Exception:
+                pass
+
+    def _handle_messages(self, worker: int, link: Link) -> None:
         n = self.param.numel()
         kinds = (Kind.PUSH, Kind.PULL, Kind.SAVE, Kind.DONE)
         try:
@@ -303,6 +350,9 @@ class Server:
                     self._push(worker, header, grad)
                 elif header.kind is Kind.PULL:
                     if not self._pull(worker, link, header):
+                        with self._cv:  # sent ABORT: this worker stops, nothing to wait for
+                            self.active.discard(worker)
+                            self._cv.notify_all()
                         return
                 elif header.kind is Kind.SAVE:
                     with self._cv:
@@ -314,18 +364,46 @@ class Server:
             with self._cv:
                 self._fail_locked(worker, str(exc))
 
+    def _monitor(self, stop: threading.Event) -> None:
+        """Fail active workers whose heartbeat stopped (hung processes: a dead one's
+        connection fails by itself)."""
+        period = min(0.5, self.timeout / 4)
+        while not stop.wait(period):
+            with self._cv:
+                active = sorted(self.active)
+            for w in active:
+                try:
+                    why = self.liveness.dead(w)
+                except Exception as exc:  # the store went away: no verdict this round
+                    why = None
+                    self.stats.errors.append(f"heartbeat of worker rank {w}: {exc}")
+                if why is not None:
+                    with self._cv:
+                        self._fail_locked(w, why)
+
     def serve(self) -> ServerStats:
-        """Serve until every worker finished or failed; raises :class:`WorkerFailed` when
-        synchronous training could not go on."""
+        """Serve until every worker sent DONE or is named as failed; raises
+        :class:`WorkerFailed` when synchronous training could not go on and
+        :class:`ServerError` when a handler thread failed."""
         t0 = time.perf_counter()
         threads = [
             threading.Thread(target=self._handle, args=(w,), name=f"plait-ps-w{w}", daemon=True)
             for w in self.workers
         ]
+        stop = threading.Event()
+        monitor = threading.Thread(
+            target=self._monitor, args=(stop,), name="plait-ps-liveness", daemon=True
+        )
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        monitor.start()
+        with self._cv:
+            while self.active:
+                self._cv.wait(1.0)
+        stop.set()
+        for t in threads:  # a hung worker's handler stays blocked in its receive (daemon)
+            t.join(timeout=1.0)
+        monitor.join(timeout=2.0)
         self.stats.version = self.version
         self.stats.seconds = time.perf_counter() - t0
         samples = self._queue_samples
@@ -333,6 +411,12 @@ class Server:
         self.stats.queue_mean = sum(samples) / len(samples) if samples else 0.0
         if self.fatal is not None:
             raise self.fatal
+        if self.stats.errors:
+            raise ServerError(
+                f"parameter server {self.index} (rank {self.group.global_rank}): "
+                + "; ".join(self.stats.errors),
+                list(self.stats.errors),
+            )
         return self.stats
 
     # --- checkpoints ---------------------------------------------------------------------

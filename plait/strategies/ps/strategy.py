@@ -8,9 +8,13 @@ range i and runs the user's optimizer (same class and hyper-parameters) on it.
 
 Communication contract, on ``group``:
 
-- ``wrap`` (every rank): one ``broadcast`` of the flat parameters and one per buffer
-  from group rank 0, so every server starts from the same model; with more than one
-  server, a subgroup of the servers is created (``new_group``, called by every rank);
+- ``wrap`` (every rank): :func:`~plait.strategies.consistency.verify_same_parameters`
+  (every rank built the same model: names, shapes, dtypes, through the store), then one
+  ``broadcast`` of the flat parameters and one per buffer from group rank 0, so every
+  server starts from the same model; with more than one server, a subgroup of the
+  servers is created (``new_group``, called by every rank). In ``async``/``ssp`` mode each
+  worker also sets the store key ``plait/launch/may_exit/<global rank>``: under
+  ``plait run`` its death does not end the job (the servers go on without it);
 - each worker step: per server, PUSH (header + gradient slice) and PULL (header), then
   PARAMS (header + parameter slice) back; point-to-point only (see ``protocol.py``).
   A worker sends and receives S·b bytes per step (S parameters, b bytes each); a server
@@ -33,6 +37,8 @@ from torch import nn
 
 from plait import comm, runtime
 from plait.comm.group import Group
+from plait.strategies.consistency import verify_same_parameters
+from plait.strategies.ps.liveness import allow_exit
 from plait.strategies.ps.server import MODES, Server, ServerStats
 from plait.strategies.ps.worker import WorkerOptimizer, WorkerStats
 from plait.strategies.zero import shard_bounds
@@ -54,8 +60,9 @@ class ParameterServer:
     - ``checkpoint_dir`` / ``checkpoint_every`` / ``resume``: server checkpoints every k
       updates (and on ``optimizer.request_checkpoint()``), and resuming from them;
     - ``slow_workers``: ``{rank: factor}`` straggler injection for experiments;
-    - ``timeout``: seconds a link waits for a peer (default: the group's timeout); a
-      worker silent for longer counts as failed;
+    - ``timeout``: seconds without a heartbeat after which a peer counts as dead (default:
+      the heartbeat timeout, ``PLAIT_HEARTBEAT_TIMEOUT`` or 5 s). No message wait has a
+      timeout: a slow worker that still beats is waited for, never dropped;
     - ``group``: the ranks taking part (default: the world).
 
     On a worker rank ``wrap`` returns the model (its parameters now pulled from the
@@ -169,6 +176,8 @@ class ParameterServer:
                 "with one parameter group that has not stepped yet"
             )
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        verify_same_parameters(trainable, self.group, who="ParameterServer")
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         total = flat.numel()
         if total < self.servers:
@@ -184,6 +193,8 @@ class ParameterServer:
             return self._serve(model, params, flat, bounds, type(optimizer), hyper, server_group)
         for p, piece in zip(params, _pieces(flat, params), strict=True):
             p.data = piece  # the worker's parameters live in the flat buffer it pulls into
+        if self.mode != "sync":  # the servers go on without a dead asynchronous worker
+            allow_exit(self.group.global_rank)
         self.optimizer = WorkerOptimizer(
             params,
             hyper,

@@ -11,7 +11,12 @@ shard it (server i owns ``bounds[i]``). ``step()`` does, per server i:
 
 Pushes to all servers are started before any is waited for, so the servers receive in
 parallel. Construction pulls once (version -1), so the model starts from the servers'
-parameters. ``finish()`` sends DONE; ``request_checkpoint()`` sends SAVE.
+parameters and each server's clock for this worker (pushes are stamped with it; see
+``server.py``). ``finish()`` sends DONE; ``request_checkpoint()`` sends SAVE.
+
+A server that dies (its connection fails) or hangs (its heartbeat is older than the
+heartbeat timeout; waits are watched, never timed out) raises :class:`ServerLost` naming
+the server and its rank, within that timeout.
 
 Time is split into compute (from the end of one pull to the next ``step()``: forward
 and backward), waiting (push + pull: transfer, the servers' update, and in ``sync`` /
@@ -29,7 +34,8 @@ from typing import Any
 import torch
 
 from plait.comm.group import Group
-from plait.strategies.ps.protocol import Header, Kind, Link
+from plait.strategies.ps.liveness import Liveness
+from plait.strategies.ps.protocol import Header, Kind, Link, PeerLost
 from plait.strategies.ps.server import WorkerFailed
 from plait.trace import Tracer
 
@@ -47,6 +53,14 @@ class WorkerStats:
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+
+class ServerLost(PeerLost):
+    """A parameter server died or hangs; ``rank`` is its global rank, ``index`` its shard."""
+
+    def __init__(self, message: str, rank: int, index: int) -> None:
+        super().__init__(message, rank)
+        self.index = index
 
 
 class WorkerOptimizer(torch.optim.Optimizer):
@@ -69,20 +83,31 @@ class WorkerOptimizer(torch.optim.Optimizer):
         slowdown: float = 1.0,
         timeout: float | None = None,
         tracer: Tracer | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         super().__init__(list(params), defaults)
-        self.links = [Link(group, s, timeout=timeout) for s in servers]
+        self.liveness = liveness if liveness is not None else Liveness(timeout=timeout)
+        self.links = [
+            Link(
+                group,
+                s,
+                watch=lambda s=s: self.liveness.dead(s),  # type: ignore[misc]
+                what=f"parameter server {i} (rank {s})",
+            )
+            for i, s in enumerate(servers)
+        ]
         self.bounds = list(bounds)
         self.flat = flat
         self.flat_grad = torch.zeros_like(flat)
         self.slowdown = float(slowdown)
         self.tracer = tracer
         self.versions = [-1] * len(self.links)
+        self.clocks = [0] * len(self.links)  # the stamp of the next push to each server
         self.stats = WorkerStats(rank=group.global_rank)
         self.finished = False
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._start = time.perf_counter()
-        self._pull()
+        self._guarded(self._pull)
         self._ready_at = time.perf_counter()
 
     @property
@@ -108,6 +133,24 @@ class WorkerOptimizer(torch.optim.Optimizer):
                 view.copy_(p.grad.reshape(-1))
             offset += n
 
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        """Run ``fn``; a lost server becomes :class:`ServerLost` saying what to do."""
+        try:
+            fn()
+        except ServerLost:
+            raise
+        except PeerLost as exc:
+            self.finished = True
+            index = next(i for i, link in enumerate(self.links) if link.peer == exc.rank)
+            raise ServerLost(
+                f"worker rank {self.stats.rank}: parameter server {index} (rank {exc.rank}) "
+                f"is lost, training cannot go on: {exc}. Restart the job; servers started "
+                f"with checkpoint_dir=... and resume=True continue from their last "
+                f"checkpoint",
+                exc.rank,
+                index,
+            ) from exc
+
     def _pull(self) -> None:
         for i, link in enumerate(self.links):
             link.send_header(Header(Kind.PULL, version=self.versions[i], shard=i))
@@ -119,6 +162,8 @@ class WorkerOptimizer(torch.optim.Optimizer):
                 aborted.append((i, header))
                 continue
             link.recv(self.flat[lo:hi])
+            if self.versions[i] < 0:  # the first pull: continue the server's stamps
+                self.clocks[i] = header.clock
             self.versions[i] = header.version
         if aborted:
             # the other servers answered this pull; tell them this worker leaves
@@ -155,22 +200,27 @@ class WorkerOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         token = self._span("push + pull", "comm")
         self.stats.versions.append(self.versions[0])
-        lr = float(self.param_groups[0]["lr"])
-        started = []
-        for i, link in enumerate(self.links):
-            lo, hi = self.bounds[i]
-            header = Header(Kind.PUSH, self.versions[i], i, hi - lo, clock=self.stats.steps, lr=lr)
-            link.send_header(header)
-            started.append(link.start_send(self.flat_grad[lo:hi]))
-        for link, s in zip(self.links, started, strict=True):
-            link.finish_send(s)
-        self._pull()
+        self._guarded(self._push_and_pull)
         self._end(token)
         self.stats.steps += 1
         self._ready_at = time.perf_counter()
         self.stats.wait_s += self._ready_at - t0
         self.stats.seconds = self._ready_at - self._start
         return loss
+
+    def _push_and_pull(self) -> None:
+        lr = float(self.param_groups[0]["lr"])
+        started = []
+        for i, link in enumerate(self.links):
+            lo, hi = self.bounds[i]
+            clock = self.clocks[i]
+            header = Header(Kind.PUSH, self.versions[i], i, hi - lo, clock=clock, lr=lr)
+            link.send_header(header)
+            started.append(link.start_send(self.flat_grad[lo:hi]))
+            self.clocks[i] = clock + 1
+        for link, s in zip(self.links, started, strict=True):
+            link.finish_send(s)
+        self._pull()
 
     def request_checkpoint(self) -> None:
         """Ask every server to checkpoint its shard now (at its current version)."""
