@@ -158,10 +158,10 @@ def _optimizer_order(
     """Per optimizer param group, the original parameters (key, unit, index) whose shards
     it holds, in the plain optimizer's order: prepare's recorded order if the groups were
     given to fully_shard, else the unsharded model's ``parameters()`` order."""
-    units = {id(u.shard): u for u in module.sharded_units() if u.numel}
-    first: dict[tuple[int, int], str] = {}
+    units = _units_by_shard(module)
+    first: dict[tuple[int, int], tuple[str, ShardedUnit]] = {}
     for key, unit, i in _slots(module):
-        first.setdefault((id(unit), i), key)
+        first.setdefault((id(unit), i), (key, unit))
     state = module.__dict__[UNITS_ATTR][0].state
     recorded = state.plain_groups if state is not None else None
     out = []
@@ -174,22 +174,18 @@ def _optimizer_order(
                     f"on the fully_shard model's parameters()"
                 )
         held = {id(units[id(p)]) for p in group["params"]}
-        default = [
-            (key, unit, i)
-            for (uid, i), key in first.items()
-            for unit in [_unit_by_id(units, uid)]
-            if uid in held
-        ]
+        default = [(key, unit, i) for (uid, i), (key, unit) in first.items() if uid in held]
         if recorded is not None and g < len(recorded):
-            ordered = [(first[(id(u), i)], u, i) for u, i in recorded[g]]
+            ordered = [(first[(id(u), i)][0], u, i) for u, i in recorded[g]]
             if {(id(u), i) for _, u, i in ordered} == {(id(u), i) for _, u, i in default}:
                 default = ordered
         out.append(default)
     return out
 
 
-def _unit_by_id(units: dict[int, ShardedUnit], uid: int) -> ShardedUnit:
-    return next(u for u in units.values() if id(u) == uid)
+def _units_by_shard(module: FSDPModule) -> dict[int, ShardedUnit]:
+    """id of each shard parameter to its unit (units with parameter elements)."""
+    return {id(u.shard): u for u in module.sharded_units() if u.numel}
 
 
 def full_optimizer_param_names(
@@ -224,10 +220,11 @@ def full_optimizer_state_dict(
     """
     module = _sharded(module, "full_optimizer_state_dict")
     order = _optimizer_order(module, optimizer, "full_optimizer_state_dict")
+    units = _units_by_shard(module)
     cut: dict[int, dict[str, list[torch.Tensor] | Any]] = {}  # unit id -> key -> pieces
     for group in optimizer.param_groups:
         for p in group["params"]:
-            unit = next(u for u in module.sharded_units() if u.shard is p)
+            unit = units[id(p)]
             entry: dict[str, Any] = {}
             for key, value in sorted(optimizer.state.get(p, {}).items()):
                 if _is_elementwise(value, unit):
@@ -271,6 +268,7 @@ def load_full_optimizer_state_dict(
     """
     module = _sharded(module, "load_full_optimizer_state_dict")
     order = _optimizer_order(module, optimizer, "load_full_optimizer_state_dict")
+    units = _units_by_shard(module)
     saved_groups = state["param_groups"]
     sizes = [len(g["params"]) for g in saved_groups]
     mine = [len(g) for g in order]
@@ -287,7 +285,7 @@ def load_full_optimizer_state_dict(
         plain_of = {(id(u), i): saved["params"][k] for k, (_, u, i) in enumerate(members)}
         indices = []
         for p in group["params"]:
-            unit = next(u for u in module.sharded_units() if u.shard is p)
+            unit = units[id(p)]
             entries = [
                 saved_state.get(plain_of.get((id(unit), i)), {}) for i in range(len(unit.params))
             ]
