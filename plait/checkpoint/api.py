@@ -76,6 +76,15 @@ class Restored:
     def __contains__(self, key: object) -> bool:
         return key in self.state
 
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.state.get(key, default)
+
+    def keys(self) -> Any:
+        return self.state.keys()
+
+    def items(self) -> Any:
+        return self.state.items()
+
 
 class SaveHandle:
     """A save under way. :meth:`wait` finishes it (collective: every rank must call it,
