@@ -109,6 +109,10 @@ def test_mixed_dtypes_and_bad_arguments_are_refused():
         ZeroOptimizer([a], torch.optim.Adam, stage=3)
     with pytest.raises(TypeError, match="one dtype"):  # also across param groups
         ZeroOptimizer([{"params": [a]}, {"params": [b], "lr": 0.1}], torch.optim.Adam)
+    with pytest.raises(ValueError, match="Adafactor combines elements across a parameter"):
+        ZeroOptimizer([a], torch.optim.Adafactor)
+    with pytest.raises(ValueError, match="LBFGS combines elements"):
+        ZeroOptimizer([a], torch.optim.LBFGS)
     with pytest.raises(ValueError, match="no trainable parameters"):
         ZeroOptimizer([nn.Parameter(torch.zeros(2), requires_grad=False)], torch.optim.Adam)
 

@@ -138,3 +138,24 @@ def groups_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         {k: (list(v) if k == "params" else v) for k, v in g.items() if k != "param_names"}
         for g in optimizer.param_groups
     ]
+
+
+# torch.optim optimizers whose update of an element depends on other elements of the same
+# parameter (a matrix factorisation, an orthogonalisation, a line search): on a flat 1/n
+# shard they would compute another step without any error, so ZeroOptimizer refuses them.
+NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon")
+
+
+def check_elementwise(optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """Raise ``ValueError`` if ``optimizer_class`` is a torch optimizer known not to be
+    element-wise (a third-party one cannot be recognised: ZeRO needs element-wise
+    updates, as SGD, Adam, AdamW, RMSprop and Adagrad are)."""
+    bases = {c.__name__ for c in optimizer_class.__mro__ if c.__module__.startswith("torch.optim")}
+    refused = sorted(bases & set(NOT_ELEMENTWISE))
+    if refused:
+        raise ValueError(
+            f"ZeroOptimizer: ZeRO-1/2 steps {optimizer_class.__name__} on flat 1/n shards of "
+            f"the parameters, which is exact only for element-wise optimizers (SGD, Adam, "
+            f"AdamW, RMSprop, Adagrad, ...); {refused[0]} combines elements across a "
+            f"parameter, so its step would differ. Use strategy 'ddp' with it"
+        )

@@ -17,7 +17,7 @@ from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.ddp import MIB, broadcast_tensors
 from plait.strategies.zero import state as zstate
 from plait.strategies.zero.gradients import ShardGradients, join, trace_span
-from plait.strategies.zero.groups import ParamGroups, parse_param_groups
+from plait.strategies.zero.groups import ParamGroups, check_elementwise, parse_param_groups
 from plait.strategies.zero.guard import ShardedGrad
 from plait.strategies.zero.partition import (
     Piece,
@@ -84,6 +84,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         if bucket_mb <= 0:
             raise ValueError(f"ZeroOptimizer: bucket_mb must be positive, got {bucket_mb}")
+        check_elementwise(optimizer_class)
         layout: ParamGroups = parse_param_groups(params, module)
         self.stage = stage
         self.group = group if group is not None else comm.world()
