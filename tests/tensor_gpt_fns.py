@@ -122,6 +122,11 @@ def refusals() -> dict[str, str]:
         ),
         "mha": lambda: parallelize(_WithMHA(), mesh, {"mha.out_proj": "rowwise"}),
         "no_plan": lambda: plait.prepare(MLP((4, 6, 2)), strategy="tp", mesh=mesh),
+        "dropout": lambda: parallelize(
+            GPT(GPTConfig(vocab=16, heads=2, width=8, layers=1, dropout=0.1)),
+            mesh,
+            tp_plan(layers=1),
+        ),
     }
     out = {}
     for name, fn in cases.items():

@@ -58,6 +58,7 @@ def test_refusals_name_what_to_change(ranks):
         assert "['tok.weight', 'head.weight'] are one shared tensor" in out["half_tied"]
         assert "'mha' is an nn.MultiheadAttention" in out["mha"]
         assert "needs plan= for a MLP" in out["no_plan"]
+        assert "module 'drop' has dropout 0.1" in out["dropout"]
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -130,6 +130,23 @@ def _check_heads(model: nn.Module, styles: dict[str, Style], t: int) -> None:
             )
 
 
+def _check_dropout(model: nn.Module) -> None:
+    """Refuse dropout: every tensor-parallel rank holds the same RNG state, so dropout on a
+    rank's heads or sequence slice would draw the same mask as its peers' (correlated
+    across ranks, unlike the dense model's); plait has no per-rank RNG streams yet."""
+    for name, module in model.named_modules():
+        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else None
+        rate = getattr(module, "dropout", None)
+        if isinstance(rate, float) and not isinstance(module, nn.MultiheadAttention):
+            p = max(p or 0.0, rate)
+        if p:
+            raise ValueError(
+                f"module {name or type(model).__name__!r} has dropout {p}: under tensor "
+                f"parallelism every rank would draw the same dropout mask for different heads "
+                f"or sequence slices (plait has no per-rank RNG streams yet); set dropout to 0"
+            )
+
+
 def _convert(
     name: str, module: nn.Module, style: Style, *, group: Group, sp: bool, algorithm: str
 ) -> nn.Module | None:
@@ -207,13 +224,15 @@ def parallelize(
     Returns ``model`` itself, changed in place (see the module doc for the styles and the
     communication each adds). Raises ``ValueError``/``TypeError`` naming the module for a
     plan entry that matches nothing, a style that does not fit the module, a width, vocab
-    or head count the tensor-parallel size does not divide, and, under sequence
-    parallelism, a parameter no plan entry covers. Collective over the group.
+    or head count the tensor-parallel size does not divide, dropout (no per-rank RNG streams
+    yet), and, under sequence parallelism, a parameter no plan entry covers. Collective over
+    the group.
     """
     group = _group_of(mesh)
     styles = _resolve(model, plan)
     sp = any(s.kind == "sequence" for s in styles.values())
     _check_heads(model, styles, group.size)
+    _check_dropout(model)
     modules = dict(model.named_modules())
     if sp:
         covered = [n for n in styles]
