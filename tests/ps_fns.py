@@ -209,3 +209,41 @@ def different_model(options: dict[str, Any], odd_rank: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def hung_server(steps: int, options: dict[str, Any], *, stop_after_s: float, pid_file: str) -> Any:
+    """Rank 0 (the one server) stops itself (SIGSTOP: every thread, heartbeat included)
+    ``stop_after_s`` seconds into serving; each worker returns what it raised and when,
+    then kills the stopped server (SIGKILL, SIGCONT)."""
+    import signal
+    import threading
+
+    world = plait.world()
+    if world.rank == 0:
+
+        def stopper() -> None:
+            time.sleep(stop_after_s)
+            with open(pid_file, "w") as f:
+                f.write(f"{os.getpid()} {time.time()}")
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        threading.Thread(target=stopper, daemon=True).start()
+        return train_ps(steps, "sgd", options)
+    try:
+        result = train_ps(steps, "sgd", options, step_sleep={world.rank: 0.05})
+    except Exception as exc:
+        result = {
+            "role": "error",
+            "error": f"{type(exc).__name__}: {exc}",
+            "at": time.time(),
+            "server": getattr(exc, "rank", None),
+        }
+    with open(pid_file) as f:
+        pid, stopped_at = f.read().split()
+    result["stopped_at"] = float(stopped_at)
+    for sig in (signal.SIGKILL, signal.SIGCONT):
+        try:
+            os.kill(int(pid), sig)
+        except ProcessLookupError:
+            pass
+    return result

@@ -432,3 +432,34 @@ def test_under_plait_run_an_async_job_finishes_when_a_worker_dies():
 def test_a_rank_with_another_model_is_refused_at_wrap_on_every_rank(ranks):
     for message in ranks(3, ps_fns.different_model, {"mode": "sync"}, 2, timeout=120):
         assert "ParameterServer" in message and "rank 2" in message
+
+
+@pytest.mark.faults
+def test_a_hung_server_is_named_by_every_worker_within_the_heartbeat_timeout(ranks, tmp_path):
+    """Row 21, hang variant: the server stops (SIGSTOP), its connections stay open, so only
+    its heartbeat tells; every worker raises ServerLost naming it."""
+    timeout = 1.5
+    results = ranks(
+        3,
+        ps_fns.hung_server,
+        200,
+        {"mode": "async", "timeout": timeout},
+        stop_after_s=1.0,
+        pid_file=str(tmp_path / "pid"),
+        may_exit=[0],
+        timeout=120,
+    )
+    assert isinstance(results[0], RankExited)
+    for r in results[1:]:
+        assert r["role"] == "error" and r["error"].startswith("ServerLost"), r
+        assert "parameter server 0 (rank 0)" in r["error"] and "no heartbeat" in r["error"]
+        assert r["server"] == 0
+    detected = max(r["at"] for r in results[1:]) - results[1]["stopped_at"]
+    assert detected >= timeout - 0.6  # judged by the heartbeat, not sooner
+    faultlog.record(
+        row=21,
+        fault="parameter server stopped (SIGSTOP): workers judge it by its heartbeat",
+        detected_after_s=round(detected, 3),
+        named_correctly=True,
+        heartbeat_timeout_s=timeout,
+    )
