@@ -216,7 +216,11 @@ class Channel:
         if flagged is not None:  # the watchdog ended this wait, or a peer's did
             recorder.dump(f"{type(flagged).__name__}: {flagged}")
             return flagged
-        whom = "the group" if peer is None else f"rank {self.global_rank(peer)}"
+        if peer is None:  # a backend collective: any other rank of the group
+            others = [r for r in group.ranks if r != group.global_rank]
+            whom = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        else:
+            whom = f"rank {self.global_rank(peer)}"
         text = str(exc)
         error = self._failure(peer, verb, exc, whom, text)
         if isinstance(error, CollectiveTimeout):

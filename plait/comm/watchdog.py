@@ -147,7 +147,9 @@ def _diagnose(g: Group, peer: int | None, call: Call, waited: float) -> Collecti
     board = progress.read_full(g)
     mine = (call.seq, call.collective, call.sig, call.desc)
     board[me] = mine
-    same = {r: v for r, v in board.items() if v[0] == call.seq}
+    if call.algorithm == "p2p":  # user sends/receives are not numbered: liveness only
+        return _check_heartbeats(g, peer, call, waited)
+    same = {r: v for r, v in board.items() if v[0] == call.seq and v[1]}
     if g.check and any((v[1], v[2]) != (call.collective, call.sig) for v in same.values()):
         return _mismatch(g, call, same)
     if peer is not None and peer in board and board[peer][0] > call.seq:
