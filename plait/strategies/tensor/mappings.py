@@ -3,17 +3,17 @@
 Each mapping moves an activation between two layouts over the tensor-parallel group ``G`` of
 ``t`` ranks, and its backward does the dual collective on the gradient:
 
-============================  ===================================  ===========================
-mapping                       forward                              backward
-============================  ===================================  ===========================
-``copy_to_tp`` ("f")          identity                             all-reduce (sum) over G
-``reduce_from_tp`` ("g")      all-reduce (sum) over G              identity
-``scatter_to_tp``             keep my slice of the last dim        all-gather the last dim
-``gather_from_tp``            all-gather the last dim              keep my slice
-``scatter_to_sequence``       keep my slice of the sequence dim    all-gather the sequence
-``gather_from_sequence``      all-gather the sequence dim          reduce-scatter the sequence
-``reduce_scatter_to_sequence`` reduce-scatter the sequence dim      all-gather the sequence
-============================  ===================================  ===========================
+==============================  =================================  ===========================
+mapping                         forward                            backward
+==============================  =================================  ===========================
+``copy_to_tp`` ("f")            identity                           all-reduce (sum) over G
+``reduce_from_tp`` ("g")        all-reduce (sum) over G            identity
+``scatter_to_tp``               keep my slice of the last dim      all-gather the last dim
+``gather_from_tp``              all-gather the last dim            keep my slice
+``scatter_to_sequence``         keep my slice of the sequence dim  all-gather the sequence
+``gather_from_sequence``        all-gather the sequence dim        reduce-scatter the sequence
+``reduce_scatter_to_sequence``  reduce-scatter the sequence dim    all-gather the sequence
+==============================  =================================  ===========================
 
 Bytes per rank for a tensor of ``n`` elements on the ring: all-reduce sends
 ``2 n (t-1)/t``; all-gather and reduce-scatter of the full ``n`` each send ``n (t-1)/t``.
