@@ -10,9 +10,9 @@ every file it reads and refuses a damaged checkpoint naming the file and rank, o
 
 The content is layout-neutral (``layout.py``): the dense model state and the plain-format
 optimizer state keyed by parameter names, so a checkpoint saved by DDP, ZeRO-1/2 or FSDP at
-one world size loads into any of them at another. See ``api.py`` for the communication and
-memory contract, and the RNG rule (per-rank generator states restore only at the same world
-size).
+one world size loads into any of them at another. See ``writer.py`` and ``reader.py`` for
+the communication and memory contract, and :func:`load` for the RNG rule (per-rank
+generator states restore only at the same world size).
 
 The simple form ``save(directory, state)`` / ``load(directory)["key"]`` keeps one dict per
 rank (same world size to load) with the same transaction and checks. :func:`full_state_dict`
@@ -23,10 +23,11 @@ checkpoint's files from any single process.
 from __future__ import annotations
 
 from plait.checkpoint.agree import CheckpointCorrupt, CheckpointError, CheckpointMismatch
-from plait.checkpoint.api import Restored, SaveHandle, load, save
 from plait.checkpoint.files import save_atomic, write_bytes_atomic
 from plait.checkpoint.layout import full_state_dict
+from plait.checkpoint.reader import Restored, load
 from plait.checkpoint.transaction import committed_steps, read_latest, verify
+from plait.checkpoint.writer import SaveHandle, save
 
 __all__ = [
     "CheckpointCorrupt",

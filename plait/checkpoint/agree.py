@@ -18,6 +18,8 @@ import torch
 from plait import comm
 from plait.comm.group import Group
 
+SAME_ARGS = "every rank must call the same function (save or load) with the same root and step"
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, agreed on, verified or loaded."""

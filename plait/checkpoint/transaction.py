@@ -19,7 +19,8 @@ it afterwards. ``keep_last`` prunes the oldest committed steps after the commit.
 
 A committed directory is one named ``step-<N>`` holding ``manifest.json``. The manifest
 carries its own SHA-256 (``checksum``, over its other fields), so a damaged manifest is
-refused too. Nothing here communicates; ``api.py`` runs it on the right ranks.
+refused too. Nothing here communicates; ``writer.py`` and ``reader.py`` run it on
+the right ranks.
 """
 
 from __future__ import annotations
