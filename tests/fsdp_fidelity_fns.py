@@ -116,22 +116,36 @@ def gpt_oracle(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def gpt_train(steps: int, world: int | None = None) -> dict[str, Any]:
+class Outer(nn.Module):
+    """TinyGPT one level down: the tied weight's common unit is ``gpt``, not the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)
+
+
+def gpt_train(steps: int, nested: bool = False, world: int | None = None) -> dict[str, Any]:
     """Each Linear, the Embedding and the blocks are units: wte and lm_head in different
-    units, so the tied weight must move to their common unit (the root)."""
+    units, so the tied weight must move to their common unit (the root; with ``nested``,
+    the unit ``gpt``, which reshards after its forward)."""
     rank, size = _rank_size(world)
     torch.manual_seed(0)
-    model = fully_shard(TinyGPT(), wrap={nn.Embedding, nn.Linear, nn.Sequential})
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    wrap = {nn.Embedding, nn.Linear, nn.Sequential} | ({TinyGPT} if nested else set())
+    outer = fully_shard(Outer() if nested else TinyGPT(), wrap=wrap)
+    model: Any = outer.gpt if nested else outer
+    opt = torch.optim.AdamW(outer.parameters(), lr=0.01)
     for step in range(steps):
         opt.zero_grad()
-        _gpt_loss(model, step, rank, size).backward()
+        _gpt_loss(outer, step, rank, size).backward()
         opt.step()
-    gpt = model  # type: ignore[assignment]
+    state = full_state_dict(outer)
     return {
-        "state": full_state_dict(model),
-        "same_tensor": gpt.lm_head.weight is gpt.wte.weight,
-        "units": [(u.path, u.numel) for u in model.sharded_units()],  # type: ignore[operator]
+        "state": {k.removeprefix("gpt."): v for k, v in state.items()},
+        "same_tensor": model.lm_head.weight is model.wte.weight,
+        "units": [(u.path.removeprefix("gpt."), u.numel) for u in outer.sharded_units()],
     }
 
 

@@ -56,14 +56,16 @@ def test_norm_of_a_shard_gradient_raises():
     shard.grad.mul_(2.0)  # other operations are those of a plain tensor
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_tied_embedding_and_head_stay_tied(ranks, world):
+@pytest.mark.parametrize("world,nested", [(1, False), (2, False), (2, True)])
+def test_tied_embedding_and_head_stay_tied(ranks, world, nested):
     want = F.gpt_oracle(STEPS)
-    for r in _run(ranks, world, F.gpt_train, STEPS):
+    for r in _run(ranks, world, F.gpt_train, STEPS, nested):
         _close(r["state"], want)
         assert r["same_tensor"]
         units = dict(r["units"])
-        assert units["wte"] == 0 and units["lm_head"] == 0  # the tied weight is the root's
+        assert units["wte"] == 0 and units["lm_head"] == 0  # the tied weight moved up
+        home = "gpt" if nested else "(root TinyGPT)"
+        assert units[home] == F.VOCAB * F.DIM  # the tied weight, in the common unit
         assert torch.equal(r["state"]["wte.weight"], r["state"]["lm_head.weight"])
 
 
@@ -155,6 +157,19 @@ def test_policies_by_pytorch_names_and_strings():
         fully_shard(make_deep(), mp_policy="bf16", mixed_precision=MixedPrecisionPolicy())
     model = fully_shard(make_deep(), mixed_precision="fp32")
     assert model.sharded_units()[0].param_dtype == torch.float32
+    from torch.distributed import fsdp as torch_fsdp  # PyTorch's own policy objects
+
+    model = fully_shard(
+        make_deep(),
+        mp_policy=torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.float16),
+        offload_policy=torch_fsdp.CPUOffloadPolicy(),
+    )
+    assert model.sharded_units()[0].param_dtype == torch.float16
+    assert model.sharded_units()[0].config.shards_on_cpu
+    with pytest.raises(ValueError, match="output_dtype is not supported"):
+        fully_shard(
+            make_deep(), mp_policy=torch_fsdp.MixedPrecisionPolicy(output_dtype=torch.float16)
+        )
 
 
 def test_explicit_prefetch_setters_prefetch_and_match_oracle(ranks):

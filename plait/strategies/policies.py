@@ -79,6 +79,16 @@ def resolve_mixed_precision(value: object) -> MixedPrecisionPolicy:
             )
         return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_NAMES[value])
     if hasattr(value, "param_dtype") and hasattr(value, "reduce_dtype"):
+        if getattr(value, "output_dtype", None) is not None:
+            raise ValueError(
+                f"mixed precision {value!r}: output_dtype is not supported (outputs keep "
+                f"param_dtype); cast the model's output yourself and leave output_dtype None"
+            )
+        if getattr(value, "cast_forward_inputs", True) is False:
+            raise ValueError(
+                f"mixed precision {value!r}: cast_forward_inputs=False is not supported "
+                f"(floating inputs of each unit are always cast to param_dtype)"
+            )
         return MixedPrecisionPolicy(param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype)
     raise TypeError(
         f"mixed precision must be a MixedPrecisionPolicy, 'bf16', 'fp16', 'fp32' or None; "
