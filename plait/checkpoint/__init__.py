@@ -14,6 +14,19 @@ one world size loads into any of them at another. See ``writer.py`` and ``reader
 the communication and memory contract, and :func:`load` for the RNG rule (per-rank
 generator states restore only at the same world size).
 
+Resuming (``root`` must be on a filesystem every rank sees; a rank that cannot write into
+the coordinator's directory fails the save on every rank)::
+
+    try:
+        start = checkpoint.load(root, model=model, optimizer=optimizer, sampler=sampler).step
+    except FileNotFoundError:  # no committed checkpoint yet
+        start = 0
+    for step in range(start, steps):
+        ...
+        if step % every == 0:
+            checkpoint.save(root, step=step + 1, model=model, optimizer=optimizer,
+                            sampler=sampler)
+
 The simple form ``save(directory, state)`` / ``load(directory)["key"]`` keeps one dict per
 rank (same world size to load) with the same transaction and checks. :func:`full_state_dict`
 returns the unsharded model state dict from any strategy; :func:`verify` checks a committed
