@@ -207,3 +207,22 @@ def test_prepare_refuses_an_optimizer_that_is_not_element_wise():
     model = make_deep()
     with pytest.raises(ValueError, match="LBFGS combines elements"):
         plait.prepare(model, torch.optim.LBFGS(model.parameters()), strategy="fsdp")
+
+
+def test_load_full_state_dict_is_strict_and_keeps_ties():
+    from plait.strategies.fsdp import full_state_dict, load_full_state_dict
+
+    torch.manual_seed(1)
+    dense = F.TinyGPT()
+    torch.manual_seed(2)
+    model = fully_shard(F.TinyGPT(), wrap={nn.Embedding, nn.Linear})
+    load_full_state_dict(model, dense.state_dict())
+    for key, value in full_state_dict(model).items():
+        assert torch.equal(value, dense.state_dict()[key]), key
+    state = dict(dense.state_dict())
+    state["lm_head.weight"] = state["lm_head.weight"] + 1.0
+    with pytest.raises(ValueError, match="'wte.weight' and 'lm_head.weight' are one tied"):
+        load_full_state_dict(model, state)
+    del state["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        load_full_state_dict(model, state)

@@ -125,10 +125,19 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
             f"the unsharded model's state_dict() (or full_state_dict of a sharded one)"
         )
     by_unit: dict[int, tuple[ShardedUnit, list[torch.Tensor | None]]] = {}
+    first_key: dict[tuple[int, int], str] = {}
     for key, unit, i in slots:
         entry = by_unit.setdefault(id(unit), (unit, [None] * len(unit.params)))
-        if entry[1][i] is None:  # a tied parameter: its first key
+        tensor = entry[1][i]
+        if tensor is None:
             entry[1][i] = state_dict[key]
+            first_key[(id(unit), i)] = key
+        elif not torch.equal(tensor, state_dict[key]):  # a tied parameter's second key
+            raise ValueError(
+                f"load_full_state_dict: {first_key[(id(unit), i)]!r} and {key!r} are one tied "
+                f"parameter in this model but differ in the state dict; pass a state dict of "
+                f"the tied model (or untie the model before sharding)"
+            )
     with torch.no_grad():
         for unit, tensors in by_unit.values():
             unit.wait()
