@@ -2,6 +2,7 @@
 
     python benchmarks/comm.py                 # world sizes 2 and 4, 4 KiB .. 64 MiB
     python benchmarks/comm.py --quick         # 2 sizes, for a smoke test
+    python benchmarks/comm.py --check         # cost of the default-mode check, on vs off
 
 For each world size, three passes on one pool of ranks:
 
@@ -20,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -127,6 +130,69 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+CHECK_CASES = [  # (label, algorithm, float32 elements, calls per block)
+    ("16 B all_reduce, auto", "auto", 4, 50),
+    ("16 B all_reduce, native", "native", 4, 50),
+    ("16 B all_reduce, ring", "ring", 4, 50),
+    ("16 MiB all_reduce, auto", "auto", 4 << 20, 3),
+    ("16 MiB all_reduce, ring", "ring", 4 << 20, 3),
+]
+
+
+def check_rank(rounds: int) -> dict:
+    """Per case, us per call with the world group's check on and off, in alternating
+    blocks (so noise hits both alike); medians of the slowest rank's blocks."""
+    import torch
+    import torch.distributed as dist
+
+    from plait import comm
+
+    g = comm.world()
+    out = {}
+    for label, algorithm, numel, block in CHECK_CASES:
+        t = torch.ones(numel)
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for check in (True, False):  # warm up
+            g.check = check
+            for _ in range(3):
+                comm.all_reduce(t, algorithm=algorithm)
+        for _ in range(rounds):
+            for check in (True, False):
+                g.check = check
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    comm.all_reduce(t, algorithm=algorithm)
+                mine = torch.tensor([(time.perf_counter() - t0) / block * 1e6])
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+                samples[check].append(mine.item())
+        g.check = True
+        on, off = statistics.median(samples[True]), statistics.median(samples[False])
+        out[label] = {"bytes": numel * 4, "check_on_us": on, "check_off_us": off}
+    return out
+
+
+def check_cost(worlds: list[int], rounds: int) -> dict:
+    results = {}
+    for world in worlds:
+        with RankPool(world, timeout=600) as pool:
+            results[world] = pool.run(check_rank, rounds, timeout=3600)[0]
+    lines = ["| world | case | check on (us) | check off (us) | on/off |", "|---|---|---|---|---|"]
+    for world, cases in results.items():
+        for label, r in cases.items():
+            on, off = r["check_on_us"], r["check_off_us"]
+            extra = ""
+            if r["bytes"] >= 1 << 20:
+                extra = f" ({r['bytes'] / on / 1e3:.2f} vs {r['bytes'] / off / 1e3:.2f} GB/s)"
+            lines.append(f"| {world} | {label} | {on:.0f} | {off:.0f} | {on / off:.2f}{extra} |")
+    md = "\n".join(lines) + "\n"
+    OUT.mkdir(exist_ok=True)
+    (OUT / "comm_check.json").write_text(json.dumps(results, indent=1))
+    (OUT / "comm_check.md").write_text(md)
+    print(md)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
@@ -135,7 +201,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--budget", type=float, default=1.5, help="seconds per size, at most")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--check", action="store_true", help="only the default-mode check's cost, on vs off"
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="with --check")
     args = parser.parse_args()
+    if args.check:
+        check_cost([int(w) for w in args.worlds.split(",")], args.rounds)
+        return
     if args.quick:
         args.min_size, args.max_size, args.iters, args.budget = "4K", "64K", 5, 0.2
     sizes = bench.size_range(bench.parse_size(args.min_size), bench.parse_size(args.max_size))

@@ -8,9 +8,41 @@ group's worker thread, in issue order; otherwise it returns ``None`` when done. 
 
 Arguments are checked before anything is sent: a wrong type, shape or device raises
 ``TypeError``/``ValueError`` on the rank that passed it, naming what to change. All ranks
-of the group must call the same collectives in the same order with matching shapes;
-``PLAIT_DEBUG=1`` checks that too. Every call blocks on other ranks for at most the group's
-timeout, then raises :class:`~plait.comm.errors.CollectiveTimeout`.
+of the group must call the same collectives in the same order with matching shapes.
+
+Checked by default (``plait.init(check=...)``, ``PLAIT_CHECK``; see ``watchdog.py``): each
+collective's signature (collective, algorithm, op, dtype, byte count or block sizes, root)
+and its sequence number on the group are folded into the tags of its messages, so ranks
+that disagree never exchange a byte (no abort inside the backend, no wrong result); a
+backend (``"native"``) collective first exchanges a one-byte token per peer under that
+tag. The stall watchdog then reads the progress board and raises
+:class:`~plait.comm.errors.CollectiveMismatch` on every rank involved, naming each rank's
+call, within about a second. Limits: the hash has 20 bits and the sequence number 10 (a
+disagreement slips through only on a hash collision, about 1 in a million, or when a rank
+is exactly a multiple of 1024 collectives ahead); the per-rank sizes of the list form of
+``all_to_all`` are not compared (they differ legitimately); and a collective one rank
+calls alone that is identical in every respect to the next one the others call pairs
+with it. ``PLAIT_DEBUG=1`` compares the full signatures (shapes included) through the
+store before every collective. Every call blocks on other ranks for at most the group's
+timeout, then raises :class:`~plait.comm.errors.CollectiveTimeout`; a wait on a rank whose
+heartbeat stopped raises :class:`~plait.comm.errors.PeerUnresponsive` after the heartbeat
+timeout (5 s). After any of these errors the group is closed: make a new one (or restart).
+
+Which plait calls are collective (every rank of the group must make them, in the same
+order, or the check above names the first one that differs):
+
+* ``plait.init`` (every rank joins), ``plait.comm.new_group`` and ``plait.Mesh`` (every
+  rank of the world, in the same order), every function of this module (``send``/``recv``
+  pair two ranks), and ``plait.shutdown`` (it waits for pending collectives).
+* wrapping a model: ``DistributedDataParallel``, ``NaiveDataParallel``,
+  ``ZeroOptimizer``/``prepare_zero``, ``fully_shard``, ``plait.prepare``, the tensor-
+  parallel ``parallelize`` (the parameter lists are compared, parameters broadcast).
+* training: DDP/naive backward (gradient all-reduces), ``ZeroOptimizer.step``/``
+  clip_grad_norm_``, FSDP forward/backward/``clip_grad_norm_``, tensor-parallel forward/
+  backward and cross-entropy.
+* state: ``ZeroOptimizer.state_dict()`` and FSDP's full state dicts (all-gathers: call
+  them on every rank, not under ``if rank == 0``; save from rank 0 afterwards),
+  ``plait.checkpoint`` save/wait/load.
 """
 
 from __future__ import annotations
