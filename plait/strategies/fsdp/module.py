@@ -94,10 +94,17 @@ class FSDPModule(nn.Module):
         super().to_empty(device=device, recurse=recurse)
         for m in self.modules():
             for unit in m.__dict__.get(UNITS_ATTR, []):
-                if unit.numel:
-                    unit.shard = m._parameters[unit.shard_name]
                 if unit.config.compute_device.type == "meta":
                     unit.config.compute_device = torch.device(device)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FSDPModule:
+        """``to()``, ``to_empty()``, ``float()``...: PyTorch may replace a shard parameter
+        by a new object (e.g. from the meta device); the units follow it."""
+        super()._apply(fn, recurse=recurse)
+        for unit in self.__dict__.get(UNITS_ATTR, []):
+            if unit.numel:
+                unit.shard = self._parameters[unit.shard_name]
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
