@@ -142,8 +142,11 @@ def load_and_report(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
     for strategy, root in cases:
         s = Setup(strategy, seed=1, lr=0.5)
         torch.manual_seed(1234)  # the RNG state before the load
+        t0 = time.monotonic()
         restored = s.load(root)
+        load_s = time.monotonic() - t0
         report = s.report()
+        report["load_s"] = load_s
         report["rng"] = torch.get_rng_state()
         report["rng_restored"] = restored.rng_restored
         report["extra"] = restored.extra

@@ -11,7 +11,6 @@ strategy; ``PLAIT_RESHARD_FULL=1`` runs the whole cross product (slower)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +68,7 @@ def test_reshard_matrix(ranks, tmp_path: Path):
         s: [i for rank_reports in saved_by_rank for i in rank_reports[SAVING.index(s)]["consumed"]]
         for s in SAVING
     }
-    t0 = time.monotonic()
-    checked = 0
+    checked, load_s = 0, []
     for j, world in enumerate((1, 3, 4, 2)):
         targets = _targets(world)
         cases = []
@@ -82,6 +80,7 @@ def test_reshard_matrix(ranks, tmp_path: Path):
             where = f"saved by {s} at ws=2, loaded by {t} at ws={world}"
             for r in range(world):
                 got = results[r][c]
+                load_s.append(got["load_s"])
                 _check_state(saved[s], got, where)
                 assert got["step"] == STEPS and got["extra"] == {"strategy": s}
                 assert got["rng_restored"] == (world == 2), where
@@ -96,7 +95,7 @@ def test_reshard_matrix(ranks, tmp_path: Path):
         fault=f"restart at another world size and strategy ({checked} cells: ws 2 -> 1/3/4/2)",
         detected_after_s=None,
         named_correctly=None,
-        recovered_after_s=round((time.monotonic() - t0) / checked, 3),
+        recovered_after_s=round(max(load_s), 3),  # the slowest checkpoint.load call
         state_equal=True,
     )
 
