@@ -38,6 +38,13 @@ def test_simple_form_round_trip_and_full_state_dict_keys(ranks, tmp_path: Path):
     ]
 
 
+def test_per_rank_state_needs_the_saving_world_size(ranks, tmp_path: Path):
+    root = tmp_path / "ck"
+    ranks(2, checkpoint_fns.save_small, str(root))
+    (got,) = ranks(1, checkpoint_fns.load_state, str(root))
+    assert got["error"].startswith("ValueError") and "saved by 2 ranks" in got["error"]
+
+
 def test_steps_latest_and_keep_last(ranks, tmp_path: Path):
     root = tmp_path / "run"
     saved = ranks(2, checkpoint_fns.save_steps, str(root), [10, 20, 30, 40], 2)[0]
