@@ -272,6 +272,15 @@ def test_saving_a_step_again_replaces_it_and_a_stale_latest_falls_back(tmp_path:
     assert restored.step == 5 and torch.equal(restored["v"], torch.ones(2))
 
 
+def test_a_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path: Path):
+    checkpoint.save(tmp_path, {"v": torch.zeros(2)}, step=5)
+    # what a crash between the two renames of a second save of step 5 leaves
+    (tmp_path / "step-5").rename(tmp_path / "step-5.replaced")
+    checkpoint.save(tmp_path, {"v": torch.ones(2)}, step=6)  # its prepare restores step 5
+    assert checkpoint.committed_steps(tmp_path) == [6, 5]
+    assert torch.equal(checkpoint.load(tmp_path, step=5)["v"], torch.zeros(2))
+
+
 def test_another_model_is_refused_before_anything_is_copied(tmp_path: Path):
     model = checkpoint_fns.Net()
     checkpoint.save(tmp_path, step=1, model=model)

@@ -181,10 +181,18 @@ def read_files(
 
 # --- writing and committing ----------------------------------------------------------------
 def prepare(root: Path, step: int) -> Path:
-    """Coordinator: create ``step-<N>.partial/`` afresh (removing stale partial saves)."""
+    """Coordinator: create ``step-<N>.partial/`` afresh, removing stale partial saves. A
+    ``step-<N>.replaced/`` left by a crash in the middle of replacing step N is renamed
+    back when no ``step-<N>/`` took its place (it is the only copy), else removed."""
     root.mkdir(parents=True, exist_ok=True)
     for name in uncommitted(root):
-        if name.endswith(".partial") or name.endswith(".replaced"):
+        if name.endswith(".replaced"):
+            original = root / name.removesuffix(".replaced")
+            if not original.exists() and (root / name / MANIFEST).is_file():
+                os.rename(root / name, original)
+            else:
+                shutil.rmtree(root / name, ignore_errors=True)
+        elif name.endswith(".partial"):
             shutil.rmtree(root / name, ignore_errors=True)
     partial = partial_dir(root, step)
     shutil.rmtree(partial, ignore_errors=True)
