@@ -76,10 +76,10 @@ def test_tie_into_an_earlier_unit_is_refused():
         fully_shard(model)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_adamw_parameter_groups_through_prepare(ranks, world):
+@pytest.mark.parametrize("world,strategy", [(1, "fsdp"), (2, "fsdp"), (2, "zero3")])
+def test_adamw_parameter_groups_through_prepare(ranks, world, strategy):
     want = F.groups_oracle(STEPS)
-    for r in _run(ranks, world, F.groups_train, STEPS, "fsdp"):
+    for r in _run(ranks, world, F.groups_train, STEPS, strategy):
         assert r["type"] == "AdamW"
         # wrap={nn.Linear}: each Linear unit has a weight shard (decay) and a bias shard;
         # the root's LayerNorm parameters make one more no-decay shard
