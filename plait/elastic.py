@@ -120,6 +120,9 @@ def _run(
         killed = attempt.stop(grace, hurry=_more_signals(received))
         _report(attempt, failure, killed, grace)
         attempt.close()
+        if received and failure.kind != "signal":  # told to stop while stopping the ranks
+            _say(f"received {signal.Signals(received[0]).name}; not restarting")
+            return 128 + received[0]
         if failure.kind in ("exit", "frozen") and restart < max_restarts and not received:
             restart += 1
             _say(
@@ -186,6 +189,9 @@ def _report(attempt: Attempt, failure: Failure, killed: int, grace: float) -> No
     if failure.kind == "frozen":
         root = next(r for r in attempt.ranks if r.rank == failure.rank)
         _say(f"{failure.message}: root cause; it was stopped (SIGCONT, SIGTERM, SIGKILL)")
+    elif not failed_alone:  # cannot happen: the failing rank exited on its own
+        _say(f"{failure.message} (root cause)")
+        root = None
     else:
         root = min(failed_alone, key=lambda r: _candidate_key(r, errors))
         failure.rank, failure.pid = root.rank, root.pid

@@ -104,6 +104,7 @@ def test_restarted_job_equals_uninterrupted_and_by_hand_not_cold(tmp_path: Path)
         )
 
 
+@full_matrix
 @pytest.mark.faults
 def test_restart_budget_is_enforced(tmp_path: Path) -> None:
     script = tmp_path / "always_fails.py"

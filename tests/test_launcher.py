@@ -104,18 +104,18 @@ def sleeper(job_args: list[str], tmp: Path) -> list[str]:
 @pytest.mark.faults
 def test_sigterm_stops_every_rank_within_the_grace(tmp_path: Path, jobs: list[Job]) -> None:
     """SIGTERM to plait run: a stopped rank and one that ignores SIGTERM are killed too."""
-    args = sleeper(["-n", "3", "--grace", "2"], tmp_path) + ["--ignore-term", "2"]
+    args = sleeper(["-n", "2", "--grace", "2"], tmp_path) + ["--ignore-term", "1"]
     job = plait_run(tmp_path, *args)
     jobs.append(job)
-    pids = job.wait_ranks(3)
-    os.kill(pids[1], signal.SIGSTOP)  # SIGTERM alone cannot end a stopped process
+    pids = job.wait_ranks(2)
+    os.kill(pids[0], signal.SIGSTOP)  # SIGTERM alone cannot end a stopped process
     sent = time.monotonic()
     job.proc.send_signal(signal.SIGTERM)
     code = job.wait(60)
     stopped_after = time.monotonic() - sent
     err = job.stderr()
     assert code == 128 + signal.SIGTERM, err
-    assert "received SIGTERM; stopping the job; stopped 3 ranks (1 needed SIGKILL" in err, err
+    assert "received SIGTERM; stopping the job; stopped 2 ranks (1 needed SIGKILL" in err, err
     assert wait_gone(list(pids.values()), 5) is not None, "a rank outlived plait run"
     assert stopped_after < 2 + 10  # the grace, plus slack for a loaded machine
     record(
@@ -186,7 +186,7 @@ def test_kill9_of_torchrun_takes_plait_ranks_along(tmp_path: Path, jobs: list[Jo
 @pytest.mark.faults
 def test_root_cause_is_printed_once_at_the_top(tmp_path: Path, jobs: list[Job]) -> None:
     job = plait_run(
-        tmp_path, "-n", "3", str(SCRIPTS / "raiser.py"), "1", env={"PLAIT_TIMEOUT": "20"}
+        tmp_path, "-n", "2", str(SCRIPTS / "raiser.py"), "1", env={"PLAIT_TIMEOUT": "20"}
     )
     jobs.append(job)
     code = job.wait(240)
@@ -201,14 +201,13 @@ def test_root_cause_is_printed_once_at_the_top(tmp_path: Path, jobs: list[Job]) 
     assert err.count("Traceback (most recent call last)") == 1, err
     assert err.count('raise ValueError(f"deliberate failure') == 1, err
     assert "root cause: traceback of rank 1" in err
-    for rank in (0, 2):
-        assert re.search(rf"plait run: consequence: rank {rank} \(pid \d+\)", err), err
+    assert re.search(r"plait run: consequence: rank 0 \(pid \d+\)", err), err
     record(
         row=20,
-        fault="exception in rank 1 of 3",
+        fault="exception in rank 1 of 2",
         detected_after_s=None,
         named_correctly=True,
-        note="root-cause traceback printed once; ranks 0 and 2 labelled consequences",
+        note="root-cause traceback printed once; rank 0 labelled a consequence",
     )
 
 
@@ -245,14 +244,6 @@ def test_a_rank_allowed_to_exit_does_not_end_the_job(tmp_path: Path, jobs: list[
     assert code == 0, err
     assert "rank 1 (pid" in err and "exited with code 5; it was allowed to leave" in err, err
     assert "rank 0 done" in out
-
-
-def test_a_failing_rank_that_was_not_allowed_fails_the_job(tmp_path: Path, jobs: list[Job]) -> None:
-    """The same exit without the may_exit key ends the job with the rank's code."""
-    job = plait_run(tmp_path, "-n", "2", str(SCRIPTS / "raiser.py"), "0")
-    jobs.append(job)
-    assert job.wait(240) == 1
-    assert "rank 0 (pid" in job.stderr() and "(root cause)" in job.stderr()
 
 
 @pytest.mark.faults
@@ -368,6 +359,10 @@ def test_plait_debug_reaches_spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> N
     assert plait.spawn(rank_fns.debug_setting, world_size=2, timeout=120) == [(True, "1")] * 2
 
 
+@pytest.mark.skipif(
+    not os.environ.get("PLAIT_FULL_FAULTS"),
+    reason="full fault matrix only: benchmarks/faults.py (or PLAIT_FULL_FAULTS=1)",
+)
 @pytest.mark.faults
 def test_a_frozen_rank_restarts_the_job(tmp_path: Path, jobs: list[Job]) -> None:
     """--max-restarts: a SIGSTOPped rank is named, every rank stopped, the job restarted."""
