@@ -178,6 +178,7 @@ def init(
     check_on = _flag("PLAIT_CHECK", check, True)
     nodes = _node_size_default(node_size)
     beat_s = watchdog.configure(heartbeat_timeout)
+    recorder_size = recorder.size_from_env()
     if dist.is_initialized():
         adopted = str(dist.get_backend())
         if backend is not None and backend != adopted:
@@ -207,7 +208,7 @@ def init(
             kwargs["init_method"] = "env://"
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     _configure_store()
-    recorder.configure(rank=rank)
+    recorder.configure(rank=rank, size=recorder_size)
     _world = Group(
         pg=dist.group.WORLD,
         ranks=range(world_size),

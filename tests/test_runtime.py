@@ -24,6 +24,8 @@ BAD_ENV = [
     ("PLAIT_HEARTBEAT_TIMEOUT", "0.2", ">= 1"),
     ("PLAIT_CHECK", "maybe", "1 or 0"),
     ("PLAIT_DEBUG", "yes please", "1 or 0"),
+    ("PLAIT_RECORDER_SIZE", "-1", ">= 0"),
+    ("PLAIT_RECORDER_SIZE", "many", ">= 0"),
 ]
 
 

@@ -62,7 +62,7 @@ class Entry:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-def _size_from_env() -> int:
+def size_from_env() -> int:
     raw = os.environ.get("PLAIT_RECORDER_SIZE", "")
     if raw == "":
         return DEFAULT_SIZE
@@ -89,7 +89,7 @@ def configure(*, rank: int, size: int | None = None) -> None:
     """Size the ring buffer (``PLAIT_RECORDER_SIZE`` when ``size`` is None); forget old
     entries. Called by ``plait.init``."""
     global _buffer, _enabled, _rank
-    n = _size_from_env() if size is None else size
+    n = size_from_env() if size is None else size
     _enabled = n > 0
     _buffer = collections.deque(maxlen=max(n, 1))
     _rank = rank
