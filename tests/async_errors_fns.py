@@ -13,7 +13,7 @@ import torch
 from plait import comm
 from plait.comm import Group
 
-TIMEOUT_S = 2.0  # the sub-groups' collective timeout: the peer that "raises" never comes
+TIMEOUT_S = 1.0  # the sub-groups' collective timeout: the peer that "raises" never comes
 
 
 def _handle_wait(g: Group) -> Any:
