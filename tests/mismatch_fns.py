@@ -50,6 +50,14 @@ def _skip(g: Group) -> None:
     comm.broadcast(t, 0, group=g)
 
 
+def _barrier(g: Group) -> None:
+    """Rank 1 waits in a barrier while rank 0 all-reduces."""
+    if g.rank == 1:
+        comm.barrier(group=g)
+    else:
+        comm.all_reduce(torch.ones(4), group=g)
+
+
 def _zero_state_dict(g: Group) -> None:
     """A 2-rank ZeroOptimizer; one step on both; state_dict() on rank 0 only (as a
     script saving a checkpoint from rank 0 does); then a step on both."""
@@ -84,6 +92,7 @@ SCENARIOS: dict[str, Callable[[Group], None]] = {
     "op": _op,
     "int32_vs_float32": _int_vs_float,
     "skip": _skip,
+    "barrier": _barrier,
     "zero_state_dict_on_rank0": _zero_state_dict,
 }
 

@@ -17,6 +17,7 @@ EXPECTED = {
     "op": ["sum", "max"],
     "int32_vs_float32": ["int32", "float32"],
     "skip": ["all_reduce", "broadcast"],
+    "barrier": ["barrier", "all_reduce"],
     "zero_state_dict_on_rank0": ["all_gather", "reduce_scatter"],
 }
 DETECT_S = 1.0  # the target; the test allows for a loaded machine below

@@ -571,14 +571,19 @@ def barrier(*, group: Group | None = None, algorithm: str = "auto") -> None:
     """Block until every rank of the group has reached the barrier (at most the timeout).
 
     ``"native"`` uses the backend's barrier; any other choice the dissemination barrier
-    (``barrier.py``), whose timeout names the ranks that did not arrive.
+    (``barrier.py``), whose timeout names the ranks that did not arrive. ``"auto"`` is the
+    dissemination barrier when the group's check is on (its messages carry the checked
+    tag; the backend's barrier would need a token round first), else the backend's.
     """
     g = _group(group)
     if g.size == 1:
         return
     if algorithm not in ("auto", *ALGORITHMS):
         raise ValueError(f"barrier: unknown algorithm {algorithm!r}; use 'auto' or 'native'")
-    algo = "native" if algorithm == "auto" else algorithm
+    if algorithm == "auto":
+        algo = "dissemination" if g.check else "native"
+    else:
+        algo = algorithm
     impl = native.barrier if algo == "native" else dissemination.barrier
     g.run("barrier", algo, impl, async_op=False, payload_bytes=0, signature="")
 
