@@ -32,6 +32,7 @@ _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _world: Group | None = None
 _subgroups: list[Group] = []
+_group_names: set[str] = set()  # every group's name, also on ranks outside it
 _settings: dict[str, Any] = {}  # what the world group was made with, to compare re-inits
 
 
@@ -308,6 +309,13 @@ def new_group(
     timeout_s = _seconds(timeout, "timeout") if timeout is not None else w.timeout
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
     label = name or f"g{len(_subgroups) + 1}[{','.join(map(str, members))}]"
+    # The progress board and the checks key groups by name: a name used before gets a
+    # suffix. Every rank calls new_group in the same order, so all agree on the suffix.
+    base, n = label, 1
+    while label in _group_names or label == w.name:
+        n += 1
+        label = f"{base}#{n}"
+    _group_names.add(label)
     if w.global_rank not in members:
         _subgroups.append(None)  # type: ignore[arg-type]  # keep numbering equal on all ranks
         return None
@@ -339,6 +347,7 @@ def shutdown() -> None:
             first_error = first_error or exc
         g.shutdown()
     _subgroups.clear()
+    _group_names.clear()
     _world = None
     _settings.clear()
     progress.stop()  # no plait thread in the store or the backend past this point

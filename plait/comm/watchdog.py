@@ -9,8 +9,10 @@ board and the heartbeats of the store and decides:
   (collective, algorithm, op, dtype, byte count, root): :class:`CollectiveMismatch`
   naming every rank's call. With the default check the ranks' messages then carry
   different tags, so none of them was exchanged.
-* the rank waited on has already moved past this sequence number (it skipped the
-  collective, or this rank issued one more): :class:`CollectiveMismatch` naming both.
+* the rank waited on has already moved past this sequence number, and this rank has
+  waited longer than the heartbeat timeout (it skipped the collective, or this rank issued
+  one more): :class:`CollectiveMismatch` naming both. Sooner would be wrong: a peer that
+  finished the collective moves on while its last messages are still being delivered.
 * the rank waited on (every rank of the group, for a backend collective) has not beaten
   its heartbeat for ``heartbeat_timeout`` seconds: :class:`PeerUnresponsive` naming it,
   its host and pid. A shorter silence (a stall) is only logged, with its duration.
@@ -152,7 +154,12 @@ def _diagnose(g: Group, peer: int | None, call: Call, waited: float) -> Collecti
     same = {r: v for r, v in board.items() if v[0] == call.seq and v[1]}
     if g.check and any((v[1], v[2]) != (call.collective, call.sig) for v in same.values()):
         return _mismatch(g, call, same)
-    if peer is not None and peer in board and board[peer][0] > call.seq:
+    # A peer past this sequence number has usually just finished it: its last messages to
+    # this rank are still in flight (a loaded machine can take seconds to deliver them).
+    # Only a peer that stays past it while this rank waits longer than the heartbeat
+    # timeout skipped a collective (or this rank called one more).
+    moved_past = peer is not None and peer in board and board[peer][0] > call.seq
+    if moved_past and waited >= _heartbeat_timeout:
         theirs = board[peer]
         return CollectiveMismatch(
             f"{call.describe()}: rank {me} is waiting for rank {peer} in "
