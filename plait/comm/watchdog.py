@@ -159,7 +159,7 @@ def _diagnose(g: Group, peer: int | None, call: Call, waited: float) -> Collecti
     # Only a peer that stays past it while this rank waits longer than the heartbeat
     # timeout skipped a collective (or this rank called one more).
     moved_past = peer is not None and peer in board and board[peer][0] > call.seq
-    if moved_past and waited >= _heartbeat_timeout:
+    if peer is not None and moved_past and waited >= _heartbeat_timeout:
         theirs = board[peer]
         return CollectiveMismatch(
             f"{call.describe()}: rank {me} is waiting for rank {peer} in "
