@@ -32,7 +32,7 @@ from plait.strategies.tensor import prepare_tp
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
-_NAIVE_OPTIONS = {"group", "algorithm"}
+_NAIVE_OPTIONS = {"group", "algorithm", "tracer", "check_finite"}
 Optimizer = torch.optim.Optimizer
 Prepared = tuple[nn.Module, Optimizer | None]
 
@@ -161,10 +161,11 @@ def prepare(
 ) -> Prepared:
     """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
 
-    ``options`` go to the strategy (for ``"ddp"``: ``group``, ``bucket_mb``,
-    ``algorithm``, ``broadcast_buffers``, ``find_unused_parameters``,
-    ``gradient_as_bucket_view``; for ``"zero1"``/``"zero2"``: ``group``, ``algorithm``,
-    ``bucket_mb``; for ``"zero3"``/``"fsdp"``: the options of
+    ``options`` go to the strategy (for ``"ddp"``: ``group`` (or ``process_group``),
+    ``bucket_mb``, ``algorithm``, ``broadcast_buffers``, ``find_unused_parameters``,
+    ``gradient_as_bucket_view``, ``check_finite``, ``device_ids``, ``output_device``; for
+    ``"naive"``: ``group``, ``algorithm``, ``check_finite``; for ``"zero1"``/``"zero2"``:
+    ``group``, ``algorithm``, ``bucket_mb``; for ``"zero3"``/``"fsdp"``: the options of
     :func:`~plait.strategies.fsdp.fully_shard`; for ``"ps"``: those of
     :class:`~plait.strategies.ps.ParameterServer`). Create the optimizer on
     ``model.parameters()`` before calling. Data-parallel strategies return the caller's
@@ -176,7 +177,8 @@ def prepare(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
-    if strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp", "ps") and tracer is not None:
+    traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps")
+    if strategy in traced and tracer is not None:
         options["tracer"] = tracer
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
