@@ -1,6 +1,7 @@
 """plait: distributed training strategies in readable Python on PyTorch."""
 
 from plait import amp, comm, models
+from plait.clip import clip_grad_norm_
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
 from plait.prepare import prepare
@@ -35,6 +36,7 @@ __all__ = [
     "RankPool",
     "RankTimeout",
     "amp",
+    "clip_grad_norm_",
     "comm",
     "fully_shard",
     "models",
