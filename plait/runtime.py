@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait import lifeline
 from plait.comm import progress, recorder, watchdog
 from plait.comm.group import Group
 
@@ -153,6 +154,10 @@ def init(
     :func:`shutdown` first). Blocks until every rank has joined (at most ``timeout``).
     """
     global _world
+    if "PLAIT_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        # launched by `plait run` or torchrun: die with the launcher (a kill -9 of the agent
+        # must not leave ranks training). Not for a script started by hand (nohup etc.).
+        lifeline.arm_from_env()
     asked = {
         "backend": backend,
         "timeout": None if timeout is None else _seconds(timeout, "timeout"),

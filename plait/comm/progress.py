@@ -98,6 +98,9 @@ def beat(global_rank: int) -> None:
     client.set(heartbeat_key(global_rank), f"{time.time():.3f}")
 
 
+_beating: int | None = None  # the global rank whose heartbeat this process writes
+
+
 def last_beat(global_rank: int) -> float | None:
     """Wall-clock time of rank ``global_rank``'s last heartbeat; None if unknown."""
     try:
@@ -126,10 +129,11 @@ def whereabouts(global_rank: int) -> str:
 
 
 def register(group: Group) -> None:
-    global _thread
+    global _thread, _beating
     with _lock:
         _groups.add(group)
         if _thread is None and _address is not None:
+            _beating = group.global_rank
             _stop.clear()
             _thread = threading.Thread(
                 target=_publish_forever,
@@ -156,6 +160,13 @@ def stop() -> None:
     _stop.set()
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=2.0)
+    if thread is not None and _beating is not None:
+        try:  # a launcher stops watching this rank's heartbeat: it did not freeze
+            client = store()
+            if client is not None:
+                client.set(heartbeat_key(_beating) + "/done", "1")
+        except Exception:
+            pass
 
 
 atexit.register(stop)
