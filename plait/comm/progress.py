@@ -183,6 +183,7 @@ def _publish_forever(global_rank: int) -> None:
     published: dict[int, tuple[int, str, str, str]] = {}
     next_beat = 0.0
     failures = 0
+    lost_since: float | None = None
     while not _stop.wait(PERIOD_S):
         try:
             now = time.monotonic()
@@ -191,12 +192,20 @@ def _publish_forever(global_rank: int) -> None:
                 next_beat = now + HEARTBEAT_PERIOD_S
             publish_all(published)
             failures = 0
-        except Exception:  # the store is unreachable: keep trying, quietly
+        except Exception:  # the store is unreachable: keep trying
             failures += 1
             _local.store = None  # reconnect next time
-            if failures > 100:  # ~10 s without a store: the job is over
-                return
+            if lost_since is None:
+                lost_since = time.monotonic()
+            try:
+                if watchdog.store_lost(time.monotonic() - lost_since, _address):
+                    return  # every blocked wait was ended; the job is over here
+            except Exception:
+                pass
+            if failures > 100 and not any(g.waiting for g in groups()):
+                return  # long without a store and nothing waits: the job is over
             continue
+        lost_since = None
         try:
             watchdog.tick()
         except Exception:

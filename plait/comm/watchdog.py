@@ -129,6 +129,35 @@ def tick() -> None:
             _stall_ended(r, beat, "")
 
 
+def store_lost(seconds: float, address: tuple[str, int] | None) -> bool:
+    """The rendezvous store has not answered for ``seconds`` (progress thread): once that
+    passes the heartbeat timeout while a collective waits, this rank cannot tell its peers'
+    liveness any more and is most likely cut off from the store's host; end every blocked
+    wait with :class:`PeerUnresponsive` naming the store. Returns whether it did."""
+    if seconds < _heartbeat_timeout:
+        return False
+    ended = False
+    where = f"{address[0]}:{address[1]}" if address else "(unknown address)"
+    for g in progress.groups():
+        w = g.waiting
+        if w is None or g.failure is not None:
+            continue
+        peer, call, since = w
+        error = PeerUnresponsive(
+            f"{call.describe()}: rank {g.global_rank} cannot reach the rendezvous store at "
+            f"{where} for {seconds:.1f}s (longer than the heartbeat timeout of "
+            f"{_heartbeat_timeout:g}s) while it waits"
+            + (f" on rank {peer}" if peer is not None else "")
+            + ": this host is most likely cut off from the store's host (network "
+            "partition, or that host is down). Check the link between the hosts."
+            + _recorder_hint(),
+            [peer] if peer is not None else [],
+        )
+        fail(g, error, publish=False)
+        ended = True
+    return ended
+
+
 def _stall_ended(r: int, beat: float, during: str) -> None:
     seconds = beat - _silent_since.pop(r)
     _stalls.append((r, seconds))

@@ -212,6 +212,14 @@ class Link:
             f"rank {self.group.global_rank} could not {verb} {self.what}: {why}", self.peer
         )
 
+    def _posting_failed(self, verb: str, exc: BaseException) -> PeerLost:
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
+        return self._lost(
+            verb,
+            f"its connection failed ({text}). The peer probably crashed or exited; "
+            f"look at its log",
+        )
+
     def _wait(self, work: Any, verb: str, nbytes: int, sent: bool) -> None:
         errors: list[BaseException] = []
         if self.watch is None:
@@ -244,7 +252,10 @@ class Link:
 
     def start_send(self, tensor: torch.Tensor) -> tuple[Any, int]:
         """Start sending ``tensor``; pass the result to :meth:`finish_send`."""
-        work = self.group.pg.send([tensor], self.peer_index, PS_TAG)
+        try:
+            work = self.group.pg.send([tensor], self.peer_index, PS_TAG)
+        except RuntimeError as exc:  # posting fails at once on a closed connection
+            raise self._posting_failed("send to", exc) from exc
         return work, tensor.numel() * tensor.element_size()
 
     def finish_send(self, started: tuple[Any, int]) -> None:
@@ -254,7 +265,10 @@ class Link:
         self.finish_send(self.start_send(tensor))
 
     def recv(self, tensor: torch.Tensor) -> None:
-        work = self.group.pg.recv([tensor], self.peer_index, PS_TAG)
+        try:
+            work = self.group.pg.recv([tensor], self.peer_index, PS_TAG)
+        except RuntimeError as exc:
+            raise self._posting_failed("receive from", exc) from exc
         self._wait(work, "receive from", tensor.numel() * tensor.element_size(), False)
 
     def send_header(self, header: Header) -> None:
