@@ -37,6 +37,7 @@ from torch import nn
 import plait
 from plait import checkpoint, comm
 from plait.data import DistributedSampler, split_batch
+from plait.models import DigitsCNN
 from plait.strategies.ps import ps_of
 from plait.trace import Span, Tracer, overlap_report, write_chrome
 
@@ -89,22 +90,6 @@ class EpochStats:
     seconds: float
     elapsed_s: float
     updates: int = 0  # parameter versions so far (steps, or server updates under ps)
-
-
-class DigitsCNN(nn.Module):
-    """conv(1->16) relu, conv(16->32) relu, max-pool 2, fc(512->64) relu, fc(64->10)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
 def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
