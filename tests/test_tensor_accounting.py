@@ -26,3 +26,13 @@ def test_layer_bytes_match_formula(ranks, world, sp):
         else:
             # "g" after attention and MLP forward, "f" before them backward
             assert sent == {"all_reduce/ring": layer, "all_reduce/ring#calls": 4}
+
+
+def test_bytes_counted_per_group(ranks):
+    """plait.comm.group_stats() keeps the tp and dp traffic of one mesh apart."""
+    t, b, s, h, elem = 2, fns.B, fns.S, fns.H, 4
+    for out in ranks(4, fns.bytes_per_group, timeout=120):
+        assert set(out["sent"]) == {out["tp"], out["dp"]}
+        assert out["sent"][out["tp"]] == {"all_reduce/ring": 8 * b * s * h * (t - 1) // t * elem}
+        # ring all-reduce over dp = 2 of the (already tp-sharded) gradients: 2 (d-1)/d of them
+        assert out["sent"][out["dp"]] == {"all_reduce/ring": out["grad_numel"] * elem}

@@ -13,7 +13,7 @@ from plait.comm.errors import (
     CollectiveTimeout,
     PeerUnresponsive,
 )
-from plait.comm.group import CommStat, Group, Handle, reset_stats, stats
+from plait.comm.group import CommStat, Group, Handle, group_stats, reset_stats, stats
 from plait.comm.ops import (
     ALGORITHMS,
     SUPPORTED,
@@ -50,6 +50,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "group_stats",
     "reset_stats",
     "send",
     "stats",

@@ -54,6 +54,7 @@ class CommStat:
 
 
 _stats: dict[tuple[str, str], CommStat] = {}
+_group_stats: dict[tuple[str, str, str], CommStat] = {}
 _stats_lock = threading.Lock()
 
 
@@ -62,12 +63,30 @@ def stats(reset: bool = False) -> dict[tuple[str, str], CommStat]:
 
     plait's own algorithms count every byte they hand to the transport. ``"native"``
     collectives are counted in ``calls`` and ``payload_bytes`` only: what the backend sends
-    internally is not visible to plait, so their sent/received stay 0.
+    internally is not visible to plait, so their sent/received stay 0. :func:`group_stats`
+    splits the same counts by group.
     """
     with _stats_lock:
         snapshot = {k: CommStat(**vars(v)) for k, v in _stats.items()}
         if reset:
             _stats.clear()
+            _group_stats.clear()
+    return snapshot
+
+
+def group_stats(reset: bool = False) -> dict[tuple[str, str, str], CommStat]:
+    """The counts of :func:`stats` per ``(group name, collective, algorithm)``.
+
+    Group names are those of :class:`Group` (``"world"``, a mesh's ``"mesh0.tp0[0,1]"``, ...),
+    so the traffic of each dimension of a mesh can be read apart: summing the entries whose
+    name is this rank's ``mesh.group("tp").name`` gives what tensor parallelism sent.
+    Reset together with :func:`stats`.
+    """
+    with _stats_lock:
+        snapshot = {k: CommStat(**vars(v)) for k, v in _group_stats.items()}
+        if reset:
+            _stats.clear()
+            _group_stats.clear()
     return snapshot
 
 
@@ -108,11 +127,16 @@ class Call:
 
     def commit(self) -> None:
         with _stats_lock:
-            s = _stats.setdefault((self.collective, self.algorithm), CommStat())
-            s.calls += 1
-            s.bytes_sent += self.sent
-            s.bytes_received += self.received
-            s.payload_bytes += self.payload_bytes
+            for s in (
+                _stats.setdefault((self.collective, self.algorithm), CommStat()),
+                _group_stats.setdefault(
+                    (self.group.name, self.collective, self.algorithm), CommStat()
+                ),
+            ):
+                s.calls += 1
+                s.bytes_sent += self.sent
+                s.bytes_received += self.received
+                s.payload_bytes += self.payload_bytes
 
 
 class _Pending:
