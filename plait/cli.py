@@ -215,7 +215,26 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.model == "gpt":
+        return _demo_gpt(args)
     from plait.demo import DemoOptionError, run, validate
+
+    gpt_only = [
+        flag
+        for flag, used in (
+            ("--tp", args.tp is not None),
+            ("--sp", args.sp),
+            ("--steps", args.steps is not None),
+            ("--seq-len", args.seq_len is not None),
+            ("--width", args.width is not None),
+            ("--layers", args.layers is not None),
+            ("--heads", args.heads is not None),
+        )
+        if used
+    ]
+    if gpt_only:
+        print(f"plait demo: {', '.join(gpt_only)}: options of --model gpt", file=sys.stderr)
+        return 2
 
     # --ps-mode ssp without --staleness: bound the workers' lead at 2 steps (printed)
     staleness = args.staleness
@@ -231,6 +250,57 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_gpt(args: argparse.Namespace) -> int:
+    from plait.demo_gpt import GPTDemoConfig, GPTDemoOptionError, run, validate
+
+    cnn_only = [
+        flag
+        for flag, used in (
+            ("--strategy", args.strategy != "ddp"),
+            ("--epochs", args.epochs is not None),
+            ("--bucket-mb", args.bucket_mb != 25.0),
+            ("--evals-per-epoch", args.evals_per_epoch != 1),
+            ("--ps-mode", args.ps_mode != "sync"),
+            ("--servers", args.servers != 1),
+            ("--staleness", args.staleness is not None),
+            ("--backup-workers", args.backup_workers != 0),
+            ("--slow-worker", args.slow_worker is not None),
+        )
+        if used
+    ]
+    if cnn_only:
+        print(
+            f"plait demo: {', '.join(cnn_only)}: not options of --model gpt (its layout is "
+            f"dp x tp with plait DDP over dp; see --tp, --sp)",
+            file=sys.stderr,
+        )
+        return 2
+    nproc = args.nproc if args.nproc is not None else 2
+    base = GPTDemoConfig()
+    try:
+        config = GPTDemoConfig(
+            world_size=nproc,
+            tp=args.tp if args.tp is not None else nproc,
+            sequence_parallel=args.sp,
+            steps=args.steps if args.steps is not None else base.steps,
+            batch_size=args.batch_size if args.batch_size is not None else base.batch_size,
+            seq_len=args.seq_len if args.seq_len is not None else base.seq_len,
+            width=args.width if args.width is not None else base.width,
+            layers=args.layers if args.layers is not None else base.layers,
+            heads=args.heads if args.heads is not None else base.heads,
+            lr=args.lr if args.lr is not None else base.lr,
+            algorithm=args.algorithm,
+            seed=args.seed,
+            name=args.name or "",
+        )
+        validate(config)
+    except GPTDemoOptionError as e:
+        print(f"plait demo: {e}", file=sys.stderr)
+        return 2
+    run(config, check=args.check, out_dir=Path(args.out))
+    return 0
+
+
 def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
     from plait.demo import DemoConfig
 
@@ -238,9 +308,9 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
     return DemoConfig(
         world_size=nproc,
         strategy=args.strategy,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
+        epochs=args.epochs if args.epochs is not None else 10,
+        batch_size=args.batch_size if args.batch_size is not None else 64,
+        lr=args.lr if args.lr is not None else 0.05,
         algorithm=args.algorithm,
         bucket_mb=args.bucket_mb,
         seed=args.seed,
@@ -287,23 +357,40 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_run)
 
-    demo = sub.add_parser("demo", help="train a CNN on digits with N local ranks")
-    demo.add_argument(
-        "-n", "--nproc", type=int, default=None, help="ranks (default 4; 1 for --strategy none)"
+    demo = sub.add_parser(
+        "demo", help="train the digits CNN (or, with --model gpt, the GPT) on N local ranks"
     )
+    demo.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks (default 4; 1 for --strategy none; 2 for --model gpt)",
+    )
+    demo.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
     demo.add_argument(
         "--strategy",
         default="ddp",
         choices=["ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "none"],
     )
-    demo.add_argument("--epochs", type=int, default=10)
-    demo.add_argument("--batch-size", type=int, default=64, help="global batch")
-    demo.add_argument("--lr", type=float, default=0.05)
+    demo.add_argument("--epochs", type=int, default=None, help="cnn: default 10")
+    demo.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (cnn 64, gpt 16 windows)"
+    )
+    demo.add_argument("--lr", type=float, default=None, help="cnn 0.05 (SGD), gpt 3e-3 (Adam)")
     demo.add_argument("--algorithm", default="auto")
     demo.add_argument("--bucket-mb", type=float, default=25.0)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--name", default=None, help="run folder name under --out")
     demo.add_argument("--out", default="runs")
+    gpt = demo.add_argument_group("the GPT (--model gpt): Mesh(dp=n/tp, tp=tp)")
+    gpt.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: n)")
+    gpt.add_argument("--sp", action="store_true", help="sequence parallelism over tp")
+    gpt.add_argument("--steps", type=int, default=None, help="default 150")
+    gpt.add_argument("--seq-len", type=int, default=None, help="default 64")
+    gpt.add_argument("--width", type=int, default=None, help="default 64")
+    gpt.add_argument("--layers", type=int, default=None, help="default 2")
+    gpt.add_argument("--heads", type=int, default=None, help="default 4")
     ps = demo.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync")
     ps.add_argument("--servers", type=int, default=1, help="server ranks (0..S-1)")
