@@ -13,6 +13,13 @@ Module paths (what a tensor-parallel plan names): ``tok``, ``pos``, ``blocks.<i>
 rows hands each tensor-parallel rank whole heads with their queries, keys and values, and
 attention infers its local head count from the width it receives. :func:`tp_plan` is the
 tensor-parallel plan for :func:`plait.parallelize`.
+
+Mixture of experts: with ``GPTConfig(moe=MoEConfig(num_experts=8), moe_every=2)`` the MLP of
+every ``moe_every``-th block (blocks ``moe_every-1, 2*moe_every-1, ...``: GShard's every other
+layer) is a :class:`plait.moe.MoE` whose experts are this module's ``FeedForward``; its
+parameters are ``blocks.<i>.mlp.gate.weight`` and ``blocks.<i>.mlp.experts.<e>.{fc1,fc2}.*``.
+``moe=None`` (the default) is the dense GPT, unchanged (same paths, names and seeded values).
+Expert parallelism: ``plait.prepare(model, opt, strategy="ep", mesh=Mesh(ep=..., dp=...))``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,25 @@ from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The MoE blocks of a :class:`GPT` (the options of :class:`plait.moe.MoE`)."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    eval_capacity_factor: float = 2.0
+    min_capacity: int = 4
+    drop_tokens: bool = True
+    second_expert: str = "random"
+    aux_loss: str = "gshard"
+    aux_loss_weight: float = 1e-2
+    z_loss_weight: float = 0.0
+    bias_update_rate: float = 0.0
+    seed: int = 0
+    algorithm: str = "auto"
+
+
+@dataclass(frozen=True)
 class GPTConfig:
     vocab: int = 97
     layers: int = 2
@@ -36,8 +62,12 @@ class GPTConfig:
     dropout: float = 0.0
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    moe: MoEConfig | None = None  # None: every block has a dense MLP
+    moe_every: int = 2  # with moe: blocks moe_every-1, 2*moe_every-1, ... are MoE blocks
 
     def __post_init__(self) -> None:
+        if self.moe is not None and self.moe_every < 1:
+            raise ValueError(f"GPTConfig: moe_every must be at least 1, got {self.moe_every}")
         if self.width % self.heads:
             raise ValueError(
                 f"GPTConfig: width {self.width} is not a multiple of heads {self.heads}"
@@ -79,15 +109,46 @@ class FeedForward(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class Block(nn.Module):
-    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (pre-LayerNorm)."""
+def is_moe_block(config: GPTConfig, index: int) -> bool:
+    """Whether block ``index`` has a mixture of experts instead of a dense MLP."""
+    return config.moe is not None and (index + 1) % config.moe_every == 0
 
-    def __init__(self, config: GPTConfig) -> None:
+
+def _moe(config: GPTConfig) -> nn.Module:
+    from plait.strategies.moe.layer import MoE
+
+    m = config.moe
+    assert m is not None
+    return MoE(
+        config.width,
+        num_experts=m.num_experts,
+        expert=lambda: FeedForward(config),
+        top_k=m.top_k,
+        capacity_factor=m.capacity_factor,
+        eval_capacity_factor=m.eval_capacity_factor,
+        min_capacity=m.min_capacity,
+        drop_tokens=m.drop_tokens,
+        second_expert=m.second_expert,
+        aux_loss=m.aux_loss,
+        aux_loss_weight=m.aux_loss_weight,
+        z_loss_weight=m.z_loss_weight,
+        bias_update_rate=m.bias_update_rate,
+        seed=m.seed,
+        algorithm=m.algorithm,
+        dtype=config.dtype,
+    )
+
+
+class Block(nn.Module):
+    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (pre-LayerNorm); ``mlp`` is a
+    :class:`plait.moe.MoE` in a mixture-of-experts block (``moe=True``)."""
+
+    def __init__(self, config: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.width, dtype=config.dtype)
         self.attn = Attention(config)
         self.ln2 = nn.LayerNorm(config.width, dtype=config.dtype)
-        self.mlp = FeedForward(config)
+        self.mlp = _moe(config) if moe else FeedForward(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +171,9 @@ class GPT(nn.Module):
         self.tok = nn.Embedding(config.vocab, config.width, dtype=dt)
         self.pos = nn.Embedding(config.seq_len, config.width, dtype=dt)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(
+            Block(config, is_moe_block(config, i)) for i in range(config.layers)
+        )
         self.ln_f = nn.LayerNorm(config.width, dtype=dt)
         self.head = nn.Linear(config.width, config.vocab, bias=False, dtype=dt)
         with torch.no_grad():
