@@ -5,10 +5,16 @@
 - ``validate``: :func:`validate` (counts, order, matched sends, no deadlock).
 - ``simulate``: :func:`simulate` (makespan, idle, bubble, in-flight micro-batches).
 - ``draw``: :func:`table` (text) and :func:`draw_png` (timeline picture).
+- ``split``: layers of a model, a balanced :class:`~.split.Partition`, :class:`~.split.Stage`.
+- ``runtime``: executes this rank's actions with point-to-point messages.
+- ``parallel``: :class:`PipelineParallel` and :func:`prepare_pipeline` (``plait.prepare``).
+- ``report``: the bubble measured from the tracer beside the simulated one.
 """
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule, ScheduleError
 from plait.strategies.pipeline.draw import draw_png, table
+from plait.strategies.pipeline.parallel import PipelineParallel, prepare_pipeline
+from plait.strategies.pipeline.runtime import PipelineError
 from plait.strategies.pipeline.schedules import SCHEDULES, add_comms, build
 from plait.strategies.pipeline.simulate import Costs, Simulation, formula_bubble, simulate
 from plait.strategies.pipeline.validate import validate
@@ -18,6 +24,8 @@ __all__ = [
     "Action",
     "Costs",
     "Kind",
+    "PipelineError",
+    "PipelineParallel",
     "Schedule",
     "ScheduleError",
     "Simulation",
@@ -25,6 +33,7 @@ __all__ = [
     "build",
     "draw_png",
     "formula_bubble",
+    "prepare_pipeline",
     "simulate",
     "table",
     "validate",

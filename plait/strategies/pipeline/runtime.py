@@ -1,0 +1,431 @@
+"""Run any valid schedule on a pipeline group: this rank's actions, in order.
+
+Communication contract (all point-to-point on the ``pp`` group, tagged per tensor, counted
+in ``plait.comm.group_stats`` as ``pp_activation`` / ``pp_gradient`` / ``pp_tied_grad``):
+
+=========================  ==================================  ===========================
+when                        what                                bytes per micro-batch
+=========================  ==================================  ===========================
+first step of a shape       stage s -> s+1: output shape, dtype  80 (int64 x 10), once
+SEND_F / RECV_F             activation, stage s -> s+1           b*s*h*dtype (GPT: one block
+                                                                 boundary)
+SEND_B / RECV_B             its gradient, stage s+1 -> s         same
+end of step, tied weights   gradient exchange first <-> last     the tied tensor, each way
+                            stage ranks, summed on both
+end of step                 broadcast of the mean loss           one scalar
+=========================  ==================================  ===========================
+
+Sends are started when the schedule says and never waited on until the end of the step
+(so they overlap the following compute); receives are posted one action ahead and waited
+on by the action that reads them. Every wait is bounded by the group's timeout and raises
+naming the peer rank and the tensor. A stage that raises tells the others through the
+store (they fail at once with its message) before its error propagates.
+
+Backward: ``B`` is one ``torch.autograd.backward``. Split (zero-bubble) schedules run
+``I`` as ``autograd.grad`` w.r.t. the stage input and the outputs of every module that
+holds parameters (``retain_graph``; weight gradients are not computed), and ``W`` as one
+``autograd.grad`` per such module from its output to its own parameters, accumulated into
+``.grad``. With ``recompute`` the forward keeps only the stage input and runs again (with
+autograd) right before the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plait.comm import watchdog
+from plait.comm.errors import CollectiveError
+from plait.comm.group import Call, Channel, Group
+from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.split import Stage
+from plait.trace import Tracer
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+_META = 10  # ndim, dtype code, up to 8 dims
+
+
+class PipelineError(CollectiveError):
+    """A pipeline stage failed, or a rank could not get a tensor from its neighbour."""
+
+
+def _tag(kind: int, stage: int, mb: int) -> int:
+    # kind: 0 activation, 1 gradient, 2 shape, 3 tied gradient; below 2**30 (user tags)
+    return (kind << 28) | ((stage & 0xFFF) << 16) | (mb & 0xFFFF)
+
+
+@dataclass
+class _Message:
+    channel: Channel
+    pending: Any
+    tensor: torch.Tensor
+    what: str
+
+
+@dataclass
+class _Ctx:
+    """What a stage keeps for one micro-batch between its forward and its backward."""
+
+    x: torch.Tensor | None
+    target: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    captured: list[tuple[nn_Module, torch.Tensor]] = field(default_factory=list)
+    dys: list[torch.Tensor | None] = field(default_factory=list)
+
+
+nn_Module = torch.nn.Module
+_Shapes = dict[int, tuple[torch.Size, torch.dtype]]
+
+
+class Runtime:
+    """Executes ``schedule`` for this rank of ``group`` on ``stages`` (stage index ->
+    :class:`Stage`). :meth:`step` runs one global batch, already cut into micro-batches."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: dict[int, Stage],
+        *,
+        group: Group,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        recompute: bool = False,
+        tracer: Tracer | None = None,
+        tied: list[tuple[torch.nn.Parameter, int]] | None = None,
+    ) -> None:
+        self.schedule = schedule
+        self.stages = stages
+        self.group = group
+        self.rank = group.rank
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+        self.tracer = tracer
+        self.tied = tied or []  # (parameter, peer rank) pairs whose gradients are summed
+        self.last = schedule.stages - 1
+        self.shapes: dict[tuple[Any, ...], tuple[_Shapes, _Shapes]] = {}
+        self.peak_in_flight: dict[int, int] = {}
+        self._hooks_on = False
+        self._capture: list[tuple[nn_Module, torch.Tensor]] | None = None
+        for stage in stages.values():
+            for m in stage.owners:
+                m.register_forward_hook(self._record)
+
+    # --- forward hooks: outputs of parameter-holding modules, for W ---------------------
+    def _record(self, module: nn_Module, args: Any, output: Any) -> None:
+        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            self._capture.append((module, output))
+
+    @contextlib.contextmanager
+    def _capturing(self, into: list[tuple[nn_Module, torch.Tensor]] | None) -> Iterator[None]:
+        self._capture = into
+        try:
+            yield
+        finally:
+            self._capture = None
+
+    # --- point to point -------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.schedule.placement[stage]
+
+    def _channel(self, verb: str, tag: int) -> Channel:
+        call = Call(self.group, verb, "p2p", seq=self.group.seq)
+        call.tag = tag
+        return Channel(call)
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int, verb: str, what: str) -> _Message:
+        t = t.detach().contiguous()
+        ch = self._channel(verb, tag)
+        return _Message(ch, ch.isend(t, peer), t, what)
+
+    def _irecv(
+        self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int, verb: str, what: str
+    ) -> _Message:
+        t = torch.empty(shape, dtype=dtype)
+        ch = self._channel(verb, tag)
+        return _Message(ch, ch.irecv(t, peer), t, what)
+
+    def _wait(self, msg: _Message) -> torch.Tensor:
+        token = self.tracer.begin("wait", stream="comm", what=msg.what) if self.tracer else 0
+        try:
+            msg.channel.wait(msg.pending)
+        except CollectiveError as exc:
+            raise PipelineError(
+                f"pipeline: rank {self.group.global_rank} (pp rank {self.rank}) could not "
+                f"{msg.what}: {exc}"
+            ) from exc
+        finally:
+            if self.tracer:
+                self.tracer.end(token)
+        msg.channel.call.commit()
+        return msg.tensor
+
+    # --- shapes, agreed once per input shape -------------------------------------------------
+    def _agree_shapes(self, first: torch.Tensor) -> tuple[_Shapes, _Shapes]:
+        """Output shape and dtype of every stage, for one micro-batch. Stage by stage:
+        a rank runs its stage on zeros of the incoming shape (no autograd) and sends the
+        output's shape to the next stage's rank."""
+        key = (tuple(first.shape), first.dtype)
+        if key in self.shapes:
+            return self.shapes[key]
+        out: _Shapes = {}  # this rank's stages: output shape and dtype
+        inp: _Shapes = {}  # this rank's stages: input shape and dtype when it arrives by p2p
+        incoming: tuple[torch.Size, torch.dtype] | None = None
+        for s in range(self.schedule.stages):
+            if self._peer(s) != self.rank:
+                incoming = None
+                continue
+            if s == 0:
+                x = first
+            else:
+                if incoming is None:  # from another rank
+                    meta = self._wait(
+                        self._irecv(
+                            torch.Size([_META]),
+                            torch.int64,
+                            self._peer(s - 1),
+                            _tag(2, s, 0),
+                            "pp_shape",
+                            f"receive the activation shape for stage {s} from rank "
+                            f"{self._peer(s - 1)}",
+                        )
+                    )
+                    incoming = (
+                        torch.Size(meta[2 : 2 + int(meta[0])].tolist()),
+                        _DTYPES[int(meta[1])],
+                    )
+                    inp[s] = incoming
+                x = torch.zeros(incoming[0], dtype=incoming[1])
+            with torch.no_grad():
+                y = self.stages[s](x)
+            out[s] = (y.shape, y.dtype)
+            incoming = out[s]
+            if s < self.last and self._peer(s + 1) != self.rank:
+                meta = torch.zeros(_META, dtype=torch.int64)
+                meta[0], meta[1] = y.dim(), _DTYPES.index(y.dtype)
+                meta[2 : 2 + y.dim()] = torch.tensor(list(y.shape))
+                self._wait(
+                    self._isend(
+                        meta,
+                        self._peer(s + 1),
+                        _tag(2, s + 1, 0),
+                        "pp_shape",
+                        f"send the activation shape of stage {s}",
+                    )
+                )
+        self.shapes[key] = (out, inp)
+        return out, inp
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor | None]) -> torch.Tensor:
+        """Run this rank's actions for the micro-batches ``inputs`` / ``targets``; returns
+        the sum of the per-micro-batch losses divided by ``m`` (on the last stage's rank;
+        zero elsewhere). Blocks on the neighbouring ranks (each wait bounded)."""
+        sched = self.schedule
+        m = sched.m
+        out_shapes, in_shapes = self._agree_shapes(inputs[0])
+        ctx: dict[tuple[int, int], _Ctx] = {}
+        local_act: dict[tuple[int, int], torch.Tensor] = {}
+        local_grad: dict[tuple[int, int], torch.Tensor] = {}
+        recv_act: dict[tuple[int, int], _Message] = {}
+        recv_grad: dict[tuple[int, int], _Message] = {}
+        grad_in: dict[tuple[int, int], torch.Tensor] = {}
+        sends: list[_Message] = []
+        held: dict[int, int] = {}
+        loss = torch.zeros((), dtype=torch.float64)
+        current: Action | None = None
+        try:
+            for a in sched.ranks[self.rank]:
+                current = a
+                s, mb = a.stage, a.mb
+                if a.kind is Kind.RECV_F:
+                    shape, dtype = in_shapes[s]
+                    recv_act[(s, mb)] = self._irecv(
+                        shape,
+                        dtype,
+                        self._peer(s - 1),
+                        _tag(0, s, mb),
+                        "pp_activation",
+                        f"receive the activation of micro-batch {mb} for stage {s} from rank "
+                        f"{self._peer(s - 1)} (stage {s - 1})",
+                    )
+                elif a.kind is Kind.RECV_B:
+                    shape, dtype = out_shapes[s]
+                    recv_grad[(s, mb)] = self._irecv(
+                        shape,
+                        dtype,
+                        self._peer(s + 1),
+                        _tag(1, s, mb),
+                        "pp_gradient",
+                        f"receive the gradient of micro-batch {mb} for stage {s} from rank "
+                        f"{self._peer(s + 1)} (stage {s + 1})",
+                    )
+                elif a.kind is Kind.SEND_F:
+                    y = ctx[(s, mb)].y
+                    assert y is not None
+                    sends.append(
+                        self._isend(
+                            y,
+                            self._peer(s + 1),
+                            _tag(0, s + 1, mb),
+                            "pp_activation",
+                            f"send the activation of micro-batch {mb} to rank {self._peer(s + 1)}",
+                        )
+                    )
+                elif a.kind is Kind.SEND_B:
+                    sends.append(
+                        self._isend(
+                            grad_in.pop((s, mb)),
+                            self._peer(s - 1),
+                            _tag(1, s - 1, mb),
+                            "pp_gradient",
+                            f"send the gradient of micro-batch {mb} to rank {self._peer(s - 1)}",
+                        )
+                    )
+                elif a.kind is Kind.F:
+                    if s == 0:
+                        x = inputs[mb]
+                    elif (s, mb) in local_act:
+                        x = local_act.pop((s, mb))
+                    else:
+                        x = self._wait(recv_act.pop((s, mb)))
+                    with self._span(a):
+                        c = self._forward(s, x, targets[mb] if s == self.last else None, m)
+                    ctx[(s, mb)] = c
+                    if s == self.last:
+                        assert c.y is not None
+                        loss += c.y.detach().to(torch.float64)
+                    elif self._peer(s + 1) == self.rank:
+                        assert c.y is not None
+                        local_act[(s + 1, mb)] = c.y.detach()
+                    held[s] = held.get(s, 0) + 1
+                    self.peak_in_flight[s] = max(self.peak_in_flight.get(s, 0), held[s])
+                else:  # B, I, W
+                    g = None
+                    if a.kind is not Kind.W and s < self.last:
+                        if (s, mb) in local_grad:
+                            g = local_grad.pop((s, mb))
+                        else:
+                            g = self._wait(recv_grad.pop((s, mb)))
+                    with self._span(a):
+                        dx = self._backward(a.kind, s, ctx[(s, mb)], g)
+                    if a.kind is not Kind.W and s > 0:
+                        assert dx is not None, f"stage {s} produced no input gradient"
+                        if self._peer(s - 1) == self.rank:
+                            local_grad[(s - 1, mb)] = dx
+                        else:
+                            grad_in[(s, mb)] = dx
+                    if a.kind in (Kind.B, Kind.W):
+                        del ctx[(s, mb)]
+                        held[s] -= 1
+            current = None
+            for msg in sends:
+                self._wait(msg)
+            self._sum_tied()
+        except PipelineError as exc:
+            watchdog.fail(self.group, exc)
+            raise
+        except Exception as exc:
+            where = f"in {current}" if current is not None else "after its last action"
+            stage = f" (stage {current.stage})" if current is not None else ""
+            error = PipelineError(
+                f"pipeline: rank {self.group.global_rank} (pp rank {self.rank}){stage} failed "
+                f"{where}: {type(exc).__name__}: {exc}"
+            )
+            watchdog.fail(self.group, error)
+            raise error from exc
+        return loss
+
+    def _span(self, a: Action) -> contextlib.AbstractContextManager[None]:
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        return self.tracer.span(a.kind.value, stage=a.stage, mb=a.mb)
+
+    # --- compute --------------------------------------------------------------------------
+    def _forward(self, s: int, x: torch.Tensor, target: torch.Tensor | None, m: int) -> _Ctx:
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        c = _Ctx(x, target)
+        if self.recompute:
+            with torch.no_grad():
+                y = self.stages[s](x)
+            c.y = self._loss(y, target, m) if s == self.last else y
+            return c
+        self._run(s, c, target, m)
+        return c
+
+    def _run(self, s: int, c: _Ctx, target: torch.Tensor | None, m: int) -> None:
+        """Forward with autograd, recording parameter-holding modules' outputs."""
+        assert c.x is not None
+        c.captured = []
+        with self._capturing(c.captured if self.schedule.split_backward else None):
+            y = self.stages[s](c.x)
+        c.y = self._loss(y, target, m) if s == self.last else y
+
+    def _loss(self, y: torch.Tensor, target: torch.Tensor | None, m: int) -> torch.Tensor:
+        if target is None:
+            raise ValueError("pipeline: the last stage needs targets")
+        return self.loss_fn(y, target) / m
+
+    def _backward(self, kind: Kind, s: int, c: _Ctx, g: torch.Tensor | None) -> torch.Tensor | None:
+        stage = self.stages[s]
+        if kind is not Kind.W and self.recompute:
+            self._run(s, c, c.target, self.schedule.m)
+        assert c.y is not None and c.x is not None
+        x_grad = c.x.requires_grad
+        if kind is Kind.B or (kind is Kind.I and not stage.splittable):
+            torch.autograd.backward(c.y, g)
+            dx = c.x.grad if x_grad else None
+            c.captured = []
+            return dx
+        if kind is Kind.I:
+            wanted = ([c.x] if x_grad else []) + [y for _, y in c.captured]
+            grads = torch.autograd.grad(c.y, wanted, g, retain_graph=True, allow_unused=True)
+            dx = grads[0] if x_grad else None
+            c.dys = list(grads[1:] if x_grad else grads)
+            return dx
+        # W: each module's own parameters, from its output's gradient
+        for (module, y), dy in zip(c.captured, c.dys, strict=True):
+            if dy is None:
+                continue
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            grads = torch.autograd.grad(y, params, dy, retain_graph=True, allow_unused=True)
+            for p, gp in zip(params, grads, strict=True):
+                if gp is None:
+                    continue
+                if p.grad is None:
+                    p.grad = gp
+                else:
+                    p.grad.add_(gp)
+        c.captured, c.dys, c.y = [], [], None
+        return None
+
+    # --- tied weights ---------------------------------------------------------------------
+    def _sum_tied(self) -> None:
+        for i, (param, peer) in enumerate(self.tied):
+            mine = param.grad if param.grad is not None else torch.zeros_like(param)
+            theirs = torch.empty_like(mine)
+            ch = self._channel("pp_tied_grad", _tag(3, i, 0))
+            r = ch.irecv(theirs, peer)
+            sent = mine.detach().clone().contiguous()
+            w = ch.isend(sent, peer)
+            msg = _Message(ch, None, theirs, f"exchange the tied gradient with rank {peer}")
+            try:
+                ch.wait(r, w)
+            except CollectiveError as exc:
+                raise PipelineError(f"pipeline: could not {msg.what}: {exc}") from exc
+            ch.call.commit()
+            # both ranks add in the same order (lower pp rank's first): identical sums
+            total = sent + theirs if self.rank < peer else theirs + sent
+            param.grad = total
