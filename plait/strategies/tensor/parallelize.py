@@ -14,6 +14,9 @@ style          module              becomes
                                    stay replicated and their gradients are summed over the
                                    group (the sequence-parallel LayerNorm)
 "replicate"    any                 unchanged (its input and output are whole)
+"2d", "2.5d",  ``nn.Linear``,      the 2D / 2.5D / 3D layers of ``layers_nd`` on the mesh's
+"3d"           ``nn.LayerNorm``,   ``row`` x ``col`` (x ``depth``) grid; a plan uses one of
+               ``nn.Embedding``    them for every entry (see ``parallelize_nd``)
 =============  ==================  ==========================================================
 
 A plan with any ``"sequence"`` entry turns on sequence parallelism for the whole model:
@@ -48,9 +51,18 @@ from plait.strategies.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from plait.strategies.tensor.layers_nd import ND_LAYERS
 
-KINDS = ("colwise", "rowwise", "vocab", "sequence", "replicate")
-PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+# the 2D / 2.5D / 3D styles, handled by parallelize_nd
+ND_KINDS = ("2d", "2.5d", "3d")
+
+KINDS = ("colwise", "rowwise", "vocab", "sequence", "replicate", *ND_KINDS)
+PARALLEL_LAYERS = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    *ND_LAYERS,
+)
 
 
 @dataclass(frozen=True)
@@ -228,6 +240,10 @@ def parallelize(
     yet), and, under sequence parallelism, a parameter no plan entry covers. Collective over
     the group.
     """
+    if any(getattr(v, "kind", v) in ND_KINDS for v in plan.values()):
+        from plait.strategies.tensor.parallelize_nd import parallelize_nd
+
+        return parallelize_nd(model, mesh, plan, algorithm=algorithm)
     group = _group_of(mesh)
     styles = _resolve(model, plan)
     sp = any(s.kind == "sequence" for s in styles.values())
@@ -357,6 +373,10 @@ def loss_fn(model: nn.Module) -> Any:
     its head is split by vocabulary, otherwise ``F.cross_entropy`` (flattened)."""
     from plait.strategies.tensor.cross_entropy import vocab_parallel_cross_entropy
 
+    if getattr(model, "plait_tensor_nd", None) is not None:
+        from plait.strategies.tensor.parallelize_nd import loss_fn as loss_fn_nd
+
+        return loss_fn_nd(model)
     info: TensorParallelInfo | None = getattr(model, "plait_tensor_parallel", None)
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
