@@ -10,7 +10,10 @@ Settings read from the environment, each checked (a bad value raises ``ValueErro
 naming the variable and the valid range): ``PLAIT_TIMEOUT`` (seconds, > 0),
 ``PLAIT_NODE_SIZE`` (ranks per node, >= 1), ``PLAIT_HEARTBEAT_TIMEOUT`` (seconds, >= 1),
 ``PLAIT_CHECK`` (``1``/``0``: the default-mode signature check), ``PLAIT_DEBUG``,
-``PLAIT_RECORDER_SIZE`` and ``PLAIT_RECORDER_DIR`` (the flight recorder).
+``PLAIT_RECORDER_SIZE`` and ``PLAIT_RECORDER_DIR`` (the flight recorder),
+``PLAIT_TRANSPORT`` (``auto``/``shm``/``gloo``: shared memory between ranks of one host;
+see ``plait/comm/transport.py``), ``PLAIT_SHM_RING_BYTES``, ``PLAIT_SHM_WINDOW_BYTES`` and
+``PLAIT_SHM_DIR``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from plait import lifeline
 from plait.comm import progress, recorder, watchdog
+from plait.comm import transport as transport_mod
 from plait.comm.group import Group
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -132,6 +136,7 @@ def init(
     store: Any = None,
     check: bool | None = None,
     heartbeat_timeout: float | None = None,
+    transport: str | None = None,
 ) -> Group:
     """Join the process group described by the environment; return the world group.
 
@@ -146,7 +151,11 @@ def init(
     while another rank waits on it before that wait raises
     :class:`~plait.comm.errors.PeerUnresponsive` (default 5, ``PLAIT_HEARTBEAT_TIMEOUT``;
     at least 1). ``node_size``: ranks per node for the hierarchical algorithms (default:
-    ``PLAIT_NODE_SIZE``, else ranks per host).
+    ``PLAIT_NODE_SIZE``, else ranks per host). ``transport``: how ranks of one host
+    exchange messages, ``"auto"`` (shared memory where it works, else gloo), ``"shm"``
+    (shared memory, refused where it cannot work) or ``"gloo"`` (default ``"auto"``, or
+    ``PLAIT_TRANSPORT``); every group created afterwards uses the same. With ``node_size``
+    the blocks count as hosts: ranks of different blocks talk through gloo.
 
     If ``torch.distributed`` is already initialized (the script called
     ``init_process_group``), plait adopts that process group. A second call with the same
@@ -165,6 +174,7 @@ def init(
         "node_size": node_size,
         "check": check,
         "heartbeat_timeout": heartbeat_timeout,
+        "transport": None if transport is None else transport_mod.parse_mode(transport),
     }
     if _world is not None:
         differ = [
@@ -184,6 +194,7 @@ def init(
     check_on = _flag("PLAIT_CHECK", check, True)
     nodes = _node_size_default(node_size)
     beat_s = watchdog.configure(heartbeat_timeout)
+    mode = transport_mod.parse_mode(transport)
     recorder_size = recorder.size_from_env()
     if dist.is_initialized():
         adopted = str(dist.get_backend())
@@ -234,7 +245,9 @@ def init(
         node_size=nodes,
         check=check_on,
         heartbeat_timeout=beat_s,
+        transport=mode,
     )
+    transport_mod.attach(_world, mode)
     return _world
 
 
@@ -336,6 +349,7 @@ def new_group(
         check=w.check,
     )
     _subgroups.append(group)
+    transport_mod.attach(group, _settings.get("transport", transport_mod.DEFAULT_MODE))
     return group
 
 

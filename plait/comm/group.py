@@ -17,12 +17,15 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.comm import progress, recorder, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
+
+if TYPE_CHECKING:
+    from plait.comm.shm import ShmLink, ShmOp
 
 # Collective messages carry tags with this bit set, so they never match a user's send/recv.
 COLLECTIVE_TAG_BIT = 1 << 30
@@ -140,12 +143,13 @@ class Call:
 
 
 class _Pending:
-    __slots__ = ("work", "peer", "verb")
+    __slots__ = ("work", "peer", "verb", "shm")
 
-    def __init__(self, work: Any, peer: int, verb: str) -> None:
+    def __init__(self, work: Any, peer: int, verb: str, shm: ShmOp | None = None) -> None:
         self.work = work
         self.peer = peer
         self.verb = verb
+        self.shm = shm
 
 
 class Channel:
@@ -155,6 +159,10 @@ class Channel:
     of channel rank ``i``; :meth:`view` makes a channel over a subset (hierarchical and
     halving-doubling algorithms use this to run a phase among some ranks only). Messages
     between two ranks are matched in order, under the call's tag.
+
+    Each peer's messages take the group's transport for it (``transport.py``): shared
+    memory (``group.shm``) for a rank on this host, the process group otherwise. The
+    algorithms do not see which; the byte counters count the same bytes either way.
     """
 
     __slots__ = ("call", "group", "members", "rank", "size")
@@ -180,7 +188,11 @@ class Channel:
         if n == 0:
             return None
         self.call.sent += n * tensor.element_size()
+        link = self.group.shm
         try:
+            if link is not None and link.reaches(self.members[peer]):
+                op = link.isend(tensor, self.members[peer], self.call.tag)
+                return _Pending(None, peer, "send to", op)
             work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:  # the connection to the peer is already gone
             raise self.failure(peer, "send to", exc) from exc
@@ -192,7 +204,11 @@ class Channel:
         if n == 0:
             return None
         self.call.received += n * tensor.element_size()
+        link = self.group.shm
         try:
+            if link is not None and link.reaches(self.members[peer]):
+                op = link.irecv(tensor, self.members[peer], self.call.tag)
+                return _Pending(None, peer, "receive from", op)
             work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:
             raise self.failure(peer, "receive from", exc) from exc
@@ -207,12 +223,22 @@ class Channel:
         """
         group = self.group
         timeout = group.timeout_delta
+        link = group.shm
         for p in pending:
             if p is None:
                 continue
             group.waiting = (self.global_rank(p.peer), self.call, time.monotonic())
             try:
-                p.work.wait(timeout)
+                if p.shm is not None:
+                    assert link is not None
+                    link.wait(p.shm, self.members[p.peer])
+                elif link is not None and link.busy():
+                    # shared-memory operations of this rank still need moving while the
+                    # backend's completes (a peer may wait on them first)
+                    link.poll_until(p.work.is_completed, None)
+                    p.work.wait(timeout)
+                else:
+                    p.work.wait(timeout)
             except RuntimeError as exc:
                 raise self.failure(p.peer, p.verb, exc) from exc
             finally:
@@ -247,6 +273,8 @@ class Channel:
             whom = f"rank {self.global_rank(peer)}"
         text = str(exc)
         error = self._failure(peer, verb, exc, whom, text)
+        if group.shm is not None:  # end the waits of this rank's local peers too
+            group.shm.abort(None if peer is None else self.global_rank(peer))
         if isinstance(error, CollectiveTimeout):
             # tell the other ranks (whose connections to this one the timeout closed) why
             watchdog.fail(group, error)
@@ -332,6 +360,8 @@ class Group:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future[Any] | None = None
         self._node_of: list[str] | None = None
+        # this rank's shared-memory link to its ranks on this host (transport.attach)
+        self.shm: ShmLink | None = None
         progress.register(self)
 
     def __repr__(self) -> str:
@@ -436,6 +466,9 @@ class Group:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         progress.unregister(self)
+        if self.shm is not None and self.idle():
+            self.shm.close()
+            self.shm = None
 
 
 class Handle:

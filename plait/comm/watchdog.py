@@ -326,6 +326,8 @@ def close(g: Group) -> None:
     """Close this rank's connections of ``g``: every pending operation on them fails."""
     from plait.comm.group import RESERVED_TAG
 
+    if g.shm is not None:  # the shared-memory peers' waits end on this rank's abort word
+        g.shm.abort(None)
     scratch = torch.zeros(1, dtype=torch.uint8)
     for r in range(g.size):
         if r == g.rank:

@@ -1,0 +1,282 @@
+"""Which transport carries each peer's messages: shared memory on one host, gloo otherwise.
+
+``attach(group, mode)`` runs once per group, at its creation (``plait.init``,
+``plait.new_group``), on every rank of the group; it blocks on the other ranks through
+the rendezvous store (at most the group's timeout). ``mode`` comes from
+``plait.init(transport=...)`` or ``PLAIT_TRANSPORT``:
+
+* ``"gloo"``: every message goes through the process group (gloo's TCP, also on one host).
+* ``"shm"``: peers on this host through shared memory (``shm.py``); refused with a
+  ``ValueError`` where shared memory cannot work (not Linux x86-64, NCCL, no segment dir).
+* ``"auto"`` (the default): as ``"shm"`` where it works, else gloo, with a warning when a
+  segment could not be made.
+
+Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
+
+1. each rank publishes its *host key*: host name, boot id, the device and inode of the
+   segment directory and of its pid namespace (two ranks share memory only if all agree),
+   plus the ``node_size`` block when the group has one (simulated hosts talk gloo);
+2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
+   a random nonce: no two jobs or groups collide), ``fallocate``s it and publishes its
+   path, size and token; if any local rank failed, all of them fall back to gloo (auto)
+   or raise naming it (shm);
+3. each rank maps its peers' segments, checks their tokens, says so, and once every local
+   peer has mapped its segment unlinks it: from then on no file exists, so no exit path
+   (kill -9 included) can leak one. A rank killed inside these milliseconds leaves its
+   file behind; :func:`remove_stale` deletes files whose creator's pid is gone, at the
+   next group creation on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import secrets
+import socket
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from plait.comm import shm
+
+if TYPE_CHECKING:
+    from plait.comm.group import Group
+
+MODES = ("auto", "shm", "gloo")
+DEFAULT_MODE = "auto"
+PREFIX = "plait-shm-"
+RING_BYTES = 512 << 10
+WINDOW_BYTES = 2 << 20
+_STALE = re.compile(rf"^{PREFIX}(\d+)-")
+
+log = logging.getLogger("plait")
+_cleaned = False
+
+
+def parse_mode(value: str | None) -> str:
+    """``value``, else ``PLAIT_TRANSPORT``, else :data:`DEFAULT_MODE`; checked."""
+    source = "transport"
+    if value is None:
+        source, value = "PLAIT_TRANSPORT", os.environ.get("PLAIT_TRANSPORT", "") or DEFAULT_MODE
+    mode = str(value).strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"{source}={value!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _bytes_setting(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 4096 or value % 4096:
+        raise ValueError(f"{name}={raw!r}: expected a multiple of 4096 bytes, at least 4096")
+    return value
+
+
+def segment_dir() -> str:
+    return os.environ.get("PLAIT_SHM_DIR", "/dev/shm")
+
+
+def unsupported(backend: str) -> str | None:
+    """Why shared memory cannot serve this process, or None."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return (
+            f"the shared-memory transport needs Linux on x86-64 (its ordering relies on "
+            f"x86-64 stores), this is {platform.system()} {platform.machine()}"
+        )
+    if backend != "gloo":
+        return f"the shared-memory transport carries CPU tensors for gloo, not {backend!r}"
+    if not os.path.isdir(segment_dir()) or not os.access(segment_dir(), os.W_OK):
+        return f"{segment_dir()} is not a writable directory (set PLAIT_SHM_DIR)"
+    return None
+
+
+def host_key(node: int | None) -> str:
+    """What two ranks must share to share memory (see the module docstring)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    d = os.stat(segment_dir())
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    key = f"{socket.gethostname()}|{boot}|{d.st_dev}:{d.st_ino}|{pidns}"
+    return key if node is None else f"{key}|node{node}"
+
+
+def remove_stale(directory: str | None = None) -> list[str]:
+    """Delete segment files whose creating process no longer exists; return their paths."""
+    directory = directory or segment_dir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        m = _STALE.match(name)
+        if m is None or shm.pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    if removed:
+        log.warning("plait: removed %d shared-memory segment(s) left by a killed job: %s",
+                    len(removed), ", ".join(removed))
+    return removed
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _wait_all(store: Any, group: Group, keys: list[str], what: str) -> list[str]:
+    import datetime
+
+    try:
+        store.wait(keys, datetime.timedelta(seconds=group.timeout))
+    except Exception as exc:
+        late = [k for k in keys if not store.check([k])]
+        raise RuntimeError(
+            f"group {group.name!r}: rank {group.global_rank} waited {group.timeout:g}s for "
+            f"{what} of the other ranks; missing: {late} ({exc})"
+        ) from exc
+    return [store.get(k).decode() for k in keys]
+
+
+def attach(group: Group, mode: str) -> None:
+    """Give ``group`` a shared-memory link to its ranks on this host (``mode`` permitting).
+
+    Collective over the group's ranks: every rank must call it, in the same order.
+    """
+    global _cleaned
+    if mode == "gloo" or group.size == 1:
+        return
+    why = unsupported(group.backend)
+    if why is not None:
+        if mode == "shm":
+            raise ValueError(f"transport='shm' for group {group.name!r}: {why}; use 'auto'")
+        return
+    if not _cleaned:
+        remove_stale()
+        _cleaned = True
+    store, me, n = _store(), group.rank, group.size
+    gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
+    base = f"plait/shm/{group.name}/{gen}/"
+    node = me // group.node_size if group.node_size else None
+    mykey = host_key(node)
+    store.set(f"{base}host/{me}", mykey)
+    hosts = _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
+    local = [r for r in range(n) if hosts[r] == mykey]
+    if len(local) == 1:
+        return
+    peers = [r for r in local if r != me]
+    all_local = len(local) == n
+    ring = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
+    window = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES) if all_local else 0
+    first, stride, scratch_at = shm.layout(n, len(peers), ring, window)
+    size = scratch_at + 2 * window
+    token = secrets.randbits(62)
+    path = os.path.join(
+        segment_dir(),
+        f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{zlib.crc32(group.name.encode()):08x}"
+        f"-{gen}",
+    )
+    mine: shm.Segment | None = None
+    try:
+        try:
+            mine = shm.Segment(path, size, create=True, reserve=scratch_at)
+            mine.q[0], mine.q[1], mine.q[2] = shm.MAGIC, token, os.getpid()
+            store.set(f"{base}seg/{me}", f"ok {path} {size} {ring} {window} {token} {os.getpid()}")
+        except OSError as exc:
+            store.set(f"{base}seg/{me}", f"fail {exc}")
+        infos = _wait_all(
+            store, group, [f"{base}seg/{r}" for r in local], "the shared-memory segments"
+        )
+        failed = [(r, i[5:]) for r, i in zip(local, infos, strict=True) if i.startswith("fail")]
+        if failed:
+            text = "; ".join(f"rank {group.ranks[r]}: {why}" for r, why in failed)
+            if mode == "shm":
+                raise RuntimeError(
+                    f"transport='shm': group {group.name!r} could not make its shared-memory "
+                    f"segments ({text}); free space in {segment_dir()} or use 'auto'/'gloo'"
+                )
+            log.warning("plait: group %r uses gloo on this host: %s", group.name, text)
+            return
+        assert mine is not None
+        parsed = {r: i.split() for r, i in zip(local, infos, strict=True)}
+        rings: dict[int, int] = {me: ring}
+        scratch: dict[int, tuple[int, int]] = {}
+        try:
+            opened = _open_peers(group, local, parsed)
+        except Exception as exc:
+            store.set(f"{base}mapped/{me}", f"fail {exc}")
+            raise
+        for r in local:
+            _, _, _, rb, wb, _, _ = parsed[r]
+            rings[r] = int(rb)
+            if int(wb):
+                theirs = [x for x in local if x != r]
+                scratch[r] = (shm.layout(n, len(theirs), int(rb), int(wb))[2], int(wb))
+        inbound = {r: first + peers.index(r) * stride for r in peers}
+        store.set(f"{base}mapped/{me}", "ok")
+        done = _wait_all(
+            store, group, [f"{base}mapped/{r}" for r in local], "the mapping of segments"
+        )
+        bad = [f"rank {group.ranks[r]}: {d[5:]}" for r, d in zip(local, done, strict=True)
+               if d.startswith("fail")]
+        if bad:
+            for seg, _, _ in opened.values():
+                seg.close()
+            raise RuntimeError(
+                f"group {group.name!r}: shared-memory segments could not be mapped "
+                f"({'; '.join(bad)}); set PLAIT_TRANSPORT=gloo"
+            )
+        group.shm = shm.ShmLink(group, mine, opened, inbound, rings, scratch)
+        mine = None  # the link owns it now
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        if mine is not None:
+            mine.close()
+
+
+def _open_peers(
+    group: Group, local: list[int], parsed: dict[int, list[str]]
+) -> dict[int, tuple[shm.Segment, int, int]]:
+    """Map every local peer's segment: (segment, pid, offset of this rank's ring in it)."""
+    me, n = group.rank, group.size
+    opened: dict[int, tuple[shm.Segment, int, int]] = {}
+    try:
+        for r in local:
+            if r == me:
+                continue
+            _, p, s, rb, wb, tok, pid = parsed[r]
+            theirs = [x for x in local if x != r]
+            f, st, _ = shm.layout(n, len(theirs), int(rb), int(wb))
+            seg = shm.Segment(p, int(s), create=False)
+            opened[r] = (seg, int(pid), f + theirs.index(me) * st)
+            if seg.q[0] != shm.MAGIC or seg.q[1] != int(tok):
+                raise RuntimeError(
+                    f"rank {group.global_rank} opened {p} of rank {group.ranks[r]} but found "
+                    f"another segment there"
+                )
+    except Exception:
+        for seg, _, _ in opened.values():
+            seg.close()
+        raise
+    return opened
