@@ -9,6 +9,7 @@ import torch
 
 import plait
 from plait import comm
+from plait.comm import progress
 
 
 def bytes_of(collective: str, algorithm: str, numel: int, root: int = 0) -> tuple[int, int]:
@@ -116,13 +117,22 @@ def skip_collective(skipper: int, algorithm: str) -> tuple[str, list[int], str] 
     g = comm.world()
     t = torch.ones(8)
     comm.all_reduce(t, algorithm="ring")  # #1: everyone
-    if g.rank == skipper:
-        return "skipped"
-    try:
-        comm.all_reduce(t, algorithm=algorithm)  # #2: the skipper never comes
-    except comm.CollectiveTimeout as exc:
-        return type(exc).__name__, exc.missing, str(exc)
-    return "no error"
+    result: tuple[str, list[int], str] | str = "skipped"
+    if g.rank != skipper:
+        try:
+            comm.all_reduce(t, algorithm=algorithm)  # #2: the skipper never comes
+            result = "no error"
+        except comm.CollectiveTimeout as exc:
+            result = type(exc).__name__, exc.missing, str(exc)
+    # No rank leaves before every rank has its verdict: a waiting rank whose peer already
+    # timed out and exited would see that peer's closed connection instead of its own timeout
+    # (a race under load, not the behaviour under test).
+    store = progress.store()
+    store.add("test/skip_collective/done", 1)
+    deadline = time.monotonic() + 30
+    while int(store.add("test/skip_collective/done", 0)) < g.size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return result
 
 
 def mismatched_shape(odd_rank: int) -> tuple[str, list[int], str] | str:
