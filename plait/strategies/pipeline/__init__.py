@@ -14,25 +14,33 @@
 from plait.strategies.pipeline.actions import Action, Kind, Schedule, ScheduleError
 from plait.strategies.pipeline.draw import draw_png, table
 from plait.strategies.pipeline.parallel import PipelineParallel, prepare_pipeline
+from plait.strategies.pipeline.report import BubbleReport, bubble_report
 from plait.strategies.pipeline.runtime import PipelineError
 from plait.strategies.pipeline.schedules import SCHEDULES, add_comms, build
 from plait.strategies.pipeline.simulate import Costs, Simulation, formula_bubble, simulate
+from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
 from plait.strategies.pipeline.validate import validate
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "BubbleReport",
     "Costs",
     "Kind",
     "PipelineError",
+    "Partition",
     "PipelineParallel",
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "Stage",
     "add_comms",
+    "bubble_report",
     "build",
     "draw_png",
     "formula_bubble",
+    "layers_of",
+    "partition",
     "prepare_pipeline",
     "simulate",
     "table",

@@ -66,6 +66,7 @@ class Simulation:
     idle: tuple[float, ...]
     bubble: float
     peak_in_flight: dict[int, int]  # stage -> micro-batches held at most
+    peak_per_rank: tuple[int, ...]  # rank -> (stage, micro-batch) pairs held at most at once
     slots: tuple[Slot, ...]
 
     def describe(self) -> str:
@@ -175,6 +176,7 @@ def simulate(sched: Schedule, costs: Costs | None = None) -> Simulation:
         idle,
         bubble,
         peak_in_flight(sched),
+        peak_per_rank(sched),
         tuple(slots),
     )
 
@@ -192,6 +194,22 @@ def peak_in_flight(sched: Schedule) -> dict[int, int]:
             elif a.kind is (Kind.W if split else Kind.B):
                 held[a.stage] -= 1
     return dict(sorted(peak.items()))
+
+
+def peak_per_rank(sched: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (stage, micro-batch) activations held at once over its stages."""
+    split = sched.split_backward
+    out = []
+    for acts in sched.ranks:
+        held = peak = 0
+        for a in acts:
+            if a.kind is Kind.F:
+                held += 1
+                peak = max(peak, held)
+            elif a.kind is (Kind.W if split else Kind.B):
+                held -= 1
+        out.append(peak)
+    return tuple(out)
 
 
 def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:

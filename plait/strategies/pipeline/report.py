@@ -1,0 +1,100 @@
+"""The bubble, measured: the runtime's tracer spans beside the simulator and the formula.
+
+With a :class:`~plait.trace.Tracer` the runtime records one span per compute action
+(``F``, ``B``, ``I``, ``W`` with its stage and micro-batch) and one per wait on a
+neighbour (stream ``comm``). From the spans of every rank for one step:
+
+* measured bubble = 1 - (sum of compute time over ranks) / (p x step window), the window
+  running from the first action's start to the last one's end on any rank;
+* simulated bubble = the same schedule in :func:`~.simulate.simulate` with the measured
+  mean cost of each (kind, stage) and no transfer time;
+* the formula of the schedule (:func:`~.simulate.formula_bubble`), which assumes equal
+  stages and F : B : I : W = 1 : 2 : 1 : 1.
+
+Ranks of one host share the clock (``perf_counter_ns``), so the window is exact there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.simulate import Costs, Slot, formula_bubble, simulate
+from plait.trace import Span
+
+_COMPUTE = {"F", "B", "I", "W"}
+
+
+def slots_from_spans(spans: Iterable[Span], *, origin_ns: int | None = None) -> list[Slot]:
+    """Compute spans as :class:`Slot` s in seconds from ``origin_ns`` (default: the first)."""
+    chosen = [s for s in spans if s.name in _COMPUTE and s.stream == "compute"]
+    if not chosen:
+        return []
+    t0 = min(s.start_ns for s in chosen) if origin_ns is None else origin_ns
+    return [
+        Slot(
+            s.rank,
+            Action(Kind(s.name), int(s.args["stage"]), int(s.args["mb"])),  # type: ignore[call-overload]
+            (s.start_ns - t0) / 1e9,
+            (s.end_ns - t0) / 1e9,
+        )
+        for s in chosen
+    ]
+
+
+def measured_costs(slots: Sequence[Slot]) -> Costs:
+    """Mean seconds of each (kind, stage) in ``slots``."""
+    total: dict[tuple[str, int], list[float]] = {}
+    for s in slots:
+        total.setdefault((s.action.kind.value, s.action.stage), []).append(s.end - s.start)
+    return Costs(per_stage={k: sum(v) / len(v) for k, v in total.items()})
+
+
+@dataclass(frozen=True)
+class BubbleReport:
+    """Measured, simulated (with measured costs) and formula bubble of one step."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    step_seconds: float
+    measured: float
+    simulated: float
+    simulated_seconds: float
+    formula: float
+    costs: Costs
+
+    def describe(self) -> str:
+        return (
+            f"{self.schedule} p={self.p} m={self.m} v={self.v}: step "
+            f"{1e3 * self.step_seconds:.1f} ms "
+            f"(simulated {1e3 * self.simulated_seconds:.1f} ms), bubble measured "
+            f"{100 * self.measured:.1f}%, simulated {100 * self.simulated:.1f}%, formula "
+            f"{100 * self.formula:.1f}%"
+        )
+
+
+def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
+    """The report for one step from the spans of all ranks (gather them first)."""
+    slots = slots_from_spans(spans)
+    if not slots:
+        raise ValueError("bubble_report: no compute spans; pass tracer= to the pipeline")
+    window = max(s.end for s in slots) - min(s.start for s in slots)
+    busy = sum(s.end - s.start for s in slots)
+    measured = 1.0 - busy / (schedule.p * window) if window > 0 else 0.0
+    costs = measured_costs(slots)
+    sim = simulate(schedule, costs)
+    return BubbleReport(
+        schedule.name,
+        schedule.p,
+        schedule.m,
+        schedule.v,
+        window,
+        measured,
+        sim.bubble,
+        sim.makespan,
+        formula_bubble(schedule.name, schedule.p, schedule.m, schedule.v),
+        costs,
+    )
