@@ -184,6 +184,8 @@ def bytes_per_step(case: str) -> dict[str, Any]:
     n_out = int(mine.sum() - mine[held].sum())
     n_in = int(every[:, held].sum() - every[r, held].sum())
     a2a = sent.get(("all_to_all", "ring"))
+    assert moe.last_stats is not None
+    assert (moe.last_stats.rows_out, moe.last_stats.rows_in) == (n_out, n_in)
     return {
         "sent": 0 if a2a is None else a2a.bytes_sent,
         "calls": 0 if a2a is None else a2a.calls,

@@ -259,12 +259,18 @@ class MoE(nn.Module):
         total = self.aux_loss_weight * aux + self.z_loss_weight * z
         if torch.is_grad_enabled() and total.requires_grad and y.requires_grad:
             y = _AttachLoss.apply(y, total)
+        kept = counts[:, : self.num_experts]
+        p = kept.shape[0]
+        r = 0 if self.expert_group is None else self.expert_group.rank
+        held = slice(r * self.num_experts // p, (r + 1) * self.num_experts // p)
         self.last_stats = MoEStats.of(
-            kept=counts[:, : self.num_experts].sum(0).tolist(),
+            kept=kept.sum(0).tolist(),
             routed=counts[:, self.num_experts :].sum(0).tolist(),
             capacity=routing.capacity,
             aux_loss=float(aux.detach()),
             z_loss=float(z.detach()),
+            rows_out=int(kept[r].sum() - kept[r, held].sum()),
+            rows_in=int(kept[:, held].sum() - kept[r, held].sum()),
         )
         return y
 

@@ -25,7 +25,10 @@ class MoEStats:
     the router made for it, before the capacity limit; ``dropped = sum(routed) - sum(kept)``;
     ``drop_rate = dropped / sum(routed)``; ``imbalance = max / mean`` of ``routed_per_expert``
     (1.0 is a perfectly balanced router); ``capacity``: C per group (S when dropless);
-    ``aux_loss``, ``z_loss``: the unweighted soft-limit losses of this rank's tokens.
+    ``aux_loss``, ``z_loss``: the unweighted soft-limit losses of this rank's tokens;
+    ``rows_out``, ``rows_in``: rows this rank's dispatch all-to-all sent to and received from
+    other ranks (0 without expert parallelism): the step's all-to-alls send
+    ``(2 rows_out + 2 rows_in) * d_model * element_size`` bytes from this rank.
     """
 
     tokens_per_expert: list[int]
@@ -36,10 +39,20 @@ class MoEStats:
     capacity: int
     aux_loss: float
     z_loss: float
+    rows_out: int = 0
+    rows_in: int = 0
 
     @classmethod
     def of(
-        cls, *, kept: list[int], routed: list[int], capacity: int, aux_loss: float, z_loss: float
+        cls,
+        *,
+        kept: list[int],
+        routed: list[int],
+        capacity: int,
+        aux_loss: float,
+        z_loss: float,
+        rows_out: int = 0,
+        rows_in: int = 0,
     ) -> MoEStats:
         total = sum(routed)
         dropped = total - sum(kept)
@@ -53,6 +66,8 @@ class MoEStats:
             capacity=capacity,
             aux_loss=aux_loss,
             z_loss=z_loss,
+            rows_out=rows_out,
+            rows_in=rows_in,
         )
 
     def as_dict(self) -> dict[str, Any]:
