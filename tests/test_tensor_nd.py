@@ -47,3 +47,63 @@ def test_gpt_matches_oracle(ranks, mode, permuted):
     assert len(local) == 1
     dense = results[0]["dense_numel"]
     assert local.pop() * 4 <= dense + 4 * 13 * 16  # 1/q^2 (head padded 13 -> 16 columns)
+
+
+def test_refusals_name_what_to_change(ranks):
+    for out in ranks(4, fns.refusals, timeout=120):
+        assert "cube number of ranks" in out["three_d_on_4"] and "use 1 or 8" in out["three_d_on_4"]
+        assert "square number of ranks" in out["not_square"] and "4 or 9" in out["not_square"]
+        assert "dimensions ['col', 'row']" in out["tp_mesh"] and "grid_mesh" in out["tp_mesh"]
+        assert "3 attention heads, not divisible by" in out["heads"]
+        assert "['tok.weight', 'head.weight'] are one shared tensor" in out["tied"]
+        assert "module 'ln_f' (LayerNorm)" in out["uncovered"]
+        assert "one mode for every entry" in out["mixed"]
+        assert "module 'tok'" in out["width"] and "not divisible" in out["width"]
+
+
+# one linear layer, forward + backward: bytes sent, summed over the ranks, against
+# plait.plan.tensor_costs (ring algorithms; exact)
+@pytest.mark.parametrize("mode", ["1d", "2d", "2.5d", "3d"])
+def test_linear_bytes_match_formula(ranks, mode):
+    from plait.plan.tensor_costs import linear_cost
+
+    world = {"1d": 4, **WORLD}[mode]
+    tokens, width = 16, 16
+    sent = ranks(world, fns.linear_bytes, mode, tokens, width, width, timeout=120)
+    total = sum(sum(s.values()) for s in sent)
+    cost = linear_cost(
+        mode,
+        ranks=world,
+        tokens=tokens,
+        in_features=width,
+        out_features=width,
+        depth=2 if mode == "2.5d" else None,
+    )
+    assert total == cost.bytes_per_rank * world
+    kinds = {k for s in sent for k in s}
+    expect = {
+        "1d": {"all_reduce/ring"},
+        "2d": {"broadcast/ring", "reduce/ring"},
+        "2.5d": {"broadcast/ring", "reduce/ring", "all_reduce/ring"},
+        "3d": {"all_gather/ring", "reduce_scatter/ring"},
+    }[mode]
+    assert kinds == expect
+
+
+def test_cost_formulas_match_the_papers_table():
+    """With |X| = |W| = |Y| and the papers' reduce, the exact counts are the table's."""
+    from plait.plan.tensor_costs import compare_modes, format_modes, linear_cost
+
+    for mode, world in [("1d", 4), ("2d", 16), ("3d", 27)]:
+        c = linear_cost(
+            mode, ranks=world, tokens=72, in_features=72, out_features=72, algorithm="paper"
+        )
+        assert c.bytes_per_rank == pytest.approx(c.paper_bytes_per_rank, rel=1e-12), mode
+    c = linear_cost(
+        "2.5d", ranks=18, depth=2, tokens=72, in_features=72, out_features=72, algorithm="paper"
+    )
+    depth_all_reduce = 2 * (2 - 1) / 2 * 72 * 72 * 4 / 9
+    assert c.bytes_per_rank == pytest.approx(c.paper_bytes_per_rank + depth_all_reduce, rel=1e-12)
+    rows = compare_modes(ranks=8, tokens=1024, width=256, layers=2, vocab=1000)
+    assert [r.valid for r in rows] == [True, False, True, True]  # 8 is not a square
+    assert "n/a" in format_modes(rows)
