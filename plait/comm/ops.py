@@ -62,6 +62,8 @@ from plait.comm import (
     naive,
     native,
     ring,
+    ring_tree,
+    shm_collectives,
     tree,
     tuner,
 )
@@ -75,14 +77,25 @@ ALGORITHMS: dict[str, ModuleType] = {
     "halving_doubling": halving_doubling,
     "naive": naive,
     "hierarchical": hierarchical,
+    "ring_tree": ring_tree,
+    "shm": shm_collectives,
     "native": native,
 }
 
 # Which algorithm implements which collective (plain data, printed in the README).
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("ring", "tree", "halving_doubling", "naive", "hierarchical", "native"),
-    "reduce_scatter": ("ring", "halving_doubling", "naive", "native"),
-    "all_gather": ("ring", "halving_doubling", "naive", "native"),
+    "all_reduce": (
+        "ring",
+        "tree",
+        "halving_doubling",
+        "naive",
+        "hierarchical",
+        "ring_tree",
+        "shm",
+        "native",
+    ),
+    "reduce_scatter": ("ring", "halving_doubling", "naive", "shm", "native"),
+    "all_gather": ("ring", "halving_doubling", "naive", "shm", "native"),
     "broadcast": ("ring", "tree", "naive", "hierarchical", "native"),
     "reduce": ("ring", "tree", "naive", "hierarchical", "native"),
     "all_to_all": ("ring", "naive", "native"),
@@ -161,9 +174,22 @@ def _check_root(collective: str, name: str, root: int, group: Group) -> None:
         )
 
 
+def shared(group: Group) -> bool:
+    """Every rank of ``group`` shares memory with this one (algorithm ``"shm"`` works)."""
+    return group.shm is not None and group.shm.covers(range(group.size))
+
+
 def _choose(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
     if algorithm == "auto":
-        algorithm = tuner.choose(collective, nbytes, group.size)
+        algorithm = tuner.choose(collective, nbytes, group.size, shm=shared(group))
+    elif algorithm == "shm" and not shared(group):
+        raise ValueError(
+            f"{collective}: algorithm 'shm' needs every rank of group {group.name!r} on this "
+            f"host with the shared-memory transport (plait.init(transport='auto' or 'shm'), "
+            f"PLAIT_TRANSPORT); this group has "
+            + ("no shared-memory link" if group.shm is None else "ranks on other hosts")
+            + "; use 'auto'"
+        )
     if algorithm not in SUPPORTED[collective]:
         known = "', '".join(SUPPORTED[collective])
         if algorithm in ALGORITHMS:

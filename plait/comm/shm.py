@@ -12,7 +12,8 @@ A segment holds:
   (bytes the sender wrote, written only by the sender), a tail (bytes the receiver
   consumed, written only by the receiver), each on its own cache line, and ``ring_bytes``
   of data;
-* when every rank of the group is local, two windows of scratch (``shm_collectives.py``).
+* two windows of scratch for the shared-memory collectives (``shm_collectives.py``),
+  left sparse until a collective uses them.
 
 A message is a 64-byte header (tag, byte count) followed by its bytes, padded to 64. The
 sender copies as much as fits, publishes the new head, and rings the receiver's bell;
@@ -242,8 +243,10 @@ class ShmLink:
         self.pids = {r: pid for r, (_, pid, _) in peers.items()}
         self.outs = {r: _Out(s, off, ring_bytes[r]) for r, (s, _, off) in peers.items()}
         self.ins = {r: _In(mine, off, ring_bytes[group.rank]) for r, off in inbound.items()}
-        self.scratch = scratch  # group rank -> (offset, window bytes) when all are local
+        self.scratch = scratch  # group rank -> (offset, window bytes), local ranks only
         self.expected = {r: 0 for r in peers}  # signals counted from each peer so far
+        # per scratch window: the signal counts that mean "every peer released it"
+        self.released: list[dict[int, int]] = [{}, {}]
         self.lock = threading.Lock()
         self.closed = False
 
@@ -252,7 +255,7 @@ class ShmLink:
         return group_rank in self.outs
 
     def covers(self, members: Sequence[int]) -> bool:
-        """Every rank of ``members`` (group ranks) is local and has scratch windows."""
+        """Every rank of ``members`` (group ranks) is on this host, with scratch windows."""
         return all(m in self.scratch for m in members)
 
     # --- point to point -------------------------------------------------------------------
@@ -396,26 +399,24 @@ class ShmLink:
             if p != self.group.rank:
                 self.segments[p].ring()
 
-    def expect(self, members: Sequence[int]) -> None:
-        """Count one more signal to come from each of ``members``."""
+    def expect(self, members: Sequence[int]) -> dict[int, int]:
+        """Count one more signal to come from each of ``members``; returns the counts
+        to wait for (peer -> count)."""
         for p in members:
             if p != self.group.rank:
                 self.expected[p] += 1
+        return {p: self.expected[p] for p in members if p != self.group.rank}
 
-    def arrived(self, peer: int) -> bool:
+    def late(self, targets: dict[int, int]) -> list[int]:
+        """The peers whose signal counter for this rank is below its target."""
         at = (_SIGNALS + 64 * self.group.rank) // 8
-        return bool(self.segments[peer].q[at] >= self.expected[peer])
+        return [p for p, want in targets.items() if self.segments[p].q[at] < want]
 
-    def late(self, members: Sequence[int]) -> list[int]:
-        """Those of ``members`` whose expected signals have not all arrived."""
-        return [p for p in members if p != self.group.rank and not self.arrived(p)]
-
-    def wait_signals(self, members: Sequence[int]) -> None:
-        """Block until every expected signal from ``members`` arrived."""
-        pending = self.late(members)
-        if not pending:
+    def wait_for(self, targets: dict[int, int]) -> None:
+        """Block until every peer's signal counter for this rank reaches its target."""
+        if not self.late(targets):
             return
-        self.block(lambda: not self.late(pending), pending, members=pending)
+        self.block(lambda: not self.late(targets), [], targets=targets)
 
     # --- waiting --------------------------------------------------------------------------
     def block(
@@ -424,13 +425,13 @@ class ShmLink:
         peers: Sequence[int],
         *,
         sleep: bool = False,
-        members: Sequence[int] | None = None,
+        targets: dict[int, int] | None = None,
     ) -> None:
         """Spin, then sleep on this rank's doorbell, until ``ready()``.
 
         Raises ``RuntimeError`` when the group's timeout passes (the text says "timed
         out"), when the watchdog ended the collective, when a peer aborted, or when an
-        awaited peer's process (``peers``, or the first late one of ``members``) is gone.
+        awaited peer's process (``peers``, or the first late one of ``targets``) is gone.
         """
         if ready():
             return
@@ -459,7 +460,7 @@ class ShmLink:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + CHECK_S
-                watched = list(peers) if members is None else self.late(members)[:1]
+                watched = list(peers) if targets is None else self.late(targets)[:1]
                 self.check(watched, now >= deadline)
 
     def check(self, peers: Sequence[int], expired: bool) -> None:

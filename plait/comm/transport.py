@@ -183,9 +183,8 @@ def attach(group: Group, mode: str) -> None:
     if len(local) == 1:
         return
     peers = [r for r in local if r != me]
-    all_local = len(local) == n
     ring = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
-    window = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES) if all_local else 0
+    window = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES)
     first, stride, scratch_at = shm.layout(n, len(peers), ring, window)
     size = scratch_at + 2 * window
     token = secrets.randbits(62)

@@ -11,7 +11,10 @@ larger messages). A world size missing from the table uses the nearest one measu
 Every rank must see the same table (ranks of one host read the same file); debug mode
 checks it, since the resolved algorithm is part of each collective's signature.
 
-With no table, :func:`default_rule` applies.
+With no table, :func:`default_rule` applies. A table records the transport it was
+measured on (``"transport": "shm"`` or ``"gloo"``, gloo when absent); a group whose ranks
+all share memory uses only a table measured on shared memory, and the others only a gloo
+one, else the default rule for their transport.
 """
 
 from __future__ import annotations
@@ -51,7 +54,23 @@ def default_rule(collective: str, nbytes: int, world_size: int) -> str:
     return "native"
 
 
+def shm_rule(collective: str, nbytes: int, world_size: int) -> str:
+    """The choice without a table for a group whose ranks all share memory
+    (``benchmarks/results/comm_shm.md``): the shared-memory collectives where they exist,
+    the default rule's algorithm (now on shared-memory messages) for the others."""
+    if collective in ("all_reduce", "reduce_scatter", "all_gather"):
+        return "shm"
+    if collective == "broadcast":
+        return "tree" if nbytes <= 256 * KIB else "ring"
+    if collective == "reduce":
+        return "tree"
+    if collective == "all_to_all":
+        return "naive"
+    return default_rule(collective, nbytes, world_size)
+
+
 _table: dict[str, dict[int, list[tuple[int, str]]]] | None = None
+_transport = "gloo"
 _loaded_from: str | None = None
 
 
@@ -62,13 +81,15 @@ def table_path() -> Path:
 
 def load(path: str | os.PathLike[str] | None = None) -> None:
     """(Re)load the tuning table; a missing file means the default rule."""
-    global _table, _loaded_from
+    global _table, _loaded_from, _transport
     p = Path(path) if path is not None else table_path()
     _loaded_from = str(p)
+    _transport = "gloo"
     if not p.exists():
         _table = {}
         return
     data = json.loads(p.read_text())
+    _transport = str(data.get("transport", "gloo"))
     if data.get("version") != 1:
         raise ValueError(f"{p}: unknown tuning table version {data.get('version')!r}")
     _table = {
@@ -77,12 +98,18 @@ def load(path: str | os.PathLike[str] | None = None) -> None:
     }
 
 
-def save(table: dict[str, dict[int, list[tuple[int, str]]]], path: Path, backend: str) -> None:
+def save(
+    table: dict[str, dict[int, list[tuple[int, str]]]],
+    path: Path,
+    backend: str,
+    transport: str = "gloo",
+) -> None:
     """Write a tuning table atomically (write a temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload: dict[str, Any] = {
         "version": 1,
         "backend": backend,
+        "transport": transport,
         "table": {
             coll: {str(w): [[b, a] for b, a in rows] for w, rows in per_world.items()}
             for coll, per_world in table.items()
@@ -93,14 +120,16 @@ def save(table: dict[str, dict[int, list[tuple[int, str]]]], path: Path, backend
     os.replace(tmp, path)
 
 
-def choose(collective: str, nbytes: int, world_size: int) -> str:
-    """The algorithm ``auto`` uses for this collective, size and world size."""
+def choose(collective: str, nbytes: int, world_size: int, *, shm: bool = False) -> str:
+    """The algorithm ``auto`` uses for this collective, size and world size; ``shm``:
+    every rank of the group shares memory with this one."""
     if _table is None:
         load()
     assert _table is not None
+    rule = shm_rule if shm else default_rule
     per_world = _table.get(collective)
-    if not per_world:
-        return default_rule(collective, nbytes, world_size)
+    if not per_world or (_transport == "shm") != shm:
+        return rule(collective, nbytes, world_size)
     rows = per_world[min(per_world, key=lambda k: (abs(k - world_size), k))]
     for max_bytes, algorithm in rows:
         if nbytes <= max_bytes:
