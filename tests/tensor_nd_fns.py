@@ -299,3 +299,20 @@ def linear_bytes(mode: str, tokens: int, width_in: int, width_out: int) -> dict[
     comm.reset_stats()
     layer(xb).sum().backward()
     return {f"{c}/{a}": s.bytes_sent for (c, a), s in comm.stats(reset=True).items()}
+
+
+def gpt_step_sent(mode: str) -> int:
+    """Bytes this rank sent in one training step of the test GPT (ring algorithms)."""
+    cfg = tensor_gpt_fns.config(tied=False)
+    model = parallelize(
+        GPT(cfg),
+        make_mesh(mode, permuted=False),
+        gpt_plan(mode, layers=cfg.layers),
+        algorithm="ring",
+    )
+    loss_of = loss_fn(model)
+    x, y = tensor_gpt_fns.batch(0, cfg, GPT_BATCH)
+    loss_of(model(x), y).backward()  # a new group's first collectives are not counted
+    comm.reset_stats()
+    loss_of(model(x), y).backward()
+    return sum(s.bytes_sent for s in comm.stats(reset=True).values())

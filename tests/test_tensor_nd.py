@@ -107,3 +107,25 @@ def test_cost_formulas_match_the_papers_table():
     rows = compare_modes(ranks=8, tokens=1024, width=256, layers=2, vocab=1000)
     assert [r.valid for r in rows] == [True, False, True, True]  # 8 is not a square
     assert "n/a" in format_modes(rows)
+
+
+@pytest.mark.parametrize("mode", ["2d", "2.5d", "3d"])
+def test_gpt_step_bytes_match_formula(ranks, mode):
+    """A whole training step (linears, vectors and tables, LayerNorm statistics, loss)
+    against plait.plan.tensor_costs.gpt_step_bytes, averaged over the ranks (float64)."""
+    from plait.plan.tensor_costs import gpt_step_bytes
+
+    cfg = tensor_gpt_fns.config(tied=False)
+    sent = ranks(WORLD[mode], fns.gpt_step_sent, mode, timeout=120)
+    want = gpt_step_bytes(
+        mode,
+        ranks=WORLD[mode],
+        batch=fns.GPT_BATCH,
+        seq=cfg.seq_len,
+        width=cfg.width,
+        layers=cfg.layers,
+        vocab=cfg.vocab,
+        depth=2 if mode == "2.5d" else None,
+        bytes_per_element=8,
+    )
+    assert sum(sent) == pytest.approx(want * WORLD[mode], abs=1e-6)

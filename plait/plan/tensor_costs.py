@@ -217,6 +217,81 @@ def compare_modes(
     return rows
 
 
+def gpt_step_bytes(
+    mode: str,
+    *,
+    ranks: int,
+    batch: int,
+    seq: int,
+    width: int,
+    layers: int,
+    vocab: int,
+    positions: int | None = None,
+    depth: int | None = None,
+    bytes_per_element: int = 4,
+) -> float:
+    """Bytes one rank sends on average in one training step (forward, loss, backward) of
+    :class:`plait.models.GPT` (untied, dropout off) under ``mode`` with plait's ring
+    algorithms: what ``plait.comm.stats`` counts, exactly (``benchmarks/tensor_nd.py``
+    compares them). ``positions`` is the position table's rows (default ``seq``).
+
+    1D (no sequence parallelism): ``(P-1)/P (8 L T h + 4 T h + 8 T)`` elements, ``T = b s``:
+    four all-reduces of ``T h`` per block, the embedding's and the head input's, and the
+    vocabulary cross-entropy's two (``T`` maxima, ``3 T`` sums). 2D / 2.5D / 3D, summed:
+
+    - every linear layer (:func:`linear_cost`; the head's vocabulary padded to the grid);
+    - every vector or table (biases, LayerNorm scale and shift, both embedding tables) of
+      ``n`` elements: gathered over ``q`` ranks forward and reduce-scattered backward,
+      ``2 (q-1)/q n/q``, plus, where it is replicated over ranks with other batch blocks,
+      an all-reduce of its piece, ``2 (r-1)/r n/q^2`` (2.5D: ``r = d``; 3D: ``r = q``);
+    - every LayerNorm: four all-reduces (two statistics, forward and backward) of one value
+      per local token over the feature group, ``4 * 2 (q-1)/q T/parts``;
+    - the loss: ``2 (q-1)/q * 3 T_l`` on the vocabulary group (``T_l`` the head's local
+      tokens), and two one-element all-reduces per batch axis.
+    """
+    e = Fraction(bytes_per_element)
+    T = batch * seq
+    h, L = width, layers
+    positions = seq if positions is None else positions
+    if mode == "1d":
+        t = ranks
+        return float(Fraction(t - 1, t) * (8 * L * T * h + 4 * T * h + 8 * T) * e)
+    q, d = grid_of(mode, ranks, depth)
+
+    def ar(n: int, size: Fraction) -> Fraction:
+        return collective_bytes("all_reduce", n, size)
+
+    replicas = d if mode == "2.5d" else (q if mode == "3d" else 1)
+    parts = {"2d": q, "2.5d": d * q, "3d": q * q}[mode]
+    grid_multiple = q * q if mode == "3d" else q
+    vocab_p = -(-vocab // grid_multiple) * grid_multiple
+
+    def vector(n: int) -> Fraction:
+        n_e = n * e
+        return 2 * collective_bytes("all_gather", q, n_e / q) + ar(replicas, n_e / (q * q))
+
+    total = Fraction(0)
+    for i, o, _ in gpt_linears(width, layers, vocab_p):
+        cost = linear_cost(
+            mode,
+            ranks=ranks,
+            tokens=T,
+            in_features=i,
+            out_features=o,
+            depth=depth,
+            bytes_per_element=bytes_per_element,
+        )
+        total += Fraction(cost.bytes_per_rank)
+    total += L * (vector(3 * h) + vector(h) + vector(4 * h) + vector(h))  # biases
+    norms = 2 * L + 1
+    total += norms * (2 * vector(h) + 4 * ar(q, T * e / parts))
+    total += vector(vocab * h) + vector(positions * h)  # the embedding tables
+    total += 3 * ar(q, T * e / parts)  # the head's rows are one of `parts` batch blocks
+    batch_axes = [q] + ([d] if mode == "2.5d" else [q] if mode == "3d" else [])
+    total += sum(2 * ar(n, e) for n in batch_axes)
+    return float(total)
+
+
 def format_modes(rows: list[ModeCost]) -> str:
     """A markdown table of :func:`compare_modes`."""
     out = [
@@ -243,6 +318,7 @@ __all__ = [
     "compare_modes",
     "format_modes",
     "gpt_linears",
+    "gpt_step_bytes",
     "grid_of",
     "linear_cost",
 ]
