@@ -266,32 +266,65 @@ def _greedy(
 def add_comms(schedule: Schedule) -> Schedule:
     """Insert SEND/RECV actions into a compute-only schedule.
 
-    A send follows the action that produced the tensor; a receive is posted before the
-    compute action preceding its reader (before the reader itself when it is the rank's
-    first action). Neighbouring stages on one rank (the tip of a V) hand over locally.
+    A send follows the action that produced the tensor. A receive is posted before the
+    compute action preceding its reader (before the reader itself when that is the rank's
+    first action), and receives from one peer are posted in the order that peer sends:
+    the transport delivers a pair's messages in order, so a send whose receive is not
+    posted yet would hold up every later message to that rank (head-of-line blocking);
+    a receive that is needed later is therefore posted early when an earlier-needed
+    message comes after it. Neighbouring stages on one rank (the tip of a V) hand over
+    locally, without messages.
     """
     place = schedule.placement
     last = schedule.stages - 1
-    out: list[list[Action]] = []
+    with_sends: list[list[Action]] = []
     for r in range(schedule.p):
-        compute = [a for a in schedule.ranks[r] if a.kind.is_compute]
-        recvs_before: dict[int, list[Action]] = {}
-        for i, a in enumerate(compute):
-            recv: Action | None = None
-            if a.kind is Kind.F and a.stage > 0 and place[a.stage - 1] != r:
-                recv = Action(Kind.RECV_F, a.stage, a.mb)
-            elif a.kind in (Kind.B, Kind.I) and a.stage < last and place[a.stage + 1] != r:
-                recv = Action(Kind.RECV_B, a.stage, a.mb)
-            if recv is not None:
-                recvs_before.setdefault(max(i - 1, 0), []).append(recv)
         acts: list[Action] = []
-        for i, a in enumerate(compute):
-            acts += recvs_before.get(i, [])
+        for a in schedule.ranks[r]:
+            if not a.kind.is_compute:
+                continue
             acts.append(a)
             if a.kind is Kind.F and a.stage < last and place[a.stage + 1] != r:
                 acts.append(Action(Kind.SEND_F, a.stage, a.mb))
             elif a.kind in (Kind.B, Kind.I) and a.stage > 0 and place[a.stage - 1] != r:
                 acts.append(Action(Kind.SEND_B, a.stage, a.mb))
+        with_sends.append(acts)
+    # per (sender, receiver): the receives, in the sender's order
+    incoming: dict[tuple[int, int], list[Action]] = {}
+    for q, acts in enumerate(with_sends):
+        for a in acts:
+            if a.kind is Kind.SEND_F:
+                recv = Action(Kind.RECV_F, a.stage + 1, a.mb)
+            elif a.kind is Kind.SEND_B:
+                recv = Action(Kind.RECV_B, a.stage - 1, a.mb)
+            else:
+                continue
+            incoming.setdefault((q, place[recv.stage]), []).append(recv)
+    out: list[list[Action]] = []
+    for r in range(schedule.p):
+        compute = [a for a in with_sends[r] if a.kind.is_compute]
+        posted: dict[int, int] = {}  # sender -> receives posted so far
+        before: dict[int, list[Action]] = {}  # compute index -> receives to post first
+        for i, a in enumerate(compute):
+            if a.kind is Kind.F and a.stage > 0 and place[a.stage - 1] != r:
+                need, src = Action(Kind.RECV_F, a.stage, a.mb), place[a.stage - 1]
+            elif a.kind in (Kind.B, Kind.I) and a.stage < last and place[a.stage + 1] != r:
+                need, src = Action(Kind.RECV_B, a.stage, a.mb), place[a.stage + 1]
+            else:
+                continue
+            order = incoming[(src, r)]
+            k = order.index(need)
+            start = posted.get(src, 0)
+            if k >= start:
+                before.setdefault(max(i - 1, 0), []).extend(order[start : k + 1])
+                posted[src] = k + 1
+        acts = []
+        ci = 0
+        for a in with_sends[r]:
+            if a.kind.is_compute:
+                acts += before.get(ci, [])
+                ci += 1
+            acts.append(a)
         out.append(acts)
     return schedule.with_ranks(out)
 

@@ -42,6 +42,7 @@ def validate(sched: Schedule) -> None:
     _check_counts(sched)
     _check_order(sched)
     _check_comms(sched)
+    _check_fifo(sched)
     try:
         run(sched, Costs())
     except Stuck as stuck:
@@ -111,6 +112,39 @@ def _check_order(sched: Schedule) -> None:
                     f" first on the same rank"
                 )
             seen.add(a)
+
+
+def _check_fifo(sched: Schedule) -> None:
+    """Receives from a peer are posted in the order that peer sends (rule 4: a pair's
+    messages are delivered in order, so an out-of-order receive could wait forever
+    behind a send whose receive is posted only later)."""
+    place = sched.placement
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for q, acts in enumerate(sched.ranks):
+        for a in acts:
+            if a.kind is Kind.SEND_F:
+                recv = Action(Kind.RECV_F, a.stage + 1, a.mb)
+            elif a.kind is Kind.SEND_B:
+                recv = Action(Kind.RECV_B, a.stage - 1, a.mb)
+            else:
+                continue
+            sent.setdefault((q, place[recv.stage]), []).append(recv)
+    for r, acts in enumerate(sched.ranks):
+        got: dict[int, list[Action]] = {}
+        for a in acts:
+            if a.kind is Kind.RECV_F:
+                got.setdefault(place[a.stage - 1], []).append(a)
+            elif a.kind is Kind.RECV_B:
+                got.setdefault(place[a.stage + 1], []).append(a)
+        for q, order in got.items():
+            want = sent.get((q, r), [])
+            if order != want:
+                i = next(i for i, (x, y) in enumerate(zip(order, want, strict=False)) if x != y)
+                raise ScheduleError(
+                    f"{sched.name}: rank {r} posts {order[i]} where rank {q} sends the "
+                    f"tensor of {want[i]} next; post receives from a peer in the order it "
+                    f"sends (messages between two ranks are delivered in order)"
+                )
 
 
 def _check_comms(sched: Schedule) -> None:
