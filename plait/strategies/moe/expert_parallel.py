@@ -88,11 +88,12 @@ def _groups(mesh: Any) -> tuple[Group, Group | None, Group]:
     return ep, dp, sub.group(*sub.names)
 
 
-def expert_parallel(model: nn.Module, *, mesh: Any, algorithm: str = "auto") -> nn.Module:
+def expert_parallel(model: nn.Module, *, mesh: Any, algorithm: str | None = None) -> nn.Module:
     """Split the experts of ``model``'s MoE layers over ``mesh``'s ``ep`` group, keep the rest
     data parallel (module docstring). In place; returns ``model``. Collective over the mesh.
 
-    ``algorithm``: the all-to-all and all-reduce algorithm (``plait.comm`` names).
+    ``algorithm``: the all-to-all algorithm of every layer (``plait.comm`` names; None keeps
+    each layer's own ``algorithm``) and that of the gradient all-reduces (None: ``"auto"``).
     """
     layers = moe_layers(model)
     if not layers:
@@ -117,7 +118,8 @@ def expert_parallel(model: nn.Module, *, mesh: Any, algorithm: str = "auto") -> 
         moe.experts = nn.ModuleDict({k: moe.experts[k] for k in keep})
         moe.expert_group = ep_group
         moe.batch_index = batch_group.rank
-        moe.algorithm = algorithm
+        if algorithm is not None:
+            moe.algorithm = algorithm
     expert_ids = {id(q) for moe in layers.values() for q in moe.experts.parameters()}
     params = [q for q in model.parameters() if q.requires_grad]
     experts = [q for q in params if id(q) in expert_ids]
@@ -129,7 +131,7 @@ def expert_parallel(model: nn.Module, *, mesh: Any, algorithm: str = "auto") -> 
         batch_rank=batch_group.rank,
         expert_params=experts,
         other_params=others,
-        algorithm=algorithm,
+        algorithm=algorithm or "auto",
     )
     _broadcast(model, info, expert_ids)
     for q in params:
@@ -196,7 +198,7 @@ def prepare_ep(
     optimizer: torch.optim.Optimizer | None,
     *,
     mesh: Any,
-    algorithm: str = "auto",
+    algorithm: str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(model, optimizer, strategy="ep", mesh=Mesh(ep=p, dp=d))``.
 
