@@ -64,7 +64,11 @@ CHECK_S = 0.05
 # header layout (byte offsets)
 _Q_MAGIC, _Q_TOKEN, _Q_PID, _Q_ABORT = 0, 1, 2, 3
 _I_BELL, _I_SLEEPING = 16, 32  # int32 indices: bytes 64 and 128
-_SIGNALS = 256  # int64 signal counter for group rank p at _SIGNALS + 64 * p
+# signals to group rank p at _SIGNALS + 128 * p: the count (int64), then the tags of the
+# last TAGS signals (signal m's tag at slot m % TAGS; a sender is never more than three
+# signals ahead of what its peer checks)
+_SIGNALS = 256
+TAGS = 8
 
 
 def _up(n: int, to: int) -> int:
@@ -72,7 +76,7 @@ def _up(n: int, to: int) -> int:
 
 
 def header_bytes(size: int) -> int:
-    return _up(_SIGNALS + 64 * size, 4096)
+    return _up(_SIGNALS + 128 * size, 4096)
 
 
 def layout(size: int, peers: int, ring_bytes: int, window_bytes: int) -> tuple[int, int, int]:
@@ -389,12 +393,16 @@ class ShmLink:
         self.block(ready, [] if peer is None else [peer], sleep=True)
 
     # --- signals (shm_collectives.py) ----------------------------------------------------
-    def signal(self, members: Sequence[int]) -> None:
-        """Add one to this rank's signal counter for each of ``members`` (group ranks)."""
+    def signal(self, members: Sequence[int], tag: int = 0) -> None:
+        """Add one to this rank's signal counter for each of ``members`` (group ranks),
+        recording ``tag`` (the collective's) with it."""
         q = self.mine.q
         for p in members:
             if p != self.group.rank:
-                q[(_SIGNALS + 64 * p) // 8] += 1
+                at = (_SIGNALS + 128 * p) // 8
+                count = q[at] + 1
+                q[at + 1 + count % TAGS] = tag
+                q[at] = count
         for p in members:
             if p != self.group.rank:
                 self.segments[p].ring()
@@ -407,16 +415,23 @@ class ShmLink:
                 self.expected[p] += 1
         return {p: self.expected[p] for p in members if p != self.group.rank}
 
-    def late(self, targets: dict[int, int]) -> list[int]:
-        """The peers whose signal counter for this rank is below its target."""
-        at = (_SIGNALS + 64 * self.group.rank) // 8
-        return [p for p, want in targets.items() if self.segments[p].q[at] < want]
+    def late(self, targets: dict[int, int], tag: int | None = None) -> list[int]:
+        """The peers whose signal counter for this rank is below its target, or whose
+        target signal carries another tag than ``tag`` (another collective: it never
+        counts, and the watchdog names the disagreement)."""
+        at = (_SIGNALS + 128 * self.group.rank) // 8
+        out = []
+        for p, want in targets.items():
+            q = self.segments[p].q
+            if q[at] < want or (tag is not None and q[at + 1 + want % TAGS] != tag):
+                out.append(p)
+        return out
 
-    def wait_for(self, targets: dict[int, int]) -> None:
+    def wait_for(self, targets: dict[int, int], tag: int | None = None) -> None:
         """Block until every peer's signal counter for this rank reaches its target."""
-        if not self.late(targets):
+        if not self.late(targets, tag):
             return
-        self.block(lambda: not self.late(targets), [], targets=targets)
+        self.block(lambda: not self.late(targets, tag), [], targets=targets)
 
     # --- waiting --------------------------------------------------------------------------
     def block(

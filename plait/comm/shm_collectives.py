@@ -17,8 +17,11 @@ work on the other:
 * **all-gather**: each rank copies its block's part of the window in; after the round,
   every rank copies every other rank's part out.
 
-Signals are per-pair counters in the segment headers (``ShmLink.signal``/``wait_signals``):
-rank r adds one to its counter for p, p waits until it reaches the number it expects.
+Signals are per-pair counters in the segment headers (``ShmLink.signal``/``wait_for``):
+rank r adds one to its counter for p, p waits until it reaches the number it expects
+and, for the rounds above, carries this collective's tag (with the default check the
+tag hashes the signature, so ranks that disagree on the collective, size or dtype never
+pass a round: no window is read, and the watchdog names the disagreement).
 After its copies out a rank signals "released"; before it writes its scratch again it
 waits for every peer's release, so no rank overwrites a window another is still reading
 (the release is waited for lazily, at the next write, usually long since there).
@@ -32,6 +35,7 @@ named within ``shm.CHECK_S``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -82,9 +86,12 @@ class _Windows:
         self._wait(self.link.released[self.turn])
 
     def arrive(self) -> None:
-        """Signal every peer and wait for all of them: one round."""
-        self.link.signal(self.members)
-        self._wait(self.link.expect(self.members))
+        """Signal every peer and wait for all of them: one round. Signals carry the
+        call's tag (its signature under the default check): a peer in another collective
+        never counts as arrived, so no rank reads a window meant for something else."""
+        tag = self.ch.call.tag
+        self.link.signal(self.members, tag)
+        self._wait(self.link.expect(self.members), tag)
 
     def release(self) -> None:
         """Done reading the peers' current windows: they may write them again."""
@@ -92,13 +99,21 @@ class _Windows:
         self.link.released[self.turn].update(self.link.expect(self.members))
         self.turn ^= 1
 
-    def _wait(self, targets: dict[int, int]) -> None:
+    def _wait(self, targets: dict[int, int], tag: int | None = None) -> None:
+        late = self.link.late(targets, tag)
+        if not late:
+            return
+        group = self.ch.group
+        # whom this rank waits on, for the watchdog (a stopped or disagreeing peer)
+        group.waiting = (group.ranks[late[0]], self.ch.call, time.monotonic())
         try:
-            self.link.wait_for(targets)
+            self.link.wait_for(targets, tag)
         except RuntimeError as exc:
-            late = self.link.late(targets)
+            late = self.link.late(targets, tag)
             peer = self.members.index(late[0]) if late and late[0] in self.members else None
             raise self.ch.failure(peer, "wait for", exc) from exc
+        finally:
+            group.waiting = None
 
 
 def _spans(total: int, window: int) -> list[tuple[int, int]]:
