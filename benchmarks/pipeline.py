@@ -1,0 +1,287 @@
+"""plait's pipeline schedules against torch.distributed.pipelining on the same GPT, split
+the same way.
+
+    .venv/bin/python benchmarks/pipeline.py                 # p = 2 and 4, m = 8
+    .venv/bin/python benchmarks/pipeline.py --quick --out /tmp/pp   # smoke test
+
+Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank. The model
+is ``plait.models.GPT`` (default 6 layers, width 128, 4 heads, sequence 64, vocabulary 96,
+untied, fp32), a global batch of 16 sequences in m = 8 micro-batches, cut by
+``plait.strategies.pipeline.partition`` (by parameters) into p stages (p * 2 for the
+two-chunk schedules); each stage is the same :class:`Stage` module for both libraries.
+
+- ``plait <schedule>``: :class:`PipelineParallel` with gpipe, 1f1b, interleaved (v=2),
+  zb-h1, zbv (v=2), Adam;
+- ``torch <Schedule>``: ``PipelineStage(stage, index, n, cpu, input_args=..., output_args=...)``
+  (explicit shapes: no shape-inference round) and ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B`` (rank r holds stages r, r+p) and ``ScheduleZBVZeroBubble``
+  (rank r holds r and 2p-1-r), ``scale_grads=True`` with the mean cross-entropy, Adam.
+
+Step time: warm-up steps, then the variants take turns step by step (rotating order); a
+step is ``zero_grad`` + the schedule's step + ``optimizer.step()`` after a barrier, its time
+the slowest rank's; tables show medians. Fairness: every variant's first loss equals a
+one-process run's (relative 1e-4). Bubble: plait's runtime records one span per action;
+the measured bubble (1 - compute time / (p x step window)) is set beside the simulator
+run with the measured mean cost of every (kind, stage) and beside the formula; the timeline
+PNG of the last measured 1F1B / ZBV step at p = 4 is written next to the table.
+
+Writes ``<out>/pipeline.json``, ``<out>/pipeline.md`` and ``<out>/pipeline_*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import plait
+from plait import comm
+from plait.models import GPT, GPTConfig
+from plait.models.gpt import loss as gpt_loss
+from plait.strategies.pipeline import (
+    PipelineParallel,
+    Stage,
+    bubble_report,
+    build,
+    draw_png,
+    layers_of,
+    partition,
+)
+from plait.strategies.pipeline.report import slots_from_spans
+from plait.strategies.pipeline.schedules import loop_placement, v_placement
+from plait.trace import Tracer
+
+PLAIT = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+TORCH = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+def _config(args: dict[str, Any]) -> GPTConfig:
+    return GPTConfig(
+        vocab=96,
+        layers=args["layers"],
+        heads=args["heads"],
+        width=args["width"],
+        seq_len=args["seq"],
+    )
+
+
+def _batch(step: int, cfg: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _plait(cfg: GPTConfig, name: str, group: Any, m: int, tracer: Tracer) -> Any:
+    pipe = PipelineParallel(GPT(cfg), group=group, schedule=name, microbatches=m, tracer=tracer)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad()
+        loss = pipe.step(x, y)
+        opt.step()
+        return float(loss)
+
+    return step, pipe.schedule
+
+
+def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> Any:
+    from torch.distributed import pipelining as tp
+
+    v = 2 if name in ("interleaved", "zbv") else 1
+    placement = v_placement(p) if name == "zbv" else loop_placement(p, v)
+    layers = layers_of(GPT(cfg))
+    part = partition(layers, p * v)
+    mb = batch // m
+    ids = torch.zeros(mb, cfg.seq_len, dtype=torch.long)
+    # example tensors; requires_grad tells torch which outputs get gradients back
+    act = torch.zeros(mb, cfg.seq_len, cfg.width, requires_grad=True)
+    logits = torch.zeros(mb, cfg.seq_len, cfg.vocab, requires_grad=True)
+    n = p * v
+    stages = []
+    for s, (a, b) in enumerate(part.bounds):
+        if placement[s] != rank:
+            continue
+        module = Stage(layers[a:b], s)
+        stages.append(
+            tp.PipelineStage(
+                module,
+                s,
+                n,
+                torch.device("cpu"),
+                input_args=(ids if s == 0 else act,),
+                output_args=(logits if s == n - 1 else act,),
+            )
+        )
+    params = [q for st in stages for q in st.submod.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-3)
+    cls = getattr(tp, TORCH[name])
+    sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=gpt_loss)
+    holds_first = placement[0] == rank
+    holds_last = placement[n - 1] == rank
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if holds_last:
+            kwargs = {"target": y, "losses": losses}
+        if holds_first:
+            sched.step(x, **kwargs)
+        else:
+            sched.step(**kwargs)
+        opt.step()
+        value = torch.stack(losses).mean() if losses else torch.zeros(())
+        t = value.detach().reshape(1).clone()
+        comm.broadcast(t, placement[n - 1], group=plait.world())
+        return float(t)
+
+    return step
+
+
+def run_rank(args: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cfg = _config(args)
+    world = plait.world()
+    p, m, batch = world.size, args["m"], args["batch"]
+    mesh = plait.Mesh(pp=p)
+    tracers: dict[str, Tracer] = {}
+    variants: dict[str, Any] = {}
+    schedules: dict[str, Any] = {}
+    for name in PLAIT:
+        tracers[name] = Tracer(rank=world.rank)
+        variants[f"plait {name}"], schedules[name] = _plait(
+            cfg, name, mesh.group("pp"), m, tracers[name]
+        )
+    for name in TORCH:
+        variants[f"torch {TORCH[name]}"] = _torch(cfg, name, p, world.rank, m, batch)
+    dense = GPT(cfg)
+    x, y = _batch(0, cfg, batch)
+    with torch.no_grad():
+        want = float(gpt_loss(dense(x), y))
+    for vname, step in variants.items():
+        got = step(x, y)
+        if abs(got - want) > 1e-4 * abs(want):
+            raise AssertionError(f"{vname}: first loss {got} differs from one process's {want}")
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    spans: dict[str, list[list[Any]]] = {n: [] for n in PLAIT}
+    for i in range(args["warmup"] + args["steps"]):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for vname in order:
+            x, y = _batch(i + 1, cfg, batch)
+            key = vname.removeprefix("plait ")
+            if key in tracers:
+                tracers[key].clear()
+            comm.barrier(group=world)
+            t0 = time.perf_counter()
+            variants[vname](x, y)
+            dt = torch.tensor([time.perf_counter() - t0])
+            comm.all_reduce(dt, "max", group=world)
+            if i >= args["warmup"]:
+                times[vname].append(float(dt))
+                if key in tracers:
+                    spans[key].append(tracers[key].spans())
+    return {"rank": world.rank, "times": times, "spans": spans, "schedules": schedules}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", default="2,4")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--m", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = vars(parser.parse_args())
+    if args["quick"]:
+        args |= {"pp": "2", "width": 32, "seq": 16, "steps": 2, "warmup": 1}
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for p in [int(v) for v in str(args["pp"]).split(",")]:
+        pool = plait.RankPool(p, timeout=600)
+        try:
+            results = pool.run(run_rank, args, timeout=3600)
+        finally:
+            pool.close()
+        r0 = results[0]
+        med = {n: statistics.median(v) for n, v in r0["times"].items()}
+        for name in PLAIT:
+            sched = build(name, p=p, m=args["m"])
+            reports = [
+                bubble_report(sched, [s for res in results for s in res["spans"][name][k]])
+                for k in range(len(r0["spans"][name]))
+            ]
+            measured = statistics.median(r.measured for r in reports)
+            simulated = statistics.median(r.simulated for r in reports)
+            torch_name = f"torch {TORCH[name]}" if name in TORCH else None
+            rows.append(
+                {
+                    "p": p,
+                    "m": args["m"],
+                    "schedule": name,
+                    "plait_ms": 1e3 * med[f"plait {name}"],
+                    "torch_ms": 1e3 * med[torch_name] if torch_name else None,
+                    "ratio": med[f"plait {name}"] / med[torch_name] if torch_name else None,
+                    "vs_1f1b": med[f"plait {name}"] / med["plait 1f1b"],
+                    "sim_vs_1f1b": None,
+                    "bubble_measured": measured,
+                    "bubble_simulated": simulated,
+                    "bubble_formula": reports[-1].formula,
+                    "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
+                }
+            )
+            if p == max(int(v) for v in str(args["pp"]).split(",")) and name in ("1f1b", "zbv"):
+                last = [s for res in results for s in res["spans"][name][-1]]
+                slots = slots_from_spans(last)
+                draw_png(
+                    slots,
+                    str(out / f"pipeline_{name}_p{p}.png"),
+                    p=p,
+                    unit="seconds",
+                    title=f"plait {name}, p={p}, m={args['m']} (measured)",
+                )
+        sim_1f1b = next(r["sim_ms"] for r in rows if r["p"] == p and r["schedule"] == "1f1b")
+        for r in rows:
+            if r["p"] == p:
+                r["sim_vs_1f1b"] = r["sim_ms"] / sim_1f1b
+    lines = [
+        f"GPT {args['layers']} layers, width {args['width']}, {args['heads']} heads, sequence "
+        f"{args['seq']}, vocab 96, batch {args['batch']} in m={args['m']} micro-batches, fp32; "
+        f"gloo on loopback, 1 thread per rank, shared 2-core machine (noisy); medians of "
+        f"{args['steps']} steps",
+        "",
+        "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
+        "| bubble measured | bubble simulated | formula |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        t = f"{r['torch_ms']:.1f}" if r["torch_ms"] else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        lines.append(
+            f"| {r['p']} | {r['schedule']} | {r['plait_ms']:.1f} | {t} | {ratio} | "
+            f"{r['vs_1f1b']:.2f} | {r['sim_vs_1f1b']:.2f} | {100 * r['bubble_measured']:.1f}% | "
+            f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_formula']:.1f}% |"
+        )
+    (out / "pipeline.md").write_text("\n".join(lines) + "\n")
+    (out / "pipeline.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
