@@ -45,7 +45,7 @@ import plait
 from plait import checkpoint, comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import tp_plan
-from plait.plan.tensor_costs import gpt_linears, gpt_step_bytes, linear_cost
+from plait.plan.tensor_costs import crossover_tokens, gpt_linears, gpt_step_bytes, linear_cost
 from plait.strategies.tensor import loss_fn, parallelize
 from plait.strategies.tensor.grid import grid_mesh
 from plait.strategies.tensor.parallelize_nd import gpt_plan
@@ -194,11 +194,7 @@ def main() -> None:
         med = {m: statistics.median(v) for m, v in r0["times"].items()}
         for mode in med:
             measured = sum(r["sent"][mode] for r in results) / n
-            dims = {
-                "ranks": n,
-                "depth": 2 if mode == "2.5d" else None,
-                "bytes_per_element": 4,
-            }
+            depth = 2 if mode == "2.5d" else None
             formula = gpt_step_bytes(
                 mode,
                 batch=args["batch"],
@@ -206,7 +202,8 @@ def main() -> None:
                 width=cfg.width,
                 layers=cfg.layers,
                 vocab=cfg.vocab,
-                **dims,  # type: ignore[arg-type]
+                ranks=n,
+                depth=depth,
             )
             multiple = 1 if mode == "1d" else (4 if mode == "3d" else 2)
             vocab_p = -(-cfg.vocab // multiple) * multiple
@@ -217,7 +214,8 @@ def main() -> None:
                     in_features=i,
                     out_features=o,
                     side=side,
-                    **dims,  # type: ignore[arg-type]
+                    ranks=n,
+                    depth=depth,
                 ).bytes_per_rank
                 for i, o, side in gpt_linears(cfg.width, cfg.layers, vocab_p)
             )
@@ -257,6 +255,26 @@ def main() -> None:
             f" | {r['param_bytes']:,} ({r['param_fraction']:.3f}) | {r['saved_bytes']:,} "
             f"({r['saved_fraction']:.3f}) |"
         )
+    tokens = args["batch"] * cfg.seq_len
+    lines += [
+        "",
+        f"Crossover in bytes (linear layers, tensor_costs.crossover_tokens): the tokens per step "
+        f"above which a mode's linears send fewer bytes per rank than 1D's; this run has "
+        f"{tokens}. Ring = what plait sends; paper = the papers' reduce.",
+        "",
+        "| ranks | mode | crossover tokens (ring) | (paper) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["mode"] == "1d":
+            continue
+        shape = {"ranks": r["ranks"], "width": cfg.width, "layers": cfg.layers}
+        cross = [
+            crossover_tokens(r["mode"], vocab=cfg.vocab, algorithm=a, **shape)
+            for a in ("ring", "paper")
+        ]
+        text = ["never" if c is None else f"{c:,.0f}" for c in cross]
+        lines.append(f"| {r['ranks']} | {r['mode']} | {text[0]} | {text[1]} |")
     (out / "tensor_nd.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -129,3 +129,16 @@ def test_gpt_step_bytes_match_formula(ranks, mode):
         bytes_per_element=8,
     )
     assert sum(sent) == pytest.approx(want * WORLD[mode], abs=1e-6)
+
+
+def test_crossover_is_where_the_byte_counts_meet():
+    from plait.plan.tensor_costs import compare_modes, crossover_tokens
+
+    shape = {"ranks": 8, "width": 64, "layers": 2, "vocab": 96}
+    t = crossover_tokens("3d", **shape)
+    assert t is not None and t > 0
+    for tokens, wins in [(int(t) - 64, False), (int(t) + 64, True)]:
+        tokens -= tokens % 64  # a multiple of every grid's batch blocks
+        rows = {r.mode: r.bytes_per_step for r in compare_modes(tokens=tokens, **shape)}
+        assert (rows["3d"] < rows["1d"]) == wins, tokens
+    assert crossover_tokens("2d", ranks=4, width=1024, layers=24, vocab=50304) is None

@@ -217,6 +217,47 @@ def compare_modes(
     return rows
 
 
+def crossover_tokens(
+    mode: str,
+    *,
+    ranks: int,
+    width: int,
+    layers: int,
+    vocab: int,
+    depth: int = 2,
+    algorithm: str = "ring",
+) -> float | None:
+    """Tokens per step above which ``mode``'s linear layers send fewer bytes per rank than
+    1D's on ``ranks`` ranks (``None``: never; ``0``: always). Both counts are linear in the
+    tokens ``T`` (1D: ``c1 T``; the grid modes ``a + c T``, ``a`` the weights' traffic), so
+    the crossover is ``a / (c1 - c)``. ``algorithm``: ``"ring"`` (what plait sends) or
+    ``"paper"`` (the papers' reduce). Pure arithmetic."""
+
+    def linears(m: str, tokens: int) -> float:
+        rows = compare_modes(
+            ranks=ranks,
+            tokens=tokens,
+            width=width,
+            layers=layers,
+            vocab=vocab,
+            depth=depth,
+            algorithm=algorithm,
+        )
+        row = next(r for r in rows if r.mode == m)
+        if not row.valid:
+            raise ValueError(f"{m} does not fit {ranks} ranks: {row.reason}")
+        return row.bytes_per_step
+
+    step = 4 * ranks * ranks  # divisible by every grid's batch blocks
+    c1 = (linears("1d", 2 * step) - linears("1d", step)) / step
+    a_plus_c = linears(mode, step)
+    c = (linears(mode, 2 * step) - a_plus_c) / step
+    a = a_plus_c - c * step
+    if c >= c1:
+        return None
+    return max(0.0, a / (c1 - c))
+
+
 def gpt_step_bytes(
     mode: str,
     *,
@@ -316,6 +357,7 @@ __all__ = [
     "ModeCost",
     "collective_bytes",
     "compare_modes",
+    "crossover_tokens",
     "format_modes",
     "gpt_linears",
     "gpt_step_bytes",
