@@ -1,28 +1,40 @@
 """Every collective x algorithm x world size x dtype x awkward size, against a local
-float64 reference, with every rank's shared result bitwise equal."""
+float64 reference, with every rank's shared result bitwise equal; on the default
+transport, and on the shared-memory transport (``PLAIT_TRANSPORT=shm``)."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plait.comm import SUPPORTED
+from plait import RankPool
+from plait.comm import SUPPORTED, transport
 from tests.cases import DTYPES, Case, check, run_many
 
 WORLDS = [1, 2, 3, 4, 5, 8]
 OPS = ["sum", "avg", "prod", "max", "min"]
+SHM_WORLDS = [2, 3, 4]
+# the default pool's ranks share memory (algorithm "shm" works there) unless the default
+# transport is gloo or shared memory cannot work on this machine
+SHM_BY_DEFAULT = transport.parse_mode(None) != "gloo" and transport.unsupported("gloo") is None
+NO_SHM = transport.unsupported("gloo") is not None
 
 
-def _grid(world: int) -> list[Case]:
+def _pairs(shm: bool) -> dict[str, tuple[str, ...]]:
+    return {c: tuple(a for a in algos if shm or a != "shm") for c, algos in SUPPORTED.items()}
+
+
+def _grid(world: int, shm: bool = SHM_BY_DEFAULT) -> list[Case]:
     """All supported (collective, algorithm) pairs, all dtypes, awkward sizes."""
     sizes = sorted({0, 1, world - 1 if world > 1 else 2, world + 1, 37})
     cases = []
     ops = itertools.cycle(OPS)
     for (collective, algorithms), dtype, numel in itertools.product(
-        SUPPORTED.items(), DTYPES, sizes
+        _pairs(shm).items(), DTYPES, sizes
     ):
         for algorithm in algorithms:
             op = next(ops)
@@ -44,8 +56,29 @@ def test_grid(ranks, world):
         check(case, world, [results[r][i] for r in range(world)])
 
 
+@pytest.fixture(scope="module")
+def shm_ranks() -> Iterator[dict[int, RankPool]]:
+    pools: dict[int, RankPool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.mark.skipif(NO_SHM, reason="no shared-memory transport on this machine")
+@pytest.mark.parametrize("world", SHM_WORLDS)
+def test_grid_on_shared_memory(shm_ranks, world):
+    """The same grid with every local peer on shared memory (algorithm "shm" included)."""
+    pool = shm_ranks.get(world)
+    if pool is None:
+        pool = shm_ranks[world] = RankPool(world, timeout=60, env={"PLAIT_TRANSPORT": "shm"})
+    cases = _grid(world, shm=True)
+    results = pool.run(run_many, cases, timeout=300)
+    for i, case in enumerate(cases):
+        check(case, world, [results[r][i] for r in range(world)])
+
+
 def _case_strategy(world: int) -> st.SearchStrategy[Case]:
-    pairs = [(c, a) for c, algos in SUPPORTED.items() for a in algos]
+    pairs = [(c, a) for c, algos in _pairs(SHM_BY_DEFAULT).items() for a in algos]
     return st.builds(
         lambda pair, dtype, numel, op, root, seed, uneven: Case(
             pair[0],
