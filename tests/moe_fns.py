@@ -265,7 +265,7 @@ def refusals() -> dict[str, str]:
             MoE(D, num_experts=3, top_k=1), mesh=plait.Mesh(ep=plait.world().size)
         ),
         "no_moe": lambda: expert_parallel(nn.Linear(2, 2), mesh=plait.Mesh(ep=2)),
-        "tp": lambda: expert_parallel(MoE(D, num_experts=4), mesh=plait.Mesh(tp=2)),
+        "tp": lambda: expert_parallel(MoE(D, num_experts=4), mesh=plait.Mesh(ep=1, tp=2)),
     }
     for name, fn in cases.items():
         try:
