@@ -27,7 +27,7 @@ from plait.strategies.tensor.layers_nd import (
     Placement,
     placement,
 )
-from plait.strategies.tensor.parallelize_nd import gpt_plan
+from plait.strategies.tensor.parallelize_nd import gpt_plan, prepare_nd
 from plait.strategies.tensor.summa import matmul_ab, matmul_abt, matmul_atb
 from tests import tensor_gpt_fns
 
@@ -219,8 +219,12 @@ def train_gpt(mode: str, permuted: bool) -> dict[str, Any]:
     mesh = make_mesh(mode, permuted)
     model = GPT(cfg)
     dense_numel = sum(p.numel() for p in model.parameters())
-    parallelize(model, mesh, gpt_plan(mode, layers=cfg.layers))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt: Any = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if mode == "2.5d":  # through prepare_nd: the default plan and the rebuilt optimizer
+        model, opt = prepare_nd(model, opt, mesh=mesh, mode=mode)
+    else:
+        parallelize(model, mesh, gpt_plan(mode, layers=cfg.layers))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     loss_of = loss_fn(model)
     losses = []
     for step in range(tensor_gpt_fns.STEPS):

@@ -118,7 +118,7 @@ def grid_shape(mode: str, size: int, *, depth: int | None = None) -> dict[str, i
             near = _nearest([n * n for n in range(1, q + 3)], size)
             raise ValueError(
                 f"2d tensor parallelism needs a square number of ranks (q x q); {size} is "
-                f"not one: use {' or '.join(map(str, near))} ranks, or mode '1d'"
+                f"not one: use {' or '.join(map(str, near))} ranks, or 1D tensor parallelism"
             )
         return {"row": q, "col": q}
     if mode == "3d":
@@ -127,7 +127,7 @@ def grid_shape(mode: str, size: int, *, depth: int | None = None) -> dict[str, i
             near = _nearest([n**3 for n in range(1, q + 3)], size)
             raise ValueError(
                 f"3d tensor parallelism needs a cube number of ranks (q x q x q); {size} is "
-                f"not one: use {' or '.join(map(str, near))} ranks, or mode '2d' / '2.5d'"
+                f"not one: use {' or '.join(map(str, near))} ranks, or mode '2d' / '2.5d' / 1D"
             )
         return {"depth": q, "row": q, "col": q}
     if depth is None or depth < 1:

@@ -139,7 +139,12 @@ def parallelize_nd(
     mode = modes.pop()
     grid = grid_from_mesh(mesh, mode)
     where = placement(grid)
-    P._check_heads(model, styles, grid.q)
+    try:
+        P._check_heads(model, styles, grid.q)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} (under {mode} the grid side q = {grid.q} splits the heads)"
+        ) from exc
     P._check_dropout(model)
     _refuse_shared(model)
     for name, module in model.named_modules():
@@ -158,6 +163,13 @@ def parallelize_nd(
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}") from exc
         if style.output == "vocab":
+            if vocab is not None:
+                raise ValueError(f"module {name!r}: a plan has one output head ('vocab')")
+            if mode == "3d" and style.input == "swapped":
+                raise ValueError(
+                    f"module {name!r}: under 3d the output head takes the stream's layout "
+                    f"(input='stream'); put an even number of linears before it"
+                )
             vocab = modules[name].out_features  # type: ignore[assignment]
         P._set(model, name, new)
 
@@ -172,6 +184,32 @@ def parallelize_nd(
     object.__setattr__(model, "plait_tensor_nd", info)
     object.__setattr__(model, "plait_full_state_dict", lambda: P.full_state_dict(model))
     return model
+
+
+def prepare_nd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    mesh: Any,
+    mode: str,
+    plan: Mapping[str, Any] | None = None,
+    algorithm: str = "auto",
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """``parallelize_nd`` plus the optimizer rebuilt over the parameter shards (the same
+    class and hyper-parameters; it must not have stepped). Without a plan a
+    :class:`plait.models.GPT` gets :func:`gpt_plan`. Collective over the mesh."""
+    P = importlib.import_module("plait.strategies.tensor.parallelize")
+    if plan is None:
+        from plait.models.gpt import GPT
+
+        if not isinstance(model, GPT):
+            raise ValueError(
+                f"tensor-parallel mode {mode!r} needs plan= for a {type(model).__name__} "
+                f"(module path -> {mode!r}); only plait.models.GPT has a default plan"
+            )
+        plan = gpt_plan(mode, layers=model.config.layers)
+    parallelize_nd(model, mesh, plan, algorithm=algorithm)
+    return model, None if optimizer is None else P.rebuild_optimizer(optimizer, model)
 
 
 def loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -201,4 +239,4 @@ def loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return loss
 
 
-__all__ = ["ND_KINDS", "NdInfo", "gpt_plan", "loss_fn", "parallelize_nd"]
+__all__ = ["ND_KINDS", "NdInfo", "gpt_plan", "loss_fn", "parallelize_nd", "prepare_nd"]
