@@ -320,3 +320,23 @@ def gpt_step_sent(mode: str) -> int:
     comm.reset_stats()
     loss_of(model(x), y).backward()
     return sum(s.bytes_sent for s in comm.stats(reset=True).values())
+
+
+def train_dp_2d() -> dict[str, torch.Tensor]:
+    """8 ranks as dp 2 x (2 x 2): the GPT in 2D over the grid, plait's DDP over dp; each
+    dp replica trains on its half of a global batch of 2 * GPT_BATCH."""
+    from plait.strategies.tensor.grid import grid_mesh
+
+    cfg = tensor_gpt_fns.config(tied=False)
+    mesh = grid_mesh("2d", 4, dp=2)
+    model = parallelize(GPT(cfg), mesh, gpt_plan("2d", layers=cfg.layers))
+    ddp = plait.DistributedDataParallel(model, group=mesh.group("dp"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_of = loss_fn(model)
+    d, rows = mesh.rank("dp"), GPT_BATCH
+    for step in range(tensor_gpt_fns.STEPS):
+        x, y = tensor_gpt_fns.batch(step, cfg, 2 * rows)
+        opt.zero_grad()
+        loss_of(ddp(x[d * rows : (d + 1) * rows]), y[d * rows : (d + 1) * rows]).backward()
+        opt.step()
+    return checkpoint.full_state_dict(model)

@@ -142,3 +142,12 @@ def test_crossover_is_where_the_byte_counts_meet():
         rows = {r.mode: r.bytes_per_step for r in compare_modes(tokens=tokens, **shape)}
         assert (rows["3d"] < rows["1d"]) == wins, tokens
     assert crossover_tokens("2d", ranks=4, width=1024, layers=24, vocab=50304) is None
+
+
+def test_gpt_2d_under_dp_matches_oracle(ranks):
+    """dp 2 x 2D (2 x 2) with plait DDP on the dp group equals one process on the global batch."""
+    want, _ = tensor_gpt_fns.oracle(False, size=2 * fns.GPT_BATCH)
+    for got in ranks(8, fns.train_dp_2d, timeout=300):
+        assert list(got) == list(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], **TOL, msg=lambda m, k=key: f"{k}: {m}")
