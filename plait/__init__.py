@@ -1,6 +1,6 @@
 """plait: distributed training strategies in readable Python on PyTorch."""
 
-from plait import amp, comm, models
+from plait import amp, comm, models, moe
 from plait.clip import clip_grad_norm_
 from plait.launch import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
@@ -40,6 +40,7 @@ __all__ = [
     "comm",
     "fully_shard",
     "models",
+    "moe",
     "parallelize",
     "init",
     "is_initialized",

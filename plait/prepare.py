@@ -12,8 +12,9 @@ Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"n
 (:class:`~plait.strategies.ps.ParameterServer`: on server ranks ``prepare`` serves until
 the workers finish and returns ``(model, None)``; workers call ``optimizer.finish()``
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
-``mesh=`` and ``plan=``; a new optimizer over the shards), ``"none"`` (single process,
-unchanged).
+``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
+(:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
+its experts, a new optimizer over what it keeps), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.fsdp import fully_shard, shard_param_groups
+from plait.strategies.moe import prepare_ep
 from plait.strategies.ps import ParameterServer
 from plait.strategies.tensor import prepare_tp
 from plait.strategies.zero import prepare_zero
@@ -148,6 +150,7 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
     "tp": prepare_tp,
+    "ep": prepare_ep,
 }
 
 

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 import plait
 from plait import comm
 from plait.models.gpt import GPT, GPTConfig, MoEConfig
-from plait.moe import MoE, expert_parallel, prepare_ep
+from plait.moe import MoE, expert_parallel
 
 D, E, SEQ = 6, 4, 12
 
@@ -244,7 +244,9 @@ def gpt_ep(dp: int) -> dict[str, Any]:
     w = plait.world().size
     mesh = plait.Mesh(ep=w // dp, dp=dp) if dp > 1 else plait.Mesh(ep=w)
     model = GPT(gpt_config())
-    model, opt = prepare_ep(model, torch.optim.Adam(model.parameters(), lr=1e-2), mesh=mesh)
+    model, opt = plait.prepare(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), strategy="ep", mesh=mesh
+    )
     assert opt is not None
     b = model.plait_expert_parallel.batch_rank  # type: ignore[union-attr]
     loads = []

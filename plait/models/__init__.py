@@ -9,13 +9,14 @@
 
 from plait.models import text
 from plait.models.cnn import DigitsCNN
-from plait.models.gpt import GPT, GPTConfig
+from plait.models.gpt import GPT, GPTConfig, MoEConfig
 from plait.models.mlp import MLP
 from plait.models.text import CharTokenizer, python_docs, token_batches
 
 __all__ = [
     "GPT",
     "MLP",
+    "MoEConfig",
     "CharTokenizer",
     "DigitsCNN",
     "GPTConfig",
