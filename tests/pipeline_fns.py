@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 import plait
+from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import loss as gpt_loss
 from plait.strategies.pipeline import PipelineParallel
@@ -67,10 +68,17 @@ def train(
     )
     assert opt is not None
     losses, grads = [], {}
+    sent: dict[str, int] = {}
     for step in range(STEPS):
         x, y = batch(step, cfg, size)
         opt.zero_grad()
+        comm.group_stats(reset=True)
         losses.append(pipe.step(x, y).item())
+        if step == 1:  # after the first step's shape agreement
+            name = mesh.group("pp").name
+            for (group, collective, _), st in comm.group_stats().items():
+                if group == name:
+                    sent[collective] = sent.get(collective, 0) + st.bytes_sent
         if step == 0:
             grads = {
                 n: p.grad.clone()
@@ -84,6 +92,7 @@ def train(
         "losses": losses,
         "grads": grads,
         "peak": pipe.peak_in_flight,
+        "sent": sent,
         "partition": str(pipe.partition),
     }
 

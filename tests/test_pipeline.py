@@ -62,6 +62,21 @@ def test_gpt_matches_oracle(ranks, name, p, m, tied, recompute):
         if key in grads:
             torch.testing.assert_close(grads[key], value, **TOL, msg=lambda s, k=key: f"{k}: {s}")
     assert set(grads) >= set(want["grads"]) - {"head.weight", "tok.weight"}
+    # bytes: one activation and one gradient per SEND action, b s h float64 each
+    sched = build(name, p=p, m=m)
+    message = 2 * fns.config(tied, layers).seq_len * 16 * 8
+    sends = {
+        k: sum(1 for acts in sched.ranks for a in acts if a.kind.value == k)
+        for k in ("SEND_F", "SEND_B")
+    }
+    got = {
+        k: sum(res["sent"].get(k, 0) for res in results)
+        for k in ("pp_activation", "pp_gradient", "pp_tied_grad")
+    }
+    assert got["pp_activation"] == sends["SEND_F"] * message
+    assert got["pp_gradient"] == sends["SEND_B"] * message
+    tied_apart = tied and sched.placement[0] != sched.placement[-1]
+    assert got["pp_tied_grad"] == (2 * 13 * 16 * 8 if tied_apart else 0)
 
 
 @pytest.mark.parametrize("p", [2, 4])

@@ -279,3 +279,24 @@ def test_tied_stage_runs_backward_whole():
     layers = layers_of(small_gpt(tied=True, layers=1))
     assert not Stage(layers, 0).splittable  # tok and head in one stage
     assert Stage(layers[1:], 1).splittable
+
+
+def test_receives_follow_the_senders_order():
+    """A pair's messages arrive in order: a receive posted out of the sender's order could
+    wait behind a message whose receive comes only later (ZBV m=5 hung that way)."""
+    sched = build("zbv", p=2, m=5)
+    r1 = list(sched.ranks[1])
+    i, j = r1.index(Action.parse("1RECV_F2")), r1.index(Action.parse("2RECV_B0"))
+    assert i < j  # posted early, because rank 0 sends 0F2 before 3I0's gradient
+    r1[i], r1[j] = r1[j], r1[i]
+    with pytest.raises(ScheduleError, match="rank 1 posts 2RECV_B0 where rank 0 sends"):
+        validate(sched.with_ranks([sched.ranks[0], r1]))
+
+
+def test_split_returns_stages_and_partition():
+    from plait.strategies.pipeline import split
+
+    model = small_gpt(layers=2)
+    stages, part = split(model, stages=2, by=[2])
+    assert [s.layer_names for s in stages] == [["embed", "blocks.0"], ["blocks.1", "head"]]
+    assert str(part).splitlines()[0].startswith("stage 0: embed, blocks.0 |")

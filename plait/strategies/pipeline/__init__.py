@@ -18,7 +18,7 @@ from plait.strategies.pipeline.report import BubbleReport, bubble_report
 from plait.strategies.pipeline.runtime import PipelineError
 from plait.strategies.pipeline.schedules import SCHEDULES, add_comms, build
 from plait.strategies.pipeline.simulate import Costs, Simulation, formula_bubble, simulate
-from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
+from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition, split
 from plait.strategies.pipeline.validate import validate
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "partition",
     "prepare_pipeline",
     "simulate",
+    "split",
     "table",
     "validate",
 ]

@@ -16,10 +16,12 @@ end of step                 broadcast of the mean loss           one scalar
 =========================  ==================================  ===========================
 
 Sends are started when the schedule says and never waited on until the end of the step
-(so they overlap the following compute); receives are posted one action ahead and waited
-on by the action that reads them. Every wait is bounded by the group's timeout and raises
-naming the peer rank and the tensor. A stage that raises tells the others through the
-store (they fail at once with its message) before its error propagates.
+(so they overlap the following compute); receives are posted where the schedule says (one
+compute action ahead, in the order the peer sends: gloo delivers a pair's messages in
+order, see :func:`~.schedules.add_comms`) and waited on by the action that reads them.
+Every wait is bounded by the group's timeout and raises naming the peer rank and the
+tensor. A stage that raises tells the others through the store (they fail at once with
+its message) before its error propagates.
 
 Backward: ``B`` is one ``torch.autograd.backward``. Split (zero-bubble) schedules run
 ``I`` as ``autograd.grad`` w.r.t. the stage input and the outputs of every module that

@@ -201,6 +201,20 @@ def partition(
     )
 
 
+def split(
+    model: nn.Module,
+    *,
+    stages: int,
+    by: str | Sequence[int] = "params",
+    sample: torch.Tensor | None = None,
+) -> tuple[list[Stage], Partition]:
+    """``model`` cut into ``stages`` :class:`Stage` modules and the partition; print the
+    partition to see what each stage holds and its share of parameters (and time)."""
+    layers = layers_of(model)
+    part = partition(layers, stages, by=by, sample=sample)
+    return [Stage(layers[a:b], s) for s, (a, b) in enumerate(part.bounds)], part
+
+
 class Stage(nn.Module):
     """Some consecutive layers, registered under the dense model's module names.
 
