@@ -3,6 +3,7 @@
     python benchmarks/comm.py                 # world sizes 2 and 4, 4 KiB .. 64 MiB
     python benchmarks/comm.py --quick         # 2 sizes, for a smoke test
     python benchmarks/comm.py --check         # cost of the default-mode check, on vs off
+    python benchmarks/comm.py --transport shm # plait on shared memory vs gloo's own
 
 For each world size, three passes on one pool of ranks:
 
@@ -14,6 +15,13 @@ For each world size, three passes on one pool of ranks:
 Then the Python overhead of one tiny all-reduce (world 1, and world 2 against
 ``torch.distributed.all_reduce``). Writes ``benchmarks/results/comm.json`` and
 ``benchmarks/results/comm.md`` (the README's table).
+
+``--transport shm``: the ranks share memory (``PLAIT_TRANSPORT=shm``); all-reduce,
+reduce-scatter and all-gather with plait's algorithms (``shm``, and the point-to-point
+ones now on shared-memory messages) against gloo's own collective (``native``, which
+does not use plait's transport), interleaved in one run. Writes
+``benchmarks/results/comm_shm.json`` and ``comm_shm.md``: per size, gloo's time, plait's
+best and the ratio, each algorithm's bus bandwidth, and the tuned ``auto`` table.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ def _measure(
 
 def run_world(world: int, sizes: list[int], iters: int, budget: float) -> dict:
     table_file = Path(tempfile.mkdtemp()) / "tune.json"
-    env = {"PLAIT_TUNE_FILE": str(table_file)}  # empty: auto uses the built-in rule
+    # empty table: auto uses the built-in rule; gloo carries every message
+    env = {"PLAIT_TUNE_FILE": str(table_file), "PLAIT_TRANSPORT": "gloo"}
     everything = ["ring", "tree", "halving_doubling", "naive", "hierarchical", "native", "auto"]
     rows = _measure(world, env, everything, sizes, iters, budget)
     table = bench.tune_table(rows)
@@ -193,6 +202,70 @@ def check_cost(worlds: list[int], rounds: int) -> dict:
     return results
 
 
+SHM_COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather"]
+SHM_ALGORITHMS = ["shm", "ring", "ring_tree", "tree", "naive", "native", "auto"]
+
+
+def run_shm(world: int, sizes: list[int], iters: int, budget: float) -> dict:
+    table_file = Path(tempfile.mkdtemp()) / "tune.json"
+    env = {"PLAIT_TRANSPORT": "shm", "PLAIT_TUNE_FILE": str(table_file)}
+    with RankPool(world, env=env) as pool:
+        rows = pool.run(
+            bench.measure_rank,
+            SHM_COLLECTIVES,
+            SHM_ALGORITHMS,
+            sizes,
+            max_iters=iters,
+            budget_s=budget,
+            on_row=bench.print_row,
+            timeout=3600,
+        )[0]
+    return {"rows": bench.as_json(rows), "table": bench.tune_table(rows)}
+
+
+def shm_markdown(results: dict) -> str:
+    lines = []
+    for world, res in results["worlds"].items():
+        by: dict = {}
+        for r in res["rows"]:
+            by.setdefault((r["collective"], r["bytes"]), {})[r["algorithm"]] = r
+        algos = [a for a in SHM_ALGORITHMS if a not in ("native", "auto")]
+        lines.append(
+            f"\n**World size {world}**, shared-memory transport (float32; gloo = gloo's own "
+            f"collective; busbw in GB/s; ratio = gloo time / plait's best time)\n"
+        )
+        lines.append(
+            "| collective | size | gloo us | gloo busbw | best plait | plait us | plait busbw "
+            "| ratio | " + " | ".join(f"{a} busbw" for a in algos) + " |"
+        )
+        lines.append("|---" * (8 + len(algos)) + "|")
+        for (collective, nbytes), per in by.items():
+            gloo = per["native"]
+            mine = {a: per[a] for a in algos if a in per}
+            best = min(mine.values(), key=lambda r: r["time_us"])
+            cells = [f"{mine[a]['busbw_gbps']:.2f}" if a in mine else "-" for a in algos]
+            lines.append(
+                f"| {collective} | {_human(nbytes)} | {gloo['time_us']:.0f} | "
+                f"{gloo['busbw_gbps']:.2f} | {best['algorithm']} | {best['time_us']:.0f} | "
+                f"{best['busbw_gbps']:.2f} | {gloo['time_us'] / best['time_us']:.1f}x | "
+                + " | ".join(cells)
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main_shm(args: argparse.Namespace, sizes: list[int]) -> None:
+    results: dict = {"cores": os.cpu_count(), "sizes": sizes, "worlds": {}}
+    print(bench.format_rows([]))
+    for world in [int(w) for w in args.worlds.split(",")]:
+        results["worlds"][world] = run_shm(world, sizes, args.iters, args.budget)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "comm_shm.json").write_text(json.dumps(results, indent=1))
+    md = shm_markdown(results)
+    (OUT / "comm_shm.md").write_text(md)
+    print(md)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
@@ -205,6 +278,7 @@ def main() -> None:
         "--check", action="store_true", help="only the default-mode check's cost, on vs off"
     )
     parser.add_argument("--rounds", type=int, default=15, help="with --check")
+    parser.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     args = parser.parse_args()
     if args.check:
         check_cost([int(w) for w in args.worlds.split(",")], args.rounds)
@@ -212,6 +286,9 @@ def main() -> None:
     if args.quick:
         args.min_size, args.max_size, args.iters, args.budget = "4K", "64K", 5, 0.2
     sizes = bench.size_range(bench.parse_size(args.min_size), bench.parse_size(args.max_size))
+    if args.transport == "shm":
+        main_shm(args, sizes)
+        return
     results: dict = {"cores": os.cpu_count(), "sizes": sizes, "worlds": {}}
     print(bench.format_rows([]))
     for world in [int(w) for w in args.worlds.split(",")]:

@@ -51,6 +51,7 @@ class Row:
     busbw_gbps: float
     iters: int
     resolved: str  # what "auto" picked; the algorithm itself otherwise
+    transport: str = "gloo"  # "shm" when every rank of the world shares memory
 
 
 def _call(collective: str, algorithm: str, nbytes: int, n: int) -> Callable[[], object]:
@@ -96,10 +97,17 @@ def measure_rank(
     C, ...), so a noisy moment on a shared machine hits them all alike; each row is the
     median over its calls of the slowest rank's time.
     """
+    from plait.comm import ops
+
     g = comm.world()
+    shared = ops.shared(g)
     rows = []
     for collective in collectives:
-        algos = [a for a in algorithms if a == "auto" or a in comm.SUPPORTED[collective]]
+        algos = [
+            a
+            for a in algorithms
+            if a == "auto" or (a in comm.SUPPORTED[collective] and (shared or a != "shm"))
+        ]
         for nbytes in sizes:
             fns = {a: _call(collective, a, nbytes, g.size) for a in algos}
             for fn in fns.values():
@@ -122,7 +130,9 @@ def measure_rank(
             for a in algos:
                 median = statistics.median(_slowest(times[a]))
                 algbw = real / median / 1e9
-                resolved = tuner.choose(collective, real, g.size) if a == "auto" else a
+                resolved = (
+                    tuner.choose(collective, real, g.size, shm=shared) if a == "auto" else a
+                )
                 row = Row(
                     collective,
                     a,
@@ -133,6 +143,7 @@ def measure_rank(
                     algbw * bus_factor(collective, g.size),
                     iters,
                     resolved,
+                    "shm" if shared else "gloo",
                 )
                 rows.append(row)
                 if on_row is not None and g.rank == 0:
@@ -189,6 +200,11 @@ def format_rows(rows: Sequence[Row]) -> str:
 
 def as_json(rows: Sequence[Row]) -> list[dict[str, object]]:
     return [asdict(r) for r in rows]
+
+
+def table_transport(rows: Sequence[Row]) -> str:
+    """The transport a tuning table built from ``rows`` was measured on."""
+    return "shm" if rows and all(r.transport == "shm" for r in rows) else "gloo"
 
 
 def tune_table(rows: Sequence[Row]) -> dict[str, dict[int, list[tuple[int, str]]]]:

@@ -26,11 +26,13 @@ After its copies out a rank signals "released"; before it writes its scratch aga
 waits for every peer's release, so no rank overwrites a window another is still reading
 (the release is waited for lazily, at the next write, usually long since there).
 
-Bytes counted: what each rank copies into shared memory (``sent``) and out of the peers'
-scratch (``received``): all-reduce sends S and receives (n-1)/n S twice (the reduction's
-reads and the copy out); reduce-scatter sends S, receives (n-1)/n of its block... see
-each function. Blocks on the other ranks for at most the group's timeout; a dead peer is
-named within ``shm.CHECK_S``.
+Bytes counted per rank (``plait.comm.stats()``): ``sent`` is what it copies into its own
+window, ``received`` what it reads from the peers' windows. All-reduce of S bytes: sends
+S, receives 2(n-1)/n S (the reduction's reads of its slice, the copy out of the others'
+slices), as the ring's traffic. Reduce-scatter of S: sends S, receives n-1 times its own
+block. All-gather of blocks b_i: sends b_rank, receives the sum of the other blocks.
+Blocks on the other ranks for at most the group's timeout; a dead peer is named within
+about ``shm.CHECK_S``, a stopped one through the watchdog's heartbeat check.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ the rendezvous store (at most the group's timeout). ``mode`` comes from
 Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
 
 1. each rank publishes its *host key*: host name, boot id, the device and inode of the
-   segment directory and of its pid namespace (two ranks share memory only if all agree),
+   segment directory, its pid and network namespaces (two ranks share memory only if all
+   agree; ranks in two network namespaces are two hosts, as the two-host tests make them),
    plus the ``node_size`` block when the group has one (simulated hosts talk gloo);
 2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
    a random nonce: no two jobs or groups collide), ``fallocate``s it and publishes its
@@ -104,11 +105,13 @@ def host_key(node: int | None) -> str:
     except OSError:
         boot = "?"
     d = os.stat(segment_dir())
-    try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pidns = 0
-    key = f"{socket.gethostname()}|{boot}|{d.st_dev}:{d.st_ino}|{pidns}"
+    spaces = []
+    for ns in ("pid", "net"):  # other pid numbers; another network namespace: another host
+        try:
+            spaces.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            spaces.append("?")
+    key = f"{socket.gethostname()}|{boot}|{d.st_dev}:{d.st_ino}|{'|'.join(spaces)}"
     return key if node is None else f"{key}|node{node}"
 
 

@@ -131,7 +131,7 @@ def choose(collective: str, nbytes: int, world_size: int, *, shm: bool = False) 
     if not per_world or (_transport == "shm") != shm:
         return rule(collective, nbytes, world_size)
     rows = per_world[min(per_world, key=lambda k: (abs(k - world_size), k))]
-    for max_bytes, algorithm in rows:
-        if nbytes <= max_bytes:
-            return algorithm
-    return rows[-1][1]
+    picked = next((a for max_bytes, a in rows if nbytes <= max_bytes), rows[-1][1])
+    if picked == "shm" and not shm:  # a table written without its transport recorded
+        return rule(collective, nbytes, world_size)
+    return picked
