@@ -23,7 +23,8 @@ the slowest rank's; tables show medians. Fairness: every variant's first loss eq
 one-process run's (relative 1e-4). Bubble: plait's runtime records one span per action;
 the measured bubble (1 - compute time / (p x step window)) is set beside the simulator
 run with the measured mean cost of every (kind, stage) and beside the formula; the timeline
-PNG of the last measured 1F1B / ZBV step at p = 4 is written next to the table.
+PNG of the last measured 1F1B / ZBV step at p = 4 is written next to the table, and the
+simulated timeline (unit costs) of every schedule.
 
 Writes ``<out>/pipeline.json``, ``<out>/pipeline.md`` and ``<out>/pipeline_*.png``.
 """
@@ -44,6 +45,7 @@ from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import loss as gpt_loss
 from plait.strategies.pipeline import (
+    Costs,
     PipelineParallel,
     Stage,
     bubble_report,
@@ -51,6 +53,7 @@ from plait.strategies.pipeline import (
     draw_png,
     layers_of,
     partition,
+    simulate,
 )
 from plait.strategies.pipeline.report import slots_from_spans
 from plait.strategies.pipeline.schedules import loop_placement, v_placement
@@ -260,6 +263,17 @@ def main() -> None:
         for r in rows:
             if r["p"] == p:
                 r["sim_vs_1f1b"] = r["sim_ms"] / sim_1f1b
+    top = max(int(v) for v in str(args["pp"]).split(","))
+    for name in PLAIT:  # the textbook pictures: unit costs, simulated
+        sched = build(name, p=top, m=args["m"])
+        sim = simulate(sched, Costs.per_chunk(sched.v))
+        draw_png(
+            sim.slots,
+            str(out / f"pipeline_sim_{name}_p{top}.png"),
+            p=top,
+            unit="time (F of a whole stage = 1)",
+            title=f"{name}, p={top}, m={args['m']}: simulated, bubble {100 * sim.bubble:.1f}%",
+        )
     lines = [
         f"GPT {args['layers']} layers, width {args['width']}, {args['heads']} heads, sequence "
         f"{args['seq']}, vocab 96, batch {args['batch']} in m={args['m']} micro-batches, fp32; "

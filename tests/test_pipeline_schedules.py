@@ -117,7 +117,8 @@ def test_zb_h1_idles_a_third_of_1f1b(p):
 
 @pytest.mark.parametrize("p", (2, 3, 4, 8))
 def test_zbv_only_fill(p):
-    """ZBV with m >= 2p idles only its fill: (p - 1) chunk forwards = (p - 1) / 2 per rank."""
+    """ZBV with m >= 2p idles (p - 1) chunk forwards = (p - 1) / 2 per rank: the length of
+    its fill (rank p-1 waits that long for its first input), nothing more."""
     for m in (2 * p, 2 * p + 1, 3 * p):
         sim = simulate(build("zbv", p=p, m=m), Costs.per_chunk(2))
         assert all(x == pytest.approx((p - 1) / 2) for x in sim.idle), (m, sim.idle)
