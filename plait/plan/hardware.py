@@ -1,0 +1,292 @@
+"""Clusters the planner times layouts on: devices, their FLOP/s and memory, and two links.
+
+A :class:`Cluster` is ``nodes`` machines of ``devices_per_node`` devices. Each device has a
+peak ``peak_flops`` (dense, in the training dtype) of which the model's compute reaches
+``efficiency`` (kernels, LayerNorms, softmax and launch gaps included: a calibrated
+constant, not a datasheet number), and ``memory_bytes`` of memory of which
+``memory_reserve`` is kept back for what the planner does not count (allocator
+fragmentation, workspaces, communication buffers).
+
+Communication follows the alpha-beta model: a message of ``S`` bytes between two devices
+costs ``alpha + S / beta`` seconds, ``beta`` the bandwidth one device gets in one direction.
+Inside a node (NVLink) that is ``intra_bandwidth`` / ``intra_latency``; between nodes
+(InfiniBand, one NIC per device on DGX machines) ``inter_bandwidth`` / ``inter_latency``.
+A ring collective over ``n`` devices takes ``k (n-1)`` steps of ``S/n`` bytes (``k = 2``
+for an all-reduce, 1 for a reduce-scatter or an all-gather), so::
+
+    t_all_reduce(S, n) = 2 (n-1) alpha + 2 (n-1)/n S / beta
+
+and a group whose members sit on more than one node runs at the inter-node link's speed.
+
+Presets: :func:`a100` (DGX A100 / Selene, the hardware of PTD-P and Korthikanti et al.),
+:func:`h100` (DGX H100), and :func:`local_cpu` (this machine, from a ``plait bench comm``
+JSON file and a matmul timed here). Published constants::
+
+    A100 SXM 80GB   312 TFLOP/s bf16 dense   NVLink3 600 GB/s both ways = 300 GB/s per direction
+                    HDR InfiniBand 200 Gb/s per GPU (8 NICs per DGX) = 25 GB/s
+    H100 SXM 80GB   989 TFLOP/s bf16 dense   NVLink4 900 GB/s both ways = 450 GB/s per direction
+                    NDR InfiniBand 400 Gb/s per GPU = 50 GB/s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# Efficiency of the A100 preset: fit once, on Korthikanti et al.'s 175B run (see
+# benchmarks/plan_validate.py, which then checks the other seven published times with it).
+A100_EFFICIENCY = 0.60
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Devices and links (module doc). Bandwidths in bytes/s per device and direction."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    peak_flops: float
+    memory_bytes: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    efficiency: float
+    memory_reserve: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("nodes", "devices_per_node"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Cluster {self.name!r}: {f} needs a whole number >= 1, got {v!r}")
+        for f in ("peak_flops", "memory_bytes", "intra_bandwidth", "inter_bandwidth"):
+            if getattr(self, f) <= 0:
+                value = getattr(self, f)
+                raise ValueError(f"Cluster {self.name!r}: {f} must be above 0, got {value!r}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(
+                f"Cluster {self.name!r}: efficiency={self.efficiency} must be in (0, 1] "
+                f"(the share of peak FLOP/s the model's compute reaches)"
+            )
+        if not 0 <= self.memory_reserve < 1:
+            raise ValueError(f"Cluster {self.name!r}: memory_reserve must be in [0, 1)")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * (1 - self.memory_reserve)
+
+    def link(self, spans_nodes: bool) -> tuple[float, float]:
+        """``(latency, bandwidth)`` of the link a group uses."""
+        if spans_nodes:
+            return self.inter_latency, self.inter_bandwidth
+        return self.intra_latency, self.intra_bandwidth
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        return replace(self, nodes=nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def a100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
+    """DGX A100 80GB nodes (8 GPUs, NVLink3, 8x HDR InfiniBand): PTD-P's Selene."""
+    return Cluster(
+        name=f"a100x8x{nodes}",
+        nodes=nodes,
+        devices_per_node=8,
+        peak_flops=312e12,
+        memory_bytes=80e9,
+        intra_bandwidth=300e9,
+        intra_latency=5e-6,
+        inter_bandwidth=25e9,
+        inter_latency=10e-6,
+        efficiency=efficiency,
+        memory_reserve=0.1,
+    )
+
+
+def h100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
+    """DGX H100 80GB nodes (8 GPUs, NVLink4, 8x NDR InfiniBand). The efficiency is the
+    A100's unless given: H100 runs reach a lower share of a higher peak (Megatron's README
+    reports 41-48% MFU on H100 against 52-56% on A100), so this preset is optimistic."""
+    return Cluster(
+        name=f"h100x8x{nodes}",
+        nodes=nodes,
+        devices_per_node=8,
+        peak_flops=989e12,
+        memory_bytes=80e9,
+        intra_bandwidth=450e9,
+        intra_latency=5e-6,
+        inter_bandwidth=50e9,
+        inter_latency=10e-6,
+        efficiency=efficiency,
+        memory_reserve=0.1,
+    )
+
+
+# --- this machine ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkFit:
+    """``t = steps * latency + bytes_per_rank / bandwidth``, fit to measured collectives."""
+
+    latency: float
+    bandwidth: float
+    points: int
+    source: str
+
+
+def fit_alpha_beta(rows: Sequence[dict[str, Any]], *, source: str = "") -> LinkFit:
+    """Least-squares ``(alpha, beta)`` from all-reduce rows of ``plait bench comm``
+    (``world_size``, ``bytes``, ``time_us``): each row is ``2(n-1)`` steps and
+    ``2(n-1)/n * bytes`` sent per rank. Negative fits are clamped (latency 0, or the
+    bandwidth of the largest message alone)."""
+    pts = []
+    for r in rows:
+        n, size, t = int(r["world_size"]), float(r["bytes"]), float(r["time_us"]) * 1e-6
+        if n < 2 or t <= 0:
+            continue
+        pts.append((2.0 * (n - 1), 2.0 * (n - 1) / n * size, t))
+    if len(pts) < 2:
+        raise ValueError(
+            f"fit_alpha_beta: need all-reduce timings at 2 or more sizes, got {len(pts)} "
+            f"({source or 'rows'}); run `plait bench comm --collectives all_reduce`"
+        )
+    # normal equations of t = a x + c y (x = steps, y = bytes)
+    sxx = sum(x * x for x, _, _ in pts)
+    syy = sum(y * y for _, y, _ in pts)
+    sxy = sum(x * y for x, y, _ in pts)
+    sxt = sum(x * t for x, _, t in pts)
+    syt = sum(y * t for _, y, t in pts)
+    det = sxx * syy - sxy * sxy
+    a = (sxt * syy - syt * sxy) / det if det else 0.0
+    c = (sxx * syt - sxy * sxt) / det if det else 0.0
+    if a < 0 or c <= 0:
+        x, y, t = max(pts, key=lambda p: p[1])
+        a, c = max(a, 0.0), t / y
+    return LinkFit(latency=a, bandwidth=1.0 / c, points=len(pts), source=source)
+
+
+def bench_rows(path: str | Path, *, algorithm: str = "ring") -> list[dict[str, Any]]:
+    """The all-reduce rows of ``algorithm`` in a ``plait bench comm --json`` file (a list of
+    rows) or in ``benchmarks/results/comm.json`` (rows per world size)."""
+    data = json.loads(Path(path).read_text())
+    rows: list[dict[str, Any]] = []
+    if isinstance(data, dict) and "worlds" in data:
+        for world in data["worlds"].values():
+            rows.extend(world["rows"])
+    elif isinstance(data, list):
+        rows = data
+    else:
+        raise ValueError(f"{path}: not a `plait bench comm` result")
+    return [r for r in rows if r["collective"] == "all_reduce" and r["algorithm"] == algorithm]
+
+
+def matmul_flops(*, size: int = 384, repeats: int = 5) -> float:
+    """FLOP/s of a float32 ``size x size`` matmul on this process's threads (median)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * size**3 / times[len(times) // 2]
+
+
+def default_bench_file() -> Path | None:
+    """``runs/bench_comm_n4.json`` if ``plait bench comm`` wrote one, else the committed
+    ``benchmarks/results/comm.json`` of this repository, else None."""
+    committed = Path(__file__).parents[2] / "benchmarks/results/comm.json"
+    for p in (Path("runs/bench_comm_n4.json"), committed):
+        if p.exists():
+            return p
+    return None
+
+
+def local_cpu(
+    *,
+    ranks: int = 4,
+    bench_file: str | Path | None = None,
+    flops_per_core: float | None = None,
+    efficiency: float = 0.5,
+) -> Cluster:
+    """This machine as ``ranks`` devices on one node.
+
+    Each rank gets ``cores / ranks`` of the cores' matmul speed (``flops_per_core``, timed
+    here with one thread when not given); memory is the machine's RAM over the ranks; both
+    links are the alpha-beta fit of the ring all-reduce rows of ``bench_file`` (default
+    :func:`default_bench_file`; gloo on loopback). ``efficiency`` is the share of the
+    matmul speed a small GPT's step reaches on CPU (its elementwise work is not free)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if flops_per_core is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            flops_per_core = matmul_flops()
+        finally:
+            torch.set_num_threads(threads)
+    path = Path(bench_file) if bench_file is not None else default_bench_file()
+    if path is None:
+        latency, bandwidth = 500e-6, 1e9
+    else:
+        fit = fit_alpha_beta(bench_rows(path), source=str(path))
+        latency, bandwidth = fit.latency, fit.bandwidth
+    try:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        ram = 8e9
+    return Cluster(
+        name=f"cpu{cores}x{ranks}",
+        nodes=1,
+        devices_per_node=ranks,
+        peak_flops=flops_per_core * min(1.0, cores / ranks),
+        memory_bytes=float(ram) / ranks,
+        intra_bandwidth=bandwidth,
+        intra_latency=latency,
+        inter_bandwidth=bandwidth,
+        inter_latency=latency,
+        efficiency=efficiency,
+    )
+
+
+PRESETS = ("a100", "h100", "cpu")
+
+
+def preset(name: str, *, nodes: int = 1, ranks: int = 4) -> Cluster:
+    """``"a100"`` / ``"h100"`` with ``nodes`` nodes, or ``"cpu"`` with ``ranks`` ranks."""
+    if name == "a100":
+        return a100(nodes)
+    if name == "h100":
+        return h100(nodes)
+    if name == "cpu":
+        return local_cpu(ranks=ranks)
+    raise ValueError(f"unknown cluster preset {name!r}; use one of {list(PRESETS)}")
+
+
+__all__ = [
+    "A100_EFFICIENCY",
+    "PRESETS",
+    "Cluster",
+    "LinkFit",
+    "a100",
+    "bench_rows",
+    "fit_alpha_beta",
+    "h100",
+    "local_cpu",
+    "matmul_flops",
+    "preset",
+]

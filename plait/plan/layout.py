@@ -1,0 +1,196 @@
+"""A training job and a parallel layout, and the rules a layout must obey.
+
+A :class:`Layout` places ``world = dp * tp * pp * ep`` ranks on the grid of
+:class:`plait.Mesh` (innermost first: ``tp, ep, dp, pp``; PTD-P's order, tensor ranks
+adjacent, pipeline stages furthest apart). Each pipeline rank holds ``v`` chunks of
+``layers / (pp * v)`` blocks; the global batch of ``global_batch`` sequences is cut into
+``dp * ep`` data shards (expert-parallel ranks see different tokens: the dense part of the
+model is data-parallel over ``dp * ep``, each expert over ``dp``), each shard into
+``m = global_batch / (dp * ep * microbatch)`` micro-batches of ``microbatch`` sequences.
+
+:func:`check` refuses a layout the model, the job or the schedule cannot take, naming the
+constraint and what to change (``"tp=3 does not divide heads=16"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from plait.plan.model import RECOMPUTE, ModelSpec
+
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+PRECISIONS = ("mixed", "fp32")
+
+
+class LayoutError(ValueError):
+    """A layout the model, the job or the cluster cannot take; the message names why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What is trained: ``global_batch`` sequences of ``seq`` tokens per optimizer step.
+
+    ``precision``: ``"mixed"`` (16-bit parameters, gradients and activations, fp32 master
+    copy and Adam state: 16 bytes per parameter) or ``"fp32"``. ``dropout``: whether the
+    model keeps dropout masks (1 byte per element, Korthikanti et al.'s count)."""
+
+    global_batch: int
+    seq: int
+    precision: str = "mixed"
+    optimizer: str = "adam"
+    dropout: bool = True
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq < 1:
+            raise LayoutError(
+                f"Job: global_batch={self.global_batch} and seq={self.seq} must be >= 1"
+            )
+        if self.precision not in PRECISIONS:
+            raise LayoutError(f"Job: precision={self.precision!r}; use one of {list(PRECISIONS)}")
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one activation or gradient element."""
+        return 2 if self.precision == "mixed" else 4
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Degrees of parallelism and the choices that go with them (module doc)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    v: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zbv: 2)
+    schedule: str = "none"  # "none" when pp == 1
+    microbatch: int = 1  # sequences per micro-batch
+    zero: int = 0  # ZeRO stage over the data-parallel group: 0, 1, 2, 3 (3 = FSDP)
+    recompute: str = "none"  # "none", "selective" (attention core), "full" (whole blocks)
+    sp: bool = False  # sequence parallelism over tp (1D only)
+    tp_mode: str = "1d"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks that see different tokens: ``dp * ep``."""
+        return self.dp * self.ep
+
+    def microbatches(self, job: Job) -> int:
+        return job.global_batch // (self.data_shards * self.microbatch)
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}"]
+        if self.tp_mode != "1d":
+            parts[-1] += f"({self.tp_mode})"
+        parts.append(f"pp{self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        text = "x".join(parts)
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
+        text += f" b{self.microbatch}"
+        if self.zero:
+            text += f" zero{self.zero}"
+        if self.sp:
+            text += " sp"
+        if self.recompute != "none":
+            text += f" rc:{self.recompute}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = None) -> None:
+    """Raise :class:`LayoutError` naming the first constraint ``layout`` breaks."""
+    lay = layout
+    for name in ("dp", "tp", "pp", "ep", "v", "microbatch"):
+        value = getattr(lay, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutError(f"{name}={value!r} must be a whole number >= 1")
+    if world is not None and lay.world != world:
+        raise LayoutError(
+            f"dp*tp*pp*ep = {lay.dp}*{lay.tp}*{lay.pp}*{lay.ep} = {lay.world} ranks, but the "
+            f"cluster has {world}; change a degree so the product is {world}"
+        )
+    if job.seq > model.seq_len:
+        raise LayoutError(f"seq={job.seq} exceeds the model's seq_len={model.seq_len}")
+    if lay.tp_mode not in TP_MODES:
+        raise LayoutError(f"tp_mode={lay.tp_mode!r}; use one of {list(TP_MODES)}")
+    if lay.tp_mode == "1d":
+        if model.heads % lay.tp:
+            raise LayoutError(f"tp={lay.tp} does not divide heads={model.heads}")
+    else:
+        from plait.plan.tensor_costs import grid_of
+
+        try:
+            q, _ = grid_of(lay.tp_mode, lay.tp)
+        except ValueError as e:
+            raise LayoutError(f"tp={lay.tp} with tp_mode={lay.tp_mode!r}: {e}") from None
+        if model.hidden % q or model.heads % q:
+            raise LayoutError(
+                f"tp_mode={lay.tp_mode!r}: the grid side q={q} must divide hidden="
+                f"{model.hidden} and heads={model.heads}"
+            )
+        if lay.sp:
+            raise LayoutError(f"sp=True is 1D's sequence parallelism; tp_mode={lay.tp_mode!r}")
+    if lay.sp and lay.tp == 1:
+        raise LayoutError("sp=True needs tp >= 2 (sequence parallelism splits over tp)")
+    if lay.recompute not in RECOMPUTE:
+        raise LayoutError(f"recompute={lay.recompute!r}; use one of {list(RECOMPUTE)}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise LayoutError(f"zero={lay.zero!r}; use a ZeRO stage 0, 1, 2 or 3")
+    if lay.zero >= 2 and lay.pp > 1:
+        raise LayoutError(
+            f"zero={lay.zero} with pp={lay.pp}: ZeRO-2/3 shard the gradients that the "
+            f"micro-batches of a pipeline accumulate (DeepSpeed refuses it too); use zero<=1"
+        )
+    if lay.ep > 1 and not model.experts:
+        raise LayoutError(f"ep={lay.ep} but the model has no experts (experts=0); use ep=1")
+    if model.experts and model.experts % lay.ep:
+        raise LayoutError(f"ep={lay.ep} does not divide experts={model.experts}")
+    # schedule
+    if lay.pp == 1:
+        if lay.schedule != "none" or lay.v != 1:
+            raise LayoutError(
+                f"pp=1 runs no pipeline: use schedule='none' and v=1 "
+                f"(got schedule={lay.schedule!r}, v={lay.v})"
+            )
+    elif lay.schedule not in SCHEDULES[1:]:
+        raise LayoutError(
+            f"pp={lay.pp} needs a schedule among {list(SCHEDULES[1:])}, got {lay.schedule!r}"
+        )
+    elif lay.schedule in ("gpipe", "1f1b", "zb-h1") and lay.v != 1:
+        raise LayoutError(f"schedule {lay.schedule!r} runs one chunk per rank; v={lay.v}, use v=1")
+    elif lay.schedule == "interleaved" and lay.v < 2:
+        raise LayoutError(f"schedule 'interleaved' needs v >= 2 chunks per rank, got v={lay.v}")
+    elif lay.schedule == "zbv" and lay.v != 2:
+        raise LayoutError(f"schedule 'zbv' runs v=2 chunks per rank (the V), got v={lay.v}")
+    if model.layers % (lay.pp * lay.v):
+        raise LayoutError(
+            f"pp*v = {lay.pp}*{lay.v} = {lay.pp * lay.v} does not divide layers={model.layers}; "
+            f"every chunk holds the same number of blocks"
+        )
+    per_step = lay.data_shards * lay.microbatch
+    if job.global_batch % per_step:
+        raise LayoutError(
+            f"global_batch={job.global_batch} is not a multiple of dp*ep*microbatch = "
+            f"{lay.dp}*{lay.ep}*{lay.microbatch} = {per_step}"
+        )
+    m = lay.microbatches(job)
+    if lay.schedule == "interleaved" and m % lay.pp:
+        raise LayoutError(
+            f"schedule 'interleaved' needs microbatches m={m} to be a multiple of pp={lay.pp}"
+        )
+
+
+__all__ = ["PRECISIONS", "SCHEDULES", "TP_MODES", "Job", "Layout", "LayoutError", "check"]

@@ -1,0 +1,242 @@
+"""What the planner knows about a model: its shape, its parameters, its FLOPs.
+
+A :class:`ModelSpec` is a decoder-only transformer in the shape of :class:`plait.models.GPT`
+(and of GPT-3 / Megatron's GPT): ``layers`` blocks of width ``hidden`` with ``heads``
+attention heads, an MLP of ``ffn_mult * hidden``, a token embedding of ``vocab`` rows, a
+learned position table of ``seq_len`` rows, a final LayerNorm and an output head (shared
+with the token embedding when ``tied``). Optionally every ``moe_every``-th block's MLP is a
+mixture of ``experts`` experts with top-``top_k`` routing (GShard).
+
+Parameters, counted the way plait's GPT holds them (biases on every linear but the head)::
+
+    per dense block   (4 + 2 f) h^2 + (9 + f) h      = 12 h^2 + 13 h for f = 4
+                      qkv 3h^2+3h, proj h^2+h, fc1 f h^2+f h, fc2 f h^2+h, two LayerNorms 4h
+    per MoE block     attention and LayerNorms 4h^2 + 8h, gate h E, E experts (2 f h^2 + (f+1) h)
+    embeddings        V h (tokens) + s h (positions); final LayerNorm 2h; head V h unless tied
+
+so P = 12 L h^2 (1 + 13/(12 h) + (V + s)/(12 L h)) for a dense tied model: Narayanan et al.
+2021 (PTD-P), section 5.1.
+
+FLOPs (Narayanan et al. 2021, appendix; a multiply-add is 2 FLOPs), per token and per block,
+forward: the four linears ``2 (4 + 2 f) h^2`` (``24 h^2`` for f = 4) plus attention's two
+``s x s`` products ``4 s h`` (``QK^T`` and ``softmax . V``, causality not discounted, as the
+paper counts); the head ``2 h V``. Backward is twice the forward. One iteration on ``B``
+sequences of ``s`` tokens, for f = 4 and a dense model::
+
+    model FLOPs     72 B s L h^2 (1 + s/(6h) + V/(12 L h))    forward + backward
+    full recompute  96 B s L h^2 (1 + s/(6h) + V/(16 L h))    + one more forward of the blocks
+    selective       model FLOPs + 4 B s^2 h L                 attention core recomputed
+
+MFU divides model FLOPs by time x peak; HFU the FLOPs the hardware really ran (with the
+recomputation), as Korthikanti et al. 2022 report both. An MoE block's MLP costs ``top_k``
+expert MLPs per token (capacity padding not counted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GPT's dimensions (module doc). ``seq_len`` is the position table's length."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    ffn_mult: int = 4
+    tied: bool = False
+    experts: int = 0  # 0: every MLP dense
+    top_k: int = 2
+    moe_every: int = 2
+    name: str = "gpt"
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_mult"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSpec: {field} must be a whole number >= 1, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"ModelSpec: hidden={self.hidden} is not a multiple of heads={self.heads}"
+            )
+        if self.experts < 0 or self.experts == 1:
+            raise ValueError(
+                f"ModelSpec: experts={self.experts}; use 0 (dense) or at least 2 experts"
+            )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"ModelSpec: top_k={self.top_k} must be between 1 and experts={self.experts}"
+            )
+        if self.experts and self.moe_every < 1:
+            raise ValueError(f"ModelSpec: moe_every={self.moe_every} must be at least 1")
+
+    # --- structure ------------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks have a mixture of experts (blocks moe_every-1, 2 moe_every-1, ...)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    def attention_params(self) -> int:
+        """qkv, proj and the two LayerNorms of one block: ``4 h^2 + 8 h``."""
+        h = self.hidden
+        return 4 * h * h + 8 * h
+
+    def mlp_params(self) -> int:
+        """One dense MLP (or one expert): ``2 f h^2 + (f + 1) h``."""
+        h, f = self.hidden, self.ffn_mult
+        return 2 * f * h * h + (f + 1) * h
+
+    def block_params(self, moe: bool = False) -> int:
+        if moe:
+            return (
+                self.attention_params()
+                + self.hidden * self.experts
+                + self.experts * (self.mlp_params())
+            )
+        return self.attention_params() + self.mlp_params()
+
+    def embedding_params(self) -> int:
+        return (self.vocab + self.seq_len) * self.hidden
+
+    def head_params(self) -> int:
+        """Final LayerNorm plus the head (the head counts 0 when tied to the embedding)."""
+        return 2 * self.hidden + (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter, counted once (module doc)."""
+        return (
+            self.dense_layers * self.block_params(False)
+            + self.moe_layers * self.block_params(True)
+            + self.embedding_params()
+            + self.head_params()
+        )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through (``top_k`` experts per MoE block)."""
+        if not self.experts:
+            return self.num_params
+        inactive = self.moe_layers * (self.experts - self.top_k) * self.mlp_params()
+        return self.num_params - inactive
+
+    # --- FLOPs ----------------------------------------------------------------------------
+    def flops_per_token(self, seq: int, *, recompute: str = "none") -> float:
+        """Forward + backward FLOPs per token on sequences of ``seq`` tokens (module doc);
+        ``recompute`` adds what the hardware runs again (HFU, not MFU)."""
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r}; use one of {list(RECOMPUTE)}")
+        h, f = self.hidden, self.ffn_mult
+        attn_linears = 2 * 4 * h * h  # qkv + proj
+        mlp = 2 * 2 * f * h * h
+        mlp_moe = mlp * self.top_k + 2 * h * self.experts  # top_k experts + the gate
+        core = 4 * seq * h  # QK^T and softmax . V
+        blocks_fwd = self.dense_layers * (attn_linears + mlp + core) + self.moe_layers * (
+            attn_linears + mlp_moe + core
+        )
+        head_fwd = 2 * h * self.vocab
+        total = 3.0 * (blocks_fwd + head_fwd)
+        if recompute == "full":
+            total += blocks_fwd
+        elif recompute == "selective":
+            total += self.layers * core
+        return total
+
+    def flops_per_iteration(self, *, batch: int, seq: int, recompute: str = "none") -> float:
+        """``flops_per_token * batch * seq``: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for a
+        dense f = 4 model without recomputation."""
+        return self.flops_per_token(seq, recompute=recompute) * batch * seq
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"num_params": self.num_params}
+
+
+def from_gpt_config(config: Any, *, name: str = "gpt") -> ModelSpec:
+    """The spec of a :class:`plait.models.GPTConfig` (its MoE blocks included)."""
+    moe = getattr(config, "moe", None)
+    return ModelSpec(
+        layers=config.layers,
+        hidden=config.width,
+        heads=config.heads,
+        vocab=config.vocab,
+        seq_len=config.seq_len,
+        tied=config.tied,
+        experts=moe.num_experts if moe is not None else 0,
+        top_k=moe.top_k if moe is not None else 2,
+        moe_every=config.moe_every,
+        name=name,
+    )
+
+
+def from_param_count(
+    num_params: float,
+    *,
+    layers: int | None = None,
+    head_dim: int = 128,
+    vocab: int = 51200,
+    seq_len: int = 2048,
+    tied: bool = True,
+    name: str | None = None,
+) -> ModelSpec:
+    """A dense GPT of about ``num_params`` parameters.
+
+    With ``layers`` given, ``hidden`` solves ``12 L h^2 + (13 L + V + s + 2) h = P``; without,
+    the shape follows GPT-3's aspect ratio ``h = 128 L`` (175B: L = 96, h = 12288). ``hidden``
+    is rounded to a multiple of ``head_dim`` (heads = hidden / head_dim), so the count is
+    close to, not exactly, ``num_params`` (see ``.num_params``).
+    """
+    if num_params <= 0:
+        raise ValueError(f"from_param_count: num_params={num_params!r} must be above 0")
+    if layers is None:
+        # 12 L h^2 with h = 128 L: P ~ 12 * 128^2 L^3
+        layers = max(1, round((num_params / (12 * 128 * 128)) ** (1 / 3)))
+    a, b, c = 12 * layers, 13 * layers + vocab + seq_len + 2, -float(num_params)
+    h = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    hidden = max(head_dim, round(h / head_dim) * head_dim)
+    return ModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=hidden // head_dim,
+        vocab=vocab,
+        seq_len=seq_len,
+        tied=tied,
+        name=name or f"{num_params / 1e9:g}B",
+    )
+
+
+# Published models (the validation runs): Korthikanti et al. 2022, Table 3; PTD-P Table 1.
+# vocab 51200, sequence 2048, tied embeddings (Megatron's GPT).
+PUBLISHED = {
+    "22B": dict(layers=48, hidden=6144, heads=64),
+    "175B": dict(layers=96, hidden=12288, heads=96),
+    "530B": dict(layers=105, hidden=20480, heads=128),
+    "1T": dict(layers=128, hidden=25600, heads=160),
+}
+
+
+def published(name: str) -> ModelSpec:
+    """One of :data:`PUBLISHED` (Megatron's GPT: V = 51200, s = 2048, tied)."""
+    if name not in PUBLISHED:
+        raise ValueError(f"unknown published model {name!r}; use one of {list(PUBLISHED)}")
+    return ModelSpec(vocab=51200, seq_len=2048, tied=True, name=name, **PUBLISHED[name])
+
+
+__all__ = [
+    "PUBLISHED",
+    "RECOMPUTE",
+    "ModelSpec",
+    "from_gpt_config",
+    "from_param_count",
+    "published",
+]

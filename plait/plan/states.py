@@ -1,0 +1,159 @@
+"""Model-state memory per rank of a layout: which parameters a rank holds, then ZeRO.
+
+Which parameters (elements) a rank holds, 1D tensor parallelism over ``t`` ranks as plait's
+:func:`plait.models.gpt.tp_plan` and Megatron shard them (``f`` the MLP multiplier)::
+
+    dense block   sharded  (4 + 2f) h^2 + (3 + f) h   qkv W and b, proj W, fc1 W and b, fc2 W
+                  whole    6 h                        proj and fc2 biases, two LayerNorms
+    MoE block     sharded  4 h^2 + 3 h                the attention's, as above
+                  whole    5 h + h E                  proj bias, LayerNorms, the gate
+                  experts  (E / ep) (2 f h^2 + (f + 1) h)   each expert whole on one ep rank
+    embedding     ceil(V / t) h sharded (vocabulary-parallel), s h whole (positions)
+    head          ceil(V / t) h sharded (unless tied), 2 h whole (final LayerNorm); a tied
+                  head on another pipeline rank than the embedding keeps its own copy of
+                  the embedding's shard (Megatron synchronises the two)
+
+The grid modes (2D, 2.5D, 3D) divide every tensor over their weight grid (``q^2`` ranks in
+2D and 2.5D, whose depth layers hold copies; ``q^3`` in 3D): an approximation for the
+vectors, which are split over ``q`` and replicated over the rest of the grid.
+
+Pipeline rank ``r`` holds the blocks of its stages (stage ``c p + r`` for chunk ``c``, or
+``r`` and ``2p - 1 - r`` in the V of ``zbv``); stage 0 adds the embedding, the last stage
+the head. The result is for the rank whose model states are largest.
+
+Then each kind of state is counted by :func:`plait.plan.memory.estimate` (the ZeRO
+paper's bytes per parameter), with the dense parameters replicated over the ``dp * ep``
+ranks that see different tokens and the expert parameters over ``dp``::
+
+    bytes = estimate(D, n = dp * ep, zero) + estimate(X, n = dp, zero)
+
+``zero``: 0 is ``"ddp"``, 1-3 are ``"zero1"``-``"zero3"`` (3 = FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from plait.plan import memory
+from plait.plan.layout import Job, Layout
+from plait.plan.model import ModelSpec
+
+STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Model-state bytes of the largest rank of a layout (module doc)."""
+
+    rank: int  # pipeline rank (coordinate along pp) whose states are largest
+    dense_params: int  # elements held, replicated over dp * ep
+    expert_params: int  # elements held, replicated over dp
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    total_bytes: float
+    formula: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _tp_divisor(model: ModelSpec, layout: Layout) -> int:
+    """How many ways a weight is split over the tensor-parallel ranks."""
+    if layout.tp_mode == "1d":
+        return layout.tp
+    from plait.plan.tensor_costs import grid_of
+
+    q, _ = grid_of(layout.tp_mode, layout.tp)
+    return q**3 if layout.tp_mode == "3d" else q * q
+
+
+def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool, bool]]:
+    """Per pipeline rank: ``(dense blocks, MoE blocks, holds stage 0, holds the last
+    stage)``. Stage ``c p + r`` sits on rank ``r`` (chunk ``c``); under ``zbv`` rank ``r``
+    holds stages ``r`` and ``2p - 1 - r``; a stage holds ``layers / (pp v)`` blocks."""
+    p, v = layout.pp, layout.v
+    stages = p * v
+    per_stage = model.layers // stages
+    if layout.schedule == "zbv":
+        placement = [s if s < p else 2 * p - 1 - s for s in range(stages)]
+    else:
+        placement = [s % p for s in range(stages)]
+    out = []
+    for r in range(p):
+        dense = moe = 0
+        for s in (s for s in range(stages) if placement[s] == r):
+            for i in range(s * per_stage, (s + 1) * per_stage):
+                if model.experts and (i + 1) % model.moe_every == 0:
+                    moe += 1
+                else:
+                    dense += 1
+        out.append((dense, moe, placement[0] == r, placement[-1] == r))
+    return out
+
+
+def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
+    """``(dense, expert)`` parameter elements held by each pipeline rank (module doc)."""
+    h, f, t = model.hidden, model.ffn_mult, layout.tp
+    grid = layout.tp_mode != "1d"
+    div = _tp_divisor(model, layout)
+
+    def split(sharded: int, whole: int) -> int:
+        if grid:
+            return math.ceil((sharded + whole) / div)
+        return math.ceil(sharded / t) + whole
+
+    dense_block = split((4 + 2 * f) * h * h + (3 + f) * h, 6 * h)
+    moe_block = split(4 * h * h + 3 * h, 5 * h + h * model.experts)
+    experts = (model.experts // layout.ep) * model.mlp_params() if model.experts else 0
+    vocab_rows = math.ceil(model.vocab / t) if not grid else 0
+    embedding = (
+        vocab_rows * h + model.seq_len * h if not grid else split(0, model.embedding_params())
+    )
+    head_weight = vocab_rows * h if not grid else split(0, model.vocab * h)
+    out = []
+    for dense_blocks, moe_blocks, first, last in rank_contents(model, layout):
+        dense = dense_blocks * dense_block + moe_blocks * moe_block
+        expert = moe_blocks * experts
+        if first:
+            dense += embedding
+        if last:
+            dense += split(0, 2 * h) if grid else 2 * h
+            if not model.tied or not first:
+                dense += head_weight
+        out.append((dense, expert))
+    return out
+
+
+def model_states(model: ModelSpec, job: Job, layout: Layout) -> ModelStates:
+    """Parameters, gradients and optimizer state on the largest rank (module doc)."""
+    strategy = STAGE_NAMES[layout.zero]
+    best: ModelStates | None = None
+    for r, (dense, expert) in enumerate(rank_params(model, layout)):
+        parts = [
+            memory.estimate(
+                num_params=count,
+                world_size=n,
+                strategy=strategy,
+                optimizer=job.optimizer,
+                precision=job.precision,
+            )
+            for count, n in ((dense, layout.data_shards), (expert, layout.dp))
+            if count
+        ]
+        params = sum(e.params_bytes for e in parts)
+        grads = sum(e.grads_bytes for e in parts)
+        optim = sum(e.optimizer_bytes for e in parts)
+        formula = f"dense D={dense:,} over n={layout.data_shards}: {parts[0].formula}"
+        if expert:
+            formula += f"; experts X={expert:,} over n={layout.dp}: {parts[-1].formula}"
+        row = ModelStates(r, dense, expert, params, grads, optim, params + grads + optim, formula)
+        if best is None or row.total_bytes > best.total_bytes:
+            best = row
+    assert best is not None
+    return best
+
+
+__all__ = ["ModelStates", "model_states", "rank_contents", "rank_params"]

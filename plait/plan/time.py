@@ -1,0 +1,309 @@
+"""Step time of a layout: compute at a calibrated efficiency, communication per group with
+alpha-beta costs, the pipeline bubble, and which of them overlap.
+
+One optimizer step of ``m`` micro-batches on a pipeline of ``p`` ranks (Narayanan et al.
+2021, Eq. 1, generalised to any schedule through its bubble fraction ``beta``)::
+
+    step     = m * t_mb / (1 - beta)  +  (1 - overlap.dp) * t_dp
+    t_mb     = t_compute + (1 - overlap.tp) (t_tp + t_ep) + (1 - overlap.pp) t_pp
+
+taken on the slowest pipeline rank (the one with the most blocks, or the head).
+
+``t_compute = FLOPs / (t * peak * efficiency)``: the rank's FLOPs for one micro-batch
+(:mod:`plait.plan.model`, recomputation included) shared by the ``t`` tensor-parallel
+ranks. Communication, ``S`` the micro-batch's activation ``b s h`` in bytes, groups laid out
+as :class:`plait.Mesh` does (``tp`` innermost, then ``ep``, ``dp``, ``pp``; a group is on
+the slow inter-node link as soon as it spans two nodes):
+
+=====  ==========================================  ==========================================
+group  what, per micro-batch (forward + backward)   cost (ring; alpha, beta of the group's link)
+=====  ==========================================  ==========================================
+tp     1D: per block 4 all-reduces of S (2 with       ``2(t-1) alpha + 2(t-1)/t S/beta`` each;
+       experts), +2 with full recomputation; SP:      a reduce-scatter or all-gather is half
+       a reduce-scatter and an all-gather instead;    of that
+       embedding 1, head 1 (+3 small, the loss)
+       2D/2.5D/3D: :func:`plait.plan.tensor_costs.   ``6(q-1)`` latency steps per linear
+       linear_cost` per linear (4 per block)
+ep     per MoE block 4 all-to-alls of ``top_k S``     ``(ep-1) alpha + (ep-1)/ep top_k S/beta``
+       (dispatch and combine, and their gradients)
+pp     2 v point-to-point messages of S/t             ``alpha + S/(t beta)`` each, + an
+       (PTD-P's scatter/gather; SP's shard):          all-gather over tp without SP
+       activations forward, gradients back
+dp     per step: the gradients, all-reduced (ZeRO     ``2(n-1) alpha + 2(n-1)/n G/beta``;
+       1-2: reduce-scatter + all-gather, the same     ``x 1.5`` for ZeRO-3
+       bytes; ZeRO-3: + an all-gather of the
+       parameters in backward); dense over dp*ep,
+       experts over dp
+=====  ==========================================  ==========================================
+
+The bubble ``beta``: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(vm+p-1)``,
+ZB-H1 ``(p-1)/(3m+p-1)`` (:func:`plait.strategies.pipeline.simulate.formula_bubble`), ZBV
+``(p-1)/(6m+p-1)`` (its fill, which the simulator measures; :func:`bubble` can run the
+simulator instead for small pipelines).
+
+Overlap rules (:class:`Overlap`, all 0 by default, as Megatron-LM ran for the published
+runs): ``dp`` the share of the data-parallel reduction hidden behind the backward pass
+(DDP's buckets hide most of it when ``p = 1``), ``tp`` and ``pp`` the share of tensor- and
+pipeline-parallel traffic hidden behind compute. Not counted: the optimizer step, the
+data loader, kernel launch gaps beyond what ``efficiency`` absorbs, stragglers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from plait.plan.hardware import Cluster
+from plait.plan.layout import Job, Layout
+from plait.plan.model import ModelSpec
+from plait.plan.states import rank_contents, rank_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overlap:
+    """Share (0..1) of each group's communication hidden behind compute (module doc)."""
+
+    dp: float = 0.0
+    tp: float = 0.0
+    pp: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupComm:
+    """One group's traffic in a step: bytes one rank sends, seconds, whether inter-node."""
+
+    group: str
+    size: int
+    inter_node: bool
+    bytes_per_step: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step (module doc); seconds unless named otherwise."""
+
+    compute_per_mb: float
+    tp_per_mb: float
+    ep_per_mb: float
+    pp_per_mb: float
+    per_microbatch: float
+    microbatches: int
+    bubble: float  # fraction of the pipeline's time its ranks idle
+    pipeline: float  # m * t_mb / (1 - bubble)
+    dp: float
+    dp_exposed: float
+    total: float
+    model_flops: float  # per step, the whole job
+    hardware_flops: float  # with recomputation
+    mfu: float
+    hfu: float
+    comm: tuple[GroupComm, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth: float) -> float:
+    """Alpha-beta time of a ring ``collective`` of ``size`` bytes over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+    if collective == "p2p":
+        return latency + size / bandwidth
+    if collective not in steps:
+        raise ValueError(f"ring_seconds: unknown collective {collective!r}")
+    k = steps[collective]
+    return k * (n - 1) * latency + k * (n - 1) / n * size / bandwidth
+
+
+def spans_nodes(layout: Layout, group: str, cluster: Cluster) -> bool:
+    """Whether ``group``'s members sit on more than one node (Mesh order tp, ep, dp, pp)."""
+    sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+    stride = 1
+    order = ("tp", "ep", "dp", "pp")
+    if group == "dpep":  # the dense gradients' group: ep and dp together
+        stride, size = layout.tp, layout.ep * layout.dp
+    else:
+        for name in order[: order.index(group)]:
+            stride *= sizes[name]
+        size = sizes[group]
+    return size > 1 and stride * size > cluster.devices_per_node
+
+
+def bubble(schedule: str, *, p: int, m: int, v: int = 1, simulate: bool = False) -> float:
+    """The bubble fraction of ``schedule`` (module doc); ``simulate=True`` plays the
+    schedule in :mod:`plait.strategies.pipeline.simulate` with unit costs instead."""
+    if p == 1 or schedule == "none":
+        return 0.0
+    if simulate:
+        from plait.strategies.pipeline.schedules import build
+        from plait.strategies.pipeline.simulate import simulate as play
+
+        return play(build(schedule, p=p, m=m, v=v)).bubble
+    if schedule == "zbv":
+        return (p - 1) / (6 * m + p - 1)
+    from plait.strategies.pipeline.simulate import formula_bubble
+
+    return formula_bubble(schedule, p, m, v)
+
+
+def _block_flops(model: ModelSpec, seq: int, moe: bool) -> float:
+    """Forward FLOPs per token of one block (module doc of plait.plan.model)."""
+    h, f = model.hidden, model.ffn_mult
+    mlp = 2 * 2 * f * h * h
+    if moe:
+        mlp = mlp * model.top_k + 2 * h * model.experts
+    return 2 * 4 * h * h + mlp + 4 * seq * h
+
+
+def _tp_block_seconds(
+    model: ModelSpec, job: Job, layout: Layout, cluster: Cluster, moe: bool
+) -> tuple[float, float]:
+    """(bytes, seconds) of one block's tensor-parallel traffic for one micro-batch."""
+    t = layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    lat, bw = cluster.link(spans_nodes(layout, "tp", cluster))
+    e = job.element_bytes
+    tokens = layout.microbatch * job.seq
+    size = tokens * model.hidden * e
+    if layout.tp_mode == "1d":
+        n = 2 if moe else 4
+        if layout.recompute == "full":
+            n += 1 if moe else 2
+        sent = n * 2 * (t - 1) / t * size
+        return sent, n * ring_seconds("all_reduce", t, size, lat, bw)
+    from plait.plan.tensor_costs import gpt_linears, linear_cost
+
+    linears = gpt_linears(model.hidden, 1, model.vocab)[: (2 if moe else 4)]
+    sent = 0.0
+    steps = 0
+    for i, o, _ in linears:
+        c = linear_cost(
+            layout.tp_mode,
+            ranks=t,
+            tokens=tokens,
+            in_features=i,
+            out_features=o,
+            bytes_per_element=e,
+        )
+        sent += c.bytes_per_rank
+        steps += 6 * (c.q - 1)
+    if layout.recompute == "full":
+        sent, steps = sent * 4 / 3, steps * 4 // 3
+    return sent, steps * lat + sent / bw
+
+
+def step_time(
+    model: ModelSpec,
+    job: Job,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    overlap: Overlap | None = None,
+    simulate_bubble: bool = False,
+) -> StepTime:
+    """Predicted seconds per optimizer step of ``layout`` (module doc)."""
+    ov = overlap or Overlap()
+    lay, s = layout, job.seq
+    e = job.element_bytes
+    tokens = lay.microbatch * s
+    m = lay.microbatches(job)
+    mult = 3.0 + (1.0 if lay.recompute == "full" else 0.0)
+    core = 4 * s * model.hidden
+    per_flop = 1.0 / (lay.tp * cluster.peak_flops * cluster.efficiency)
+    act = tokens * model.hidden * e
+
+    tp_bytes_dense, tp_dense = _tp_block_seconds(model, job, lay, cluster, False)
+    tp_bytes_moe, tp_moe = _tp_block_seconds(model, job, lay, cluster, True)
+    tp_lat, tp_bw = cluster.link(spans_nodes(lay, "tp", cluster))
+    ep_lat, ep_bw = cluster.link(spans_nodes(lay, "ep", cluster))
+    ep_size = model.top_k * act
+    ep_n = 4 + (2 if lay.recompute == "full" else 0)
+    ep_one = ep_n * ring_seconds("all_to_all", lay.ep, ep_size, ep_lat, ep_bw)
+    ep_one_bytes = ep_n * (lay.ep - 1) / lay.ep * ep_size if lay.ep > 1 else 0.0
+
+    worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch
+    tp_bytes_mb = ep_bytes_mb = 0.0
+    for dense, moe, first, last in rank_contents(model, lay):
+        flops = dense * _block_flops(model, s, False) + moe * _block_flops(model, s, True)
+        flops *= mult
+        if lay.recompute == "selective":
+            flops += (dense + moe) * core
+        tp_s = dense * tp_dense + moe * tp_moe
+        tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
+        if lay.tp > 1 and first:
+            tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
+            tp_b += 2 * (lay.tp - 1) / lay.tp * act
+        if last:
+            flops += 3 * 2 * model.hidden * model.vocab
+            if lay.tp > 1:
+                tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
+                tp_s += 3 * ring_seconds("all_reduce", lay.tp, tokens * 4, tp_lat, tp_bw)
+                tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
+        compute = flops * tokens * per_flop
+        ep_s = moe * ep_one
+        total = compute + (1 - ov.tp) * (tp_s + ep_s)
+        if total > worst[0]:
+            worst = (total, compute, tp_s, ep_s, tp_b)
+            tp_bytes_mb, ep_bytes_mb = tp_b, moe * ep_one_bytes
+    _, compute_mb, tp_mb, ep_mb, _ = worst
+
+    pp_s = pp_bytes_mb = 0.0
+    if lay.pp > 1:
+        lat, bw = cluster.link(spans_nodes(lay, "pp", cluster))
+        msg = act / lay.tp  # scatter/gather (PTD-P 4.1), or already sharded under SP
+        pp_s = 2 * lay.v * ring_seconds("p2p", 2, msg, lat, bw)
+        pp_bytes_mb = 2 * lay.v * msg
+        if lay.tp > 1 and not lay.sp:  # the receiver all-gathers the t pieces over tp
+            pp_s += 2 * lay.v * ring_seconds("all_gather", lay.tp, act, tp_lat, tp_bw)
+            pp_bytes_mb += 2 * lay.v * (lay.tp - 1) / lay.tp * act
+    per_mb = compute_mb + (1 - ov.tp) * (tp_mb + ep_mb) + (1 - ov.pp) * pp_s
+    beta = bubble(lay.schedule, p=lay.pp, m=m, v=lay.v, simulate=simulate_bubble)
+    pipeline = m * per_mb / (1 - beta)
+
+    grad_bytes = e if job.precision == "mixed" else 4
+    zero3 = 1.5 if lay.zero == 3 else 1.0
+    dense, expert = max(rank_params(model, lay), key=lambda x: x[0] + x[1])
+    dp_dense_n, dp_exp_n = lay.data_shards, lay.dp
+    lat, bw = cluster.link(spans_nodes(lay, "dpep", cluster))
+    dp_s = zero3 * ring_seconds("all_reduce", dp_dense_n, dense * grad_bytes, lat, bw)
+    dp_b = zero3 * 2 * (dp_dense_n - 1) / dp_dense_n * dense * grad_bytes
+    if expert and dp_exp_n > 1:
+        lat, bw = cluster.link(spans_nodes(lay, "dp", cluster))
+        dp_s += zero3 * ring_seconds("all_reduce", dp_exp_n, expert * grad_bytes, lat, bw)
+        dp_b += zero3 * 2 * (dp_exp_n - 1) / dp_exp_n * expert * grad_bytes
+    dp_exposed = (1 - ov.dp) * dp_s
+    total = pipeline + dp_exposed
+
+    model_flops = model.flops_per_iteration(batch=job.global_batch, seq=s)
+    hw_flops = model.flops_per_iteration(batch=job.global_batch, seq=s, recompute=lay.recompute)
+    peak = lay.world * cluster.peak_flops * total
+    comm = (
+        GroupComm("tp", lay.tp, spans_nodes(lay, "tp", cluster), m * tp_bytes_mb, m * tp_mb),
+        GroupComm("ep", lay.ep, spans_nodes(lay, "ep", cluster), m * ep_bytes_mb, m * ep_mb),
+        GroupComm("pp", lay.pp, spans_nodes(lay, "pp", cluster), m * pp_bytes_mb, m * pp_s),
+        GroupComm("dp", lay.data_shards, spans_nodes(lay, "dpep", cluster), dp_b, dp_s),
+    )
+    return StepTime(
+        compute_mb,
+        tp_mb,
+        ep_mb,
+        pp_s,
+        per_mb,
+        m,
+        beta,
+        pipeline,
+        dp_s,
+        dp_exposed,
+        total,
+        model_flops,
+        hw_flops,
+        model_flops / peak,
+        hw_flops / peak,
+        comm,
+    )
+
+
+__all__ = ["GroupComm", "Overlap", "StepTime", "bubble", "ring_seconds", "spans_nodes", "step_time"]
