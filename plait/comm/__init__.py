@@ -3,8 +3,11 @@
 Collectives (``broadcast``, ``reduce``, ``all_reduce``, ``reduce_scatter``, ``all_gather``,
 ``all_to_all``, ``barrier``) and point-to-point ``send``/``recv`` on explicit groups, with
 plait's own algorithms (``comm/ring.py``, ``tree.py``, ``halving_doubling.py``,
-``naive.py``, ``hierarchical.py``) built on point-to-point messages, beside the backend's
-``"native"`` ones, and ``"auto"`` choosing between them (``tuner.py``).
+``naive.py``, ``hierarchical.py``, ``ring_tree.py``) built on point-to-point messages,
+the shared-memory collectives (``shm_collectives.py``), the backend's ``"native"`` ones,
+and ``"auto"`` choosing between them (``tuner.py``). Point-to-point messages between
+ranks of one host go through shared memory (``shm.py``, chosen per peer in
+``transport.py``), the others through the process group.
 """
 
 from plait.comm.errors import (

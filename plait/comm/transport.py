@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from plait.comm.group import Group
 
 MODES = ("auto", "shm", "gloo")
-DEFAULT_MODE = "gloo"
+DEFAULT_MODE = "auto"
 PREFIX = "plait-shm-"
 RING_BYTES = 512 << 10
 WINDOW_BYTES = 2 << 20
