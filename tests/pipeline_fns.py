@@ -146,3 +146,58 @@ def failing(how: str, bad_rank: int, timeout: float) -> str:
 
 def _die(x: torch.Tensor) -> torch.Tensor:
     os._exit(3)
+
+
+def refusals() -> dict[str, str]:
+    """Bad configurations on a pipeline group of 2; the error of each."""
+    mesh = plait.Mesh(pp=plait.world().size)
+    cfg = config(False, 2)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    def batch_split() -> None:
+        pipe = PipelineParallel(GPT(cfg), group=mesh, schedule="1f1b", microbatches=3)
+        pipe.step(*batch(0, cfg, 4))
+
+    cases: dict[str, Any] = {
+        "interleaved": lambda: PipelineParallel(
+            GPT(cfg), group=mesh, schedule="interleaved", microbatches=3
+        ),
+        "zbv_chunks": lambda: PipelineParallel(
+            GPT(cfg), group=mesh, schedule="zbv", microbatches=4, chunks=3
+        ),
+        "too_many_stages": lambda: PipelineParallel(
+            seq, group=mesh, schedule="zbv", microbatches=4, loss_fn=torch.nn.MSELoss()
+        ),
+        "no_loss": lambda: PipelineParallel(seq, group=mesh, microbatches=2),
+        "no_m": lambda: PipelineParallel(GPT(cfg), group=mesh),
+        "batch": batch_split,
+        "stage_list": lambda: PipelineParallel(
+            [torch.nn.Linear(2, 2)] * 3, group=mesh, microbatches=2, loss_fn=torch.nn.MSELoss()
+        ),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+        else:
+            out[name] = "NOT REFUSED"
+    return out
+
+
+def stage_list() -> float:
+    """Stages cut by hand: a list of modules, one per stage; returns the loss."""
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(plait.world().size)]
+    mesh = plait.Mesh(pp=plait.world().size)
+    pipe = PipelineParallel(
+        stages, group=mesh, microbatches=2, loss_fn=lambda o, t: ((o - t) ** 2).mean()
+    )
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    loss = pipe.step(x, x)
+    assert list(pipe.dense_state_dict()) == [
+        f"{plait.world().rank}.weight",
+        f"{plait.world().rank}.bias",
+    ]
+    return float(loss)

@@ -117,3 +117,24 @@ def test_bubble_report_from_trace(ranks):
     assert 0.0 <= report.simulated < 1.0
     assert report.formula == pytest.approx(1 / 5)
     assert "bubble measured" in report.describe()
+
+
+def test_bad_configuration_is_refused_by_name(ranks):
+    for out in ranks(2, fns.refusals, timeout=120):
+        assert "microbatches=3 is not a multiple of p=2" in out["interleaved"]
+        assert "exactly 2 chunks per rank" in out["zbv_chunks"]
+        assert "4 stages from 2 layers" in out["too_many_stages"]
+        assert "pass loss_fn=" in out["no_loss"]
+        assert "pass microbatches=" in out["no_m"]
+        assert "a batch of 4 does not split into microbatches=3" in out["batch"]
+        assert "3 stage modules given" in out["stage_list"]
+
+
+def test_stage_list_equals_one_process(ranks):
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(2)]
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = float(((stages[1](stages[0](x)) - x) ** 2).mean())
+    for got in ranks(2, fns.stage_list, timeout=120):
+        assert got == pytest.approx(want, rel=1e-12)

@@ -33,7 +33,7 @@ from plait.comm.group import Group
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
-from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
+from plait.strategies.pipeline.split import Layer, Partition, Stage, layers_of, partition
 from plait.strategies.pipeline.validate import validate
 from plait.trace import Tracer
 
@@ -41,6 +41,8 @@ from plait.trace import Tracer
 class PipelineParallel(nn.Module):
     """This rank's stages of ``model`` and the schedule that trains them (module docstring).
 
+    ``model``: an ``nn.Sequential`` or a :class:`plait.models.GPT` (cut by ``split``), or a
+    list of ``p * chunks`` modules, one per stage (their parameters named ``<i>.<name>``).
     ``schedule``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
     ``"zbv"``) or a :class:`Schedule` for ``p = group.size``. ``chunks``: stages per rank
     (default: 2 for interleaved and zbv, else 1). ``split``: ``"params"``, ``"time"`` (needs
@@ -50,7 +52,7 @@ class PipelineParallel(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         *,
         group: Any,
         schedule: str | Schedule = "1f1b",
@@ -85,9 +87,23 @@ class PipelineParallel(nn.Module):
             from plait.models.gpt import loss as gpt_loss
 
             if not isinstance(model, GPT):
-                raise ValueError(f"pipeline: pass loss_fn= for a {type(model).__name__}")
+                raise ValueError(
+                    f"pipeline: pass loss_fn=(output, target) -> mean loss for a "
+                    f"{type(model).__name__}; only plait.models.GPT has a default"
+                )
             loss_fn = gpt_loss
-        layers = layers_of(model)
+        if isinstance(model, (list, tuple)):  # stages cut by the caller: one per stage
+            if len(model) != sched.stages:
+                raise ValueError(
+                    f"pipeline: {len(model)} stage modules given, but schedule "
+                    f"{sched.name!r} with p={p} ranks and {sched.v} chunks runs "
+                    f"{sched.stages} stages"
+                )
+            layers = [Layer(str(i), ((str(i), mod),), mod) for i, mod in enumerate(model)]
+            split = list(range(1, len(layers)))
+        else:
+            assert isinstance(model, nn.Module)
+            layers = layers_of(model)
         part = partition(layers, sched.stages, by=split, sample=sample)
         self.partition = Partition(
             part.bounds, part.names, part.params, part.seconds, sched.placement

@@ -9,7 +9,10 @@ neighbour (stream ``comm``). From the spans of every rank for one step:
 * simulated bubble = the same schedule in :func:`~.simulate.simulate` with the measured
   mean cost of each (kind, stage) and no transfer time;
 * the formula of the schedule (:func:`~.simulate.formula_bubble`), which assumes equal
-  stages and F : B : I : W = 1 : 2 : 1 : 1.
+  stages and F : B : I : W = 1 : 2 : 1 : 1;
+* the measured idle time split into waiting on a neighbour's message (``wait`` spans:
+  the bubble itself plus transfers) and the rest (Python between actions, posting
+  messages, processes competing for cores).
 
 Ranks of one host share the clock (``perf_counter_ns``), so the window is exact there.
 """
@@ -65,6 +68,13 @@ class BubbleReport:
     simulated_seconds: float
     formula: float
     costs: Costs
+    waiting: float = 0.0  # share of p x window spent waiting on a neighbour's message
+
+    @property
+    def other(self) -> float:
+        """Idle share that is neither simulated bubble nor waiting on messages beyond it:
+        Python between actions, posting messages, the processes competing for cores."""
+        return self.measured - self.waiting
 
     def describe(self) -> str:
         return (
@@ -72,13 +82,15 @@ class BubbleReport:
             f"{1e3 * self.step_seconds:.1f} ms "
             f"(simulated {1e3 * self.simulated_seconds:.1f} ms), bubble measured "
             f"{100 * self.measured:.1f}%, simulated {100 * self.simulated:.1f}%, formula "
-            f"{100 * self.formula:.1f}%"
+            f"{100 * self.formula:.1f}% (waiting on messages {100 * self.waiting:.1f}%, "
+            f"between actions {100 * self.other:.1f}%)"
         )
 
 
 def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
     """The report for one step from the spans of all ranks (gather them first)."""
-    slots = slots_from_spans(spans)
+    spans_list = list(spans)
+    slots = slots_from_spans(spans_list)
     if not slots:
         raise ValueError("bubble_report: no compute spans; pass tracer= to the pipeline")
     window = max(s.end for s in slots) - min(s.start for s in slots)
@@ -86,6 +98,12 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
     measured = 1.0 - busy / (schedule.p * window) if window > 0 else 0.0
     costs = measured_costs(slots)
     sim = simulate(schedule, costs)
+    origin = min(s.start_ns for s in spans_list if s.name in _COMPUTE and s.stream == "compute")
+    waited = sum(
+        max(0.0, min(s.end_ns - origin, window * 1e9) - max(s.start_ns - origin, 0)) / 1e9
+        for s in spans_list
+        if s.stream == "comm" and s.name == "wait"
+    )
     return BubbleReport(
         schedule.name,
         schedule.p,
@@ -97,4 +115,5 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         sim.makespan,
         formula_bubble(schedule.name, schedule.p, schedule.m, schedule.v),
         costs,
+        waited / (schedule.p * window) if window > 0 else 0.0,
     )
