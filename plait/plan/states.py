@@ -81,17 +81,16 @@ def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool
         placement = [s if s < p else 2 * p - 1 - s for s in range(stages)]
     else:
         placement = [s % p for s in range(stages)]
-    out = []
-    for r in range(p):
-        dense = moe = 0
-        for s in (s for s in range(stages) if placement[s] == r):
-            for i in range(s * per_stage, (s + 1) * per_stage):
-                if model.experts and (i + 1) % model.moe_every == 0:
-                    moe += 1
-                else:
-                    dense += 1
-        out.append((dense, moe, placement[0] == r, placement[-1] == r))
-    return out
+    dense = [0] * p
+    moe = [0] * p
+    for s in range(stages):
+        r = placement[s]
+        for i in range(s * per_stage, (s + 1) * per_stage):
+            if model.experts and (i + 1) % model.moe_every == 0:
+                moe[r] += 1
+            else:
+                dense[r] += 1
+    return [(dense[r], moe[r], placement[0] == r, placement[-1] == r) for r in range(p)]
 
 
 def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:

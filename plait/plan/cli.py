@@ -1,0 +1,255 @@
+"""``plait plan``: ``memory`` (the ZeRO paper's model-state table) and ``layouts`` (the
+layout search: ranked table, ``--json``, ``--explain``).
+
+``plait/cli.py`` hands the ``plan`` subcommand to :func:`add_parser`::
+
+    plait plan memory --params 7.5B -n 64
+    plait plan layouts --model 1T --cluster a100 --nodes 384 --batch 3072 --explain
+    plait plan layouts --model gpt --layers 4 --hidden 128 --heads 4 --cluster cpu --ranks 4 \\
+        --batch 16 --seq 64 --precision fp32 --json -
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+LAYOUTS_HELP = """\
+Rank every layout (dp x tp x pp x ep, schedule and chunks, micro-batch size, ZeRO stage,
+recomputation, sequence parallelism) of a GPT on a cluster by predicted step time, keeping
+those whose memory per rank fits. The model: --model 22B/175B/530B/1T (Korthikanti et al.'s
+runs), --model gpt with --layers/--hidden/--heads/--vocab/--seq-len (plait's reference GPT
+shape), or --params 7.5B (a GPT-3-shaped model of that size). The cluster: a100, h100
+(nodes of 8 GPUs) or cpu (this machine, from `plait bench comm` results), each field
+overridable.
+"""
+
+
+def parameter_count(text: str) -> float:
+    """'7.5e9', '7500000000', '7.5B', '350M', '1.2T' -> a number of parameters."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+        whole = round(value)  # 1.1B is 1100000000.0000002 in floating point
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"not a parameter count: {text!r} (write 7.5e9, 7500000000 or 7.5B)"
+        ) from None
+    return whole if abs(value - whole) < 1e-6 * max(1.0, value) else value
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers, got {text!r}"
+        ) from None
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``plan`` and its subcommands to the ``plait`` subparsers ``sub``."""
+    plan_p = sub.add_parser("plan", help="plan before running")
+    plan_sub = plan_p.add_subparsers(dest="what", required=True)
+
+    mem_p = plan_sub.add_parser("memory", help="model-state memory per rank, per strategy")
+    mem_p.add_argument("--params", type=parameter_count, required=True, help="e.g. 7.5e9")
+    mem_p.add_argument("-n", "--nproc", type=int, required=True, help="data-parallel ranks")
+    mem_p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd_momentum")
+    mem_p.add_argument("--precision", default="mixed", help="mixed or fp32")
+    mem_p.add_argument(
+        "--shard-rounding", action="store_true", help="ceil(P/n) per rank instead of P/n"
+    )
+    mem_p.set_defaults(func=plan_memory)
+
+    lay = plan_sub.add_parser(
+        "layouts",
+        aliases=["search"],
+        help="rank parallel layouts by predicted step time",
+        description=LAYOUTS_HELP,
+    )
+    m = lay.add_argument_group("model")
+    m.add_argument("--model", default="gpt", help="gpt, 22B, 175B, 530B or 1T (default gpt)")
+    m.add_argument("--params", type=parameter_count, default=None, help="a GPT of this size")
+    m.add_argument("--layers", type=int, default=None)
+    m.add_argument("--hidden", type=int, default=None)
+    m.add_argument("--heads", type=int, default=None)
+    m.add_argument("--vocab", type=int, default=None)
+    m.add_argument("--seq-len", type=int, default=None, help="the position table's length")
+    m.add_argument("--tied", action="store_true", help="head shares the token embedding")
+    m.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense)")
+    m.add_argument("--top-k", type=int, default=2)
+    m.add_argument("--moe-every", type=int, default=2)
+    c = lay.add_argument_group("cluster")
+    c.add_argument("--cluster", default="a100", help="a100, h100 or cpu")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--ranks", type=int, default=4, help="cpu: ranks on this machine")
+    c.add_argument("--devices-per-node", type=int, default=None)
+    c.add_argument("--peak-tflops", type=float, default=None)
+    c.add_argument("--memory-gb", type=float, default=None)
+    c.add_argument("--efficiency", type=float, default=None, help="share of peak reached")
+    c.add_argument("--intra-gbps", type=float, default=None, help="GB/s per device, NVLink")
+    c.add_argument("--inter-gbps", type=float, default=None, help="GB/s per device, network")
+    c.add_argument("--bench-file", default=None, help="cpu: a `plait bench comm --json` file")
+    j = lay.add_argument_group("job")
+    j.add_argument("--batch", type=int, required=True, help="global batch in sequences")
+    j.add_argument("--seq", type=int, default=None, help="tokens per sequence (default seq-len)")
+    j.add_argument("--precision", default="mixed", help="mixed or fp32")
+    j.add_argument("--optimizer", default="adam")
+    j.add_argument("--no-dropout", action="store_true", help="no dropout masks kept")
+    s = lay.add_argument_group("search space (comma-separated; default: everything)")
+    s.add_argument("--tp", type=_ints, default=None)
+    s.add_argument("--pp", type=_ints, default=None)
+    s.add_argument("--dp", type=_ints, default=None)
+    s.add_argument("--ep", type=_ints, default=None)
+    s.add_argument("--microbatch", type=_ints, default=(1, 2, 4, 8))
+    s.add_argument("--schedules", type=_words, default=("1f1b", "interleaved"))
+    s.add_argument("--chunks", type=_ints, default=(2, 3, 4), help="v for interleaved")
+    s.add_argument("--zero", type=_ints, default=(0, 1))
+    s.add_argument("--recompute", type=_words, default=("none", "selective", "full"))
+    s.add_argument("--sp", choices=["on", "off", "both"], default="both")
+    s.add_argument("--tp-modes", type=_words, default=("1d",), help="1d,2d,2.5d,3d")
+    s.add_argument("--dp-overlap", type=float, default=0.0, help="share of dp comm hidden")
+    o = lay.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10)
+    o.add_argument("--json", default=None, metavar="PATH", help="write JSON ('-': stdout)")
+    o.add_argument("--explain", action="store_true", help="every term of the best layout")
+    lay.set_defaults(func=plan_layouts)
+
+
+def plan_memory(args: argparse.Namespace) -> int:
+    """Model-state GB per rank for each strategy (ZeRO paper, section 3 and Figure 1)."""
+    from plait.plan import memory
+
+    try:
+        estimates = memory.compare(
+            num_params=args.params,
+            world_size=args.nproc,
+            optimizer=args.optimizer,
+            precision=args.precision,
+            shard_rounding=args.shard_rounding,
+        )
+    except ValueError as e:
+        print(f"plait plan memory: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"plait plan memory: P = {estimates[0].num_params:,} parameters, n = {args.nproc} "
+        f"ranks, {args.optimizer}, {args.precision} precision\n"
+        "model state per rank (GB = 1e9 bytes, MB = 1e6); activations and buffers come on top"
+    )
+    print(memory.format_table(estimates))
+    return 0
+
+
+def _model(args: argparse.Namespace) -> Any:
+    from plait.plan import model as spec
+
+    if args.params is not None:
+        return spec.from_param_count(
+            args.params,
+            layers=args.layers,
+            vocab=args.vocab or 51200,
+            seq_len=args.seq_len or 2048,
+        )
+    if args.model in spec.PUBLISHED:
+        return spec.published(args.model)
+    if args.model != "gpt":
+        raise ValueError(
+            f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)} (or --params)"
+        )
+    from plait.models.gpt import GPTConfig
+
+    d = GPTConfig()
+    return spec.ModelSpec(
+        layers=args.layers or d.layers,
+        hidden=args.hidden or d.width,
+        heads=args.heads or d.heads,
+        vocab=args.vocab or d.vocab,
+        seq_len=args.seq_len or d.seq_len,
+        tied=args.tied,
+        experts=args.experts,
+        top_k=args.top_k,
+        moe_every=args.moe_every,
+    )
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from plait.plan import hardware
+
+    if args.cluster == "cpu":
+        cluster = hardware.local_cpu(ranks=args.ranks, bench_file=args.bench_file)
+    else:
+        cluster = hardware.preset(args.cluster, nodes=args.nodes)
+    changes: dict[str, Any] = {}
+    if args.devices_per_node is not None:
+        changes["devices_per_node"] = args.devices_per_node
+    if args.peak_tflops is not None:
+        changes["peak_flops"] = args.peak_tflops * 1e12
+    if args.memory_gb is not None:
+        changes["memory_bytes"] = args.memory_gb * 1e9
+    if args.efficiency is not None:
+        changes["efficiency"] = args.efficiency
+    if args.intra_gbps is not None:
+        changes["intra_bandwidth"] = args.intra_gbps * 1e9
+    if args.inter_gbps is not None:
+        changes["inter_bandwidth"] = args.inter_gbps * 1e9
+    return replace(cluster, **changes) if changes else cluster
+
+
+def plan_layouts(args: argparse.Namespace) -> int:
+    """``plait plan layouts``: the ranked table, then ``--explain`` and ``--json``."""
+    from plait.plan.layout import Job
+    from plait.plan.report import explain, format_table, result_dict
+    from plait.plan.search import SearchSpace, search
+    from plait.plan.time import Overlap
+
+    try:
+        model = _model(args)
+        cluster = _cluster(args)
+        job = Job(
+            global_batch=args.batch,
+            seq=args.seq or model.seq_len,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            dropout=not args.no_dropout,
+        )
+        space = SearchSpace(
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            ep=args.ep,
+            microbatch=args.microbatch,
+            schedules=args.schedules,
+            chunks=args.chunks,
+            zero=args.zero,
+            recompute=args.recompute,
+            sp={"on": (True,), "off": (False,), "both": (False, True)}[args.sp],
+            tp_modes=args.tp_modes,
+        )
+        result = search(model, job, cluster, space=space, overlap=Overlap(dp=args.dp_overlap))
+    except ValueError as e:
+        print(f"plait plan layouts: {e}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(format_table(result, top=args.top))
+        if args.explain and result.best is not None:
+            print("\n" + explain(result.best, model, job, cluster))
+    if args.json:
+        text = json.dumps(result_dict(result, top=args.top), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            print(f"\nwrote {args.json}")
+    return 0 if result.plans else 1
+
+
+__all__ = ["add_parser", "parameter_count", "plan_layouts", "plan_memory"]

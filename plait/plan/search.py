@@ -1,0 +1,180 @@
+"""Enumerate the layouts of a job on a cluster, keep those that fit, rank them by time.
+
+Every factorisation ``world = dp * tp * pp * ep`` (``tp`` dividing the heads, ``pp * v``
+the layers, ``ep`` the experts) is crossed with the micro-batch size, the schedule and its
+chunks, the ZeRO stage, recomputation and sequence parallelism of :class:`SearchSpace`.
+A layout :func:`plait.plan.layout.check` refuses is counted with its reason; the others
+are evaluated (:func:`evaluate`: model states, activations, step time) and those whose
+memory per rank fits the device (``Cluster.usable_memory``) are ranked by predicted step
+time, fastest first; ties go to less memory.
+
+No rule of thumb is built in: PTD-P's "tp inside a node, pp across nodes" must come out of
+the costs (``benchmarks/plan_validate.py`` checks that it does on the 1T / 3072-GPU case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from plait.plan.activations import ActivationMemory, activation_memory
+from plait.plan.hardware import Cluster
+from plait.plan.layout import Job, Layout, LayoutError, check
+from plait.plan.model import RECOMPUTE, ModelSpec
+from plait.plan.states import ModelStates, model_states
+from plait.plan.time import Overlap, StepTime, step_time
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Which values of each choice the search tries (``None``: every divisor that fits)."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    microbatch: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    chunks: tuple[int, ...] = (2, 3, 4)  # v for "interleaved" ("zbv" always 2)
+    zero: tuple[int, ...] = (0, 1)
+    recompute: tuple[str, ...] = RECOMPUTE
+    sp: tuple[bool, ...] = (False, True)
+    tp_modes: tuple[str, ...] = ("1d",)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout, evaluated: memory per rank (the largest rank) and predicted step time."""
+
+    layout: Layout
+    states: ModelStates
+    activations: ActivationMemory
+    memory_bytes: float
+    usable_bytes: float
+    time: StepTime
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.usable_bytes
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The ranked feasible plans, the fastest that do not fit, and what was refused."""
+
+    model: ModelSpec
+    job: Job
+    cluster: Cluster
+    plans: tuple[Plan, ...]  # fit, fastest first
+    too_big: tuple[Plan, ...]  # do not fit, fastest first (at most 20 kept)
+    refused: int
+    refusals: tuple[str, ...] = field(default=())  # distinct reasons, at most 20
+
+    @property
+    def best(self) -> Plan | None:
+        return self.plans[0] if self.plans else None
+
+
+def evaluate(
+    model: ModelSpec,
+    job: Job,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    overlap: Overlap | None = None,
+    simulate_bubble: bool = False,
+) -> Plan:
+    """Memory and time of one layout; :class:`LayoutError` if it cannot run."""
+    check(model, job, layout, world=cluster.devices)
+    states = model_states(model, job, layout)
+    acts = activation_memory(model, job, layout)
+    t = step_time(model, job, layout, cluster, overlap=overlap, simulate_bubble=simulate_bubble)
+    return Plan(layout, states, acts, states.total_bytes + acts.total, cluster.usable_memory, t)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Iterator[Layout]:
+    """Every combination of ``space`` on ``world`` ranks (unchecked)."""
+
+    def pick(given: tuple[int, ...] | None, n: int) -> list[int]:
+        return [d for d in divisors(n) if given is None or d in given]
+
+    for tp in pick(space.tp, world):
+        for pp in pick(space.pp, world // tp):
+            for ep in pick(space.ep, world // (tp * pp)):
+                dp = world // (tp * pp * ep)
+                if space.dp is not None and dp not in space.dp:
+                    continue
+                if ep > 1 and not model.experts:
+                    continue
+                for mode in space.tp_modes if tp > 1 else ("1d",):
+                    for sp in space.sp if (tp > 1 and mode == "1d") else (False,):
+                        for sched, v in _schedules(pp, space):
+                            for zero in space.zero if dp * ep > 1 else (0,):
+                                for b in space.microbatch:
+                                    for rc in space.recompute:
+                                        yield Layout(
+                                            dp=dp,
+                                            tp=tp,
+                                            pp=pp,
+                                            ep=ep,
+                                            v=v,
+                                            schedule=sched,
+                                            microbatch=b,
+                                            zero=zero,
+                                            recompute=rc,
+                                            sp=sp,
+                                            tp_mode=mode,
+                                        )
+
+
+def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("none", 1)]
+    out = []
+    for s in space.schedules:
+        if s == "interleaved":
+            out.extend((s, v) for v in space.chunks if v >= 2)
+        elif s == "zbv":
+            out.append((s, 2))
+        else:
+            out.append((s, 1))
+    return out
+
+
+def search(
+    model: ModelSpec,
+    job: Job,
+    cluster: Cluster,
+    *,
+    space: SearchSpace | None = None,
+    overlap: Overlap | None = None,
+) -> SearchResult:
+    """Every layout of ``space`` on ``cluster``, ranked (module doc)."""
+    space = space or SearchSpace()
+    fit: list[Plan] = []
+    big: list[Plan] = []
+    refused = 0
+    reasons: list[str] = []
+    for lay in layouts(model, job, cluster.devices, space):
+        try:
+            plan = evaluate(model, job, lay, cluster, overlap=overlap)
+        except LayoutError as e:
+            refused += 1
+            if len(reasons) < 20 and str(e) not in reasons:
+                reasons.append(str(e))
+            continue
+        (fit if plan.fits else big).append(plan)
+
+    def key(p: Plan) -> tuple[float, float]:
+        return (p.time.total, p.memory_bytes)
+
+    fit.sort(key=key)
+    big.sort(key=key)
+    return SearchResult(model, job, cluster, tuple(fit), tuple(big[:20]), refused, tuple(reasons))
+
+
+__all__ = ["Plan", "SearchResult", "SearchSpace", "divisors", "evaluate", "layouts", "search"]
