@@ -229,6 +229,13 @@ def _demo(args: argparse.Namespace) -> int:
             ("--width", args.width is not None),
             ("--layers", args.layers is not None),
             ("--heads", args.heads is not None),
+            ("--pp", args.pp != 1),
+            ("--schedule", args.schedule is not None),
+            ("--microbatches", args.microbatches is not None),
+            ("--moe", args.moe),
+            ("--ep", args.ep != 1),
+            ("--experts", args.experts is not None),
+            ("--evals", args.evals is not None),
         )
         if used
     ]
@@ -270,17 +277,25 @@ def _demo_gpt(args: argparse.Namespace) -> int:
     ]
     if cnn_only:
         print(
-            f"plait demo: {', '.join(cnn_only)}: not options of --model gpt (its layout is "
-            f"dp x tp with plait DDP over dp; see --tp, --sp)",
+            f"plait demo: {', '.join(cnn_only)}: not options of --model gpt (its layouts: "
+            f"dp x tp with plait DDP over dp, --pp, --moe --ep)",
             file=sys.stderr,
         )
         return 2
-    nproc = args.nproc if args.nproc is not None else 2
+    nproc = args.nproc if args.nproc is not None else (args.pp if args.pp > 1 else 2)
     base = GPTDemoConfig()
+    default_tp = 1 if (args.pp > 1 or args.moe) else nproc
     try:
         config = GPTDemoConfig(
             world_size=nproc,
-            tp=args.tp if args.tp is not None else nproc,
+            tp=args.tp if args.tp is not None else default_tp,
+            pp=args.pp,
+            schedule=args.schedule or base.schedule,
+            microbatches=args.microbatches,
+            moe=args.moe,
+            ep=args.ep,
+            experts=args.experts if args.experts is not None else base.experts,
+            evals=args.evals if args.evals is not None else base.evals,
             sequence_parallel=args.sp,
             steps=args.steps if args.steps is not None else base.steps,
             batch_size=args.batch_size if args.batch_size is not None else base.batch_size,
@@ -383,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--name", default=None, help="run folder name under --out")
     demo.add_argument("--out", default="runs")
-    gpt = demo.add_argument_group("the GPT (--model gpt): Mesh(dp=n/tp, tp=tp)")
+    gpt = demo.add_argument_group(
+        "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep)"
+    )
     gpt.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: n)")
     gpt.add_argument("--sp", action="store_true", help="sequence parallelism over tp")
     gpt.add_argument("--steps", type=int, default=None, help="default 150")
@@ -391,6 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     gpt.add_argument("--width", type=int, default=None, help="default 64")
     gpt.add_argument("--layers", type=int, default=None, help="default 2")
     gpt.add_argument("--heads", type=int, default=None, help="default 4")
+    gpt.add_argument("--evals", type=int, default=None, help="held-out points (default 10)")
+    gpt.add_argument("--pp", type=int, default=1, help="pipeline stages: Mesh(pp=n)")
+    gpt.add_argument(
+        "--schedule", default=None, help="gpipe, 1f1b (default), interleaved, zb-h1, zbv"
+    )
+    gpt.add_argument("--microbatches", type=int, default=None, help="default 2 x pp")
+    gpt.add_argument("--moe", action="store_true", help="GShard MoE in every second block")
+    gpt.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    gpt.add_argument("--experts", type=int, default=None, help="experts per MoE layer (4)")
     ps = demo.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync")
     ps.add_argument("--servers", type=int, default=1, help="server ranks (0..S-1)")

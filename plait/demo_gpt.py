@@ -11,6 +11,14 @@ step), and the world is laid out as ``Mesh(dp=n/tp, tp=tp)``:
 - ``dp`` replicas each take ``batch_size / dp`` rows and average their gradients with
   plait's DDP on the ``dp`` group (tp = 1 is plain DDP).
 
+With ``pp`` the world is ``Mesh(pp=n)`` instead: the GPT cut into ``pp`` stages trained by a
+pipeline schedule (``schedule``, ``microbatches``; :class:`plait.strategies.pipeline.
+PipelineParallel`), and the report adds the measured bubble of the last step beside the
+simulated one and the formula. With ``moe`` every second MLP is a GShard mixture of
+``experts`` experts, the world is ``Mesh(ep=ep, dp=n/ep)`` (:mod:`plait.moe`, ``strategy="ep"``),
+and the report adds the load statistics and ``moe_load.png`` (tokens per expert over training).
+Composing pp, tp and ep with each other is not supported by the demo (refused up front).
+
 The leading rank prints progress (a tqdm bar on a terminal, one line per evaluation point
 otherwise): training loss, held-out loss and tokens per second. At the end the parent
 writes ``runs/<name>/``: ``report.json`` (history, bytes sent per mesh dimension, parameter
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +46,7 @@ import plait
 from plait import checkpoint, comm
 from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
 from plait.strategies.tensor import loss_fn
-from plait.trace import Span, Tracer, write_chrome
+from plait.trace import Tracer, write_chrome
 
 PROMPT = "The assert statement"
 
@@ -62,12 +71,26 @@ class GPTDemoConfig:
     seed: int = 0
     evals: int = 10  # held-out evaluation points over the run
     name: str = ""
+    # pipeline parallelism: Mesh(pp=n)
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # default: 2 * pp
+    # mixture of experts: Mesh(ep=ep, dp=n/ep)
+    moe: bool = False
+    ep: int = 1
+    experts: int = 4
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp * self.ep)
+
+    @property
+    def m(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.pp
 
     def model_config(self) -> GPTConfig:
+        from plait.models import MoEConfig
+
         return GPTConfig(
             vocab=CharTokenizer().vocab,
             layers=self.layers,
@@ -75,7 +98,15 @@ class GPTDemoConfig:
             width=self.width,
             seq_len=self.seq_len,
             seed=self.seed,
+            moe=MoEConfig(num_experts=self.experts) if self.moe else None,
         )
+
+    def mesh_shape(self) -> dict[str, int]:
+        if self.pp > 1:
+            return {"pp": self.pp}
+        if self.moe:
+            return {"ep": self.ep, "dp": self.dp}
+        return {"dp": self.dp, "tp": self.tp}
 
 
 def validate(config: GPTDemoConfig) -> None:
@@ -85,7 +116,11 @@ def validate(config: GPTDemoConfig) -> None:
     bad = GPTDemoOptionError
     if not isinstance(c.world_size, int) or c.world_size < 1:
         raise bad(f"-n/--nproc must be at least 1, got {c.world_size}")
-    if c.tp < 1 or c.world_size % c.tp:
+    if c.ep != 1 and not c.moe:
+        raise bad("--ep applies to --moe only")
+    if c.pp > 1 or c.moe:
+        _validate_pp_moe(c)
+    elif c.tp < 1 or c.world_size % c.tp:
         raise bad(
             f"--tp must divide -n (the mesh is dp x tp = n ranks): -n {c.world_size}, "
             f"--tp {c.tp}; valid: {[t for t in range(1, c.world_size + 1) if not c.world_size % t]}"
@@ -102,10 +137,16 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"--sp: --seq-len {c.seq_len} must be divisible by --tp {c.tp}")
     if c.steps < 1:
         raise bad(f"--steps must be at least 1, got {c.steps}")
-    if c.batch_size < c.dp or c.batch_size % c.dp:
+    rows = c.world_size // (c.tp * c.pp)  # ranks that take their own rows of a batch
+    if c.batch_size < rows or c.batch_size % rows:
         raise bad(
-            f"--batch-size (global) must be a multiple of the {c.dp} data-parallel replicas "
-            f"(-n {c.world_size} / --tp {c.tp}), got {c.batch_size}"
+            f"--batch-size (global) must be a multiple of the {rows} ranks that each take "
+            f"their own rows (-n {c.world_size} / --tp {c.tp} / --pp {c.pp}), got {c.batch_size}"
+        )
+    if c.pp > 1 and c.batch_size % c.m:
+        raise bad(
+            f"--batch-size {c.batch_size} must be a multiple of --microbatches {c.m} "
+            f"(equal micro-batches)"
         )
     if not 2 <= c.seq_len <= 512:
         raise bad(f"--seq-len must be in 2..512, got {c.seq_len}")
@@ -118,6 +159,52 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"--algorithm must be one of {', '.join(algorithms)}, got {c.algorithm!r}")
     if c.name and (c.name in (".", "..") or "/" in c.name or "\\" in c.name):
         raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+
+
+def _validate_pp_moe(c: GPTDemoConfig) -> None:
+    bad = GPTDemoOptionError
+    if c.pp > 1 and c.moe:
+        raise bad("--pp and --moe do not compose in the demo yet; pick one")
+    if c.tp != 1:
+        what = "--pp" if c.pp > 1 else "--moe"
+        raise bad(f"{what} does not compose with --tp in the demo yet; leave --tp at 1")
+    if c.pp > 1:
+        if c.world_size != c.pp:
+            raise bad(
+                f"--pp {c.pp} needs -n {c.pp} (the demo's pipeline is Mesh(pp=n); data "
+                f"parallelism beside it is not composed yet), got -n {c.world_size}"
+            )
+        if c.schedule not in SCHEDULES:
+            raise bad(f"--schedule must be one of {', '.join(SCHEDULES)}, got {c.schedule!r}")
+        if c.m < 1:
+            raise bad(f"--microbatches must be at least 1, got {c.m}")
+        from plait.strategies.pipeline.schedules import build, default_chunks
+
+        stages = c.pp * default_chunks(c.schedule)
+        if c.layers + 2 < stages:
+            raise bad(
+                f"--schedule {c.schedule} at --pp {c.pp} needs {stages} stages: --layers must "
+                f"be at least {stages - 2} (embedding, blocks and head are cut), got {c.layers}"
+            )
+        try:
+            build(c.schedule, p=c.pp, m=c.m)
+        except ValueError as e:
+            raise bad(f"--schedule {c.schedule} --pp {c.pp} --microbatches {c.m}: {e}") from None
+    if c.moe:
+        if c.ep < 1 or c.world_size % c.ep:
+            raise bad(f"--ep must divide -n: -n {c.world_size}, --ep {c.ep}")
+        if c.experts < 1 or c.experts % c.ep:
+            raise bad(
+                f"--experts {c.experts} must be a multiple of --ep {c.ep} (each rank holds "
+                f"experts / ep experts)"
+            )
+        if c.layers < 2:
+            raise bad(
+                f"--moe replaces every second MLP: --layers must be at least 2, got {c.layers}"
+            )
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +222,10 @@ def global_batch(config: GPTDemoConfig, tokens: torch.Tensor, step: int) -> tupl
 
 
 def _held_out(config: GPTDemoConfig, tokens: torch.Tensor) -> tuple[Any, Any]:
-    return token_batches(tokens, batch=16, seq_len=config.seq_len, seed=1)
+    """About 16 held-out windows, a multiple of the global batch (so that it splits into
+    micro-batches and over ranks as a training batch does)."""
+    rows = config.batch_size * max(1, round(16 / config.batch_size))
+    return token_batches(tokens, batch=rows, seq_len=config.seq_len, seed=1)
 
 
 @dataclass
@@ -152,7 +242,9 @@ def _dimension_bytes(mesh: plait.Mesh) -> dict[str, dict[str, int]]:
     names = {mesh.group(d).name: d for d in mesh.names if mesh.size(d) > 1}
     out: dict[str, dict[str, int]] = {}
     for (group, collective, algorithm), s in comm.group_stats().items():
-        dim = names.get(group, group)
+        # a group over several dimensions is named like 'mesh0.dp+ep0[0, 1]'
+        several = re.match(r"^mesh\d+\.([a-z]+(?:\+[a-z]+)+)\d*\[", group)
+        dim = names.get(group, several.group(1) if several else group)
         row = out.setdefault(dim, {})
         row[f"{collective}/{algorithm}"] = row.get(f"{collective}/{algorithm}", 0) + (
             s.bytes_sent or s.payload_bytes
@@ -160,18 +252,24 @@ def _dimension_bytes(mesh: plait.Mesh) -> dict[str, dict[str, int]]:
     return out
 
 
-def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
-    """Runs on every rank: build the mesh, split the GPT, train, report."""
-    validate(config)
-    world = plait.world()
-    mesh = plait.Mesh(dp=config.dp, tp=config.tp)
-    train_tokens, held_tokens = corpus()
+@dataclass
+class _Trainer:
+    """One layout's pieces, as the training loop uses them."""
+
+    step: Any  # (x, y) -> loss tensor; forward and backward of this rank's rows
+    held_out: Any  # (x, y) -> float; the held-out loss (every rank the same)
+    state: Any  # () -> this rank's part of the dense state dict (keys of the dense GPT)
+    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module
+    rows: tuple[int, int]  # this rank's rows of a global batch, [a, b)
+    loss_group: Any  # the group over which the ranks' mean losses are averaged
+
+
+def _tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
     dense = GPT(config.model_config())
-    optimizer = torch.optim.Adam(dense.parameters(), lr=config.lr)
-    tracer = Tracer(rank=world.rank)
     model, opt = plait.prepare(
         dense,
-        optimizer,
+        torch.optim.Adam(dense.parameters(), lr=config.lr),
         strategy="tp",
         mesh=mesh,
         sequence_parallel=config.sequence_parallel,
@@ -184,34 +282,145 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
         run = plait.DistributedDataParallel(
             model, group=mesh.group("dp"), algorithm=config.algorithm, tracer=tracer
         )
-    d, rows = mesh.rank("dp"), config.batch_size // config.dp
-    lead = world.rank == 0
-    x_held, y_held = _held_out(config, held_tokens)
-    marks = {round(config.steps * (k + 1) / config.evals) for k in range(config.evals)}
-    history: list[Point] = []
-    comm.reset_stats()
-    start = last = time.perf_counter()
-    since, loss_sum = 0, 0.0
-    bar = _progress(config, show=lead)
-    for step in range(config.steps):
-        x, y = global_batch(config, train_tokens, step)
-        x, y = x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows]
-        opt.zero_grad()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with tracer.span("forward", stream="compute"):
             loss = loss_of(run(x), y)
         with tracer.span("backward", stream="compute"):
             loss.backward()
+        return loss
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(loss_of(model(x), y))
+
+    d, rows = mesh.rank("dp"), config.batch_size // config.dp
+    return _Trainer(
+        step,
+        held_out,
+        lambda: checkpoint.full_state_dict(model),
+        opt,
+        model,
+        (d * rows, (d + 1) * rows),
+        mesh.group("dp"),
+    )
+
+
+def _pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
+    from plait.strategies.pipeline import PipelineParallel
+
+    dense = GPT(config.model_config())
+    pipe = PipelineParallel(
+        dense,
+        group=mesh.group("pp"),
+        schedule=config.schedule,
+        microbatches=config.m,
+        tracer=tracer,
+    )
+    opt = torch.optim.Adam(pipe.parameters(), lr=config.lr)
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # the pipeline has no forward-only schedule yet: a whole step whose gradients are
+        # dropped (the next training step zeroes them)
+        loss = float(pipe.step(x, y))
+        opt.zero_grad()
+        return loss
+
+    return _Trainer(
+        pipe.step,
+        held_out,
+        pipe.dense_state_dict,
+        opt,
+        pipe,
+        (0, config.batch_size),
+        mesh.group("pp"),
+    )
+
+
+def _batch_rank(model: torch.nn.Module) -> int:
+    info: Any = model.plait_expert_parallel
+    return int(info.batch_rank)
+
+
+def _experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
+    dense = GPT(config.model_config())
+    model, opt = plait.prepare(
+        dense, torch.optim.Adam(dense.parameters(), lr=config.lr), strategy="ep", mesh=mesh
+    )
+    assert opt is not None
+    from plait.models.gpt import loss as gpt_loss
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with tracer.span("forward", stream="compute"):
+            loss = gpt_loss(model(x), y)
+        with tracer.span("backward", stream="compute"):
+            loss.backward()
+        return loss
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # MoE layers route collectively over ep: every rank evaluates its own rows
+        b = _batch_rank(model)
+        n = x.shape[0] // config.world_size
+        model.eval()
+        with torch.no_grad():
+            mine = gpt_loss(model(x[b * n : (b + 1) * n]), y[b * n : (b + 1) * n])
+        model.train()
+        mean = mine.detach().to(torch.float64).reshape(1)
+        comm.all_reduce(mean, "avg", algorithm="auto")
+        return float(mean)
+
+    b = _batch_rank(model)
+    rows = config.batch_size // config.world_size
+    return _Trainer(
+        step,
+        held_out,
+        lambda: checkpoint.full_state_dict(model),
+        opt,
+        model,
+        (b * rows, (b + 1) * rows),
+        plait.world(),
+    )
+
+
+def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
+    """Runs on every rank: build the mesh, split the GPT, train, report."""
+    validate(config)
+    world = plait.world()
+    mesh = plait.Mesh(**config.mesh_shape())  # type: ignore[arg-type]
+    train_tokens, held_tokens = corpus()
+    tracer = Tracer(rank=world.rank)
+    build = _pipeline if config.pp > 1 else _experts if config.moe else _tensor_parallel
+    t = build(config, mesh, tracer)
+    a, b = t.rows
+    lead = world.rank == 0
+    x_held, y_held = _held_out(config, held_tokens)
+    marks = {round(config.steps * (k + 1) / config.evals) for k in range(config.evals)}
+    history: list[Point] = []
+    loads: list[dict[str, Any]] = []
+    comm.reset_stats()
+    start = last = time.perf_counter()
+    last_step_ns = 0
+    since, loss_sum = 0, 0.0
+    bar = _progress(config, show=lead)
+    for step in range(config.steps):
+        x, y = global_batch(config, train_tokens, step)
+        t.optimizer.zero_grad()
+        last_step_ns = time.perf_counter_ns()
+        loss = t.step(x[a:b], y[a:b])
         with tracer.span("optimizer step", stream="compute"):
-            opt.step()
+            t.optimizer.step()
+        if config.moe:
+            from plait import moe
+
+            loads.append(moe.collect(t.model))
         loss_sum += loss.item()
         since += 1
         bar.update(1)
         if step + 1 in marks:
             # every replica's mean loss; the replicas' average is the global batch's
             mean = torch.tensor([loss_sum / since], dtype=torch.float64)
-            comm.all_reduce(mean, "avg", group=mesh.group("dp"), algorithm="auto")
-            with torch.no_grad():
-                held = float(loss_of(model(x_held), y_held))
+            comm.all_reduce(mean, "avg", group=t.loss_group, algorithm="auto")
+            held = t.held_out(x_held, y_held)
             now = time.perf_counter()
             point = Point(
                 step=step + 1,
@@ -236,11 +445,13 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     return {
         "history": [asdict(p) for p in history],
         "spans": tracer.spans(),
-        "state": checkpoint.full_state_dict(model),
+        "last_step_ns": last_step_ns,
+        "state": t.state(),
         "bytes_by_dim": sent,
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in t.model.parameters()),
         "train_s": train_s,
         "layout": str(mesh) if lead else "",
+        "moe": [{k: v.as_dict() for k, v in step.items()} for step in loads],
     }
 
 
@@ -304,6 +515,25 @@ class GPTDemoReport:
     history: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
     max_param_diff: float | None = None
+    bubble: dict[str, Any] = field(default_factory=dict)  # --pp: the last step's
+    moe: list[dict[str, Any]] = field(default_factory=list)  # --moe: stats per step
+
+
+def _bubble(config: GPTDemoConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last step's bubble: measured from every rank's spans, simulated with the measured
+    action times, and the formula."""
+    from plait.strategies.pipeline import bubble_report
+    from plait.strategies.pipeline.schedules import build
+
+    spans = [sp for r in results for sp in r["spans"] if sp.start_ns >= r["last_step_ns"]]
+    rep = bubble_report(build(config.schedule, p=config.pp, m=config.m), spans)
+    print(rep.describe())
+    return {
+        "measured": rep.measured,
+        "simulated": rep.simulated,
+        "formula": rep.formula,
+        "step_seconds": rep.step_seconds,
+    }
 
 
 def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -326,12 +556,26 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def describe(config: GPTDemoConfig) -> str:
-    sp = " + sequence parallelism" if config.sequence_parallel else ""
+    c = config
+    if c.pp > 1:
+        how = f"pp {c.pp} ({c.schedule}, {c.m} micro-batches)"
+    elif c.moe:
+        how = f"ep {c.ep} x dp {c.dp}, {c.experts} experts in every second block"
+    else:
+        sp = " + sequence parallelism" if c.sequence_parallel else ""
+        how = f"dp {c.dp} x tp {c.tp}{sp}"
     return (
-        f"GPT ({config.layers} layers, width {config.width}, {config.heads} heads, "
-        f"sequence {config.seq_len}) on Python's docs, {config.world_size} ranks as "
-        f"dp {config.dp} x tp {config.tp}{sp}"
+        f"GPT ({c.layers} layers, width {c.width}, {c.heads} heads, sequence {c.seq_len}) on "
+        f"Python's docs, {c.world_size} ranks as {how}"
     )
+
+
+def _label(c: GPTDemoConfig) -> str:
+    if c.pp > 1:
+        return f"gpt-pp{c.pp}-{c.schedule}"
+    if c.moe:
+        return f"gpt-moe-ep{c.ep}-dp{c.dp}"
+    return f"gpt-dp{c.dp}-tp{c.tp}" + ("-sp" if c.sequence_parallel else "")
 
 
 def run(
@@ -339,10 +583,7 @@ def run(
 ) -> GPTDemoReport:
     """Validate, train on ``config.world_size`` spawned ranks, print and write the report."""
     validate(config)
-    sp = "-sp" if config.sequence_parallel else ""
-    name = config.name or (
-        f"gpt-dp{config.dp}-tp{config.tp}{sp}-n{config.world_size}-{time.strftime('%H%M%S')}"
-    )
+    name = config.name or f"{_label(config)}-n{config.world_size}-{time.strftime('%H%M%S')}"
     run_dir = out_dir / name
     print(
         f"plait demo: {describe(config)}, {config.steps} steps of {config.batch_size} windows",
@@ -353,10 +594,11 @@ def run(
     print(lead["layout"])
     history = lead["history"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    spans: list[Span] = [s for r in results for s in r["spans"]]
     write_chrome(run_dir / "trace.json", [r["spans"] for r in results])
-    del spans
     train_s = max(r["train_s"] for r in results)
+    state: dict[str, torch.Tensor] = {}
+    for r in results:  # tp: every rank has it all; pp and ep: each rank its stages / experts
+        state.update(r["state"])
     report = GPTDemoReport(
         config=config,
         final_loss=history[-1]["loss"],
@@ -367,12 +609,19 @@ def run(
         bytes_by_dim=lead["bytes_by_dim"],
         param_bytes_per_rank=[r["param_bytes"] for r in results],
         history=history,
-        text=sample(lead["state"], config),
+        text=sample(state, config),
+        moe=lead["moe"],
     )
+    if config.pp > 1:
+        report.bubble = _bubble(config, results)
+    if config.moe:
+        from plait import moe
+
+        loads = [{k: moe.MoEStats(**v) for k, v in step.items()} for step in lead["moe"]]
+        moe.plot_tokens_per_expert(loads, run_dir / "moe_load.png", title=_label(config))
     if check:
         want = oracle(config)
-        got = lead["state"]
-        report.max_param_diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+        report.max_param_diff = max(float((state[k] - want[k]).abs().max()) for k in want)
     (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=1, default=str))
     _plot(history, run_dir / "curves.png", f"plait: {describe(config)}")
     print(f"\nfinal training loss   {report.final_loss:.4f} (held-out {report.held_out_loss:.4f})")
@@ -381,7 +630,23 @@ def run(
     print(f"parameters per rank   {min(mib):.2f}-{max(mib):.2f} MiB")
     for dim, row in report.bytes_by_dim.items():
         total = sum(row.values())
+        if total < 1024 * config.steps:  # the loss averages: a few bytes a step
+            continue
         print(f"sent on {dim:<13} {total / 2**20 / config.steps:.3f} MiB per step by rank 0")
+    if report.bubble:
+        b = report.bubble
+        print(
+            f"pipeline bubble       {b['measured']:.1%} measured in the last step, "
+            f"{b['simulated']:.1%} simulated with its measured action times, "
+            f"{b['formula']:.1%} by the formula"
+        )
+    if report.moe:
+        last = report.moe[-1]
+        for layer, st in last.items():
+            print(
+                f"{layer}: tokens per expert {st['tokens_per_expert']}, drop rate "
+                f"{st['drop_rate']:.1%}, imbalance {st['imbalance']:.2f} (last step)"
+            )
     print(f"\nthe model writes:\n{report.text}\n")
     if report.max_param_diff is not None:
         # float32: the ranks sum partial products in another order than the dense matmuls
@@ -392,7 +657,8 @@ def run(
             f"--check: largest parameter difference to one process on the global batch: "
             f"{report.max_param_diff:.2e} ({verdict}; float32 Adam, rounding order differs)"
         )
-    print(f"wrote {run_dir}/report.json, trace.json, curves.png")
+    extra = ", moe_load.png" if config.moe else ""
+    print(f"wrote {run_dir}/report.json, trace.json, curves.png{extra}")
     if not math.isfinite(report.final_loss):
         print("the loss diverged; lower --lr", file=sys.stderr)
     return report

@@ -38,14 +38,47 @@ def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, 
     assert (tmp_path / "g" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)
+def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: Path):
+    config = GPTDemoConfig(world_size=2, tp=1, pp=2, schedule="1f1b", name="p", **SMALL)
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert set(report.bytes_by_dim) == {"pp"}
+    b = report.bubble
+    assert b["formula"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) with p=2, m=4
+    assert 0.0 <= b["measured"] < 1.0 and 0.0 <= b["simulated"] < 1.0
+    assert report.param_bytes_per_rank[0] < sum(report.param_bytes_per_rank)
+
+
+@pytest.mark.timeout(300)
+def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path):
+    config = GPTDemoConfig(world_size=2, tp=1, moe=True, ep=2, name="m", **SMALL)
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert len(report.moe) == SMALL["steps"]
+    (layer,) = report.moe[-1]
+    assert layer == "blocks.1.mlp"
+    # every routed choice of the global batch is counted once over the ep group
+    st = report.moe[-1][layer]
+    assert sum(st["routed_per_expert"]) >= SMALL["batch_size"] * SMALL["seq_len"]
+    assert (tmp_path / "m" / "moe_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 BAD = [
     (["-n", "4", "--tp", "3"], "--tp must divide -n"),
     (["-n", "2", "--heads", "3", "--width", "30"], "--heads must be divisible by --tp"),
-    (["-n", "4", "--tp", "2", "--batch-size", "3"], "must be a multiple of the 2 data-parallel"),
+    (["-n", "4", "--tp", "2", "--batch-size", "3"], "multiple of the 2 ranks that each take"),
     (["-n", "2", "--tp", "1", "--sp"], "--sp needs --tp of at least 2"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--strategy", "zero1"], "--strategy: not options of --model gpt"),
     (["--tp", "2"], "--tp: options of --model gpt"),
+    (["-n", "4", "--pp", "2"], "--pp 2 needs -n 2"),
+    (["--pp", "2", "--tp", "2"], "--pp does not compose with --tp"),
+    (["--pp", "2", "--schedule", "fast"], "--schedule must be one of"),
+    (["--pp", "2", "--microbatches", "3"], "must be a multiple of --microbatches 3"),
+    (["--moe", "--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),
+    (["--moe", "--pp", "2"], "--pp and --moe do not compose"),
+    (["--ep", "2"], "--ep applies to --moe only"),
 ]
 
 
