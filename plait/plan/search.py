@@ -134,7 +134,7 @@ def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Itera
 def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
     if pp == 1:
         return [("none", 1)]
-    out = []
+    out: list[tuple[str, int]] = []
     for s in space.schedules:
         if s == "interleaved":
             out.extend((s, v) for v in space.chunks if v >= 2)
