@@ -232,6 +232,7 @@ def main() -> None:
             ]
             measured = statistics.median(r.measured for r in reports)
             simulated = statistics.median(r.simulated for r in reports)
+            waiting = statistics.median(r.waiting for r in reports)
             torch_name = f"torch {TORCH[name]}" if name in TORCH else None
             rows.append(
                 {
@@ -244,6 +245,7 @@ def main() -> None:
                     "vs_1f1b": med[f"plait {name}"] / med["plait 1f1b"],
                     "sim_vs_1f1b": None,
                     "bubble_measured": measured,
+                    "waiting": waiting,
                     "bubble_simulated": simulated,
                     "bubble_formula": reports[-1].formula,
                     "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
@@ -281,8 +283,8 @@ def main() -> None:
         f"{args['steps']} steps",
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
-        "| bubble measured | bubble simulated | formula |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bubble measured | of it waiting on messages | bubble simulated | formula |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         t = f"{r['torch_ms']:.1f}" if r["torch_ms"] else "-"
@@ -290,6 +292,7 @@ def main() -> None:
         lines.append(
             f"| {r['p']} | {r['schedule']} | {r['plait_ms']:.1f} | {t} | {ratio} | "
             f"{r['vs_1f1b']:.2f} | {r['sim_vs_1f1b']:.2f} | {100 * r['bubble_measured']:.1f}% | "
+            f"{100 * r['waiting']:.1f}% | "
             f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_formula']:.1f}% |"
         )
     (out / "pipeline.md").write_text("\n".join(lines) + "\n")
