@@ -223,6 +223,39 @@ def run_shm(world: int, sizes: list[int], iters: int, budget: float) -> dict:
     return {"rows": bench.as_json(rows), "table": bench.tune_table(rows)}
 
 
+def latency_rank(numel: int = 1024, rounds: int = 30, block: int = 25) -> dict[str, float]:
+    """Microseconds per all-reduce of ``numel`` float32 in blocks of back-to-back calls
+    (as a training step issues them): plait's shm and ring, gloo's own through plait
+    and through torch.distributed; median block of the slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    from plait import comm
+
+    t = torch.ones(numel)
+    fns = {
+        "plait_shm": lambda: comm.all_reduce(t, algorithm="shm"),
+        "plait_ring": lambda: comm.all_reduce(t, algorithm="ring"),
+        "plait_auto": lambda: comm.all_reduce(t),
+        "gloo_native": lambda: comm.all_reduce(t, algorithm="native"),
+        "torch": lambda: dist.all_reduce(t),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            mine = torch.tensor([(time.perf_counter() - t0) / block * 1e6])
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            samples[name].append(mine.item())
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def shm_markdown(results: dict) -> str:
     lines = []
     for world, res in results["worlds"].items():
@@ -251,14 +284,27 @@ def shm_markdown(results: dict) -> str:
                 + " | ".join(cells)
                 + " |"
             )
+    lines.append("\n**4 KiB all-reduce, back to back** (us per call, median block of 25)\n")
+    lines.append(
+        "| world | plait shm | plait ring | plait auto | gloo via plait | torch.distributed |"
+    )
+    lines.append("|---|---|---|---|---|---|")
+    for world, v in results.get("latency", {}).items():
+        lines.append(
+            f"| {world} | {v['plait_shm']:.1f} | {v['plait_ring']:.1f} | {v['plait_auto']:.1f} "
+            f"| {v['gloo_native']:.1f} | {v['torch']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main_shm(args: argparse.Namespace, sizes: list[int]) -> None:
     results: dict = {"cores": os.cpu_count(), "sizes": sizes, "worlds": {}}
     print(bench.format_rows([]))
+    results["latency"] = {}
     for world in [int(w) for w in args.worlds.split(",")]:
         results["worlds"][world] = run_shm(world, sizes, args.iters, args.budget)
+        with RankPool(world, env={"PLAIT_TRANSPORT": "shm"}) as pool:
+            results["latency"][world] = pool.run(latency_rank, timeout=600)[0]
     OUT.mkdir(exist_ok=True)
     (OUT / "comm_shm.json").write_text(json.dumps(results, indent=1))
     md = shm_markdown(results)
