@@ -126,10 +126,10 @@ def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
     return out
 
 
-def model_states(model: ModelSpec, job: Job, layout: Layout) -> ModelStates:
-    """Parameters, gradients and optimizer state on the largest rank (module doc)."""
+def rank_states(model: ModelSpec, job: Job, layout: Layout) -> list[ModelStates]:
+    """Parameters, gradients and optimizer state of each pipeline rank (module doc)."""
     strategy = STAGE_NAMES[layout.zero]
-    best: ModelStates | None = None
+    out = []
     for r, (dense, expert) in enumerate(rank_params(model, layout)):
         parts = [
             memory.estimate(
@@ -148,11 +148,15 @@ def model_states(model: ModelSpec, job: Job, layout: Layout) -> ModelStates:
         formula = f"dense D={dense:,} over n={layout.data_shards}: {parts[0].formula}"
         if expert:
             formula += f"; experts X={expert:,} over n={layout.dp}: {parts[-1].formula}"
-        row = ModelStates(r, dense, expert, params, grads, optim, params + grads + optim, formula)
-        if best is None or row.total_bytes > best.total_bytes:
-            best = row
-    assert best is not None
-    return best
+        out.append(
+            ModelStates(r, dense, expert, params, grads, optim, params + grads + optim, formula)
+        )
+    return out
 
 
-__all__ = ["ModelStates", "model_states", "rank_contents", "rank_params"]
+def model_states(model: ModelSpec, job: Job, layout: Layout) -> ModelStates:
+    """Parameters, gradients and optimizer state on the largest rank (module doc)."""
+    return max(rank_states(model, job, layout), key=lambda s: s.total_bytes)
+
+
+__all__ = ["ModelStates", "model_states", "rank_contents", "rank_params", "rank_states"]
