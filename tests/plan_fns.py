@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import plait
 from plait.models import GPT, GPTConfig
-from plait.models.gpt import tp_plan
+from plait.models.gpt import MoEConfig, tp_plan
 from plait.plan import memory
 from plait.strategies.pipeline.parallel import prepare_pipeline
 from plait.strategies.tensor import loss_fn, parallelize
@@ -19,9 +19,10 @@ from plait.strategies.tensor import loss_fn, parallelize
 BATCH = 8
 
 
-def config(layers: int) -> GPTConfig:
-    # vocab 96: a multiple of 4 (tp pads nothing); width 64, 4 heads
-    return GPTConfig(vocab=96, layers=layers, heads=4, width=64, seq_len=16)
+def config(layers: int, experts: int = 0) -> GPTConfig:
+    # vocab 96: a multiple of 4 (tp pads nothing); width 64, 4 heads; blocks 1, 3, ... MoE
+    moe = MoEConfig(num_experts=experts) if experts else None
+    return GPTConfig(vocab=96, layers=layers, heads=4, width=64, seq_len=16, moe=moe)
 
 
 def _batch(cfg: GPTConfig, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +46,9 @@ def measured(kind: str, layers: int) -> dict[str, Any]:
 
     ``kind``: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` (every rank data-parallel),
     ``"tp"`` (every rank tensor-parallel), ``"dp2tp2"`` (tp inside, plait's DDP over dp),
-    ``"pp"`` (every rank a 1F1B pipeline stage)."""
-    cfg = config(layers)
+    ``"pp"`` (every rank a 1F1B pipeline stage), ``"ep4"`` / ``"dp2ep2"`` (the MoE GPT with
+    4 experts under ``strategy="ep"``)."""
+    cfg = config(layers, experts=4 if kind in ("ep4", "dp2ep2") else 0)
     world = plait.world()
     x, y = _batch(cfg, BATCH)
     model = GPT(cfg)
@@ -111,4 +113,16 @@ def measured(kind: str, layers: int) -> dict[str, Any]:
             "pp_rank": mesh.rank("pp"),
             "partition": str(pipe.partition),
         }
+    if kind in ("ep4", "dp2ep2"):
+        mesh = plait.Mesh(ep=4) if kind == "ep4" else plait.Mesh(ep=2, dp=2)
+        wrapped, opt2 = plait.prepare(
+            model, torch.optim.Adam(model.parameters(), lr=1e-3), strategy="ep", mesh=mesh
+        )
+        assert opt2 is not None
+        b = wrapped.plait_expert_parallel.batch_rank
+        share = BATCH // world.size
+        xs, ys = x[b * share : (b + 1) * share], y[b * share : (b + 1) * share]
+        F.cross_entropy(wrapped(xs).reshape(-1, cfg.vocab), ys.reshape(-1)).backward()
+        opt2.step()
+        return {"bytes": _bytes(wrapped, opt2), "pp_rank": 0}
     raise ValueError(f"unknown layout kind {kind!r}")

@@ -29,12 +29,15 @@ LAYOUTS = {
     "tp": Layout(tp=4),
     "dp2tp2": Layout(dp=2, tp=2),
     "pp": Layout(pp=4, schedule="1f1b", microbatch=2),
+    "ep4": Layout(ep=4),
+    "dp2ep2": Layout(dp=2, ep=2),
 }
+EXPERTS = {"ep4": 4, "dp2ep2": 4}
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_planner_memory_matches_measure_within_5_percent(ranks: Any, kind: str) -> None:
-    model = from_gpt_config(plan_fns.config(LAYERS))
+    model = from_gpt_config(plan_fns.config(LAYERS, EXPERTS.get(kind, 0)))
     predicted = rank_states(model, JOB, LAYOUTS[kind])
     for got in ranks(4, plan_fns.measured, kind, LAYERS, timeout=120):
         want = predicted[got["pp_rank"]]
