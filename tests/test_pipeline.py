@@ -50,6 +50,7 @@ def test_gpt_matches_oracle(ranks, name, p, m, tied, recompute):
     state: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     for res in results:
+        assert "stage 0 (rank 0): embed" in res["partition"]
         assert not set(res["state"]) & set(state)  # every parameter on exactly one rank
         state |= res["state"]
         grads |= res["grads"]

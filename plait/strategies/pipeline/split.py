@@ -96,14 +96,14 @@ class Partition:
         ttotal = sum(self.seconds) if self.seconds else 0.0
         lines = []
         for s, names in enumerate(self.names):
-            where = f"rank {self.placement[s]} " if self.placement else ""
+            where = f" (rank {self.placement[s]})" if self.placement else ""
             line = (
-                f"stage {s} ({where}): {', '.join(names)} | {self.params[s]:,} params "
+                f"stage {s}{where}: {', '.join(names)} | {self.params[s]:,} params "
                 f"({100 * self.params[s] / total:.0f}%)"
             )
             if self.seconds and ttotal:
                 line += f", {100 * self.seconds[s] / ttotal:.0f}% of fwd+bwd time"
-            lines.append(line.replace(" ()", ""))
+            lines.append(line)
         return "\n".join(lines)
 
 
