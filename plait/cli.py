@@ -185,6 +185,39 @@ def _plan_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- plait plan tensor --------------------------------------------------------------------
+def _plan_tensor(args: argparse.Namespace) -> int:
+    """1D, 2D, 2.5D and 3D tensor parallelism side by side for a GPT (tensor_costs)."""
+    from plait.plan import tensor_costs as tc
+
+    shape = {
+        "ranks": args.nproc,
+        "width": args.width,
+        "layers": args.layers,
+        "vocab": args.vocab,
+        "depth": args.depth,
+    }
+    try:
+        rows = tc.compare_modes(tokens=args.tokens, bytes_per_element=args.bytes, **shape)
+    except ValueError as e:
+        print(f"plait plan tensor: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"plait plan tensor: GPT width {args.width}, {args.layers} layers, vocabulary "
+        f"{args.vocab}, {args.tokens:,} tokens per step, {args.nproc} tensor-parallel ranks "
+        f"(2.5d depth {args.depth}), {args.bytes}-byte elements\n"
+        "linear layers only, forward + backward, per rank; bytes as plait's ring algorithms "
+        "send them (plait.plan.tensor_costs)"
+    )
+    print(tc.format_modes(rows))
+    for r in rows:
+        if r.valid and r.mode != "1d":
+            t = tc.crossover_tokens(r.mode, **shape)
+            when = "never" if t is None else f"above {t:,.0f} tokens per step"
+            print(f"{r.mode} sends fewer bytes than 1d: {when}")
+    return 0
+
+
 def _parameter_count(text: str) -> float:
     """'7.5e9', '7500000000', '7.5B', '350M', '1.2T' -> a number of parameters."""
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
@@ -224,6 +257,7 @@ def _demo(args: argparse.Namespace) -> int:
         for flag, used in (
             ("--tp", args.tp is not None),
             ("--sp", args.sp),
+            ("--tp-mode", args.tp_mode != "1d"),
             ("--steps", args.steps is not None),
             ("--seq-len", args.seq_len is not None),
             ("--width", args.width is not None),
@@ -297,6 +331,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             experts=args.experts if args.experts is not None else base.experts,
             evals=args.evals if args.evals is not None else base.evals,
             sequence_parallel=args.sp,
+            tp_mode=args.tp_mode,
+            tp_depth=args.tp_depth,
             steps=args.steps if args.steps is not None else base.steps,
             batch_size=args.batch_size if args.batch_size is not None else base.batch_size,
             seq_len=args.seq_len if args.seq_len is not None else base.seq_len,
@@ -403,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     gpt.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: n)")
     gpt.add_argument("--sp", action="store_true", help="sequence parallelism over tp")
+    gpt.add_argument(
+        "--tp-mode",
+        choices=["1d", "2d", "2.5d", "3d"],
+        default="1d",
+        help="tp ranks as a q x q (2d), d x q x q (2.5d) or q^3 (3d) grid",
+    )
+    gpt.add_argument("--tp-depth", type=int, default=2, help="2.5d: depth d (default 2)")
     gpt.add_argument("--steps", type=int, default=None, help="default 150")
     gpt.add_argument("--seq-len", type=int, default=None, help="default 64")
     gpt.add_argument("--width", type=int, default=None, help="default 64")
@@ -458,6 +501,17 @@ def main(argv: list[str] | None = None) -> int:
         "--shard-rounding", action="store_true", help="ceil(P/n) per rank instead of P/n"
     )
     mem_p.set_defaults(func=_plan_memory)
+    tensor_p = plan_sub.add_parser(
+        "tensor", help="bytes and memory per rank of 1D, 2D, 2.5D and 3D tensor parallelism"
+    )
+    tensor_p.add_argument("-n", "--nproc", type=int, required=True, help="tensor-parallel ranks")
+    tensor_p.add_argument("--tokens", type=int, required=True, help="tokens per step (b s)")
+    tensor_p.add_argument("--width", type=int, required=True)
+    tensor_p.add_argument("--layers", type=int, required=True)
+    tensor_p.add_argument("--vocab", type=int, required=True)
+    tensor_p.add_argument("--depth", type=int, default=2, help="2.5d depth (default 2)")
+    tensor_p.add_argument("--bytes", type=int, default=4, help="bytes per element (default 4)")
+    tensor_p.set_defaults(func=_plan_tensor)
 
     doctor_p = sub.add_parser(
         "doctor", help="read the flight-recorder dumps of a failed job; name what went wrong"

@@ -59,6 +59,8 @@ class GPTDemoOptionError(ValueError):
 class GPTDemoConfig:
     world_size: int = 2
     tp: int = 2
+    tp_mode: str = "1d"  # "2d", "2.5d" (depth tp_depth), "3d": the tp ranks as a grid
+    tp_depth: int = 2
     sequence_parallel: bool = False
     steps: int = 150
     batch_size: int = 16  # global: windows per step over all data-parallel replicas
@@ -127,7 +129,30 @@ def validate(config: GPTDemoConfig) -> None:
         )
     if c.heads < 1 or c.width < 1 or c.width % c.heads:
         raise bad(f"--width must be a multiple of --heads: got width {c.width}, heads {c.heads}")
-    if c.heads % c.tp:
+    if c.tp_mode not in ("1d", "2d", "2.5d", "3d"):
+        raise bad(f"--tp-mode must be one of 1d, 2d, 2.5d, 3d, got {c.tp_mode!r}")
+    if c.tp_mode != "1d":
+        from plait.strategies.tensor.grid import grid_shape
+
+        try:
+            dims = grid_shape(c.tp_mode, c.tp, depth=c.tp_depth if c.tp_mode == "2.5d" else None)
+        except ValueError as exc:
+            raise bad(f"--tp {c.tp} --tp-mode {c.tp_mode}: {exc}") from None
+        q = dims["row"]
+        parts = {"2d": q, "2.5d": c.tp_depth * q, "3d": q * q}[c.tp_mode]
+        if c.heads % q:
+            raise bad(f"--heads must be divisible by the grid side {q} (--tp-mode {c.tp_mode})")
+        if c.width % (q * q):
+            raise bad(f"--width must be divisible by q^2 = {q * q} (--tp-mode {c.tp_mode})")
+        if c.sequence_parallel:
+            raise bad(f"--sp is 1D only (--tp-mode {c.tp_mode} splits the batch instead)")
+        rows = c.batch_size // max(1, c.dp)
+        if rows % parts:
+            raise bad(
+                f"--tp-mode {c.tp_mode} splits each replica's rows into {parts} blocks: "
+                f"--batch-size / dp = {rows} must be a multiple of {parts}"
+            )
+    elif c.heads % c.tp:
         raise bad(f"--heads must be divisible by --tp (whole heads per rank): {c.heads} % {c.tp}")
     if c.layers < 1:
         raise bad(f"--layers must be at least 1, got {c.layers}")
@@ -273,6 +298,7 @@ def _tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Train
         strategy="tp",
         mesh=mesh,
         sequence_parallel=config.sequence_parallel,
+        mode=config.tp_mode,
         algorithm=config.algorithm,
     )
     assert opt is not None
@@ -386,7 +412,13 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     """Runs on every rank: build the mesh, split the GPT, train, report."""
     validate(config)
     world = plait.world()
-    mesh = plait.Mesh(**config.mesh_shape())  # type: ignore[arg-type]
+    if config.tp_mode != "1d":  # the tp ranks as a 2D / 2.5D / 3D grid, dp outside it
+        from plait.strategies.tensor.grid import grid_mesh
+
+        depth = config.tp_depth if config.tp_mode == "2.5d" else None
+        mesh = grid_mesh(config.tp_mode, config.tp, depth=depth, dp=config.dp)
+    else:
+        mesh = plait.Mesh(**config.mesh_shape())  # type: ignore[arg-type]
     train_tokens, held_tokens = corpus()
     tracer = Tracer(rank=world.rank)
     build = _pipeline if config.pp > 1 else _experts if config.moe else _tensor_parallel
@@ -563,7 +595,8 @@ def describe(config: GPTDemoConfig) -> str:
         how = f"ep {c.ep} x dp {c.dp}, {c.experts} experts in every second block"
     else:
         sp = " + sequence parallelism" if c.sequence_parallel else ""
-        how = f"dp {c.dp} x tp {c.tp}{sp}"
+        grid = "" if c.tp_mode == "1d" else f" ({c.tp_mode} grid)"
+        how = f"dp {c.dp} x tp {c.tp}{grid}{sp}"
     return (
         f"GPT ({c.layers} layers, width {c.width}, {c.heads} heads, sequence {c.seq_len}) on "
         f"Python's docs, {c.world_size} ranks as {how}"
@@ -575,7 +608,8 @@ def _label(c: GPTDemoConfig) -> str:
         return f"gpt-pp{c.pp}-{c.schedule}"
     if c.moe:
         return f"gpt-moe-ep{c.ep}-dp{c.dp}"
-    return f"gpt-dp{c.dp}-tp{c.tp}" + ("-sp" if c.sequence_parallel else "")
+    grid = "" if c.tp_mode == "1d" else f"-{c.tp_mode}"
+    return f"gpt-dp{c.dp}-tp{c.tp}{grid}" + ("-sp" if c.sequence_parallel else "")
 
 
 def run(

@@ -98,3 +98,16 @@ def test_a_bad_gpt_option_prints_one_line_and_exits_2(capsys, args, needle):
 def test_library_users_get_the_same_refusal():
     with pytest.raises(GPTDemoOptionError, match="--tp must divide -n"):
         validate(GPTDemoConfig(world_size=3, tp=2))
+
+
+@pytest.mark.timeout(300)
+def test_gpt_demo_on_a_2d_grid_matches_one_process(tmp_path: Path):
+    config = GPTDemoConfig(world_size=4, tp=4, tp_mode="2d", name="d", **SMALL)
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert set(report.bytes_by_dim) == {"row", "col"}
+
+
+def test_a_non_square_2d_grid_is_refused_naming_valid_sizes():
+    with pytest.raises(GPTDemoOptionError, match="--tp 8 --tp-mode 2d: .*4 or 9"):
+        validate(GPTDemoConfig(world_size=8, tp=8, tp_mode="2d"))

@@ -6,15 +6,21 @@
   :class:`VocabParallelEmbedding`.
 - ``cross_entropy``: :func:`vocab_parallel_cross_entropy`.
 - ``parallelize``: :func:`parallelize` turns a dense model into its tensor-parallel form.
+- 2D / 2.5D / 3D (Colossal-AI's Optimus, Tesseract, 3D): ``grid`` (the grid from a mesh),
+  ``summa``, ``tesseract``, ``three_d`` (the matmuls), ``layers_nd``, ``cross_entropy_nd``,
+  ``parallelize_nd`` (styles ``"2d"``, ``"2.5d"``, ``"3d"``; :func:`gpt_plan`,
+  :func:`prepare_nd`).
 """
 
 from plait.strategies.tensor import mappings
 from plait.strategies.tensor.cross_entropy import vocab_parallel_cross_entropy
+from plait.strategies.tensor.grid import Grid, grid_from_mesh, grid_mesh, grid_shape
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from plait.strategies.tensor.layers_nd import EmbeddingND, LayerNormND, LinearND
 from plait.strategies.tensor.parallelize import (
     Style,
     full_state_dict,
@@ -22,16 +28,26 @@ from plait.strategies.tensor.parallelize import (
     parallelize,
     prepare_tp,
 )
+from plait.strategies.tensor.parallelize_nd import gpt_plan, prepare_nd
 
 __all__ = [
     "ColumnParallelLinear",
+    "EmbeddingND",
+    "Grid",
+    "LayerNormND",
+    "LinearND",
     "RowParallelLinear",
     "Style",
     "VocabParallelEmbedding",
     "full_state_dict",
+    "gpt_plan",
+    "grid_from_mesh",
+    "grid_mesh",
+    "grid_shape",
     "loss_fn",
     "mappings",
     "parallelize",
+    "prepare_nd",
     "prepare_tp",
     "vocab_parallel_cross_entropy",
 ]

@@ -345,13 +345,26 @@ def prepare_tp(
     mesh: Any,
     plan: Mapping[str, str | Style] | None = None,
     sequence_parallel: bool = False,
+    mode: str = "1d",
     algorithm: str = "auto",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """``plait.prepare(model, optimizer, strategy="tp", mesh=..., plan=...)``.
+    """``plait.prepare(model, optimizer, strategy="tp", mesh=..., plan=..., mode=...)``.
 
     Without a plan, a :class:`plait.models.GPT` gets its own (``tp_plan``, with
-    ``sequence_parallel``); other models must pass one.
+    ``sequence_parallel``); other models must pass one. ``mode`` ``"2d"``, ``"2.5d"`` or
+    ``"3d"`` runs :func:`~plait.strategies.tensor.parallelize_nd.prepare_nd` on the mesh's
+    ``row`` x ``col`` (x ``depth``) grid (``grid_mesh(mode, n)`` builds one).
     """
+    if mode != "1d":
+        from plait.strategies.tensor.parallelize_nd import prepare_nd
+
+        if mode not in ND_KINDS:
+            raise ValueError(f"strategy 'tp': mode={mode!r}; use '1d' or one of {ND_KINDS}")
+        if sequence_parallel:
+            raise ValueError(f"strategy 'tp': sequence_parallel is 1D only (mode {mode!r})")
+        return prepare_nd(
+            model, optimizer, mesh=mesh, mode=mode, plan=plan, algorithm=algorithm
+        )
     if plan is None:
         from plait.models.gpt import GPT, tp_plan
 
