@@ -242,7 +242,12 @@ class Mesh:
         return len(self.layout.ranks) if dim is None else self.layout.size(dim)
 
     def rank(self, dim: str) -> int:
-        """This rank's coordinate along ``dim`` (= its rank in ``group(dim)``)."""
+        """This rank's coordinate along ``dim``.
+
+        Groups number their members in ascending global rank, so this equals
+        ``group(dim).rank`` when global ranks ascend along ``dim`` (the default layout of a
+        whole world); a mesh built with ``ranks=`` or ``order=`` may number them otherwise:
+        use ``group(dim).rank`` (and the group's own numbering) for ``src``/``dst``."""
         return self.layout.coords(self.global_rank)[dim]
 
     def group(self, *dims: str) -> Group:
