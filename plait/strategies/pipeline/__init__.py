@@ -6,16 +6,16 @@
 - ``simulate``: :func:`simulate` (makespan, idle, bubble, in-flight micro-batches).
 - ``draw``: :func:`table` (text) and :func:`draw_png` (timeline picture).
 - ``split``: layers of a model, a balanced :class:`~.split.Partition`, :class:`~.split.Stage`.
-- ``runtime``: executes this rank's actions with point-to-point messages.
+- ``runtime``: executes this rank's actions; ``messages``: its point-to-point messages.
 - ``parallel``: :class:`PipelineParallel` and :func:`prepare_pipeline` (``plait.prepare``).
 - ``report``: the bubble measured from the tracer beside the simulated one.
 """
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule, ScheduleError
 from plait.strategies.pipeline.draw import draw_png, table
+from plait.strategies.pipeline.messages import PipelineError
 from plait.strategies.pipeline.parallel import PipelineParallel, prepare_pipeline
 from plait.strategies.pipeline.report import BubbleReport, bubble_report
-from plait.strategies.pipeline.runtime import PipelineError
 from plait.strategies.pipeline.schedules import SCHEDULES, add_comms, build
 from plait.strategies.pipeline.simulate import Costs, Simulation, formula_bubble, simulate
 from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition, split

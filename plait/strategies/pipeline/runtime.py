@@ -41,40 +41,19 @@ from typing import Any
 import torch
 
 from plait.comm import watchdog
-from plait.comm.errors import CollectiveError
-from plait.comm.group import Call, Channel, Group
+from plait.comm.group import Group
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.messages import (
+    META,
+    Link,
+    Message,
+    PipelineError,
+    decode_meta,
+    encode_meta,
+    tag,
+)
 from plait.strategies.pipeline.split import Stage
 from plait.trace import Tracer
-
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.uint8,
-    torch.bool,
-]
-_META = 10  # ndim, dtype code, up to 8 dims
-
-
-class PipelineError(CollectiveError):
-    """A pipeline stage failed, or a rank could not get a tensor from its neighbour."""
-
-
-def _tag(kind: int, stage: int, mb: int) -> int:
-    # kind: 0 activation, 1 gradient, 2 shape, 3 tied gradient; below 2**30 (user tags)
-    return (kind << 28) | ((stage & 0xFFF) << 16) | (mb & 0xFFFF)
-
-
-@dataclass
-class _Message:
-    channel: Channel
-    pending: Any
-    tensor: torch.Tensor
-    what: str
 
 
 @dataclass
@@ -114,11 +93,11 @@ class Runtime:
         self.loss_fn = loss_fn
         self.recompute = recompute
         self.tracer = tracer
+        self.link = Link(group, tracer)
         self.tied = tied or []  # (parameter, peer rank) pairs whose gradients are summed
         self.last = schedule.stages - 1
         self.shapes: dict[tuple[Any, ...], tuple[_Shapes, _Shapes]] = {}
         self.peak_in_flight: dict[int, int] = {}
-        self._hooks_on = False
         self._capture: list[tuple[nn_Module, torch.Tensor]] | None = None
         for stage in stages.values():
             for m in stage.owners:
@@ -137,41 +116,8 @@ class Runtime:
         finally:
             self._capture = None
 
-    # --- point to point -------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
         return self.schedule.placement[stage]
-
-    def _channel(self, verb: str, tag: int) -> Channel:
-        call = Call(self.group, verb, "p2p", seq=self.group.seq)
-        call.tag = tag
-        return Channel(call)
-
-    def _isend(self, t: torch.Tensor, peer: int, tag: int, verb: str, what: str) -> _Message:
-        t = t.detach().contiguous()
-        ch = self._channel(verb, tag)
-        return _Message(ch, ch.isend(t, peer), t, what)
-
-    def _irecv(
-        self, shape: torch.Size, dtype: torch.dtype, peer: int, tag: int, verb: str, what: str
-    ) -> _Message:
-        t = torch.empty(shape, dtype=dtype)
-        ch = self._channel(verb, tag)
-        return _Message(ch, ch.irecv(t, peer), t, what)
-
-    def _wait(self, msg: _Message) -> torch.Tensor:
-        token = self.tracer.begin("wait", stream="comm", what=msg.what) if self.tracer else 0
-        try:
-            msg.channel.wait(msg.pending)
-        except CollectiveError as exc:
-            raise PipelineError(
-                f"pipeline: rank {self.group.global_rank} (pp rank {self.rank}) could not "
-                f"{msg.what}: {exc}"
-            ) from exc
-        finally:
-            if self.tracer:
-                self.tracer.end(token)
-        msg.channel.call.commit()
-        return msg.tensor
 
     # --- shapes, agreed once per input shape -------------------------------------------------
     def _agree_shapes(self, first: torch.Tensor) -> tuple[_Shapes, _Shapes]:
@@ -192,36 +138,29 @@ class Runtime:
                 x = first
             else:
                 if incoming is None:  # from another rank
-                    meta = self._wait(
-                        self._irecv(
-                            torch.Size([_META]),
+                    meta = self.link.wait(
+                        self.link.irecv(
+                            torch.Size([META]),
                             torch.int64,
                             self._peer(s - 1),
-                            _tag(2, s, 0),
+                            tag(2, s, 0),
                             "pp_shape",
                             f"receive the activation shape for stage {s} from rank "
                             f"{self._peer(s - 1)}",
                         )
                     )
-                    incoming = (
-                        torch.Size(meta[2 : 2 + int(meta[0])].tolist()),
-                        _DTYPES[int(meta[1])],
-                    )
-                    inp[s] = incoming
+                    incoming = inp[s] = decode_meta(meta)
                 x = torch.zeros(incoming[0], dtype=incoming[1])
             with torch.no_grad():
                 y = self.stages[s](x)
             out[s] = (y.shape, y.dtype)
             incoming = out[s]
             if s < self.last and self._peer(s + 1) != self.rank:
-                meta = torch.zeros(_META, dtype=torch.int64)
-                meta[0], meta[1] = y.dim(), _DTYPES.index(y.dtype)
-                meta[2 : 2 + y.dim()] = torch.tensor(list(y.shape))
-                self._wait(
-                    self._isend(
-                        meta,
+                self.link.wait(
+                    self.link.isend(
+                        encode_meta(y),
                         self._peer(s + 1),
-                        _tag(2, s + 1, 0),
+                        tag(2, s + 1, 0),
                         "pp_shape",
                         f"send the activation shape of stage {s}",
                     )
@@ -240,10 +179,10 @@ class Runtime:
         ctx: dict[tuple[int, int], _Ctx] = {}
         local_act: dict[tuple[int, int], torch.Tensor] = {}
         local_grad: dict[tuple[int, int], torch.Tensor] = {}
-        recv_act: dict[tuple[int, int], _Message] = {}
-        recv_grad: dict[tuple[int, int], _Message] = {}
+        recv_act: dict[tuple[int, int], Message] = {}
+        recv_grad: dict[tuple[int, int], Message] = {}
         grad_in: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[_Message] = []
+        sends: list[Message] = []
         held: dict[int, int] = {}
         loss = torch.zeros((), dtype=torch.float64)
         current: Action | None = None
@@ -253,22 +192,22 @@ class Runtime:
                 s, mb = a.stage, a.mb
                 if a.kind is Kind.RECV_F:
                     shape, dtype = in_shapes[s]
-                    recv_act[(s, mb)] = self._irecv(
+                    recv_act[(s, mb)] = self.link.irecv(
                         shape,
                         dtype,
                         self._peer(s - 1),
-                        _tag(0, s, mb),
+                        tag(0, s, mb),
                         "pp_activation",
                         f"receive the activation of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s - 1)} (stage {s - 1})",
                     )
                 elif a.kind is Kind.RECV_B:
                     shape, dtype = out_shapes[s]
-                    recv_grad[(s, mb)] = self._irecv(
+                    recv_grad[(s, mb)] = self.link.irecv(
                         shape,
                         dtype,
                         self._peer(s + 1),
-                        _tag(1, s, mb),
+                        tag(1, s, mb),
                         "pp_gradient",
                         f"receive the gradient of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s + 1)} (stage {s + 1})",
@@ -277,20 +216,20 @@ class Runtime:
                     y = ctx[(s, mb)].y
                     assert y is not None
                     sends.append(
-                        self._isend(
+                        self.link.isend(
                             y,
                             self._peer(s + 1),
-                            _tag(0, s + 1, mb),
+                            tag(0, s + 1, mb),
                             "pp_activation",
                             f"send the activation of micro-batch {mb} to rank {self._peer(s + 1)}",
                         )
                     )
                 elif a.kind is Kind.SEND_B:
                     sends.append(
-                        self._isend(
+                        self.link.isend(
                             grad_in.pop((s, mb)),
                             self._peer(s - 1),
-                            _tag(1, s - 1, mb),
+                            tag(1, s - 1, mb),
                             "pp_gradient",
                             f"send the gradient of micro-batch {mb} to rank {self._peer(s - 1)}",
                         )
@@ -301,7 +240,7 @@ class Runtime:
                     elif (s, mb) in local_act:
                         x = local_act.pop((s, mb))
                     else:
-                        x = self._wait(recv_act.pop((s, mb)))
+                        x = self.link.wait(recv_act.pop((s, mb)))
                     with self._span(a):
                         c = self._forward(s, x, targets[mb] if s == self.last else None, m)
                     ctx[(s, mb)] = c
@@ -319,7 +258,7 @@ class Runtime:
                         if (s, mb) in local_grad:
                             g = local_grad.pop((s, mb))
                         else:
-                            g = self._wait(recv_grad.pop((s, mb)))
+                            g = self.link.wait(recv_grad.pop((s, mb)))
                     with self._span(a):
                         dx = self._backward(a.kind, s, ctx[(s, mb)], g)
                     if a.kind is not Kind.W and s > 0:
@@ -333,7 +272,7 @@ class Runtime:
                         held[s] -= 1
             current = None
             for msg in sends:
-                self._wait(msg)
+                self.link.wait(msg)
             self._sum_tied()
         except PipelineError as exc:
             watchdog.fail(self.group, exc)
@@ -415,19 +354,7 @@ class Runtime:
 
     # --- tied weights ---------------------------------------------------------------------
     def _sum_tied(self) -> None:
+        # both ranks add in the same order (lower pp rank's first): identical sums
         for i, (param, peer) in enumerate(self.tied):
             mine = param.grad if param.grad is not None else torch.zeros_like(param)
-            theirs = torch.empty_like(mine)
-            ch = self._channel("pp_tied_grad", _tag(3, i, 0))
-            r = ch.irecv(theirs, peer)
-            sent = mine.detach().clone().contiguous()
-            w = ch.isend(sent, peer)
-            msg = _Message(ch, None, theirs, f"exchange the tied gradient with rank {peer}")
-            try:
-                ch.wait(r, w)
-            except CollectiveError as exc:
-                raise PipelineError(f"pipeline: could not {msg.what}: {exc}") from exc
-            ch.call.commit()
-            # both ranks add in the same order (lower pp rank's first): identical sums
-            total = sent + theirs if self.rank < peer else theirs + sent
-            param.grad = total
+            param.grad = self.link.exchange_sum(mine, peer, tag(3, i, 0))
