@@ -358,3 +358,51 @@ def test_cli_memory_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not a multiple of heads=3" in capsys.readouterr().err
     assert run_cli(["plan", "layouts", "--model", "2T", "--batch", "4"]) == 2
     assert "--model '2T'" in capsys.readouterr().err
+
+
+# --- 2D / 2.5D / 3D tensor parallelism ------------------------------------------------------
+def test_grid_modes_use_tensor_costs() -> None:
+    from plait.plan.tensor_costs import linear_cost
+
+    m = ModelSpec(layers=2, hidden=64, heads=8, vocab=96, seq_len=16)
+    job = Job(global_batch=8, seq=16, precision="fp32")
+    c = flat_cluster(8)
+    for mode, depth in (("2.5d", 2), ("3d", 1)):
+        lay = Layout(tp=8, tp_mode=mode, depth=depth, microbatch=8)
+        t = step_time(m, job, lay, c)
+        per_block = sum(
+            linear_cost(
+                mode,
+                ranks=8,
+                tokens=8 * 16,
+                in_features=i,
+                out_features=o,
+                depth=depth if mode == "2.5d" else None,
+            ).bytes_per_rank
+            for i, o in ((64, 192), (64, 64), (64, 256), (256, 64))
+        )
+        head = linear_cost(
+            mode,
+            ranks=8,
+            tokens=8 * 16,
+            in_features=64,
+            out_features=96,
+            depth=depth if mode == "2.5d" else None,
+        ).bytes_per_rank
+        assert t.tp_per_mb == pytest.approx((2 * per_block + head) / 1e9)  # no latency
+        shards = 4 if mode == "2.5d" else 8  # the weight grid: q^2 (depth copies), q^3
+        held = evaluate(m, job, lay, c).states.dense_params
+        assert held == pytest.approx(m.num_params / shards, rel=1e-3)
+    space = SearchSpace(tp=(8,), tp_modes=("1d", "2d", "2.5d", "3d"), recompute=("none",))
+    labels = {p.layout.label().split()[0] for p in search(m, job, c, space=space).plans}
+    assert labels == {"dp1xtp8xpp1", "dp1xtp8(2.5d,d2)xpp1", "dp1xtp8(3d)xpp1"}
+
+
+def test_grid_refusals() -> None:
+    job = Job(global_batch=8, seq=16)
+    with pytest.raises(LayoutError, match="depth=2 is 2.5D's"):
+        check(SMALL, job, Layout(tp=4, depth=2))
+    with pytest.raises(LayoutError, match="needs a cube number of ranks"):
+        check(SMALL, job, Layout(tp=4, tp_mode="3d"))
+    with pytest.raises(LayoutError, match="sp=True is 1D's"):
+        check(SMALL, job, Layout(tp=4, tp_mode="2d", sp=True))

@@ -74,6 +74,7 @@ class Layout:
     recompute: str = "none"  # "none", "selective" (attention core), "full" (whole blocks)
     sp: bool = False  # sequence parallelism over tp (1D only)
     tp_mode: str = "1d"
+    depth: int = 1  # 2.5D only: tp = depth * q * q
 
     @property
     def world(self) -> int:
@@ -90,7 +91,8 @@ class Layout:
     def label(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}"]
         if self.tp_mode != "1d":
-            parts[-1] += f"({self.tp_mode})"
+            depth = f",d{self.depth}" if self.tp_mode == "2.5d" else ""
+            parts[-1] += f"({self.tp_mode}{depth})"
         parts.append(f"pp{self.pp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
@@ -113,7 +115,7 @@ class Layout:
 def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = None) -> None:
     """Raise :class:`LayoutError` naming the first constraint ``layout`` breaks."""
     lay = layout
-    for name in ("dp", "tp", "pp", "ep", "v", "microbatch"):
+    for name in ("dp", "tp", "pp", "ep", "v", "microbatch", "depth"):
         value = getattr(lay, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise LayoutError(f"{name}={value!r} must be a whole number >= 1")
@@ -133,7 +135,7 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         from plait.plan.tensor_costs import grid_of
 
         try:
-            q, _ = grid_of(lay.tp_mode, lay.tp)
+            q, _ = grid_of(lay.tp_mode, lay.tp, lay.depth if lay.tp_mode == "2.5d" else None)
         except ValueError as e:
             raise LayoutError(f"tp={lay.tp} with tp_mode={lay.tp_mode!r}: {e}") from None
         if model.hidden % q or model.heads % q:
@@ -143,6 +145,8 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
             )
         if lay.sp:
             raise LayoutError(f"sp=True is 1D's sequence parallelism; tp_mode={lay.tp_mode!r}")
+    if lay.depth != 1 and lay.tp_mode != "2.5d":
+        raise LayoutError(f"depth={lay.depth} is 2.5D's; tp_mode={lay.tp_mode!r} takes depth=1")
     if lay.sp and lay.tp == 1:
         raise LayoutError("sp=True needs tp >= 2 (sequence parallelism splits over tp)")
     if lay.recompute not in RECOMPUTE:

@@ -14,6 +14,7 @@ the costs (``benchmarks/plan_validate.py`` checks that it does on the 1T / 3072-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -110,7 +111,7 @@ def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Itera
                     continue
                 if ep > 1 and not model.experts:
                     continue
-                for mode in space.tp_modes if tp > 1 else ("1d",):
+                for mode, depth in _tp_modes(tp, space):
                     for sp in space.sp if (tp > 1 and mode == "1d") else (False,):
                         for sched, v in _schedules(pp, space):
                             for zero in space.zero if dp * ep > 1 else (0,):
@@ -128,7 +129,25 @@ def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Itera
                                             recompute=rc,
                                             sp=sp,
                                             tp_mode=mode,
+                                            depth=depth,
                                         )
+
+
+def _tp_modes(tp: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(mode, depth) pairs for ``tp`` ranks: 2.5D at every depth >= 2 leaving a square."""
+    if tp == 1:
+        return [("1d", 1)]
+    out: list[tuple[str, int]] = []
+    for mode in space.tp_modes:
+        if mode == "2.5d":
+            out.extend(
+                (mode, d)
+                for d in divisors(tp)
+                if d >= 2 and tp // d >= 4 and math.isqrt(tp // d) ** 2 == tp // d
+            )
+        else:
+            out.append((mode, 1))
+    return out
 
 
 def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:

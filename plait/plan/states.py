@@ -66,7 +66,8 @@ def _tp_divisor(model: ModelSpec, layout: Layout) -> int:
         return layout.tp
     from plait.plan.tensor_costs import grid_of
 
-    q, _ = grid_of(layout.tp_mode, layout.tp)
+    depth = layout.depth if layout.tp_mode == "2.5d" else None
+    q, _ = grid_of(layout.tp_mode, layout.tp, depth)
     return q**3 if layout.tp_mode == "3d" else q * q
 
 

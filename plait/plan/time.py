@@ -23,7 +23,9 @@ tp     1D: per block 4 all-reduces of S (2 with       ``2(t-1) alpha + 2(t-1)/t 
        a reduce-scatter and an all-gather instead;    of that
        embedding 1, head 1 (+3 small, the loss)
        2D/2.5D/3D: :func:`plait.plan.tensor_costs.   ``6(q-1)`` latency steps per linear
-       linear_cost` per linear (4 per block)
+       linear_cost` per linear (4 per block, and
+       the head; embedding and LayerNorm vectors
+       not counted)
 ep     per MoE block 4 all-to-alls of ``top_k S``     ``(ep-1) alpha + (ep-1)/ep top_k S/beta``
        (dispatch and combine, and their gradients)
 pp     2 v point-to-point messages of S/t             ``alpha + S/(t beta)`` each, + an
@@ -186,6 +188,7 @@ def _tp_block_seconds(
             tokens=tokens,
             in_features=i,
             out_features=o,
+            depth=layout.depth if layout.tp_mode == "2.5d" else None,
             bytes_per_element=e,
         )
         sent += c.bytes_per_rank
@@ -193,6 +196,25 @@ def _tp_block_seconds(
     if layout.recompute == "full":
         sent, steps = sent * 4 / 3, steps * 4 // 3
     return sent, steps * lat + sent / bw
+
+
+def _tp_head_grid(
+    model: ModelSpec, job: Job, layout: Layout, cluster: Cluster
+) -> tuple[float, float]:
+    """(bytes, seconds) of the head as a grid linear ``h -> V`` for one micro-batch."""
+    from plait.plan.tensor_costs import linear_cost
+
+    lat, bw = cluster.link(spans_nodes(layout, "tp", cluster))
+    c = linear_cost(
+        layout.tp_mode,
+        ranks=layout.tp,
+        tokens=layout.microbatch * job.seq,
+        in_features=model.hidden,
+        out_features=model.vocab,
+        depth=layout.depth if layout.tp_mode == "2.5d" else None,
+        bytes_per_element=job.element_bytes,
+    )
+    return c.bytes_per_rank, 6 * (c.q - 1) * lat + c.bytes_per_rank / bw
 
 
 def step_time(
@@ -233,12 +255,16 @@ def step_time(
             flops += (dense + moe) * core
         tp_s = dense * tp_dense + moe * tp_moe
         tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
-        if lay.tp > 1 and first:
+        grid = lay.tp_mode != "1d"
+        if lay.tp > 1 and first and not grid:  # vocabulary-parallel embedding's all-reduce
             tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
             tp_b += 2 * (lay.tp - 1) / lay.tp * act
         if last:
             flops += 3 * 2 * model.hidden * model.vocab
-            if lay.tp > 1:
+            if lay.tp > 1 and grid:  # the head is one more grid linear
+                head_b, head_s = _tp_head_grid(model, job, lay, cluster)
+                tp_s, tp_b = tp_s + head_s, tp_b + head_b
+            elif lay.tp > 1:  # column-parallel head: dX all-reduce; the loss's three
                 tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
                 tp_s += 3 * ring_seconds("all_reduce", lay.tp, tokens * 4, tp_lat, tp_bw)
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
