@@ -22,7 +22,9 @@ step is ``zero_grad`` + the schedule's step + ``optimizer.step()`` after a barri
 the slowest rank's; tables show medians. Fairness: every variant's first loss equals a
 one-process run's (relative 1e-4). Bubble: plait's runtime records one span per action;
 the measured bubble (1 - compute time / (p x step window)) is set beside the simulator
-run with the measured mean cost of every (kind, stage) and beside the formula; the timeline
+run with the measured mean cost of every (kind, stage) (and once more with the measured
+mean time between two actions of a rank added after each action: "simulated + gap") and
+beside the formula; the timeline
 PNG of the last measured 1F1B / ZBV step at p = 4 is written next to the table, and the
 simulated timeline (unit costs) of every schedule.
 
@@ -233,6 +235,8 @@ def main() -> None:
             measured = statistics.median(r.measured for r in reports)
             simulated = statistics.median(r.simulated for r in reports)
             waiting = statistics.median(r.waiting for r in reports)
+            with_gap = statistics.median(r.simulated_with_gap for r in reports)
+            gap_ms = 1e3 * statistics.median(r.gap_seconds for r in reports)
             torch_name = f"torch {TORCH[name]}" if name in TORCH else None
             rows.append(
                 {
@@ -246,6 +250,8 @@ def main() -> None:
                     "sim_vs_1f1b": None,
                     "bubble_measured": measured,
                     "waiting": waiting,
+                    "bubble_simulated_with_gap": with_gap,
+                    "gap_ms": gap_ms,
                     "bubble_simulated": simulated,
                     "bubble_formula": reports[-1].formula,
                     "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
@@ -283,8 +289,9 @@ def main() -> None:
         f"{args['steps']} steps",
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
-        "| bubble measured | of it waiting on messages | bubble simulated | formula |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bubble measured | of it waiting on messages | bubble simulated | simulated + gap "
+        "| gap per action | formula |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         t = f"{r['torch_ms']:.1f}" if r["torch_ms"] else "-"
@@ -293,7 +300,8 @@ def main() -> None:
             f"| {r['p']} | {r['schedule']} | {r['plait_ms']:.1f} | {t} | {ratio} | "
             f"{r['vs_1f1b']:.2f} | {r['sim_vs_1f1b']:.2f} | {100 * r['bubble_measured']:.1f}% | "
             f"{100 * r['waiting']:.1f}% | "
-            f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_formula']:.1f}% |"
+            f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_simulated_with_gap']:.1f}% | "
+            f"{r['gap_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% |"
         )
     (out / "pipeline.md").write_text("\n".join(lines) + "\n")
     (out / "pipeline.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))

@@ -301,3 +301,27 @@ def test_split_returns_stages_and_partition():
     stages, part = split(model, stages=2, by=[2])
     assert [s.layer_names for s in stages] == [["embed", "blocks.0"], ["blocks.1", "head"]]
     assert str(part).splitlines()[0].startswith("stage 0: embed, blocks.0 |")
+
+
+def test_gap_between_actions_is_measured_and_simulated():
+    """A runtime that loses 0.25 between actions: the report finds the gap, and the
+    simulator with it reproduces the measured bubble."""
+    sched = build("gpipe", p=1, m=2)
+    sim = simulate(sched, Costs(f=1, b=2, gap=0.25))
+    assert sim.makespan == pytest.approx(6 + 3 * 0.25)
+    spans = [
+        Span(
+            s.action.kind.value,
+            "compute",
+            int(s.start * 1e9),
+            int(s.end * 1e9),
+            s.rank,
+            {"stage": s.action.stage, "mb": s.action.mb},
+        )
+        for s in sim.slots
+    ]
+    rep = bubble_report(sched, spans)
+    assert rep.gap_seconds == pytest.approx(0.25)
+    assert rep.measured == pytest.approx(0.75 / 6.75)
+    assert rep.simulated == pytest.approx(0.0)
+    assert rep.simulated_with_gap == pytest.approx(rep.measured)

@@ -12,7 +12,10 @@ neighbour (stream ``comm``). From the spans of every rank for one step:
   stages and F : B : I : W = 1 : 2 : 1 : 1;
 * the measured idle time split into waiting on a neighbour's message (``wait`` spans:
   the bubble itself plus transfers) and the rest (Python between actions, posting
-  messages, processes competing for cores).
+  messages, processes competing for cores);
+* the simulator once more with the measured mean time between two actions of a rank
+  (outside waits) added after every action: what the schedule's bubble is once the
+  runtime's own overhead is counted.
 
 Ranks of one host share the clock (``perf_counter_ns``), so the window is exact there.
 """
@@ -20,7 +23,7 @@ Ranks of one host share the clock (``perf_counter_ns``), so the window is exact 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.simulate import Costs, Slot, formula_bubble, simulate
@@ -69,6 +72,8 @@ class BubbleReport:
     formula: float
     costs: Costs
     waiting: float = 0.0  # share of p x window spent waiting on a neighbour's message
+    gap_seconds: float = 0.0  # mean time between two compute actions of a rank, not waiting
+    simulated_with_gap: float = 0.0  # the simulator's bubble with that gap after each action
 
     @property
     def other(self) -> float:
@@ -83,7 +88,8 @@ class BubbleReport:
             f"(simulated {1e3 * self.simulated_seconds:.1f} ms), bubble measured "
             f"{100 * self.measured:.1f}%, simulated {100 * self.simulated:.1f}%, formula "
             f"{100 * self.formula:.1f}% (waiting on messages {100 * self.waiting:.1f}%, "
-            f"between actions {100 * self.other:.1f}%)"
+            f"between actions {100 * self.other:.1f}%); with {1e3 * self.gap_seconds:.2f} ms "
+            f"between actions the simulator gives {100 * self.simulated_with_gap:.1f}%"
         )
 
 
@@ -104,6 +110,8 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         for s in spans_list
         if s.stream == "comm" and s.name == "wait"
     )
+    gap = _mean_gap(slots, spans_list, origin)
+    with_gap = simulate(schedule, replace(costs, gap=gap))
     return BubbleReport(
         schedule.name,
         schedule.p,
@@ -116,4 +124,27 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         formula_bubble(schedule.name, schedule.p, schedule.m, schedule.v),
         costs,
         waited / (schedule.p * window) if window > 0 else 0.0,
+        gap,
+        with_gap.bubble,
     )
+
+
+def _mean_gap(slots: Sequence[Slot], spans: Sequence[Span], origin_ns: int) -> float:
+    """Mean time between consecutive compute actions of a rank that is not a wait."""
+    waits: dict[int, list[tuple[float, float]]] = {}
+    for s in spans:
+        if s.stream == "comm" and s.name == "wait":
+            waits.setdefault(s.rank, []).append(
+                ((s.start_ns - origin_ns) / 1e9, (s.end_ns - origin_ns) / 1e9)
+            )
+    gaps = []
+    by_rank: dict[int, list[Slot]] = {}
+    for slot in slots:
+        by_rank.setdefault(slot.rank, []).append(slot)
+    for r, mine in by_rank.items():
+        mine.sort(key=lambda x: x.start)
+        for a, b in zip(mine, mine[1:], strict=False):
+            idle = b.start - a.end
+            waited = sum(max(0.0, min(e, b.start) - max(st, a.end)) for st, e in waits.get(r, []))
+            gaps.append(max(0.0, idle - waited))
+    return sum(gaps) / len(gaps) if gaps else 0.0

@@ -3,7 +3,8 @@
 Each rank runs its list in order, one action at a time. A compute action starts when the
 rank is free and its input exists: a forward needs the previous stage's activation (sent,
 plus ``comm`` seconds of transfer, and a receive posted on this rank), a backward the next
-stage's gradient; sends and receive postings take no time (they run asynchronously).
+stage's gradient; sends and receive postings take no time (they run asynchronously), and
+``gap`` seconds pass after every compute action (the runtime's own overhead, idle time).
 Costs are per action kind (``Costs(f=1, b=2, i=1, w=1)``, the unit costs of the bubble
 formulas) or measured per (kind, stage) (``Costs.measured(...)``).
 
@@ -29,6 +30,7 @@ class Costs:
     i: float = 1.0
     w: float = 1.0
     comm: float = 0.0
+    gap: float = 0.0  # a rank's time between two compute actions (Python, posting messages)
     per_stage: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
     def of(self, a: Action) -> float:
@@ -137,7 +139,7 @@ def run(sched: Schedule, costs: Costs) -> list[Slot]:
                         start = max(start, done[(r, local)])
                     end = start + costs.of(a)
                     done[(r, a)] = end
-                    clock[r] = end
+                    clock[r] = end + costs.gap
                     slots.append(Slot(r, a, start, end))
                 pos[r] += 1
                 progress = True
