@@ -1,7 +1,7 @@
 """``plait plan``: ``memory`` (the ZeRO paper's model-state table) and ``layouts`` (the
 layout search: ranked table, ``--json``, ``--explain``).
 
-``plait/cli.py`` hands the ``plan`` subcommand to :func:`add_parser`::
+``plait/cli.py`` adds these to its ``plan`` subcommand with :func:`add_subcommands`::
 
     plait plan memory --params 7.5B -n 64
     plait plan layouts --model 1T --cluster a100 --nodes 384 --batch 3072 --explain
@@ -54,11 +54,17 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def add_parser(sub: Any) -> None:
-    """Add ``plan`` and its subcommands to the ``plait`` subparsers ``sub``."""
+def add_parser(sub: Any) -> Any:
+    """Add ``plan`` with :func:`add_subcommands` to the ``plait`` subparsers ``sub``;
+    return the ``plan`` subparsers (for more subcommands, e.g. ``plait plan tensor``)."""
     plan_p = sub.add_parser("plan", help="plan before running")
     plan_sub = plan_p.add_subparsers(dest="what", required=True)
+    add_subcommands(plan_sub)
+    return plan_sub
 
+
+def add_subcommands(plan_sub: Any) -> None:
+    """Add ``memory`` and ``layouts`` (alias ``search``) to the ``plan`` subparsers."""
     mem_p = plan_sub.add_parser("memory", help="model-state memory per rank, per strategy")
     mem_p.add_argument("--params", type=parameter_count, required=True, help="e.g. 7.5e9")
     mem_p.add_argument("-n", "--nproc", type=int, required=True, help="data-parallel ranks")
@@ -252,4 +258,4 @@ def plan_layouts(args: argparse.Namespace) -> int:
     return 0 if result.plans else 1
 
 
-__all__ = ["add_parser", "parameter_count", "plan_layouts", "plan_memory"]
+__all__ = ["add_parser", "add_subcommands", "parameter_count", "plan_layouts", "plan_memory"]
