@@ -160,32 +160,6 @@ def _summary(rows: list[Any]) -> None:
         print(f"  {collective:<15}{nbytes:>11} B   {best:<17}{native / mine[best]:6.2f}x{auto}")
 
 
-# --- plait plan memory --------------------------------------------------------------------
-def _plan_memory(args: argparse.Namespace) -> int:
-    """Model-state GB per rank for each strategy (ZeRO paper, section 3 and Figure 1)."""
-    from plait.plan import memory
-
-    try:
-        estimates = memory.compare(
-            num_params=args.params,
-            world_size=args.nproc,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            shard_rounding=args.shard_rounding,
-        )
-    except ValueError as e:
-        print(f"plait plan memory: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"plait plan memory: P = {estimates[0].num_params:,} parameters, n = {args.nproc} "
-        f"ranks, {args.optimizer}, {args.precision} precision\n"
-        "model state per rank (GB = 1e9 bytes, MB = 1e6); activations and buffers come on top"
-    )
-    print(memory.format_table(estimates))
-    return 0
-
-
-# --- plait plan tensor --------------------------------------------------------------------
 def _plan_tensor(args: argparse.Namespace) -> int:
     """1D, 2D, 2.5D and 3D tensor parallelism side by side for a GPT (tensor_costs)."""
     from plait.plan import tensor_costs as tc
@@ -216,19 +190,6 @@ def _plan_tensor(args: argparse.Namespace) -> int:
             when = "never" if t is None else f"above {t:,.0f} tokens per step"
             print(f"{r.mode} sends fewer bytes than 1d: {when}")
     return 0
-
-
-def _parameter_count(text: str) -> float:
-    """'7.5e9', '7500000000', '7.5B', '350M', '1.2T' -> a number of parameters."""
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
-    try:
-        value = float(text[:-1] if scale != 1.0 else text) * scale
-        whole = round(value)  # 1.1B is 1100000000.0000002 in floating point
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(
-            f"not a parameter count: {text!r} (write 7.5e9, 7500000000 or 7.5B)"
-        ) from None
-    return whole if abs(value - whole) < 1e-6 * max(1.0, value) else value
 
 
 # --- plait demo ---------------------------------------------------------------------------
@@ -492,15 +453,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_p = sub.add_parser("plan", help="plan before running")
     plan_sub = plan_p.add_subparsers(dest="what", required=True)
-    mem_p = plan_sub.add_parser("memory", help="model-state memory per rank, per strategy")
-    mem_p.add_argument("--params", type=_parameter_count, required=True, help="e.g. 7.5e9")
-    mem_p.add_argument("-n", "--nproc", type=int, required=True, help="data-parallel ranks")
-    mem_p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd_momentum")
-    mem_p.add_argument("--precision", default="mixed", help="mixed or fp32")
-    mem_p.add_argument(
-        "--shard-rounding", action="store_true", help="ceil(P/n) per rank instead of P/n"
-    )
-    mem_p.set_defaults(func=_plan_memory)
+    from plait.plan.cli import add_subcommands
+
+    add_subcommands(plan_sub)  # memory, layouts (alias search): plait/plan/cli.py
     tensor_p = plan_sub.add_parser(
         "tensor", help="bytes and memory per rank of 1D, 2D, 2.5D and 3D tensor parallelism"
     )
