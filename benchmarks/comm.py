@@ -297,7 +297,40 @@ def shm_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+ROOTED = ["broadcast", "reduce", "all_to_all"]
+
+
+def main_rooted(args: argparse.Namespace) -> None:
+    """The rooted collectives and all-to-all on shared memory (what ``tuner.shm_rule``
+    reads): plait's point-to-point algorithms on shm messages vs gloo's own."""
+    sizes = [4 << 10, 256 << 10, 16 << 20]
+    tables = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        with RankPool(world, env={"PLAIT_TRANSPORT": "shm"}) as pool:
+            rows = pool.run(
+                bench.measure_rank,
+                ROOTED,
+                ["ring", "tree", "naive", "native", "auto"],
+                sizes,
+                max_iters=args.iters,
+                budget_s=args.budget,
+                timeout=3600,
+            )[0]
+        tables.append(bench.format_rows(rows))
+    md = (
+        "Rooted collectives and all-to-all on the shared-memory transport "
+        "(`python benchmarks/comm.py --transport shm --rooted`; `native` is gloo's own; "
+        "median of the slowest rank's calls)\n\n```\n" + "\n".join(tables) + "\n```\n"
+    )
+    OUT.mkdir(exist_ok=True)
+    (OUT / "comm_shm_rooted.md").write_text(md)
+    print(md)
+
+
 def main_shm(args: argparse.Namespace, sizes: list[int]) -> None:
+    if args.rooted:
+        main_rooted(args)
+        return
     results: dict = {"cores": os.cpu_count(), "sizes": sizes, "worlds": {}}
     print(bench.format_rows([]))
     results["latency"] = {}
@@ -325,6 +358,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=15, help="with --check")
     parser.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
+    parser.add_argument(
+        "--rooted", action="store_true", help="with --transport shm: broadcast/reduce/all_to_all"
+    )
     args = parser.parse_args()
     if args.check:
         check_cost([int(w) for w in args.worlds.split(",")], args.rounds)
