@@ -273,7 +273,7 @@ def gpt_step_bytes(
 ) -> float:
     """Bytes one rank sends on average in one training step (forward, loss, backward) of
     :class:`plait.models.GPT` (untied, dropout off) under ``mode`` with plait's ring
-    algorithms: what ``plait.comm.stats`` counts, exactly (``benchmarks/tensor_nd.py``
+    algorithms: what ``plait.comm.stats`` counts, exactly (``benchmarks/tensor_modes.py``
     compares them). ``positions`` is the position table's rows (default ``seq``).
 
     1D (no sequence parallelism): ``(P-1)/P (8 L T h + 4 T h + 8 T)`` elements, ``T = b s``:

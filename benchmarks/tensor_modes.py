@@ -1,7 +1,7 @@
 """1D vs 2D vs 2.5D vs 3D tensor parallelism on the same GPT: step time, bytes, memory.
 
-    .venv/bin/python benchmarks/tensor_nd.py                          # 4 and 8 ranks
-    .venv/bin/python benchmarks/tensor_nd.py --quick --out /tmp/tpnd  # tiny GPT: smoke test
+    .venv/bin/python benchmarks/tensor_modes.py                          # 4 and 8 ranks
+    .venv/bin/python benchmarks/tensor_modes.py --quick --out /tmp/tpnd  # tiny GPT: smoke test
 
 Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank. The model
 is ``plait.models.GPT`` (default 2 layers, width 128, 8 heads, sequence 64, vocabulary 96,
@@ -26,7 +26,7 @@ backward in one forward (``saved_tensors_hooks``, distinct storages), rank 0.
 
 The machine is a shared 2-core box: 8 ranks on 2 cores time-slice, so step times measure
 the CPU contention at least as much as the algorithms; ratios within one run are what to
-read. Writes ``<out>/tensor_nd.json`` and ``<out>/tensor_nd.md``.
+read. Writes ``<out>/tensor_modes.json`` and ``<out>/tensor_modes.md``.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main() -> None:
             )
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tensor_nd.json").write_text(
+    (out / "tensor_modes.json").write_text(
         json.dumps({"args": args, "rows": rows, "raw": raw}, indent=1)
     )
     lines = [
@@ -275,7 +275,7 @@ def main() -> None:
         ]
         text = ["never" if c is None else f"{c:,.0f}" for c in cross]
         lines.append(f"| {r['ranks']} | {r['mode']} | {text[0]} | {text[1]} |")
-    (out / "tensor_nd.md").write_text("\n".join(lines) + "\n")
+    (out / "tensor_modes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
