@@ -63,7 +63,10 @@ class _Ctx:
     x: torch.Tensor | None
     target: torch.Tensor | None = None
     y: torch.Tensor | None = None
-    captured: list[tuple[nn_Module, torch.Tensor]] = field(default_factory=list)
+    # (module, its input if nn.Linear else None, its output), for W
+    captured: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] = field(
+        default_factory=list
+    )
     dys: list[torch.Tensor | None] = field(default_factory=list)
 
 
@@ -98,7 +101,7 @@ class Runtime:
         self.last = schedule.stages - 1
         self.shapes: dict[tuple[Any, ...], tuple[_Shapes, _Shapes]] = {}
         self.peak_in_flight: dict[int, int] = {}
-        self._capture: list[tuple[nn_Module, torch.Tensor]] | None = None
+        self._capture: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] | None = None
         for stage in stages.values():
             for m in stage.owners:
                 m.register_forward_hook(self._record)
@@ -106,10 +109,13 @@ class Runtime:
     # --- forward hooks: outputs of parameter-holding modules, for W ---------------------
     def _record(self, module: nn_Module, args: Any, output: Any) -> None:
         if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            self._capture.append((module, output))
+            x = args[0] if isinstance(module, torch.nn.Linear) and args else None
+            self._capture.append((module, x, output))
 
     @contextlib.contextmanager
-    def _capturing(self, into: list[tuple[nn_Module, torch.Tensor]] | None) -> Iterator[None]:
+    def _capturing(
+        self, into: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] | None
+    ) -> Iterator[None]:
         self._capture = into
         try:
             yield
@@ -331,19 +337,29 @@ class Runtime:
             c.captured = []
             return dx
         if kind is Kind.I:
-            wanted = ([c.x] if x_grad else []) + [y for _, y in c.captured]
+            wanted = ([c.x] if x_grad else []) + [y for _, _, y in c.captured]
             grads = torch.autograd.grad(c.y, wanted, g, retain_graph=True, allow_unused=True)
             dx = grads[0] if x_grad else None
             c.dys = list(grads[1:] if x_grad else grads)
             return dx
-        # W: each module's own parameters, from its output's gradient
-        for (module, y), dy in zip(c.captured, c.dys, strict=True):
+        # W: each module's own parameters, from its output's gradient. nn.Linear by its
+        # formula (dW = dY^T X, db = sum dY: one matmul, no autograd call); any other
+        # module by autograd.grad from its output to its own parameters.
+        for (module, x, y), dy in zip(c.captured, c.dys, strict=True):
             if dy is None:
                 continue
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            grads = torch.autograd.grad(y, params, dy, retain_graph=True, allow_unused=True)
-            for p, gp in zip(params, grads, strict=True):
-                if gp is None:
+            if x is not None:
+                assert isinstance(module, torch.nn.Linear)
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                pairs = [(module.weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))]
+                if module.bias is not None:
+                    pairs.append((module.bias, dy2.sum(0)))
+            else:
+                params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                grads = torch.autograd.grad(y, params, dy, retain_graph=True, allow_unused=True)
+                pairs = [(p, gp) for p, gp in zip(params, grads, strict=True) if gp is not None]
+            for p, gp in pairs:
+                if not p.requires_grad:
                     continue
                 if p.grad is None:
                     p.grad = gp
