@@ -25,10 +25,13 @@ its message) before its error propagates.
 
 Backward: ``B`` is one ``torch.autograd.backward``. Split (zero-bubble) schedules run
 ``I`` as ``autograd.grad`` w.r.t. the stage input and the outputs of every module that
-holds parameters (``retain_graph``; weight gradients are not computed), and ``W`` as one
-``autograd.grad`` per such module from its output to its own parameters, accumulated into
-``.grad``. With ``recompute`` the forward keeps only the stage input and runs again (with
-autograd) right before the backward.
+holds parameters (``retain_graph``; weight gradients are not computed), and ``W`` from
+those outputs' gradients: an ``nn.Linear`` by its formula (``dW = dY^T X``,
+``db = sum dY``), any other module by ``autograd.grad`` from its output to its own
+parameters; accumulated into ``.grad``. A stage in which one parameter serves two modules
+(a tied head beside its embedding) runs its whole backward in ``I``. With ``recompute``
+the forward keeps only the stage input and runs again (with autograd) right before the
+backward.
 """
 
 from __future__ import annotations
