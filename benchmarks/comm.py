@@ -331,6 +331,17 @@ def main_shm(args: argparse.Namespace, sizes: list[int]) -> None:
     if args.rooted:
         main_rooted(args)
         return
+    if args.latency_only:  # measure the 4 KiB latency again, keep the size sweep
+        results = json.loads((OUT / "comm_shm.json").read_text())
+        results["latency"] = {}
+        for world in [int(w) for w in args.worlds.split(",")]:
+            with RankPool(world, env={"PLAIT_TRANSPORT": "shm"}) as pool:
+                results["latency"][str(world)] = pool.run(latency_rank, timeout=600)[0]
+        (OUT / "comm_shm.json").write_text(json.dumps(results, indent=1))
+        md = shm_markdown(results)
+        (OUT / "comm_shm.md").write_text(md)
+        print(md)
+        return
     results: dict = {"cores": os.cpu_count(), "sizes": sizes, "worlds": {}}
     print(bench.format_rows([]))
     results["latency"] = {}
@@ -360,6 +371,9 @@ def main() -> None:
     parser.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     parser.add_argument(
         "--rooted", action="store_true", help="with --transport shm: broadcast/reduce/all_to_all"
+    )
+    parser.add_argument(
+        "--latency-only", action="store_true", help="with --transport shm: redo the 4 KiB row"
     )
     args = parser.parse_args()
     if args.check:

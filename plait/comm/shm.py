@@ -57,7 +57,7 @@ MAGIC = 0x31736D7469616C70  # b"plaitsm1"
 MSG_HEADER = 64
 RING_CTRL = 128  # head at +0, tail at +64
 ALIGN = 64
-SPIN_S = 50e-6
+SPIN_S = float(os.environ.get("PLAIT_SHM_SPIN_US", "50")) * 1e-6  # spin this long, then sleep
 SLICE_S = 0.01
 CHECK_S = 0.05
 
@@ -459,6 +459,7 @@ class ShmLink:
             if ready():
                 return
             if time.perf_counter() < spin_until:
+                os.sched_yield()  # a peer runnable on this core runs now, not after the spin
                 continue
             bell = mine.i[_I_BELL]
             mine.i[_I_SLEEPING] = 1
