@@ -16,7 +16,9 @@ from plait.strategies import (
     UngatheredParameterError,
     ZeroOptimizer,
     fully_shard,
+    pipeline,
 )
+from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.tensor import parallelize
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __all__ = [
     "NaiveDataParallel",
     "OffloadPolicy",
     "ParameterServer",
+    "PipelineParallel",
     "UngatheredParameterError",
     "ZeroOptimizer",
     "prepare",
@@ -42,6 +45,7 @@ __all__ = [
     "models",
     "moe",
     "parallelize",
+    "pipeline",
     "init",
     "is_initialized",
     "new_group",

@@ -14,7 +14,10 @@ the workers finish and returns ``(model, None)``; workers call ``optimizer.finis
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
 ``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
-its experts, a new optimizer over what it keeps), ``"none"`` (single process, unchanged).
+its experts, a new optimizer over what it keeps), ``"pipeline"``
+(:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
+``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
+rank's stages), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import prepare_ep
+from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
 from plait.strategies.tensor import prepare_tp
 from plait.strategies.zero import prepare_zero
@@ -151,6 +155,7 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "ps": _ps,
     "tp": prepare_tp,
     "ep": prepare_ep,
+    "pipeline": prepare_pipeline,
 }
 
 
@@ -180,7 +185,7 @@ def prepare(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
-    traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps")
+    traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "pipeline")
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
     try:

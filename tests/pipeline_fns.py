@@ -13,7 +13,6 @@ from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import loss as gpt_loss
 from plait.strategies.pipeline import PipelineParallel
-from plait.strategies.pipeline.parallel import prepare_pipeline
 from plait.trace import Tracer
 
 STEPS = 3
@@ -58,9 +57,10 @@ def train(
     cfg = config(tied, layers)
     mesh = plait.Mesh(pp=plait.world().size)
     model = GPT(cfg)
-    pipe, opt = prepare_pipeline(
+    pipe, opt = plait.prepare(
         model,
         torch.optim.Adam(model.parameters(), lr=1e-2),
+        strategy="pipeline",
         mesh=mesh,
         schedule=schedule,
         microbatches=m,
