@@ -1,0 +1,15 @@
+"""Strategies composed on one mesh.
+
+- ``ptdp``: :func:`compose` / :class:`PTDP`, tensor (+ sequence) parallelism over ``tp``,
+  pipeline stages over ``pp``, data parallelism (plain or ZeRO-1/2) over ``dp``;
+  :func:`prepare_ptdp` is ``plait.prepare(..., strategy="ptdp")``.
+- ``check``: the layouts refused up front, naming the constraint.
+- ``dense``: which rank counts which element of the dense gradient; the dense state dict
+  assembled from any layout.
+"""
+
+from plait.strategies.compose.check import Sizes, check_batch, check_layout
+from plait.strategies.compose.dense import DenseIndex
+from plait.strategies.compose.ptdp import PTDP, compose, prepare_ptdp
+
+__all__ = ["PTDP", "DenseIndex", "Sizes", "check_batch", "check_layout", "compose", "prepare_ptdp"]

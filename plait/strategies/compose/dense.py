@@ -1,0 +1,196 @@
+"""The dense model seen from one rank of a PTD-P mesh: whose parameter is which, and the
+global gradient norm and state dict assembled from every group.
+
+A parameter of the dense GPT lives, on a (pp, dp, tp) mesh, on the ranks of one pipeline
+stage (or two: a tied embedding and head on the first and last stage), split over ``tp``
+or replicated over it, and replicated over ``dp`` (or, for the gradient under ZeRO, a
+contiguous range of it on each dp rank). :class:`DenseIndex`, recorded from the dense
+model before it is cut, lets every rank count each element of the dense gradient exactly
+once:
+
+=================================  ===============================================
+where a parameter lives             counted on
+=================================  ===============================================
+split over tp (local shape differs  every tp rank (the shards are disjoint)
+from the dense shape)
+replicated over tp (LayerNorm, a    tp rank 0 only
+row-parallel bias, SP params)
+tied across two pipeline ranks      the lower pp rank only
+replicated over dp (plain DP)       every dp rank, but the sum runs over tp and pp only
+ZeRO-1/2 over dp                    the dp rank whose shard holds the range (the sum
+                                    also runs over dp)
+=================================  ===============================================
+
+Communication: :func:`global_grad_norm` all-reduces one scalar over tp, then pp (then dp
+under ZeRO); :func:`assemble` all-gathers each tensor-parallel layer over tp
+(``full_state``) and broadcasts each stage's dense tensors over pp, one flat tensor per
+(stage rank, dtype): the dense model's bytes cross the pp group once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.comm import ops
+from plait.comm.group import Group
+from plait.strategies.pipeline.split import Layer
+
+
+@dataclass(frozen=True)
+class DenseIndex:
+    """The dense state dict's keys, shapes, dtypes, and the pp rank that holds each."""
+
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    owner: dict[str, int]  # key -> pp group rank of the stage that holds it
+
+    @staticmethod
+    def record(
+        dense: dict[str, torch.Tensor],
+        layers: Sequence[Layer],
+        bounds: Sequence[tuple[int, int]],
+        placement: Sequence[int],
+    ) -> DenseIndex:
+        """``dense``: the dense model's state dict (before it is cut); ``layers``, the
+        partition's ``bounds`` and the schedule's ``placement``: where each layer runs."""
+        prefixes: list[tuple[str, int]] = []
+        for s, (a, b) in enumerate(bounds):
+            for layer in layers[a:b]:
+                prefixes += [(f"{name}.", placement[s]) for name, _ in layer.modules]
+        owner = {}
+        for key in dense:
+            hits = [rank for prefix, rank in prefixes if key.startswith(prefix)]
+            if not hits:
+                raise ValueError(f"ptdp: dense key {key!r} belongs to no pipeline stage")
+            owner[key] = hits[0]
+        shapes = {k: (v.shape, v.dtype) for k, v in dense.items()}
+        return DenseIndex(shapes, owner)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """One local parameter, its dense name, and whether this rank counts it in norms."""
+
+    name: str
+    param: nn.Parameter
+    split: bool  # over tp
+    counted: bool
+
+
+def count_params(
+    stages: Sequence[nn.Module],
+    index: DenseIndex,
+    *,
+    tp_rank: int,
+    tied_peers: dict[int, int],
+    pp_rank: int,
+) -> list[Counted]:
+    """This rank's parameters (each once, in stage order) with their counting rule
+    (module docstring). ``tied_peers``: id(param) -> the other pp rank that holds it."""
+    out: list[Counted] = []
+    seen: set[int] = set()
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            split = p.shape != index.shapes[name][0]
+            counted = split or tp_rank == 0
+            peer = tied_peers.get(id(p))
+            if peer is not None and peer < pp_rank:
+                counted = False
+            out.append(Counted(name, p, split, counted))
+    return out
+
+
+def _power(g: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if g.numel() == 0:
+        return torch.zeros((), dtype=g.dtype)
+    if math.isinf(norm_type):
+        return g.abs().max()
+    return torch.linalg.vector_norm(g, norm_type).pow(norm_type)
+
+
+def global_grad_norm(
+    local_terms: list[torch.Tensor],
+    norm_type: float,
+    *,
+    groups: Sequence[Group],
+    algorithm: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Combine this rank's ``|g|^p`` terms (or maxima for ``inf``) over ``groups``; the
+    p-th root of the total. Collective: one scalar all-reduce per group."""
+    infinite = math.isinf(norm_type)
+    total = torch.zeros((), dtype=dtype)
+    for t in local_terms:
+        total = torch.maximum(total, t.to(dtype)) if infinite else total + t.to(dtype)
+    for g in groups:
+        ops.all_reduce(total, "max" if infinite else "sum", group=g, algorithm=algorithm)
+    return total if infinite else total.pow(1.0 / norm_type)
+
+
+def norm_terms(counted: Sequence[Counted], norm_type: float) -> list[torch.Tensor]:
+    """``|g|^p`` of every parameter this rank counts (plain data parallelism: ``.grad``
+    holds the averaged gradient)."""
+    return [
+        _power(c.param.grad.detach(), norm_type)
+        for c in counted
+        if c.counted and c.param.grad is not None
+    ]
+
+
+def shard_terms(
+    counted: Sequence[Counted], pieces: Sequence[tuple[int, int, int]], flat: torch.Tensor,
+    norm_type: float,
+) -> list[torch.Tensor]:
+    """``|g|^p`` of the ranges of a ZeRO gradient shard ``flat`` this rank counts;
+    ``pieces``: (parameter index, start, stop) in the shard's order."""
+    out, offset = [], 0
+    for param, start, stop in pieces:
+        n = stop - start
+        if counted[param].counted:
+            out.append(_power(flat[offset : offset + n], norm_type))
+        offset += n
+    return out
+
+
+def assemble(
+    stages: Sequence[nn.Module],
+    index: DenseIndex,
+    *,
+    pp_group: Group,
+    algorithm: str,
+) -> dict[str, torch.Tensor]:
+    """The dense model's state dict, keys in the dense order, on every rank.
+
+    Collective over the tp group (each tensor-parallel layer's ``full_state``) and the pp
+    group (one broadcast per stage rank and dtype)."""
+    from plait.strategies.tensor.parallelize import full_state_dict as tp_full_state
+
+    local: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        local.update(tp_full_state(stage))
+    out: dict[str, torch.Tensor] = {}
+    for src in range(pp_group.size):
+        keys = [k for k in index.shapes if index.owner[k] == src]
+        for dtype in sorted({index.shapes[k][1] for k in keys}, key=str):
+            mine = [k for k in keys if index.shapes[k][1] == dtype]
+            numels = [math.prod(index.shapes[k][0]) for k in mine]
+            if src == pp_group.rank:
+                missing = [k for k in mine if k not in local]
+                if missing:
+                    raise RuntimeError(
+                        f"ptdp: pp rank {src} should hold {missing} but its stages do not"
+                    )
+                flat = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in mine])
+            else:
+                flat = torch.empty(sum(numels), dtype=dtype)
+            ops.broadcast(flat, src, group=pp_group, algorithm=algorithm)
+            for k, part in zip(mine, flat.split(numels), strict=True):
+                out[k] = part.view(index.shapes[k][0]).clone()
+    return {k: out[k] for k in index.shapes}

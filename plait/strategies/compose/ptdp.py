@@ -1,0 +1,304 @@
+"""PTD-P: tensor (+ sequence) parallelism over ``tp``, pipeline stages over ``pp``, data
+parallelism over ``dp``, on one ``Mesh(pp=.., dp=.., tp=..)`` (Narayanan et al. 2021).
+
+::
+
+    mesh = plait.Mesh(pp=2, dp=2, tp=2)                  # 8 ranks; tp adjacent, pp apart
+    model = GPT(cfg)
+    ptdp = compose(model, torch.optim.Adam(model.parameters(), lr=1e-3), mesh=mesh,
+                   schedule="1f1b", microbatches=4, zero=1)
+    opt = ptdp.optimizer
+    for ids, targets in batches:                         # the same global batch on every rank
+        opt.zero_grad()
+        loss = ptdp.step(ids, targets)                   # this rank's dp rows, pipelined
+        ptdp.clip_grad_norm_(1.0)                        # the dense model's global norm
+        opt.step()
+    state = ptdp.full_state_dict()                       # the dense GPT's keys, every rank
+
+How the parts meet: the dense GPT (same seed on every rank) is first cut by
+:func:`plait.parallelize` over ``mesh.group("tp")`` (``tp_plan``; sequence parallelism
+on request), then its layers are grouped into stages by
+:class:`~plait.strategies.pipeline.PipelineParallel` over ``mesh.group("pp")``, whose loss
+is the vocab-parallel cross-entropy of the tensor-parallel head. Each ``step`` gives the
+pipeline this rank's ``B / dp`` rows of the global batch. The gradients are then averaged
+over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this rank's gradients
+(flattened) before the optimizer step; with ``zero=1`` (or ``2`` with ``pp=1``) by
+:class:`~plait.strategies.zero.ZeroOptimizer` on the dp group (Megatron's distributed
+optimizer: a reduce-scatter of the gradients, Adam on this rank's 1/dp of the state, an
+all-gather of the parameters).
+
+Communication contract, per step, on the groups of this rank:
+
+=====  ====================================================  ==================================
+group  forward and backward (every ``step``)                 once per optimizer step
+=====  ====================================================  ==================================
+tp     the layers' f/g: an all-reduce of b*s*h per block     ``clip_grad_norm_``: one scalar
+       each way (SP: all-gather + reduce-scatter instead),   all-reduce
+       the vocab-parallel cross-entropy's three small ones
+pp     activations and their gradients between neighbour     ``clip_grad_norm_``: one scalar
+       stages (b/m*s*h per micro-batch, /tp under SP), the   all-reduce
+       tied gradient exchange, the loss broadcast
+dp     one all-reduce of the mean loss (a scalar)            zero=0: one all-reduce of this
+                                                             rank's gradients; zero=1/2: a
+                                                             reduce-scatter of them, then an
+                                                             all-gather of the parameters
+=====  ====================================================  ==================================
+
+Gradient accumulation: several ``step`` calls before ``optimizer.step()`` leave the
+gradient of the mean loss over the union of their batches (the average is taken, and the
+dp all-reduce sent, once, when ``clip_grad_norm_`` or ``optimizer.step()`` first needs
+it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own rows' sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.comm import ops
+from plait.strategies.compose.check import Sizes, check_batch, check_layout
+from plait.strategies.compose.dense import (
+    Counted,
+    DenseIndex,
+    assemble,
+    count_params,
+    global_grad_norm,
+    norm_terms,
+    shard_terms,
+)
+
+
+class PTDP:
+    """A GPT trained on a (pp, dp, tp) mesh; build it with :func:`compose`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        mesh: Any,
+        tp_plan: Mapping[str, Any] | None = None,
+        sequence_parallel: bool = False,
+        schedule: str = "1f1b",
+        microbatches: int = 1,
+        chunks: int | None = None,
+        zero: int = 0,
+        algorithm: str = "auto",
+    ) -> None:
+        from plait.models.gpt import tp_plan as gpt_plan
+        from plait.strategies.pipeline import PipelineParallel
+        from plait.strategies.pipeline.split import layers_of
+        from plait.strategies.tensor import loss_fn, parallelize
+
+        self.sizes: Sizes = check_layout(
+            model,
+            shape=mesh.shape,
+            microbatches=microbatches,
+            zero=zero,
+            schedule=schedule,
+            chunks=chunks,
+            sequence_parallel=sequence_parallel,
+            custom_plan=tp_plan is not None,
+        )
+        if len(optimizer.param_groups) != 1 or optimizer.state:
+            raise ValueError(
+                "ptdp re-creates the optimizer on this rank's shards: pass an optimizer with "
+                "one parameter group that has not stepped yet"
+            )
+        self.mesh = mesh
+        self.algorithm = algorithm
+        self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
+        self.dp_group = mesh.group("dp")
+        dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        cfg: Any = model.config
+        if self.sizes.tp > 1:
+            plan = tp_plan or gpt_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
+            parallelize(model, self.tp_group, plan, algorithm=algorithm)
+        layers = layers_of(model)
+        self.pipe = PipelineParallel(
+            model,
+            group=self.pp_group,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            loss_fn=loss_fn(model),
+        )
+        part = self.pipe.partition
+        assert part.placement is not None
+        self.index = DenseIndex.record(dense, layers, part.bounds, part.placement)
+        del dense
+        stages = list(self.pipe.stages.values())
+        tied = {id(p): peer for p, peer in self.pipe.runtime.tied}
+        self.counted: list[Counted] = count_params(
+            stages, self.index, tp_rank=self.tp_group.rank, tied_peers=tied,
+            pp_rank=self.pp_group.rank,
+        )
+        params = [c.param for c in self.counted]
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        if zero:
+            from plait.strategies.zero import ZeroOptimizer
+
+            self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
+                params, type(optimizer), stage=zero, group=self.dp_group,
+                algorithm=algorithm, **hyper,
+            )
+        else:
+            self.optimizer = type(optimizer)(params, **hyper)
+        self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
+        self._pending = 0  # steps whose gradients are not yet averaged
+
+    # --- training ------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's dp rows of the global batch ``inputs`` /
+        ``targets`` (the same on every rank) through the pipeline; returns the mean loss
+        over the global batch, on every rank. Gradients accumulate (zero them with the
+        optimizer). Collective over the whole mesh."""
+        check_batch(inputs, targets, self.sizes)
+        rows = inputs.shape[0] // self.sizes.dp
+        d = self.mesh.rank("dp")
+        loss = self.pipe.step(
+            inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
+        ).detach()
+        ops.all_reduce(loss, "sum", group=self.dp_group, algorithm=self.algorithm)
+        self._pending += 1
+        return loss / self.sizes.dp
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.step(inputs, targets)
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Make the gradients the dense gradient of the mean loss over every batch since
+        the last optimizer step: divided by the number of ``step`` calls, averaged over dp
+        (zero=0: one all-reduce of the flattened gradients; under ZeRO the optimizer
+        reduce-scatters them itself). Runs by itself before ``optimizer.step()`` and in
+        ``clip_grad_norm_``; a no-op when nothing is pending. Collective over dp."""
+        k, self._pending = self._pending, 0
+        if k == 0:
+            return
+        if self.sizes.zero:
+            if k > 1:
+                self.optimizer.unscale_grads_(1.0 / k)  # type: ignore[attr-defined]
+            return
+        grads = [c.param.grad for c in self.counted if c.param.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.sizes.dp > 1:
+            ops.all_reduce(flat, "sum", group=self.dp_group, algorithm=self.algorithm)
+        flat.div_(self.sizes.dp * k)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient by the dense model's global norm; return that norm (the
+        same on every rank). Each element of the dense gradient is counted once (see
+        :mod:`.dense`). Collective over the whole mesh: the gradient sync if pending, then
+        one scalar all-reduce over tp and pp (and dp under ZeRO)."""
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"ptdp.clip_grad_norm_: norm_type must be positive, got {norm_type}")
+        self.sync_gradients()
+        dtype = torch.promote_types(self.counted[0].param.dtype, torch.float32)
+        if self.sizes.zero:
+            opt: Any = self.optimizer
+            flat = opt.gradients.flat if opt.gradients.averaged() else None
+            pieces = opt.partition[self.dp_group.rank]
+            terms = [] if flat is None else shard_terms(self.counted, pieces, flat, norm_type)
+            groups = [self.tp_group, self.pp_group, self.dp_group]
+        else:
+            flat = None
+            terms = norm_terms(self.counted, norm_type)
+            groups = [self.tp_group, self.pp_group]
+        total = global_grad_norm(
+            terms, norm_type, groups=groups, algorithm=self.algorithm, dtype=dtype
+        )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self.sizes.zero:
+            if flat is not None:
+                flat.mul_(coef.to(flat.dtype))
+        else:
+            for c in self.counted:
+                if c.param.grad is not None:
+                    c.param.grad.mul_(coef.to(c.param.grad.dtype))
+        return total
+
+    # --- state -----------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (its stages' shards), each once."""
+        return [c.param for c in self.counted]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense GPT's state dict (its keys, shapes and order) on every rank.
+        Collective over tp (all-gathers) and pp (broadcasts); dp replicas agree."""
+        return assemble(
+            list(self.pipe.stages.values()),
+            self.index,
+            pp_group=self.pp_group,
+            algorithm=self.algorithm,
+        )
+
+    def __repr__(self) -> str:
+        s = self.sizes
+        return (
+            f"PTDP(pp={s.pp}, dp={s.dp}, tp={s.tp}, schedule={self.pipe.schedule.name!r}, "
+            f"microbatches={s.microbatches}, zero={s.zero}, sequence_parallel="
+            f"{s.sequence_parallel})"
+        )
+
+
+def compose(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    mesh: Any,
+    tp_plan: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    chunks: int | None = None,
+    zero: int = 0,
+    algorithm: str = "auto",
+) -> PTDP:
+    """``model`` (a :class:`plait.models.GPT`, built with the same seed on every rank)
+    trained on ``mesh`` (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
+
+    ``tp_plan``: the tensor-parallel plan (default: the GPT's ``tp_plan``, with
+    ``sequence_parallel``); ``schedule``/``microbatches``/``chunks``: the pipeline's
+    (``microbatches`` per dp replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
+    (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1``);
+    ``algorithm``: the collectives' algorithm. ``optimizer``: built on
+    ``model.parameters()``, one group, not stepped; it is re-created (same class and
+    hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
+    constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
+    """
+    return PTDP(
+        model,
+        optimizer,
+        mesh=mesh,
+        tp_plan=tp_plan,
+        sequence_parallel=sequence_parallel,
+        schedule=schedule,
+        microbatches=microbatches,
+        chunks=chunks,
+        zero=zero,
+        algorithm=algorithm,
+    )
+
+
+def prepare_ptdp(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, **options: Any
+) -> tuple[PTDP, torch.optim.Optimizer]:
+    """``plait.prepare(model, optimizer, strategy="ptdp", mesh=..., ...)``: the
+    :class:`PTDP` (train with ``.step(x, y)``) and its optimizer."""
+    if optimizer is None:
+        raise ValueError(
+            "strategy 'ptdp' re-creates the optimizer on this rank's shards: pass the "
+            "optimizer built on model.parameters()"
+        )
+    ptdp = compose(model, optimizer, **options)
+    return ptdp, ptdp.optimizer

@@ -1,0 +1,140 @@
+"""Rank functions for tests/test_ptdp.py: the GPT trained under PTD-P on a (pp, dp, tp)
+mesh, and the same GPT trained in one process on the global batch (the oracle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+import plait
+from plait.models import GPT, GPTConfig
+from plait.strategies.compose import compose
+
+STEPS, BATCH, LR = 3, 4, 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout and its options; ``accumulate`` batches per optimizer step."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    microbatches: int = 2
+    zero: int = 0
+    sp: bool = False
+    tied: bool = False
+    clip: float | None = None
+    accumulate: int = 1
+    schedule: str = "1f1b"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        parts = [f"{d}{n}" for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if n > 1]
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["sp"] if self.sp else []
+        parts += ["tied"] if self.tied else []
+        parts += [f"clip{self.clip}"] if self.clip is not None else []
+        parts += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
+        parts += [self.schedule] if self.schedule != "1f1b" else []
+        return "x".join(parts)
+
+
+def config(tied: bool) -> GPTConfig:
+    # 2 blocks = 4 pipeline layers (pp <= 4); 4 heads, width 16, 8 tokens: tp 1, 2, 4;
+    # vocab 13 is padded under tp
+    return GPTConfig(
+        vocab=13, layers=2, heads=4, width=16, seq_len=8, tied=tied, dtype=torch.float64
+    )
+
+
+def batch(step: int, cfg: GPTConfig, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, cfg.vocab, (size, cfg.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def oracle(case: Case) -> dict[str, Any]:
+    """One process, the dense GPT, each optimizer step on the union of its batches."""
+    cfg = config(case.tied)
+    model = GPT(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        parts = [batch(step * case.accumulate + a, cfg) for a in range(case.accumulate)]
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1)).backward()
+        for a in range(case.accumulate):
+            with torch.no_grad():
+                rows = slice(a * BATCH, (a + 1) * BATCH)
+                losses.append(
+                    F.cross_entropy(
+                        logits[rows].reshape(-1, cfg.vocab), y[rows].reshape(-1)
+                    ).item()
+                )
+        if case.clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())
+        opt.step()
+    return {"state": model.state_dict(), "losses": losses, "norms": norms}
+
+
+def train(case: Case) -> dict[str, Any]:
+    """This rank's part of ``case`` for STEPS optimizer steps; the dense state at the end."""
+    cfg = config(case.tied)
+    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    model = GPT(cfg)
+    ptdp = compose(
+        model,
+        torch.optim.Adam(model.parameters(), lr=LR),
+        mesh=mesh,
+        sequence_parallel=case.sp,
+        schedule=case.schedule,
+        microbatches=case.microbatches,
+        zero=case.zero,
+        **case.options,
+    )
+    del model
+    opt = ptdp.optimizer
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for a in range(case.accumulate):
+            x, y = batch(step * case.accumulate + a, cfg)
+            losses.append(ptdp.step(x, y).item())
+        if case.clip is not None:
+            norms.append(ptdp.clip_grad_norm_(case.clip).item())
+        opt.step()
+    return {
+        "state": ptdp.full_state_dict(),
+        "losses": losses,
+        "norms": norms,
+        "local": sum(p.numel() for p in ptdp.parameters()),
+    }
+
+
+def refused(case: Case, *, size: int = BATCH) -> str:
+    """The error compose (or the first step) raises for ``case``, or 'NOT REFUSED'."""
+    cfg = config(case.tied)
+    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    model = GPT(cfg)
+    try:
+        ptdp = compose(
+            model,
+            torch.optim.Adam(model.parameters(), lr=LR),
+            mesh=mesh,
+            sequence_parallel=case.sp,
+            microbatches=case.microbatches,
+            zero=case.zero,
+            **case.options,
+        )
+        ptdp.step(*batch(0, cfg, size))
+    except ValueError as exc:
+        return str(exc)
+    return "NOT REFUSED"
