@@ -75,9 +75,7 @@ def oracle(case: Case) -> dict[str, Any]:
             with torch.no_grad():
                 rows = slice(a * BATCH, (a + 1) * BATCH)
                 losses.append(
-                    F.cross_entropy(
-                        logits[rows].reshape(-1, cfg.vocab), y[rows].reshape(-1)
-                    ).item()
+                    F.cross_entropy(logits[rows].reshape(-1, cfg.vocab), y[rows].reshape(-1)).item()
                 )
         if case.clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from plait.models import GPT, GPTConfig
+from plait.models.gpt import MoEConfig
 from plait.strategies.compose import check_batch, check_layout
 
 from . import ptdp_fns as fns
@@ -100,19 +101,20 @@ def _layout(**kw):
         ({"zero": 3}, ["zero=3"]),
         ({"microbatches": 0}, ["microbatches=0"]),
         (
-            {"shape": {"pp": 1, "dp": 1, "tp": 3}, "sequence_parallel": True,
-             "model": GPT(GPTConfig(vocab=13, layers=1, heads=3, width=12, seq_len=8))},
+            {
+                "shape": {"pp": 1, "dp": 1, "tp": 3},
+                "sequence_parallel": True,
+                "model": GPT(GPTConfig(vocab=13, layers=1, heads=3, width=12, seq_len=8)),
+            },
             ["seq_len 8", "tp=3"],
         ),
         (
-            {"shape": {"pp": 2, "dp": 2, "tp": 1}, "zero": 1,
-             "model": GPT(fns.config(True))},
+            {"shape": {"pp": 2, "dp": 2, "tp": 1}, "zero": 1, "model": GPT(fns.config(True))},
             ["tied", "zero=1 with pp=2"],
         ),
         ({"model": torch.nn.Linear(2, 2)}, ["plait.models.GPT", "Linear"]),
         (
-            {"model": GPT(GPTConfig(vocab=13, layers=2, heads=2, width=8,
-                                    moe=__import__("plait.models.gpt", fromlist=["x"]).MoEConfig()))},
+            {"model": GPT(GPTConfig(vocab=13, layers=2, heads=2, width=8, moe=MoEConfig()))},
             ["MoE", "'ep'"],
         ),
     ],

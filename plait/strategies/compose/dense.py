@@ -145,7 +145,9 @@ def norm_terms(counted: Sequence[Counted], norm_type: float) -> list[torch.Tenso
 
 
 def shard_terms(
-    counted: Sequence[Counted], pieces: Sequence[tuple[int, int, int]], flat: torch.Tensor,
+    counted: Sequence[Counted],
+    pieces: Sequence[tuple[int, int, int]],
+    flat: torch.Tensor,
     norm_type: float,
 ) -> list[torch.Tensor]:
     """``|g|^p`` of the ranges of a ZeRO gradient shard ``flat`` this rank counts;

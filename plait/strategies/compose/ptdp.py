@@ -133,7 +133,10 @@ class PTDP:
         stages = list(self.pipe.stages.values())
         tied = {id(p): peer for p, peer in self.pipe.runtime.tied}
         self.counted: list[Counted] = count_params(
-            stages, self.index, tp_rank=self.tp_group.rank, tied_peers=tied,
+            stages,
+            self.index,
+            tp_rank=self.tp_group.rank,
+            tied_peers=tied,
             pp_rank=self.pp_group.rank,
         )
         params = [c.param for c in self.counted]
@@ -142,8 +145,12 @@ class PTDP:
             from plait.strategies.zero import ZeroOptimizer
 
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
-                params, type(optimizer), stage=zero, group=self.dp_group,
-                algorithm=algorithm, **hyper,
+                params,
+                type(optimizer),
+                stage=zero,
+                group=self.dp_group,
+                algorithm=algorithm,
+                **hyper,
             )
         else:
             self.optimizer = type(optimizer)(params, **hyper)
