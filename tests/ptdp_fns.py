@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import plait
 from plait.models import GPT, GPTConfig
-from plait.strategies.compose import compose
+from plait.strategies.compose import compose, prepare_ptdp
 
 STEPS, BATCH, LR = 3, 4, 1e-2
 
@@ -30,6 +30,7 @@ class Case:
     clip: float | None = None
     accumulate: int = 1
     schedule: str = "1f1b"
+    via_prepare: bool = False  # through prepare_ptdp (plait.prepare's "ptdp") instead
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -88,7 +89,8 @@ def train(case: Case) -> dict[str, Any]:
     cfg = config(case.tied)
     mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
     model = GPT(cfg)
-    ptdp = compose(
+    build = prepare_ptdp if case.via_prepare else compose
+    built = build(
         model,
         torch.optim.Adam(model.parameters(), lr=LR),
         mesh=mesh,
@@ -98,6 +100,7 @@ def train(case: Case) -> dict[str, Any]:
         zero=case.zero,
         **case.options,
     )
+    ptdp = built[0] if isinstance(built, tuple) else built
     del model
     opt = ptdp.optimizer
     losses, norms = [], []

@@ -1,11 +1,11 @@
 """PTD-P (tensor + pipeline + data parallelism on one mesh) against one process.
 
 Every factorisation of 4 ranks, with ZeRO-1/2 over dp, sequence parallelism, a tied
-embedding, gradient clipping and gradient accumulation, and one 8-rank dp2 x tp2 x pp2
-layout, end (after 3 Adam steps, float64) where the dense GPT trained in one process on
-the global batch ends: the same losses, the same clipped norms, the same dense state dict
-(assembled on every rank). Tolerance: float64 with partial sums taken in another order
-(tp splits the matmuls, dp averages rows, Adam divides by sqrt(v)): 1e-8.
+embedding, gradient clipping, gradient accumulation and each pipeline schedule, and one
+8-rank dp2 x tp2 x pp2 layout, end (after 3 Adam steps, float64) where the dense GPT
+trained in one process on the global batch ends: the same losses, the same clipped norms,
+the same dense state dict (assembled on every rank). Tolerance: float64 with partial sums
+taken in another order (tp splits the matmuls, dp averages rows): 1e-8.
 
 Refusals run in-process on :func:`check_layout` / :func:`check_batch` (pure), and one on
 ranks through ``compose`` and ``step``.
@@ -42,6 +42,10 @@ FOUR = [
     Case(dp=2, pp=2, accumulate=2),
     Case(dp=2, tp=2, zero=1, accumulate=2),
     Case(dp=2, pp=2, schedule="interleaved", microbatches=2),
+    Case(tp=2, pp=2, sp=True, schedule="zb-h1"),
+    # zbv puts the first and last stage on one rank: the tied weight is counted once there
+    Case(tp=2, pp=2, tied=True, clip=0.05, schedule="zbv"),
+    Case(dp=2, pp=2, tied=True, clip=0.05, schedule="gpipe", via_prepare=True),
 ]
 
 
