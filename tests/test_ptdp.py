@@ -33,7 +33,7 @@ FOUR = [
     Case(tp=4),
     Case(pp=4, microbatches=4),
     Case(dp=2, pp=2, zero=1),
-    Case(dp=2, tp=2, zero=2),
+    Case(dp=2, tp=2, zero=2, microbatches=1),
     Case(tp=2, pp=2, sp=True),
     Case(dp=2, tp=2, sp=True, zero=1),
     Case(tp=2, pp=2, tied=True),
@@ -102,6 +102,7 @@ def _layout(**kw):
             ["6 pipeline stages"],
         ),
         ({"shape": {"pp": 2, "dp": 2, "tp": 1}, "zero": 2}, ["zero=2 with pp=2", "zero=1"]),
+        ({"shape": {"pp": 1, "dp": 2, "tp": 1}, "zero": 2, "microbatches": 2}, ["2 times"]),
         ({"zero": 3}, ["zero=3"]),
         ({"microbatches": 0}, ["microbatches=0"]),
         (

@@ -97,13 +97,13 @@ def check_layout(
             f"GPT has only {units} layers to cut (embedding, {cfg.layers} blocks, head); "
             f"use pp * chunks <= {units} or more layers"
         )
-    if zero == 2 and pp > 1:
+    if zero == 2 and (pp > 1 or microbatches > 1):
         raise ValueError(
-            f"ptdp: zero=2 with pp={pp} is not supported: ZeRO-2 reduce-scatters the "
-            f"gradients inside every backward, and a pipeline runs one backward per "
-            f"micro-batch ({microbatches} per step), so it would send the gradients "
+            f"ptdp: zero=2 with pp={pp} and microbatches={microbatches} is not supported: "
+            f"ZeRO-2 reduce-scatters the gradients inside every backward, and the pipeline "
+            f"runs one backward per micro-batch, so it would send the gradients "
             f"{microbatches} times a step; use zero=1 (Megatron's distributed optimizer) "
-            f"with pp > 1, or pp=1 for ZeRO-2"
+            f"with pp > 1, or pp=1 and microbatches=1 for ZeRO-2"
         )
     if zero and pp > 1 and cfg.tied:
         raise ValueError(

@@ -22,7 +22,7 @@ on request), then its layers are grouped into stages by
 is the vocab-parallel cross-entropy of the tensor-parallel head. Each ``step`` gives the
 pipeline this rank's ``B / dp`` rows of the global batch. The gradients are then averaged
 over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this rank's gradients
-(flattened) before the optimizer step; with ``zero=1`` (or ``2`` with ``pp=1``) by
+(flattened) before the optimizer step; with ``zero=1`` (or ``2`` with ``pp=1``, one micro-batch) by
 :class:`~plait.strategies.zero.ZeroOptimizer` on the dp group (Megatron's distributed
 optimizer: a reduce-scatter of the gradients, Adam on this rank's 1/dp of the state, an
 all-gather of the parameters).
@@ -277,7 +277,8 @@ def compose(
     ``tp_plan``: the tensor-parallel plan (default: the GPT's ``tp_plan``, with
     ``sequence_parallel``); ``schedule``/``microbatches``/``chunks``: the pipeline's
     (``microbatches`` per dp replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
-    (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1``);
+    (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1`` and
+    ``microbatches=1``);
     ``algorithm``: the collectives' algorithm. ``optimizer``: built on
     ``model.parameters()``, one group, not stepped; it is re-created (same class and
     hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
