@@ -55,11 +55,15 @@ def p2p_large(numel: int, tag: int) -> bool:
 
 
 def size_mismatch() -> str:
-    """Rank 0 sends 10 floats, rank 1 expects 12: named on rank 1, not a wrong result."""
+    """Rank 0 sends 10 floats, rank 1 expects 12: named on rank 1, not a wrong result;
+    rank 0's send (which returns only once received) fails naming rank 1."""
     g = comm.world()
     if g.rank == 0:
-        comm.send(torch.ones(10), 1, tag=7)
-        return ""
+        try:
+            comm.send(torch.ones(10), 1, tag=7)
+        except comm.CollectiveError as exc:
+            return str(exc)
+        return "no error"
     try:
         comm.recv(torch.empty(12), 0, tag=7)
     except comm.CollectiveError as exc:

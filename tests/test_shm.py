@@ -129,6 +129,7 @@ def test_a_size_mismatch_is_named_not_copied(shm_pools):
     finally:
         out.close()
     assert "size mismatch" in res[1] and "rank 0" in res[1], res[1]
+    assert "send" in res[0] and "rank 1" in res[0], res[0]
 
 
 def test_ring_tree_mixes_transports_across_simulated_hosts(shm_pools):

@@ -232,6 +232,8 @@ class Channel:
                 if p.shm is not None:
                     assert link is not None
                     link.wait(p.shm, self.members[p.peer])
+                    if self.call.collective == "send":  # the user's send: until received
+                        link.wait_taken(p.shm, self.members[p.peer])
                 elif link is not None and link.busy():
                     # shared-memory operations of this rank still need moving while the
                     # backend's completes (a peer may wait on them first)

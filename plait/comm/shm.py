@@ -186,7 +186,7 @@ def pid_alive(pid: int) -> bool:
 class ShmOp:
     """One queued send or receive of ``nbytes`` bytes under ``tag``."""
 
-    __slots__ = ("buf", "nbytes", "padded", "tag", "done", "started", "finished")
+    __slots__ = ("buf", "nbytes", "padded", "tag", "done", "started", "finished", "end")
 
     def __init__(self, tensor: torch.Tensor, tag: int) -> None:
         self.buf = tensor.view(-1).view(torch.uint8)
@@ -196,6 +196,7 @@ class ShmOp:
         self.done = 0
         self.started = False
         self.finished = False
+        self.end = 0  # a send's ring position after its last byte, once written
 
 
 class _Out:
@@ -322,6 +323,7 @@ class ShmLink:
             if op.done < op.padded:
                 break
             op.finished = True
+            op.end = head
             out.queue.popleft()
         if head == out.head:
             return False
@@ -380,6 +382,17 @@ class ShmLink:
                 return True
             self.progress()
             return op.finished
+
+        self.block(ready, [peer])
+
+    def wait_taken(self, op: ShmOp, peer: int) -> None:
+        """Block until ``peer`` has read a finished send ``op`` out of the ring (a user's
+        ``send`` returns when it is received, as over gloo, not when it is buffered)."""
+        out = self.outs[peer]
+
+        def ready() -> bool:
+            self.progress()
+            return bool(out.seg.q[out.tq] >= op.end)
 
         self.block(ready, [peer])
 
