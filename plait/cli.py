@@ -102,7 +102,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         algorithms = [a for a in algorithms if a != "auto"]
     sizes = bench.size_range(bench.parse_size(args.min_size), bench.parse_size(args.max_size))
     print(
-        f"plait bench comm: {args.nproc} ranks, gloo on loopback, float32, "
+        f"plait bench comm: {args.nproc} ranks, float32, "
         f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]} B, median of timed calls",
         flush=True,
     )
@@ -126,13 +126,15 @@ def _bench_comm(args: argparse.Namespace) -> int:
     _summary(rows)
     if args.tune:
         path = Path(args.tune_file) if args.tune_file else tuner.table_path()
+        transport = bench.table_transport(rows)  # a table measured on shm is an shm table
         table: dict[str, dict[int, list[tuple[int, str]]]] = {}
         if path.exists():
             tuner.load(path)
-            table = dict(tuner._table or {})
+            if tuner._transport == transport:
+                table = dict(tuner._table or {})
         for collective, per_world in bench.tune_table(rows).items():
             table.setdefault(collective, {}).update(per_world)
-        tuner.save(table, path, backend="gloo")
+        tuner.save(table, path, backend="gloo", transport=transport)
         print(f"wrote the tuning table for world size {args.nproc} to {path}")
     return 0
 
