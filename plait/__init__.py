@@ -18,6 +18,7 @@ from plait.strategies import (
     fully_shard,
     pipeline,
 )
+from plait.strategies.compose import PTDP, compose
 from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.tensor import parallelize
 
@@ -31,6 +32,7 @@ __all__ = [
     "NaiveDataParallel",
     "OffloadPolicy",
     "ParameterServer",
+    "PTDP",
     "PipelineParallel",
     "UngatheredParameterError",
     "ZeroOptimizer",
@@ -41,6 +43,7 @@ __all__ = [
     "amp",
     "clip_grad_norm_",
     "comm",
+    "compose",
     "fully_shard",
     "models",
     "moe",

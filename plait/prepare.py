@@ -17,7 +17,10 @@ after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` w
 its experts, a new optimizer over what it keeps), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
-rank's stages), ``"none"`` (single process, unchanged).
+rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
+data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``;
+returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
+its optimizer), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
+from plait.strategies.compose import prepare_ptdp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
@@ -144,7 +148,8 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
 
 
 # name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
-STRATEGIES: dict[str, Callable[..., Prepared]] = {
+# ("ptdp" returns a PTDP object, trained with .step(x, y), not an nn.Module)
+STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "none": _none,
     "naive": _naive,
     "ddp": _ddp,
@@ -156,6 +161,7 @@ STRATEGIES: dict[str, Callable[..., Prepared]] = {
     "tp": prepare_tp,
     "ep": prepare_ep,
     "pipeline": prepare_pipeline,
+    "ptdp": prepare_ptdp,
 }
 
 

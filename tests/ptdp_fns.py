@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import plait
 from plait.models import GPT, GPTConfig
-from plait.strategies.compose import compose, prepare_ptdp
+from plait.strategies.compose import compose
 
 STEPS, BATCH, LR = 3, 4, 1e-2
 
@@ -89,7 +89,10 @@ def train(case: Case) -> dict[str, Any]:
     cfg = config(case.tied)
     mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
     model = GPT(cfg)
-    build = prepare_ptdp if case.via_prepare else compose
+    def via_prepare(model: Any, optimizer: Any, **options: Any) -> Any:
+        return plait.prepare(model, optimizer, strategy="ptdp", **options)
+
+    build = via_prepare if case.via_prepare else compose
     built = build(
         model,
         torch.optim.Adam(model.parameters(), lr=LR),
