@@ -13,8 +13,9 @@ Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank
 
 For each (world size, model, bucket size of 1 and 25 MiB) the variants are built on every
 rank from the same seed: ``plait.DistributedDataParallel(model, bucket_mb=B, algorithm=A)``
-for each ``A`` of ``--algorithms`` (default ``auto,naive,ring``; in DDP ``auto`` is the
-backend's own all-reduce, started without plait's communication thread), and ``torch
+for each ``A`` of ``--algorithms`` (default ``auto,naive,ring``; in DDP ``auto`` is plait's
+shared-memory all-reduce when every rank shares this host, else the backend's own, started
+without plait's communication thread), and ``torch
 DistributedDataParallel(model, bucket_cap_mb=B)``, each with its own SGD optimizer (lr
 0.01). ``naive`` is there because it was plait's fastest Python algorithm in a trial of
 every algorithm over all eight configurations (``--algorithms
