@@ -142,3 +142,23 @@ def refused(case: Case, *, size: int = BATCH) -> str:
     except ValueError as exc:
         return str(exc)
     return "NOT REFUSED"
+
+
+def evaluate_then_train(evaluate: bool) -> dict[str, torch.Tensor]:
+    """Mesh(pp=2, dp=2, tp=1): optionally one step on another batch whose gradients are
+    zeroed (an evaluation), then one training step; the dense state after it."""
+    cfg = config(tied=False)
+    model = GPT(cfg)
+    ptdp = compose(
+        model,
+        torch.optim.Adam(model.parameters(), lr=LR),
+        mesh=plait.Mesh(pp=2, dp=2, tp=1),
+        microbatches=2,
+    )
+    opt = ptdp.optimizer
+    if evaluate:
+        ptdp.step(*batch(99, cfg))
+        opt.zero_grad()
+    ptdp.step(*batch(0, cfg))
+    opt.step()
+    return ptdp.full_state_dict()

@@ -148,3 +148,12 @@ def test_refused_on_ranks_before_any_collective(ranks):
     # the batch check runs before the pipeline or the dp group is used: no rank hangs
     errors = ranks(4, fns.refused, Case(dp=2, tp=2, microbatches=2), size=2, timeout=60)
     assert all("multiple of 4" in e for e in errors), errors
+
+
+def test_a_step_whose_gradients_are_zeroed_does_not_count_as_accumulation(ranks):
+    """zero_grad forgets pending steps: evaluating with .step then zero_grad leaves the
+    next optimizer step exactly what it is without the evaluation."""
+    plain = ranks(4, fns.evaluate_then_train, False, timeout=120)[0]
+    after_eval = ranks(4, fns.evaluate_then_train, True, timeout=120)[0]
+    for key in plain:
+        assert torch.equal(plain[key], after_eval[key]), key

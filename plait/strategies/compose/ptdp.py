@@ -156,6 +156,15 @@ class PTDP:
             self.optimizer = type(optimizer)(params, **hyper)
         self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
         self._pending = 0  # steps whose gradients are not yet averaged
+        # zero_grad drops the gradients of the pending steps, so it forgets them too (a
+        # step taken only to evaluate, then zero_grad, must not scale the next ones by 1/2)
+        zero_grad = self.optimizer.zero_grad
+
+        def forget_and_zero(set_to_none: bool = True) -> None:
+            self._pending = 0
+            zero_grad(set_to_none)
+
+        self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
 
     # --- training ------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
