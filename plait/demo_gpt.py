@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 import plait
-from plait import checkpoint, comm
+from plait import comm
+from plait import demo_gpt_layouts as layouts
 from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
-from plait.strategies.tensor import loss_fn
 from plait.trace import Tracer, write_chrome
 
 PROMPT = "The assert statement"
@@ -104,6 +104,8 @@ class GPTDemoConfig:
         )
 
     def mesh_shape(self) -> dict[str, int]:
+        if self.pp > 1 and (self.tp > 1 or self.dp > 1):
+            return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         if self.pp > 1:
             return {"pp": self.pp}
         if self.moe:
@@ -168,10 +170,10 @@ def validate(config: GPTDemoConfig) -> None:
             f"--batch-size (global) must be a multiple of the {rows} ranks that each take "
             f"their own rows (-n {c.world_size} / --tp {c.tp} / --pp {c.pp}), got {c.batch_size}"
         )
-    if c.pp > 1 and c.batch_size % c.m:
+    if c.pp > 1 and c.batch_size % (c.m * c.dp):
         raise bad(
-            f"--batch-size {c.batch_size} must be a multiple of --microbatches {c.m} "
-            f"(equal micro-batches)"
+            f"--batch-size {c.batch_size} must be a multiple of --microbatches {c.m} x the "
+            f"{c.dp} data-parallel replicas (equal micro-batches on every replica)"
         )
     if not 2 <= c.seq_len <= 512:
         raise bad(f"--seq-len must be in 2..512, got {c.seq_len}")
@@ -193,15 +195,20 @@ def _validate_pp_moe(c: GPTDemoConfig) -> None:
     bad = GPTDemoOptionError
     if c.pp > 1 and c.moe:
         raise bad("--pp and --moe do not compose in the demo yet; pick one")
-    if c.tp != 1:
-        what = "--pp" if c.pp > 1 else "--moe"
-        raise bad(f"{what} does not compose with --tp in the demo yet; leave --tp at 1")
+    if c.moe and c.tp != 1:
+        raise bad("--moe does not compose with --tp in the demo yet; leave --tp at 1")
     if c.pp > 1:
-        if c.world_size != c.pp:
+        if c.tp_mode != "1d":
+            raise bad(f"--pp composes with 1D tensor parallelism only, not --tp-mode {c.tp_mode}")
+        if c.tp < 1 or c.world_size % (c.pp * c.tp):
             raise bad(
-                f"--pp {c.pp} needs -n {c.pp} (the demo's pipeline is Mesh(pp=n); data "
-                f"parallelism beside it is not composed yet), got -n {c.world_size}"
+                f"--pp {c.pp} x --tp {c.tp} must divide -n {c.world_size} (the mesh is "
+                f"pp x dp x tp)"
             )
+        if c.heads % c.tp:
+            raise bad(f"--heads must be divisible by --tp: {c.heads} % {c.tp}")
+        if c.sequence_parallel and c.seq_len % c.tp:
+            raise bad(f"--sp: --seq-len {c.seq_len} must be divisible by --tp {c.tp}")
         if c.schedule not in SCHEDULES:
             raise bad(f"--schedule must be one of {', '.join(SCHEDULES)}, got {c.schedule!r}")
         if c.m < 1:
@@ -277,137 +284,6 @@ def _dimension_bytes(mesh: plait.Mesh) -> dict[str, dict[str, int]]:
     return out
 
 
-@dataclass
-class _Trainer:
-    """One layout's pieces, as the training loop uses them."""
-
-    step: Any  # (x, y) -> loss tensor; forward and backward of this rank's rows
-    held_out: Any  # (x, y) -> float; the held-out loss (every rank the same)
-    state: Any  # () -> this rank's part of the dense state dict (keys of the dense GPT)
-    optimizer: torch.optim.Optimizer
-    model: torch.nn.Module
-    rows: tuple[int, int]  # this rank's rows of a global batch, [a, b)
-    loss_group: Any  # the group over which the ranks' mean losses are averaged
-
-
-def _tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
-    dense = GPT(config.model_config())
-    model, opt = plait.prepare(
-        dense,
-        torch.optim.Adam(dense.parameters(), lr=config.lr),
-        strategy="tp",
-        mesh=mesh,
-        sequence_parallel=config.sequence_parallel,
-        mode=config.tp_mode,
-        algorithm=config.algorithm,
-    )
-    assert opt is not None
-    loss_of = loss_fn(model)
-    run: torch.nn.Module = model
-    if config.dp > 1:
-        run = plait.DistributedDataParallel(
-            model, group=mesh.group("dp"), algorithm=config.algorithm, tracer=tracer
-        )
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with tracer.span("forward", stream="compute"):
-            loss = loss_of(run(x), y)
-        with tracer.span("backward", stream="compute"):
-            loss.backward()
-        return loss
-
-    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
-        with torch.no_grad():
-            return float(loss_of(model(x), y))
-
-    d, rows = mesh.rank("dp"), config.batch_size // config.dp
-    return _Trainer(
-        step,
-        held_out,
-        lambda: checkpoint.full_state_dict(model),
-        opt,
-        model,
-        (d * rows, (d + 1) * rows),
-        mesh.group("dp"),
-    )
-
-
-def _pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
-    from plait.strategies.pipeline import PipelineParallel
-
-    dense = GPT(config.model_config())
-    pipe = PipelineParallel(
-        dense,
-        group=mesh.group("pp"),
-        schedule=config.schedule,
-        microbatches=config.m,
-        tracer=tracer,
-    )
-    opt = torch.optim.Adam(pipe.parameters(), lr=config.lr)
-
-    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
-        # the pipeline has no forward-only schedule yet: a whole step whose gradients are
-        # dropped (the next training step zeroes them)
-        loss = float(pipe.step(x, y))
-        opt.zero_grad()
-        return loss
-
-    return _Trainer(
-        pipe.step,
-        held_out,
-        pipe.dense_state_dict,
-        opt,
-        pipe,
-        (0, config.batch_size),
-        mesh.group("pp"),
-    )
-
-
-def _batch_rank(model: torch.nn.Module) -> int:
-    info: Any = model.plait_expert_parallel
-    return int(info.batch_rank)
-
-
-def _experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> _Trainer:
-    dense = GPT(config.model_config())
-    model, opt = plait.prepare(
-        dense, torch.optim.Adam(dense.parameters(), lr=config.lr), strategy="ep", mesh=mesh
-    )
-    assert opt is not None
-    from plait.models.gpt import loss as gpt_loss
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with tracer.span("forward", stream="compute"):
-            loss = gpt_loss(model(x), y)
-        with tracer.span("backward", stream="compute"):
-            loss.backward()
-        return loss
-
-    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
-        # MoE layers route collectively over ep: every rank evaluates its own rows
-        b = _batch_rank(model)
-        n = x.shape[0] // config.world_size
-        model.eval()
-        with torch.no_grad():
-            mine = gpt_loss(model(x[b * n : (b + 1) * n]), y[b * n : (b + 1) * n])
-        model.train()
-        mean = mine.detach().to(torch.float64).reshape(1)
-        comm.all_reduce(mean, "avg", algorithm="auto")
-        return float(mean)
-
-    b = _batch_rank(model)
-    rows = config.batch_size // config.world_size
-    return _Trainer(
-        step,
-        held_out,
-        lambda: checkpoint.full_state_dict(model),
-        opt,
-        model,
-        (b * rows, (b + 1) * rows),
-        plait.world(),
-    )
-
-
 def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     """Runs on every rank: build the mesh, split the GPT, train, report."""
     validate(config)
@@ -421,7 +297,16 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
         mesh = plait.Mesh(**config.mesh_shape())  # type: ignore[arg-type]
     train_tokens, held_tokens = corpus()
     tracer = Tracer(rank=world.rank)
-    build = _pipeline if config.pp > 1 else _experts if config.moe else _tensor_parallel
+    composed = config.pp > 1 and (config.tp > 1 or config.dp > 1)
+    build = (
+        layouts.composed
+        if composed
+        else layouts.pipeline
+        if config.pp > 1
+        else layouts.experts
+        if config.moe
+        else layouts.tensor_parallel
+    )
     t = build(config, mesh, tracer)
     a, b = t.rows
     lead = world.rank == 0
@@ -451,7 +336,8 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
         if step + 1 in marks:
             # every replica's mean loss; the replicas' average is the global batch's
             mean = torch.tensor([loss_sum / since], dtype=torch.float64)
-            comm.all_reduce(mean, "avg", group=t.loss_group, algorithm="auto")
+            if t.loss_group is not None:  # None: the step's loss is the global batch's
+                comm.all_reduce(mean, "avg", group=t.loss_group, algorithm="auto")
             held = t.held_out(x_held, y_held)
             now = time.perf_counter()
             point = Point(
@@ -589,7 +475,10 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def describe(config: GPTDemoConfig) -> str:
     c = config
-    if c.pp > 1:
+    if c.pp > 1 and (c.tp > 1 or c.dp > 1):
+        sp = " + sequence parallelism" if c.sequence_parallel else ""
+        how = f"pp {c.pp} x dp {c.dp} x tp {c.tp}{sp} ({c.schedule}, {c.m} micro-batches)"
+    elif c.pp > 1:
         how = f"pp {c.pp} ({c.schedule}, {c.m} micro-batches)"
     elif c.moe:
         how = f"ep {c.ep} x dp {c.dp}, {c.experts} experts in every second block"
@@ -604,6 +493,8 @@ def describe(config: GPTDemoConfig) -> str:
 
 
 def _label(c: GPTDemoConfig) -> str:
+    if c.pp > 1 and (c.tp > 1 or c.dp > 1):
+        return f"gpt-pp{c.pp}-dp{c.dp}-tp{c.tp}-{c.schedule}"
     if c.pp > 1:
         return f"gpt-pp{c.pp}-{c.schedule}"
     if c.moe:
@@ -646,7 +537,7 @@ def run(
         text=sample(state, config),
         moe=lead["moe"],
     )
-    if config.pp > 1:
+    if config.pp > 1 and config.tp == 1 and config.dp == 1:
         report.bubble = _bubble(config, results)
     if config.moe:
         from plait import moe

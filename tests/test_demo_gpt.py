@@ -64,6 +64,15 @@ def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path):
     assert (tmp_path / "m" / "moe_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)
+def test_gpt_demo_ptdp_matches_one_process(tmp_path: Path):
+    """pp 2 x tp 2 through plait.strategies.compose (the held-out evaluation steps too)."""
+    config = GPTDemoConfig(world_size=4, tp=2, pp=2, name="c", **SMALL)
+    report = run(config, check=True, out_dir=tmp_path)
+    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert set(report.bytes_by_dim) == {"pp", "tp"}
+
+
 BAD = [
     (["-n", "4", "--tp", "3"], "--tp must divide -n"),
     (["-n", "2", "--heads", "3", "--width", "30"], "--heads must be divisible by --tp"),
@@ -72,8 +81,8 @@ BAD = [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--strategy", "zero1"], "--strategy: not options of --model gpt"),
     (["--tp", "2"], "--tp: options of --model gpt"),
-    (["-n", "4", "--pp", "2"], "--pp 2 needs -n 2"),
-    (["--pp", "2", "--tp", "2"], "--pp does not compose with --tp"),
+    (["-n", "4", "--pp", "3"], "--pp 3 x --tp 1 must divide -n 4"),
+    (["-n", "4", "--pp", "2", "--batch-size", "12"], "multiple of --microbatches 4 x the 2"),
     (["--pp", "2", "--schedule", "fast"], "--schedule must be one of"),
     (["--pp", "2", "--microbatches", "3"], "must be a multiple of --microbatches 3"),
     (["--moe", "--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),

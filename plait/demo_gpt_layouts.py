@@ -1,0 +1,198 @@
+"""How ``plait demo --model gpt`` builds each layout: the pieces its training loop calls.
+
+Each builder takes the demo's config, the mesh and a tracer and returns a :class:`Trainer`:
+``step(x, y)`` (forward and backward of this rank's rows), ``held_out(x, y)`` (the held-out
+loss, the same on every rank), ``state()`` (this rank's part of the dense state dict), the
+optimizer, the module whose parameters this rank holds, this rank's rows of a global batch
+and the group over which the ranks' losses are averaged.
+
+- :func:`tensor_parallel`: ``Mesh(dp, tp)``, ``plait.prepare(strategy="tp")`` (1D, or a
+  2D/2.5D/3D grid) and plait DDP over ``dp``;
+- :func:`pipeline`: ``Mesh(pp)``, :class:`plait.strategies.pipeline.PipelineParallel`;
+- :func:`composed`: ``Mesh(pp, dp, tp)``, :func:`plait.strategies.compose.compose`;
+- :func:`experts`: ``Mesh(ep, dp)``, ``plait.prepare(strategy="ep")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import plait
+from plait import checkpoint, comm
+from plait.models import GPT
+from plait.strategies.tensor import loss_fn
+from plait.trace import Tracer
+
+if TYPE_CHECKING:
+    from plait.demo_gpt import GPTDemoConfig
+
+
+@dataclass
+class Trainer:
+    """One layout's pieces, as the training loop uses them."""
+
+    step: Any  # (x, y) -> loss tensor; forward and backward of this rank's rows
+    held_out: Any  # (x, y) -> float; the held-out loss (every rank the same)
+    state: Any  # () -> this rank's part of the dense state dict (keys of the dense GPT)
+    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module
+    rows: tuple[int, int]  # this rank's rows of a global batch, [a, b)
+    loss_group: Any  # the group over which the ranks' mean losses are averaged
+
+
+def tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    dense = GPT(config.model_config())
+    model, opt = plait.prepare(
+        dense,
+        torch.optim.Adam(dense.parameters(), lr=config.lr),
+        strategy="tp",
+        mesh=mesh,
+        sequence_parallel=config.sequence_parallel,
+        mode=config.tp_mode,
+        algorithm=config.algorithm,
+    )
+    assert opt is not None
+    loss_of = loss_fn(model)
+    run: torch.nn.Module = model
+    if config.dp > 1:
+        run = plait.DistributedDataParallel(
+            model, group=mesh.group("dp"), algorithm=config.algorithm, tracer=tracer
+        )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with tracer.span("forward", stream="compute"):
+            loss = loss_of(run(x), y)
+        with tracer.span("backward", stream="compute"):
+            loss.backward()
+        return loss
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(loss_of(model(x), y))
+
+    d, rows = mesh.rank("dp"), config.batch_size // config.dp
+    return Trainer(
+        step,
+        held_out,
+        lambda: checkpoint.full_state_dict(model),
+        opt,
+        model,
+        (d * rows, (d + 1) * rows),
+        mesh.group("dp"),
+    )
+
+
+def pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    from plait.strategies.pipeline import PipelineParallel
+
+    dense = GPT(config.model_config())
+    pipe = PipelineParallel(
+        dense,
+        group=mesh.group("pp"),
+        schedule=config.schedule,
+        microbatches=config.m,
+        tracer=tracer,
+    )
+    opt = torch.optim.Adam(pipe.parameters(), lr=config.lr)
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # the pipeline has no forward-only schedule yet: a whole step whose gradients are
+        # dropped (the next training step zeroes them)
+        loss = float(pipe.step(x, y))
+        opt.zero_grad()
+        return loss
+
+    return Trainer(
+        pipe.step,
+        held_out,
+        pipe.dense_state_dict,
+        opt,
+        pipe,
+        (0, config.batch_size),
+        mesh.group("pp"),
+    )
+
+
+def composed(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    """PTD-P: tensor parallelism over tp, the pipeline over pp, gradients averaged over dp
+    (:func:`plait.strategies.compose.compose`; it takes this rank's dp rows itself)."""
+    from plait.strategies.compose import compose
+
+    dense = GPT(config.model_config())
+    ptdp = compose(
+        dense,
+        torch.optim.Adam(dense.parameters(), lr=config.lr),
+        mesh=mesh,
+        sequence_parallel=config.sequence_parallel,
+        schedule=config.schedule,
+        microbatches=config.m,
+        algorithm=config.algorithm,
+    )
+    opt = ptdp.optimizer
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with tracer.span("forward + backward (pipelined)", stream="compute"):
+            return ptdp.step(x, y)
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # no forward-only schedule yet: a whole step whose gradients are dropped
+        loss = float(ptdp.step(x, y))
+        opt.zero_grad()
+        return loss
+
+    class _Params(torch.nn.Module):  # what the report counts: this rank's parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.held = torch.nn.ParameterList(ptdp.parameters())
+
+    return Trainer(
+        step, held_out, ptdp.full_state_dict, opt, _Params(), (0, config.batch_size), None
+    )
+
+
+def batch_rank(model: torch.nn.Module) -> int:
+    info: Any = model.plait_expert_parallel
+    return int(info.batch_rank)
+
+
+def experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    dense = GPT(config.model_config())
+    model, opt = plait.prepare(
+        dense, torch.optim.Adam(dense.parameters(), lr=config.lr), strategy="ep", mesh=mesh
+    )
+    assert opt is not None
+    from plait.models.gpt import loss as gpt_loss
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with tracer.span("forward", stream="compute"):
+            loss = gpt_loss(model(x), y)
+        with tracer.span("backward", stream="compute"):
+            loss.backward()
+        return loss
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # MoE layers route collectively over ep: every rank evaluates its own rows
+        b = batch_rank(model)
+        n = x.shape[0] // config.world_size
+        model.eval()
+        with torch.no_grad():
+            mine = gpt_loss(model(x[b * n : (b + 1) * n]), y[b * n : (b + 1) * n])
+        model.train()
+        mean = mine.detach().to(torch.float64).reshape(1)
+        comm.all_reduce(mean, "avg", algorithm="auto")
+        return float(mean)
+
+    b = batch_rank(model)
+    rows = config.batch_size // config.world_size
+    return Trainer(
+        step,
+        held_out,
+        lambda: checkpoint.full_state_dict(model),
+        opt,
+        model,
+        (b * rows, (b + 1) * rows),
+        plait.world(),
+    )
