@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/plait demo -n 4
+	$(BIN)/plait demo --tour
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -211,6 +211,10 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.tour:
+        from plait import demo_tour
+
+        return demo_tour.main(args)
     if args.model == "gpt":
         return _demo_gpt(args)
     from plait.demo import DemoOptionError, run, validate
@@ -382,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks (default 4; 1 for --strategy none; 2 for --model gpt)",
     )
     demo.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
+    demo.add_argument(
+        "--tour",
+        action="store_true",
+        help="the GPT on 4 ranks under DDP, TP, PP, PTD-P and MoE, one table and one plot",
+    )
     demo.add_argument(
         "--strategy",
         default="ddp",
