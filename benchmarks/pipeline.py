@@ -285,7 +285,8 @@ def main() -> None:
     lines = [
         f"GPT {args['layers']} layers, width {args['width']}, {args['heads']} heads, sequence "
         f"{args['seq']}, vocab 96, batch {args['batch']} in m={args['m']} micro-batches, fp32; "
-        f"gloo on loopback, 1 thread per rank, shared 2-core machine (noisy); medians of "
+        f"plait on its default transport (shared memory between local ranks), PyTorch on "
+        f"gloo, 1 thread per rank, shared 2-core machine (noisy); medians of "
         f"{args['steps']} steps",
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
