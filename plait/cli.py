@@ -217,7 +217,7 @@ def _demo(args: argparse.Namespace) -> int:
         return demo_tour.main(args)
     if args.model == "gpt":
         return _demo_gpt(args)
-    from plait.demo import DemoOptionError, run, validate
+    from plait.demo import DemoOptionError, check_passed, run, validate
 
     gpt_only = [
         flag
@@ -254,12 +254,12 @@ def _demo(args: argparse.Namespace) -> int:
     except DemoOptionError as e:
         print(f"plait demo: {e}", file=sys.stderr)
         return 2
-    run(config, check=args.check, out_dir=Path(args.out))
-    return 0
+    report = run(config, check=args.check, out_dir=Path(args.out))
+    return 0 if check_passed(report) else 1  # --check failed: say so in the exit code
 
 
 def _demo_gpt(args: argparse.Namespace) -> int:
-    from plait.demo_gpt import GPTDemoConfig, GPTDemoOptionError, run, validate
+    from plait.demo_gpt import GPTDemoConfig, GPTDemoOptionError, check_passed, run, validate
 
     cnn_only = [
         flag
@@ -315,8 +315,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
     except GPTDemoOptionError as e:
         print(f"plait demo: {e}", file=sys.stderr)
         return 2
-    run(config, check=args.check, out_dir=Path(args.out))
-    return 0
+    report = run(config, check=args.check, out_dir=Path(args.out))
+    return 0 if check_passed(report) else 1  # --check failed: say so in the exit code
 
 
 def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:

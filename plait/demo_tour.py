@@ -21,12 +21,13 @@ one plot of the training loss of every layout against the step, written with the
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plait.demo_gpt import GPTDemoConfig, GPTDemoReport, run
+from plait.demo_gpt import CHECK_BOUND, GPTDemoConfig, GPTDemoReport, run
 
 
 @dataclass(frozen=True)
@@ -141,5 +142,10 @@ def tour(*, steps: int = 40, out_dir: Path = Path("runs")) -> list[Row]:
 
 
 def main(args: Any) -> int:
-    tour(steps=args.steps if args.steps is not None else 40, out_dir=Path(args.out))
+    """Exit code 1 when any layout ended farther from one process than rounding explains."""
+    rows = tour(steps=args.steps if args.steps is not None else 40, out_dir=Path(args.out))
+    bad = [r.layout for r in rows if not 0 <= r.max_param_diff < CHECK_BOUND]
+    if bad:
+        print(f"plait demo --tour: --check failed for {', '.join(bad)}", file=sys.stderr)
+        return 1
     return 0

@@ -120,3 +120,33 @@ def test_gpt_demo_on_a_2d_grid_matches_one_process(tmp_path: Path):
 def test_a_non_square_2d_grid_is_refused_naming_valid_sizes():
     with pytest.raises(GPTDemoOptionError, match="--tp 8 --tp-mode 2d: .*4 or 9"):
         validate(GPTDemoConfig(world_size=8, tp=8, tp_mode="2d"))
+
+
+def test_a_failed_check_exits_1(monkeypatch):
+    """--check farther from one process than rounding explains is an error, not exit 0."""
+    from plait import cli, demo_gpt
+
+    def fake_run(config, *, check, out_dir):
+        return demo_gpt.GPTDemoReport(
+            config=config,
+            final_loss=1.0,
+            held_out_loss=1.0,
+            tokens_per_s=1.0,
+            train_seconds=1.0,
+            layout="",
+            max_param_diff=0.5,
+        )
+
+    monkeypatch.setattr(demo_gpt, "run", fake_run)
+    assert cli.main(["demo", "--model", "gpt", "--check"]) == 1
+    fake_ok = lambda config, *, check, out_dir: demo_gpt.GPTDemoReport(  # noqa: E731
+        config=config,
+        final_loss=1.0,
+        held_out_loss=1.0,
+        tokens_per_s=1.0,
+        train_seconds=1.0,
+        layout="",
+        max_param_diff=1e-6,
+    )
+    monkeypatch.setattr(demo_gpt, "run", fake_ok)
+    assert cli.main(["demo", "--model", "gpt", "--check"]) == 0
