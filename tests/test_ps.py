@@ -444,7 +444,7 @@ def test_a_hung_server_is_named_by_every_worker_within_the_heartbeat_timeout(ran
         ps_fns.hung_server,
         200,
         {"mode": "async", "timeout": timeout},
-        stop_after_s=1.0,
+        stop_after_s=3.0,  # into serving: the wrap before it takes over 1 s here now
         pid_file=str(tmp_path / "pid"),
         may_exit=[0],
         timeout=120,
