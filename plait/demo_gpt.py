@@ -278,9 +278,10 @@ def _dimension_bytes(mesh: plait.Mesh) -> dict[str, dict[str, int]]:
         several = re.match(r"^mesh\d+\.([a-z]+(?:\+[a-z]+)+)\d*\[", group)
         dim = names.get(group, several.group(1) if several else group)
         row = out.setdefault(dim, {})
-        row[f"{collective}/{algorithm}"] = row.get(f"{collective}/{algorithm}", 0) + (
-            s.bytes_sent or s.payload_bytes
-        )
+        # plait's algorithms count what they send; a "native" collective only its payload
+        # (what the backend sends is not visible), and its key says so
+        key = f"{collective}/{algorithm}" + (" (payload)" if algorithm == "native" else "")
+        row[key] = row.get(key, 0) + (s.payload_bytes if algorithm == "native" else s.bytes_sent)
     return out
 
 

@@ -6,44 +6,7 @@ step) and ``plait.moe.plot_tokens_per_expert(history, path)``. The code lives in
 ``plait/strategies/moe/`` (``gshard_gate.py`` is GShard's gating).
 """
 
-from plait.strategies.moe import (
-    Expert,
-    ExpertParallelInfo,
-    MoE,
-    MoEStats,
-    Routing,
-    all_to_all_rows,
-    capacity,
-    collect,
-    combine_tensor,
-    expert_parallel,
-    gshard_aux_loss,
-    moe_layers,
-    plot_tokens_per_expert,
-    prepare_ep,
-    route,
-    switch_aux_loss,
-    update_expert_bias,
-    z_loss,
-)
+from plait.strategies import moe as _moe
+from plait.strategies.moe import *  # noqa: F403  (the same names, one list: _moe.__all__)
 
-__all__ = [
-    "Expert",
-    "ExpertParallelInfo",
-    "MoE",
-    "MoEStats",
-    "Routing",
-    "all_to_all_rows",
-    "capacity",
-    "collect",
-    "combine_tensor",
-    "expert_parallel",
-    "gshard_aux_loss",
-    "moe_layers",
-    "plot_tokens_per_expert",
-    "prepare_ep",
-    "route",
-    "switch_aux_loss",
-    "update_expert_bias",
-    "z_loss",
-]
+__all__ = list(_moe.__all__)
