@@ -36,7 +36,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.plan.calibrate import Calibration
 
 # Efficiency of the A100 preset: fit once, on Korthikanti et al.'s 175B run (see
 # benchmarks/plan_validate.py, which then checks the other seven published times with it).
@@ -58,6 +61,10 @@ class Cluster:
     inter_latency: float
     efficiency: float
     memory_reserve: float = 0.0
+    # the devices of a node share this many cores (CPU ranks); 0: each device computes alone
+    shared_cores: float = 0.0
+    # measured collectives of this machine (plait.plan.calibrate); None: the alpha-beta links
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         for f in ("nodes", "devices_per_node"):
@@ -90,11 +97,22 @@ class Cluster:
             return self.inter_latency, self.inter_bandwidth
         return self.intra_latency, self.intra_bandwidth
 
+    @property
+    def alone_speedup(self) -> float:
+        """How much faster one device computes while others of its node idle: 1 for
+        devices that own their compute; ``devices / cores`` (at most) for ranks sharing
+        ``shared_cores`` cores, which a rank in a pipeline bubble hands to the others."""
+        if self.shared_cores <= 0 or self.shared_cores >= self.devices_per_node:
+            return 1.0
+        return self.devices_per_node / self.shared_cores
+
     def with_nodes(self, nodes: int) -> Cluster:
         return replace(self, nodes=nodes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(replace(self, calibration=None))
+        d["calibration"] = self.calibration.to_dict() if self.calibration else None
+        return d
 
 
 def a100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
@@ -221,30 +239,64 @@ def local_cpu(
     bench_file: str | Path | None = None,
     flops_per_core: float | None = None,
     efficiency: float = 0.5,
+    calibration: str | Path | Calibration | None = None,
 ) -> Cluster:
-    """This machine as ``ranks`` devices on one node.
+    """This machine as ``ranks`` devices on one node, sharing its cores.
 
-    Each rank gets ``cores / ranks`` of the cores' matmul speed (``flops_per_core``, timed
-    here with one thread when not given); memory is the machine's RAM over the ranks; both
-    links are the alpha-beta fit of the ring all-reduce rows of ``bench_file`` (default
-    :func:`default_bench_file`; gloo on loopback). ``efficiency`` is the share of the
-    matmul speed a small GPT's step reaches on CPU (its elementwise work is not free)."""
+    With a calibration (``calibration``, else ``runs/plan_calibration_n<ranks>.json`` if
+    ``plait bench calibrate -n <ranks>`` wrote one; :mod:`plait.plan.calibrate`): every
+    collective the planner times comes from that file's measured line for its group size,
+    on the transport the ranks use (shared memory by default); the alpha-beta link, used
+    for what was not measured (all-to-all, 2D/3D), is its point-to-point fit; a rank's
+    speed while all compute is the file's best matmul rate per rank.
+
+    Without one: each rank gets ``cores / ranks`` of the cores' matmul speed
+    (``flops_per_core``, timed here with one thread when not given) and both links are the
+    alpha-beta fit of the ring all-reduce rows of ``bench_file`` (default
+    :func:`default_bench_file`; gloo on loopback, slower than the shared memory ranks use).
+
+    ``flops_per_core``, when given, sets the speed either way. ``efficiency`` is the share
+    of that speed a small GPT's step reaches on CPU (its elementwise work is not free).
+    Ranks share the cores (``shared_cores``): a rank idle in a pipeline bubble lends its
+    share to the others (:attr:`Cluster.alone_speedup`)."""
     import torch
 
+    from plait.plan import calibrate
+
     cores = os.cpu_count() or 1
-    if flops_per_core is None:
+    cal: Calibration | None
+    if isinstance(calibration, calibrate.Calibration):
+        cal = calibration
+    else:
+        path = Path(calibration) if calibration is not None else calibrate.default_path(ranks)
+        cal = calibrate.load(path) if (calibration is not None or path.exists()) else None
+    if cal is not None and cal.ranks != ranks:
+        raise ValueError(
+            f"local_cpu(ranks={ranks}): the calibration was measured on {cal.ranks} ranks; "
+            f"run `plait bench calibrate -n {ranks}`"
+        )
+    share = min(1.0, cores / ranks)
+    if flops_per_core is not None:
+        peak = flops_per_core * share
+    elif cal is not None and cal.gemm:
+        peak = max(r for *_, r in cal.gemm)
+    else:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            flops_per_core = matmul_flops()
+            peak = matmul_flops() * share
         finally:
             torch.set_num_threads(threads)
-    path = Path(bench_file) if bench_file is not None else default_bench_file()
-    if path is None:
-        latency, bandwidth = 500e-6, 1e9
+    p2p = cal.line("p2p", 2) if cal is not None else None
+    if p2p is not None:
+        latency, bandwidth = p2p.latency, p2p.bandwidth
     else:
-        fit = fit_alpha_beta(bench_rows(path), source=str(path))
-        latency, bandwidth = fit.latency, fit.bandwidth
+        bench = Path(bench_file) if bench_file is not None else default_bench_file()
+        if bench is None:
+            latency, bandwidth = 500e-6, 1e9
+        else:
+            fit = fit_alpha_beta(bench_rows(bench), source=str(bench))
+            latency, bandwidth = fit.latency, fit.bandwidth
     try:
         ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -253,13 +305,15 @@ def local_cpu(
         name=f"cpu{cores}x{ranks}",
         nodes=1,
         devices_per_node=ranks,
-        peak_flops=flops_per_core * min(1.0, cores / ranks),
+        peak_flops=peak,
         memory_bytes=float(ram) / ranks,
         intra_bandwidth=bandwidth,
         intra_latency=latency,
         inter_bandwidth=bandwidth,
         inter_latency=latency,
         efficiency=efficiency,
+        shared_cores=float(cores),
+        calibration=cal,
     )
 
 

@@ -119,6 +119,33 @@ def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth
     return k * (n - 1) * latency + k * (n - 1) / n * size / bandwidth
 
 
+def collective_seconds(
+    cluster: Cluster, collective: str, n: int, size: float, *, inter_node: bool
+) -> float:
+    """Seconds of ``collective`` of ``size`` bytes over ``n`` ranks on ``cluster``: the
+    measured line of the cluster's calibration for that collective and group size when it
+    has one (a group inside a node), else :func:`ring_seconds` on the group's link."""
+    if n <= 1:
+        return 0.0
+    if cluster.calibration is not None and not inter_node:
+        line = cluster.calibration.line(collective, n)
+        if line is not None:
+            return line.seconds(size)
+    lat, bw = cluster.link(inter_node)
+    return ring_seconds(collective, n, size, lat, bw)
+
+
+def gemm_slowdown(cluster: Cluster, tokens: int, hidden: int, t: int) -> float:
+    """How much slower a rank's matmuls run when ``t`` tensor-parallel ranks split them:
+    the calibration's measured rate of the MLP's ``tokens x h @ h x 4h`` over that of
+    ``tokens x h @ h x 4h/t`` (1 without a calibration or with ``t = 1``)."""
+    cal = cluster.calibration
+    if cal is None or not cal.gemm or t == 1:
+        return 1.0
+    whole = 2.0 * tokens * hidden * 4 * hidden
+    return max(1.0, cal.gemm_flops(whole) / cal.gemm_flops(whole / t))
+
+
 def spans_nodes(layout: Layout, group: str, cluster: Cluster) -> bool:
     """Whether ``group``'s members sit on more than one node (Mesh order tp, ep, dp, pp)."""
     sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
@@ -166,7 +193,8 @@ def _tp_block_seconds(
     t = layout.tp
     if t == 1:
         return 0.0, 0.0
-    lat, bw = cluster.link(spans_nodes(layout, "tp", cluster))
+    inter = spans_nodes(layout, "tp", cluster)
+    lat, bw = cluster.link(inter)
     e = job.element_bytes
     tokens = layout.microbatch * job.seq
     size = tokens * model.hidden * e
@@ -175,7 +203,14 @@ def _tp_block_seconds(
         if layout.recompute == "full":
             n += 1 if moe else 2
         sent = n * 2 * (t - 1) / t * size
-        return sent, n * ring_seconds("all_reduce", t, size, lat, bw)
+        if layout.sp:  # a reduce-scatter and an all-gather in place of each all-reduce
+            one = sum(
+                collective_seconds(cluster, c, t, size, inter_node=inter)
+                for c in ("reduce_scatter", "all_gather")
+            )
+        else:
+            one = collective_seconds(cluster, "all_reduce", t, size, inter_node=inter)
+        return sent, n * one
     from plait.plan.tensor_costs import gpt_linears, linear_cost
 
     linears = gpt_linears(model.hidden, 1, model.vocab)[: (2 if moe else 4)]
@@ -239,11 +274,13 @@ def step_time(
 
     tp_bytes_dense, tp_dense = _tp_block_seconds(model, job, lay, cluster, False)
     tp_bytes_moe, tp_moe = _tp_block_seconds(model, job, lay, cluster, True)
-    tp_lat, tp_bw = cluster.link(spans_nodes(lay, "tp", cluster))
-    ep_lat, ep_bw = cluster.link(spans_nodes(lay, "ep", cluster))
+    tp_inter = spans_nodes(lay, "tp", cluster)
     ep_size = model.top_k * act
     ep_n = 4 + (2 if lay.recompute == "full" else 0)
-    ep_one = ep_n * ring_seconds("all_to_all", lay.ep, ep_size, ep_lat, ep_bw)
+    ep_one = ep_n * collective_seconds(
+        cluster, "all_to_all", lay.ep, ep_size, inter_node=spans_nodes(lay, "ep", cluster)
+    )
+    slow = gemm_slowdown(cluster, tokens, model.hidden, lay.tp)
     ep_one_bytes = ep_n * (lay.ep - 1) / lay.ep * ep_size if lay.ep > 1 else 0.0
 
     worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch
@@ -257,7 +294,7 @@ def step_time(
         tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
         grid = lay.tp_mode != "1d"
         if lay.tp > 1 and first and not grid:  # vocabulary-parallel embedding's all-reduce
-            tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
+            tp_s += collective_seconds(cluster, "all_reduce", lay.tp, act, inter_node=tp_inter)
             tp_b += 2 * (lay.tp - 1) / lay.tp * act
         if last:
             flops += 3 * 2 * model.hidden * model.vocab
@@ -265,10 +302,14 @@ def step_time(
                 head_b, head_s = _tp_head_grid(model, job, lay, cluster)
                 tp_s, tp_b = tp_s + head_s, tp_b + head_b
             elif lay.tp > 1:  # column-parallel head: dX all-reduce; the loss's three
-                tp_s += ring_seconds("all_reduce", lay.tp, act, tp_lat, tp_bw)
-                tp_s += 3 * ring_seconds("all_reduce", lay.tp, tokens * 4, tp_lat, tp_bw)
+                tp_s += collective_seconds(
+                    cluster, "all_reduce", lay.tp, act, inter_node=tp_inter
+                )
+                tp_s += 3 * collective_seconds(
+                    cluster, "all_reduce", lay.tp, tokens * 4, inter_node=tp_inter
+                )
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
-        compute = flops * tokens * per_flop
+        compute = flops * tokens * per_flop * slow
         ep_s = moe * ep_one
         total = compute + (1 - ov.tp) * (tp_s + ep_s)
         if total > worst[0]:
@@ -278,27 +319,48 @@ def step_time(
 
     pp_s = pp_bytes_mb = 0.0
     if lay.pp > 1:
-        lat, bw = cluster.link(spans_nodes(lay, "pp", cluster))
+        pp_inter = spans_nodes(lay, "pp", cluster)
         msg = act / lay.tp  # scatter/gather (PTD-P 4.1), or already sharded under SP
-        pp_s = 2 * lay.v * ring_seconds("p2p", 2, msg, lat, bw)
+        pp_s = 2 * lay.v * collective_seconds(cluster, "p2p", 2, msg, inter_node=pp_inter)
         pp_bytes_mb = 2 * lay.v * msg
         if lay.tp > 1 and not lay.sp:  # the receiver all-gathers the t pieces over tp
-            pp_s += 2 * lay.v * ring_seconds("all_gather", lay.tp, act, tp_lat, tp_bw)
+            pp_s += (
+                2
+                * lay.v
+                * collective_seconds(cluster, "all_gather", lay.tp, act, inter_node=tp_inter)
+            )
             pp_bytes_mb += 2 * lay.v * (lay.tp - 1) / lay.tp * act
     per_mb = compute_mb + (1 - ov.tp) * (tp_mb + ep_mb) + (1 - ov.pp) * pp_s
     beta = bubble(lay.schedule, p=lay.pp, m=m, v=lay.v, simulate=simulate_bubble)
     pipeline = m * per_mb / (1 - beta)
+    speedup = cluster.alone_speedup
+    if speedup > 1 and beta > 0:
+        # ranks sharing cores: the bubble's idle share goes to the busy ranks. The step is
+        # the longer of all the work at the shared speed (no idle core) and the schedule's
+        # critical path with each busy rank at up to a whole core.
+        alone = compute_mb / speedup + (1 - ov.tp) * (tp_mb + ep_mb) + (1 - ov.pp) * pp_s
+        pipeline = max(m * per_mb, m * alone / (1 - beta))
 
     grad_bytes = e if job.precision == "mixed" else 4
     zero3 = 1.5 if lay.zero == 3 else 1.0
     dense, expert = max(rank_params(model, lay), key=lambda x: x[0] + x[1])
     dp_dense_n, dp_exp_n = lay.data_shards, lay.dp
-    lat, bw = cluster.link(spans_nodes(lay, "dpep", cluster))
-    dp_s = zero3 * ring_seconds("all_reduce", dp_dense_n, dense * grad_bytes, lat, bw)
+    dp_s = zero3 * collective_seconds(
+        cluster,
+        "all_reduce",
+        dp_dense_n,
+        dense * grad_bytes,
+        inter_node=spans_nodes(lay, "dpep", cluster),
+    )
     dp_b = zero3 * 2 * (dp_dense_n - 1) / dp_dense_n * dense * grad_bytes
     if expert and dp_exp_n > 1:
-        lat, bw = cluster.link(spans_nodes(lay, "dp", cluster))
-        dp_s += zero3 * ring_seconds("all_reduce", dp_exp_n, expert * grad_bytes, lat, bw)
+        dp_s += zero3 * collective_seconds(
+            cluster,
+            "all_reduce",
+            dp_exp_n,
+            expert * grad_bytes,
+            inter_node=spans_nodes(lay, "dp", cluster),
+        )
         dp_b += zero3 * 2 * (dp_exp_n - 1) / dp_exp_n * expert * grad_bytes
     dp_exposed = (1 - ov.dp) * dp_s
     total = pipeline + dp_exposed

@@ -1,0 +1,318 @@
+"""Calibrate this machine for the planner, on the transport the ranks really use.
+
+``plait.plan.hardware.local_cpu`` times layouts with link constants and a compute speed.
+Read from the wrong transport they mislead: gloo's loopback costs ~1 ms per small
+collective, while ranks of one host talk through shared memory (``PLAIT_TRANSPORT=auto``,
+:mod:`plait.comm.shm`) in tens of microseconds. :func:`measure_rank` runs on every rank of a
+world of ``n`` ranks and measures, with the algorithm ``"auto"`` picks (what the strategies
+call) and every group of a size busy at once (as a layout runs them):
+
+* ``all_reduce``, ``all_gather``, ``reduce_scatter`` over groups of each size ``g`` dividing
+  ``n`` (``Mesh(dp=n/g, tp=g)``'s tp groups): the slowest rank's time, median of calls, at
+  a few sizes; ``S`` the full tensor (the input of all-reduce and reduce-scatter, the
+  gathered output of all-gather);
+* ``p2p``: a send one way between the two ranks of each pair (``Mesh(pp=2, dp=n/2)``'s
+  pp groups, every pair at once), half a round trip;
+* ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
+  linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
+  cores shared as in a run):
+  :class:`Calibration.gemm_flops` interpolates the rate by the matmul's FLOPs.
+
+Each (collective, group size) is fit as ``t = latency + S / bandwidth`` over its sizes
+(:func:`fit_line`): a measured line per collective, no ring model in between, since on a
+shared-memory host a collective's cost is set by the copies and the wake-ups of ranks that
+share cores, not by link hops. The file (:func:`save` / :func:`load`, default
+``runs/plan_calibration_n<N>.json``) is what ``local_cpu(ranks=N)`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+BLOCK = 5  # calls timed back to back
+SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+# (M, K, N): a micro-batch of 1024 tokens through linears of width 128 split 1..8 ways
+GEMMS = (
+    (1024, 128, 512),
+    (1024, 128, 256),
+    (1024, 128, 128),
+    (1024, 128, 64),
+    (1024, 128, 32),
+    (1024, 128, 16),
+    (1024, 64, 128),
+    (1024, 32, 128),
+    (256, 128, 128),
+    (4096, 128, 512),
+)
+
+
+@dataclass(frozen=True)
+class Line:
+    """``seconds = latency + bytes / bandwidth``, fit to ``points`` measurements."""
+
+    latency: float
+    bandwidth: float
+    points: int
+
+    def seconds(self, size: float) -> float:
+        return self.latency + size / self.bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What :func:`measure_rank` found on ``ranks`` ranks sharing ``cores`` cores."""
+
+    ranks: int
+    cores: int
+    transport: str  # "shm" or "gloo": what carried the messages
+    links: dict[str, dict[int, Line]]  # collective -> group size -> fit
+    gemm: list[tuple[int, int, int, float]] = field(default_factory=list)  # M, K, N, FLOP/s
+    raw: list[dict[str, Any]] = field(default_factory=list)
+
+    def line(self, collective: str, n: int) -> Line | None:
+        """The fit for ``collective`` over ``n`` ranks (``p2p``: any ``n``), or the nearest
+        measured group size; None if the collective was not measured."""
+        per = self.links.get(collective)
+        if not per:
+            return None
+        if collective == "p2p":
+            return next(iter(per.values()))
+        return per[min(per, key=lambda k: (abs(k - n), k))]
+
+    def gemm_flops(self, flops: float) -> float:
+        """FLOP/s of a matmul of ``flops`` FLOPs on one rank while every rank computes:
+        log-linear between the measured shapes, clamped at the ends."""
+        pts = sorted((2.0 * m * k * n, rate) for m, k, n, rate in self.gemm)
+        if not pts:
+            raise ValueError("Calibration has no gemm rows; rerun the calibration")
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        if flops >= pts[-1][0]:
+            return pts[-1][1]
+        for (f0, r0), (f1, r1) in zip(pts, pts[1:], strict=False):
+            if f0 <= flops <= f1:
+                if f1 == f0:
+                    return max(r0, r1)
+                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["links"] = {
+            c: {str(n): asdict(v) for n, v in per.items()} for c, per in self.links.items()
+        }
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Calibration:
+        links = {c: {int(n): Line(**v) for n, v in per.items()} for c, per in d["links"].items()}
+        return Calibration(
+            ranks=int(d["ranks"]),
+            cores=int(d["cores"]),
+            transport=str(d["transport"]),
+            links=links,
+            gemm=[(int(m), int(k), int(n), float(r)) for m, k, n, r in d.get("gemm", [])],
+            raw=list(d.get("raw", [])),
+        )
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> Line:
+    """Least-squares ``t = a + S / b`` over ``(S, t)`` points; a negative intercept is
+    clamped to 0 (and the slope refit through the origin), a non-positive slope becomes the
+    largest point's bytes per second."""
+    if len(points) < 2:
+        raise ValueError(f"fit_line: need 2 or more sizes, got {len(points)}")
+    n = len(points)
+    sx = sum(s for s, _ in points)
+    st = sum(t for _, t in points)
+    sxx = sum(s * s for s, _ in points)
+    sxt = sum(s * t for s, t in points)
+    det = n * sxx - sx * sx
+    slope = (n * sxt - sx * st) / det if det else 0.0
+    a = (st - slope * sx) / n
+    if a < 0:
+        a, slope = 0.0, sxt / sxx
+    if slope <= 0:
+        s, t = max(points)
+        slope = max(t - a, 1e-12) / s
+    return Line(latency=a, bandwidth=1.0 / slope, points=n)
+
+
+def _slowest(seconds: list[float], group: Any) -> list[float]:
+    import torch
+
+    from plait import comm
+
+    t = torch.tensor(seconds, dtype=torch.float64)
+    comm.all_reduce(t, op="max", group=group)
+    return [float(v) for v in t.tolist()]
+
+
+def _time_calls(fn: Any, iters: int, world: Any, block: int = BLOCK) -> float:
+    """Seconds per call: median over ``iters`` blocks of ``block`` back-to-back calls
+    (after a barrier) of the slowest rank's time, over ``block``. Back to back, as a
+    training step issues them: the barrier's uneven release is paid once per block."""
+    from plait import comm
+
+    fn()
+    fn()
+    times = []
+    for _ in range(iters):
+        comm.barrier(group=world)
+        t0 = time.perf_counter()
+        for _ in range(block):
+            fn()
+        times.append((time.perf_counter() - t0) / block)
+    return statistics.median(_slowest(times, world))
+
+
+def _collective(collective: str, numel: int, group: Any) -> Callable[[], object]:
+    """One ``collective`` of ``numel`` float32 elements over ``group`` (algorithm auto)."""
+    import torch
+
+    from plait import comm
+
+    full, part = torch.ones(numel), torch.ones(numel // group.size)
+    if collective == "all_reduce":
+        return lambda: comm.all_reduce(full, group=group)
+    if collective == "all_gather":
+        return lambda: comm.all_gather(full, part, group=group)
+    return lambda: comm.reduce_scatter(part, full, group=group)
+
+
+def measure_rank(
+    *, sizes: Sequence[int] = SIZES, iters: int = 8, gemms: Sequence[tuple[int, int, int]] = GEMMS
+) -> dict[str, Any]:
+    """Runs on every rank of the world (collective; each call blocks on the group's peers at
+    most the group timeout): the rows of the module doc, as ``Calibration.to_dict()``."""
+    import torch
+
+    import plait
+    from plait import comm
+    from plait.comm import ops
+
+    world = plait.world()
+    n = world.size
+    raw: list[dict[str, Any]] = []
+    links: dict[str, dict[int, Line]] = {}
+    for g in (d for d in range(2, n + 1) if n % d == 0):
+        group = plait.Mesh(dp=n // g, tp=g).group("tp")
+        for collective in COLLECTIVES[:3]:
+            pts = []
+            for nbytes in sizes:
+                numel = max(g, nbytes // 4 // g * g)
+                t = _time_calls(_collective(collective, numel, group), iters, world)
+                pts.append((numel * 4.0, t))
+                raw.append({"collective": collective, "n": g, "bytes": numel * 4, "s": t})
+            links.setdefault(collective, {})[g] = fit_line(pts)
+    transport = "shm" if ops.shared(world) else "gloo"
+    if n >= 2 and n % 2 == 0:
+        pair = plait.Mesh(pp=2, dp=n // 2).group("pp")
+        pts = []
+        for nbytes in sizes:
+            buf = torch.ones(nbytes // 4)
+
+            def ping(buf: torch.Tensor = buf) -> None:
+                if pair.rank == 0:
+                    comm.send(buf, 1, group=pair)
+                    comm.recv(buf, 1, group=pair)
+                else:
+                    comm.recv(buf, 0, group=pair)
+                    comm.send(buf, 0, group=pair)
+
+            t = _time_calls(ping, iters, world) / 2
+            pts.append((float(nbytes), t))
+            raw.append({"collective": "p2p", "n": 2, "bytes": nbytes, "s": t})
+        links["p2p"] = {2: fit_line(pts)}
+    gemm = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for m, k, nn in gemms:
+            a, b = torch.randn(m, k), torch.randn(k, nn)
+            # enough repeats for ~20 ms at 50 GFLOP/s: ranks share the cores for real
+            reps = max(1, int(1e9 / (2.0 * m * k * nn)))
+
+            def matmuls(a: torch.Tensor = a, b: torch.Tensor = b, reps: int = reps) -> None:
+                for _ in range(reps):
+                    a @ b
+
+            t = _time_calls(matmuls, max(3, iters // 2), world, block=1) / reps
+            gemm.append((m, k, nn, 2.0 * m * k * nn / t))
+    finally:
+        torch.set_num_threads(threads)
+    cal = Calibration(
+        ranks=n, cores=os.cpu_count() or 1, transport=transport, links=links, gemm=gemm, raw=raw
+    )
+    return cal.to_dict()
+
+
+def run(ranks: int, *, iters: int = 8, timeout: float = 600) -> Calibration:
+    """Start ``ranks`` local ranks (the transport ``PLAIT_TRANSPORT`` selects, default
+    shared memory) and measure (:func:`measure_rank`)."""
+    from plait.launch import RankPool
+
+    if ranks < 2:
+        raise ValueError(f"calibrate: ranks={ranks}; measure links with 2 or more ranks")
+    with RankPool(ranks, timeout=timeout) as pool:
+        out = pool.run(measure_rank, iters=iters, timeout=timeout)[0]
+    return Calibration.from_dict(out)
+
+
+def default_path(ranks: int) -> Path:
+    return Path(f"runs/plan_calibration_n{ranks}.json")
+
+
+def save(cal: Calibration, path: str | Path | None = None) -> Path:
+    p = Path(path) if path is not None else default_path(cal.ranks)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(cal.to_dict(), indent=1) + "\n")
+    return p
+
+
+def load(path: str | Path) -> Calibration:
+    try:
+        return Calibration.from_dict(json.loads(Path(path).read_text()))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path}: not a plait plan calibration ({e}); rerun `plait bench calibrate`"
+        ) from None
+
+
+def format_calibration(cal: Calibration) -> str:
+    """A short table of the fits and the matmul rates."""
+    lines = [
+        f"calibration: {cal.ranks} ranks on {cal.cores} cores, transport {cal.transport}",
+        f"{'collective':<16}{'n':>3}{'latency(us)':>14}{'bandwidth(GB/s)':>18}",
+    ]
+    for c, per in cal.links.items():
+        for n, ln in sorted(per.items()):
+            lines.append(f"{c:<16}{n:>3}{ln.latency * 1e6:>14.1f}{ln.bandwidth / 1e9:>18.3f}")
+    lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
+    for m, k, n, r in cal.gemm:
+        lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "COLLECTIVES",
+    "Calibration",
+    "Line",
+    "default_path",
+    "fit_line",
+    "format_calibration",
+    "load",
+    "measure_rank",
+    "run",
+    "save",
+]
