@@ -149,6 +149,7 @@ def load_and_report(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
         report["load_s"] = load_s
         report["rng"] = torch.get_rng_state()
         report["rng_restored"] = restored.rng_restored
+        report["rng_source"] = restored.rng_source
         report["extra"] = restored.extra
         report["step"] = restored.step
         report["after"] = s.rest_of_epoch()

@@ -2,8 +2,8 @@
 1, 3 and 4 under another, with parameters and Adam state (exp_avg, exp_avg_sq, step)
 bitwise equal to the saving run's dense state, the sampler continuing the same global order
 (the samples read before and after the restart are exactly the epoch, none lost or twice),
-the loss-scaler and LR-scheduler state restored, and RNG states restored only at the same
-world size.
+the loss-scaler and LR-scheduler state restored, and each rank's RNG streams restored
+(rank r < 2 continues saved rank r's; new ranks get derived streams, see test_checkpoint_rng).
 
 The suite runs each saving strategy against each new world size under a rotating loading
 strategy; ``PLAIT_RESHARD_FULL=1`` runs the whole cross product (slower)."""
@@ -83,9 +83,16 @@ def test_reshard_matrix(ranks, tmp_path: Path):
                 load_s.append(got["load_s"])
                 _check_state(saved[s], got, where)
                 assert got["step"] == STEPS and got["extra"] == {"strategy": s}
-                assert got["rng_restored"] == (world == 2), where
-                if world == 2:  # rank r continues rank r's generator
+                assert got["rng_restored"], where
+                if r < 2:  # rank r continues saved rank r's generator
+                    assert got["rng_source"] == "saved", where
                     assert torch.equal(got["rng"], saved_by_rank[r][SAVING.index(s)]["rng"])
+                else:  # a new rank: derived streams, not a copy of a saved one
+                    assert got["rng_source"] == "derived", where
+                    assert not any(
+                        torch.equal(got["rng"], saved_by_rank[q][SAVING.index(s)]["rng"])
+                        for q in range(2)
+                    )
             after = [i for r in range(world) for i in results[r][c]["after"]]
             union = sorted(consumed_before[s] + after)
             assert union == list(range(checkpoint_fns.N_SAMPLES)), where

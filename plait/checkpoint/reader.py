@@ -2,16 +2,22 @@
 at any world size and under any strategy.
 
 Communication (collective: every rank of ``group`` must call ``load``): three small
-gathers (arguments, candidate steps, per-candidate verification results). Every rank reads
-and verifies, whole, every file holding a tensor it needs (with the dense layout: the model
-and optimizer files of all ranks), so each rank reads about the whole checkpoint; sharded
-strategies then keep their part. No tensor is communicated. Every rank raises the same
-error when any rank finds a problem, or every rank falls back to the same older checkpoint.
+gathers (arguments, candidate steps, per-candidate verification results); under ZeRO-1/2
+(a ``ZeroOptimizer`` passed with its model) one all-gather of the parameters over the
+optimizer's group, as after an optimizer step ((W'-1)/W' of the parameter bytes sent per
+rank), because each rank read only its own part of them. Every rank raises the same error
+when any rank finds a problem, or every rank falls back to the same older checkpoint.
+
+Reads: each rank reads the manifest, the safetensors header of each file holding a tensor
+it needs, and of each such tensor only the blocks covering the elements it keeps
+(``needs.py``: 1/W' of every parameter and element-wise optimizer tensor under FSDP and
+ZeRO-1/2, everything under DDP and plain models), each block verified against its SHA-256
+(``blocks.py``). ``Restored.bytes_read`` counts them. Checkpoints of format v2 (a SHA-256
+per file only) and ``whole_files=True`` read and verify every needed file whole.
 """
 
 from __future__ import annotations
 
-import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint import layout, transaction
+from plait.checkpoint import layout, needs, transaction
+from plait.checkpoint import rng as rng_streams
 from plait.checkpoint.agree import (
     SAME_ARGS,
     CheckpointCorrupt,
@@ -30,6 +37,7 @@ from plait.checkpoint.agree import (
     resolve,
     size_of,
 )
+from plait.checkpoint.blocks import RangeReader, Ranges
 from plait.checkpoint.writer import finish_pending
 from plait.comm.group import Group
 
@@ -38,7 +46,12 @@ from plait.comm.group import Group
 class Restored:
     """What :func:`load` restored. ``state``: this rank's ``state`` of the simple form
     (``save(root, state)``); ``restored[key]`` reads it too. ``skipped``: the checkpoints
-    refused before this one (``fallback=True``), each with the reason."""
+    refused before this one (``fallback=True``), each with the reason. ``rng_source``:
+    how this rank's random streams were set, ``"saved"``, ``"derived"`` or ``"none"`` (see
+    :func:`load`); ``rng_restored`` is True for the first two. ``bytes_read``: the bytes
+    this rank read from the checkpoint (manifest, headers, tensor blocks, refused
+    candidates included); ``checkpoint_bytes``: the size of the loaded checkpoint's files
+    and manifest, for comparison."""
 
     step: int
     path: Path
@@ -47,6 +60,9 @@ class Restored:
     state: dict[str, Any] = field(default_factory=dict)
     rng_restored: bool = False
     skipped: list[str] = field(default_factory=list)
+    rng_source: str = rng_streams.NONE
+    bytes_read: int = 0
+    checkpoint_bytes: int = 0
 
     def __getitem__(self, key: str) -> Any:
         return self.state[key]
@@ -76,22 +92,33 @@ def load(
     fallback: bool = False,
     group: Group | None = None,
     rng: bool = True,
+    whole_files: bool = False,
 ) -> Restored:
     """Load a checkpoint from ``root`` into the given objects; collective over ``group``.
 
     Any saving strategy and world size loads into any strategy and world size: parameters
     and optimizer state are stored dense and keyed by name (bitwise equal after the load).
-    The sampler continues the saved global position split over the current ranks. RNG
-    rule: each rank's torch CPU generator and Python ``random`` state are restored only
-    when the world size is the saved one (rank r gets rank r's); at another world size
-    they are left alone (``Restored.rng_restored`` is False), since per-rank streams have
-    no meaning there. The simple form's per-rank ``state`` needs the saved world size.
+    Each rank reads only the parts it keeps (see the module docstring). The sampler
+    continues the saved global position split over the current ranks. The simple form's
+    per-rank ``state`` needs the saved world size.
+
+    RNG rule (``rng=True``; saved at W, loaded at W'): rank r < W gets saved rank r's torch
+    CPU generator and Python ``random`` state (``Restored.rng_source == "saved"``); a rank
+    r >= W that the saving run did not have seeds both from a SHA-256 of the step, every
+    saved rank's states and r (``"derived"``): two resumes of one checkpoint at the same W'
+    draw the same numbers, and ranks draw different ones. Saved ranks r >= W' are dropped.
+    CUDA generators and NumPy are not saved (see ``rng.py``).
 
     ``step``: ``"latest"`` (what ``root/latest`` names, else the newest committed step) or
     an int. Every file read is checked against its SHA-256; a damaged, truncated or missing
     file raises :class:`CheckpointCorrupt` on every rank naming the file, the rank that
     wrote it and the rank that found it. ``fallback=True`` loads the newest older committed
     checkpoint instead (with a warning; ``Restored.skipped`` says what was refused).
+    A checkpoint that records a SHA-256 per block is verified block by block as read (a
+    flipped bit in a range this rank reads is named by file, tensor and block; bytes no
+    rank reads are not checked: :func:`plait.checkpoint.verify` reads everything).
+    ``whole_files=True``: read and verify every file holding a tensor this rank needs
+    whole (its file SHA-256), as checkpoints written before per-block checksums are read.
     """
     finish_pending()
     g = resolve(group)
@@ -102,7 +129,9 @@ def load(
     require_same(
         "checkpoint.load",
         "the call, checkpoint root and step",
-        gather_json({"call": "load", "root": str(path), "step": step}, g),
+        gather_json(
+            {"call": "load", "root": str(path), "step": step, "whole_files": whole_files}, g
+        ),
         hint=SAME_ARGS,
     )
     listing = None
@@ -119,21 +148,22 @@ def load(
             f"with manifest.json); uncommitted: {listing['uncommitted']}"
         )
     skipped: list[str] = []
+    read = 0
     for candidate in steps:
         directory = path / transaction.step_name(candidate)
         status: dict[str, Any] = {}
+        reads = Reads()
         try:
             manifest = transaction.read_manifest(directory)
-            tensors = transaction.read_files(
-                directory,
-                manifest,
-                _files_needed(manifest, rank, world_size, model, optimizer, rng),
-                rank,
+            reads.count((directory / transaction.MANIFEST).stat().st_size)
+            tensors = reads.tensors(
+                directory, manifest, rank, world_size, model, optimizer, rng, whole_files
             )
         except CheckpointCorrupt as exc:
             status = {"error": str(exc)}
         except OSError as exc:
             status = {"error": f"reading {directory}: {exc}"}
+        read += reads.bytes_read
         statuses = gather_json(status, g)
         if not any(s.get("error") for s in statuses):
             break
@@ -151,7 +181,7 @@ def load(
         raise CheckpointCorrupt(
             f"checkpoint.load: no good checkpoint under {path}: " + " | ".join(skipped)
         )
-    return _apply(
+    restored = _apply(
         manifest,
         tensors,
         directory,
@@ -165,31 +195,97 @@ def load(
         scheduler,
         rng,
     )
+    if reads.zero_parameters_sliced:
+        _gather_zero_parameters(optimizer)
+    restored.bytes_read = read
+    restored.checkpoint_bytes = reads.checkpoint_bytes
+    return restored
 
 
-def _files_needed(
-    manifest: dict[str, Any],
-    rank: int,
-    world_size: int,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    rng: bool,
-) -> list[str]:
-    files: dict[str, str] = manifest["tensors"]
-    same_world = manifest["world_size"] == world_size
-    wanted = []
-    for key in files:
-        head = key.split("/", 1)[0]
-        if head == "model" and model is not None:
-            wanted.append(key)
-        elif head in ("optimizer", "extra", "scheduler"):
-            if head != "optimizer" or optimizer is not None:
-                wanted.append(key)
-        elif same_world and (
-            key.startswith(f"rank{rank}/") or (rng and key == f"rng/torch/{rank}")
-        ):
-            wanted.append(key)
-    return sorted({files[k] for k in wanted})
+class Reads:
+    """What one rank reads of one candidate checkpoint, and how many bytes."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.checkpoint_bytes = 0
+        self.zero_parameters_sliced = False
+
+    def count(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        self.checkpoint_bytes += nbytes
+
+    def tensors(
+        self,
+        directory: Path,
+        manifest: dict[str, Any],
+        rank: int,
+        world_size: int,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        rng: bool,
+        whole_files: bool,
+    ) -> dict[str, torch.Tensor]:
+        """The tensors this rank needs (those it keeps part of: only those parts filled)."""
+        files: dict[str, Any] = manifest["files"]
+        self.checkpoint_bytes += sum(int(e["bytes"]) for e in files.values())
+
+        def plan(shapes: dict[str, list[int]] | None) -> dict[str, Ranges]:
+            return needs.plan(
+                manifest,
+                shapes,
+                rank=rank,
+                world_size=world_size,
+                model=model,
+                optimizer=optimizer,
+                rng=rng,
+                whole_files=whole_files,
+            )
+
+        draft = plan(None)
+        names = sorted({manifest["tensors"][k] for k in draft})
+        if whole_files or not all("blocks" in files[n] for n in names):
+            self.bytes_read += sum(int(files[n]["bytes"]) for n in names)
+            everything = transaction.read_files(directory, manifest, names, rank)
+            return {k: everything[k] for k in draft}
+        reader = RangeReader(directory, manifest, rank)
+        shapes: dict[str, list[int]] = {}
+        try:
+            for name in names:
+                shapes.update(reader.shapes(name))
+            wanted = plan(shapes)
+            by_file: dict[str, dict[str, Ranges]] = {}
+            for key, ranges in wanted.items():
+                by_file.setdefault(manifest["tensors"][key], {})[key] = ranges
+            tensors: dict[str, torch.Tensor] = {}
+            for name, keys in sorted(by_file.items()):
+                tensors.update(reader.read(name, keys))
+        finally:
+            self.bytes_read += reader.bytes_read
+        self.zero_parameters_sliced = _zero_sliced(model, optimizer, wanted)
+        return tensors
+
+
+def _zero_sliced(
+    model: nn.Module | None, optimizer: torch.optim.Optimizer | None, wanted: dict[str, Ranges]
+) -> bool:
+    from plait.strategies.zero import ZeroOptimizer
+
+    return (
+        isinstance(optimizer, ZeroOptimizer)
+        and model is not None
+        and not layout.is_fully_sharded(model)
+        and any(k.startswith("model/") and r is not None for k, r in wanted.items())
+    )
+
+
+def _gather_zero_parameters(optimizer: Any) -> None:
+    """Each rank read only its ZeRO pieces of the parameters (the rest are zeros): the
+    optimizer's own all-gather of the shards (as after a step) makes them whole again.
+    Collective on the optimizer's group."""
+    optimizer._refresh_shard()
+    with torch.no_grad():
+        optimizer._gather_parameters()
+    optimizer._release_shard()
 
 
 def _apply(
@@ -239,11 +335,7 @@ def _apply(
     if scheduler is not None:
         scheduler.load_state_dict(layout.decode_tree(manifest["scheduler"], tensors))
     mine = manifest["ranks"][rank] if same_world else {}
-    rng_restored = False
-    if rng and same_world and f"rng/torch/{rank}" in tensors:
-        torch.set_rng_state(tensors[f"rng/torch/{rank}"])
-        random.setstate(layout.decode_tree(mine["python_random"], {}))
-        rng_restored = True
+    rng_source = rng_streams.restore(manifest, tensors, rank) if rng else rng_streams.NONE
     state: dict[str, Any] = {}
     if "state" in mine:
         state = layout.decode_tree(mine["state"], tensors)
@@ -260,6 +352,7 @@ def _apply(
         world_size=saved_world,
         extra=extra,
         state=state,
-        rng_restored=rng_restored,
+        rng_restored=rng_source != rng_streams.NONE,
+        rng_source=rng_source,
         skipped=skipped,
     )

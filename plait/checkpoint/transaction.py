@@ -4,7 +4,8 @@ Layout under a checkpoint *root*::
 
     root/
       step-40/               a committed checkpoint: never modified after its rename
-        manifest.json        written last; lists every file with its writer rank, size, SHA-256
+        manifest.json        written last; lists every file with its writer rank, size, SHA-256,
+                             its header's SHA-256 and a SHA-256 per block of every tensor
         part-0-of-2.safetensors, part-1-of-2.safetensors
       step-50/
       step-60.partial/       a save under way, or one that died: never selected by a load
@@ -38,9 +39,12 @@ import safetensors.torch
 import torch
 
 from plait.checkpoint.agree import CheckpointCorrupt
+from plait.checkpoint.blocks import BLOCK_BYTES, describe
 from plait.checkpoint.files import fsync_dir, sha256_bytes, write_bytes_atomic, write_durable
 
-FORMAT = "plait-checkpoint-v2"
+FORMAT = "plait-checkpoint-v3"
+#: formats ``load`` reads: v2 has a SHA-256 per file only (its files are read whole)
+FORMATS = ("plait-checkpoint-v2", FORMAT)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -148,8 +152,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{path} (written by rank 0) is damaged: it is not valid JSON or does not match "
             f"its own checksum"
         )
-    if manifest.get("format") != FORMAT:
-        raise CheckpointCorrupt(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    if manifest.get("format") not in FORMATS:
+        raise CheckpointCorrupt(
+            f"{path}: unknown checkpoint format {manifest.get('format')!r}; this plait reads "
+            f"{list(FORMATS)}"
+        )
     return body
 
 
@@ -202,13 +209,20 @@ def prepare(root: Path, step: int) -> Path:
 
 
 def write_part(
-    partial: Path, rank: int, world_size: int, tensors: dict[str, torch.Tensor]
+    partial: Path,
+    rank: int,
+    world_size: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    block_bytes: int = BLOCK_BYTES,
 ) -> dict[str, Any]:
-    """Write this rank's file into the partial directory; its name, size and SHA-256."""
+    """Write this rank's file into the partial directory; its name, size and SHA-256, its
+    header's size and SHA-256, and the SHA-256 of every ``block_bytes`` block of every
+    tensor (``blocks.describe``)."""
     data = safetensors.torch.save(tensors)
     name = part_name(rank, world_size)
     sha = write_durable(partial / name, data, after_first_chunk=lambda: fault_point("write"))
-    return {"file": name, "bytes": len(data), "sha256": sha}
+    return {"file": name, "bytes": len(data), "sha256": sha, **describe(data, block_bytes)}
 
 
 def commit(root: Path, step: int, body: dict[str, Any], *, keep_last: int | None) -> Path:

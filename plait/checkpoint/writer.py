@@ -5,7 +5,9 @@ plain-format optimizer state keyed by parameter names, split over the ranks' fil
 bytes (largest first to the least-loaded rank); sampler, loss-scaler and LR-scheduler state
 and ``extra`` (rank 0's) as JSON in the manifest; per rank, the torch CPU generator state
 (a byte tensor), Python's ``random`` state (JSON) and the simple form's ``state``. Tensors
-are safetensors, everything else JSON: nothing is pickled.
+are safetensors, everything else JSON: nothing is pickled. The manifest holds each file's
+SHA-256 and, per tensor, a SHA-256 per ``block_bytes`` block (``blocks.py``), so a load
+can read and verify only the ranges it needs.
 
 Communication (collective: every rank of ``group`` must call ``save`` and ``wait``):
 :func:`~plait.checkpoint.agree.gather_json` (two small all-gathers) to agree on the call,
@@ -24,7 +26,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
-import random
 import threading
 import warnings
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint import layout, transaction
+from plait.checkpoint import rng as rng_streams
 from plait.checkpoint.agree import (
     SAME_ARGS,
     CheckpointError,
@@ -45,6 +47,7 @@ from plait.checkpoint.agree import (
     resolve,
     size_of,
 )
+from plait.checkpoint.blocks import BLOCK_BYTES, MIN_BLOCK_BYTES
 from plait.comm.group import Group
 
 
@@ -105,10 +108,6 @@ def _warn_uncommitted() -> None:
         )
 
 
-def _python_random_state() -> Any:
-    return layout.encode_tree(random.getstate(), "python_random", {})
-
-
 @dataclass
 class _SaveJob:
     root: Path
@@ -118,13 +117,14 @@ class _SaveJob:
     tensors: dict[str, torch.Tensor]
     body: dict[str, Any]
     keep_last: int | None
+    block_bytes: int = BLOCK_BYTES
     written: dict[str, Any] | None = None
 
     def write(self) -> None:
         rank = rank_of(self.group)
         try:
             self.written = transaction.write_part(
-                self.partial, rank, size_of(self.group), self.tensors
+                self.partial, rank, size_of(self.group), self.tensors, block_bytes=self.block_bytes
             )
         except Exception as exc:  # reported to every rank by finish()
             self.written = {"error": f"writing {self.partial}: {type(exc).__name__}: {exc}"}
@@ -150,7 +150,7 @@ class _SaveJob:
         if rank == 0:
             body = dict(self.body)
             body["files"] = {
-                s["file"]: {"rank": r, "bytes": s["bytes"], "sha256": s["sha256"]}
+                s["file"]: {"rank": r, **{k: v for k, v in s.items() if k != "file"}}
                 for r, s in enumerate(statuses)
             }
             try:
@@ -181,6 +181,7 @@ def save(
     keep_last: int | None = 3,
     rng: bool = True,
     async_: bool = False,
+    block_bytes: int = BLOCK_BYTES,
 ) -> SaveHandle:
     """Save a checkpoint as ``root/step-<step>/``, atomically; collective over ``group``.
 
@@ -194,7 +195,10 @@ def save(
     ``save(directory, state)``): this rank's own dict of tensors and JSON values, loaded
     back only by the same rank at the same world size; ``step`` defaults to 0 then.
     ``keep_last``: committed checkpoints kept (None: all). ``rng``: save each rank's torch
-    CPU generator and Python ``random`` states.
+    CPU generator and Python ``random`` states. ``block_bytes``: the size of the blocks
+    checksummed one by one (SHA-256 each, in the manifest), the unit in which a load that
+    needs part of a tensor reads and verifies it: smaller blocks read less around each
+    slice and make the manifest larger (64 hex digits per block). Default 1 MiB.
 
     ``async_=True``: the state is captured (copied) now, the file written by a background
     thread; the returned handle's ``wait()`` (or the next save/load) commits it. Without
@@ -216,6 +220,10 @@ def save(
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(
             f"checkpoint.save: keep_last must be an int >= 1 or None, got {keep_last!r}"
+        )
+    if not isinstance(block_bytes, int) or block_bytes < MIN_BLOCK_BYTES:
+        raise ValueError(
+            f"checkpoint.save: block_bytes must be an int >= {MIN_BLOCK_BYTES}, got {block_bytes!r}"
         )
     if optimizer is not None and model is None:
         raise ValueError(
@@ -283,7 +291,9 @@ def save(
     body["tensors"] = files
     body["ranks"] = [e["mine"] for e in everyone]
 
-    job = _SaveJob(path, step, g, transaction.partial_dir(path, step), tensors, body, keep_last)
+    job = _SaveJob(
+        path, step, g, transaction.partial_dir(path, step), tensors, body, keep_last, block_bytes
+    )
     if not async_:
         job.write()
         handle = SaveHandle(job, None)
@@ -331,7 +341,7 @@ def _capture(
     mine: dict[str, Any] = {}
     if rng:
         local[f"rng/torch/{rank}"] = torch.get_rng_state()
-        mine["python_random"] = _python_random_state()
+        mine["python_random"] = rng_streams.python_state()
     if state is not None:
         mine["state"] = layout.encode_tree(state, f"rank{rank}", local)
     agreed = {
