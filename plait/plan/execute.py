@@ -91,7 +91,9 @@ def build(
             f"execute.build runs recompute='none', tp_mode='1d'; got recompute="
             f"{lay.recompute!r}, tp_mode={lay.tp_mode!r}"
         )
-    cfg: Any = model.config
+    gpt: Any = model
+    cfg: Any = gpt.config
+    block_type: Any = type(gpt.blocks[0])
     vocab = cfg.vocab
     adam = torch.optim.Adam(model.parameters(), lr=lr)
 

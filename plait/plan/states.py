@@ -28,6 +28,14 @@ ranks that see different tokens and the expert parameters over ``dp``::
     bytes = estimate(D, n = dp * ep, zero) + estimate(X, n = dp, zero)
 
 ``zero``: 0 is ``"ddp"``, 1-3 are ``"zero1"``-``"zero3"`` (3 = FSDP).
+
+Adam and AdamW also keep a 4-byte ``step`` counter per tensor they update (PyTorch's, a
+float32 scalar), counted in the optimizer bytes (:func:`step_counters`): one per parameter
+tensor held (a block has 12: two LayerNorms, qkv, proj, fc1, fc2, each weight and bias; a
+MoE block 9 plus 4 per local expert; the embedding 2; the last stage 2 and its head), one
+per flat shard under ZeRO-1/2 (one per kind, dense or expert, that the rank holds), one per
+flat FSDP unit under ZeRO-3 (each block wrapped, plus the root). Negligible at scale, but
+the difference between the planner and ``measure`` on a small model.
 """
 
 from __future__ import annotations
@@ -127,9 +135,29 @@ def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
     return out
 
 
+def step_counters(model: ModelSpec, layout: Layout) -> list[int]:
+    """Adam's step counters held by each pipeline rank (module doc)."""
+    out = []
+    local_experts = model.experts // layout.ep if model.experts else 0
+    for (dense_blocks, moe_blocks, first, last), (dense, expert) in zip(
+        rank_contents(model, layout), rank_params(model, layout), strict=True
+    ):
+        if layout.zero in (1, 2):
+            out.append(int(dense > 0) + int(expert > 0))
+        elif layout.zero == 3:
+            out.append(dense_blocks + moe_blocks + 1)
+        else:
+            n = 12 * dense_blocks + moe_blocks * (9 + 4 * local_experts)
+            n += 2 if first else 0
+            n += (2 + (0 if model.tied and first else 1)) if last else 0
+            out.append(n)
+    return out
+
+
 def rank_states(model: ModelSpec, job: Job, layout: Layout) -> list[ModelStates]:
     """Parameters, gradients and optimizer state of each pipeline rank (module doc)."""
     strategy = STAGE_NAMES[layout.zero]
+    counters = step_counters(model, layout)
     out = []
     for r, (dense, expert) in enumerate(rank_params(model, layout)):
         parts = [
@@ -149,6 +177,9 @@ def rank_states(model: ModelSpec, job: Job, layout: Layout) -> list[ModelStates]
         formula = f"dense D={dense:,} over n={layout.data_shards}: {parts[0].formula}"
         if expert:
             formula += f"; experts X={expert:,} over n={layout.dp}: {parts[-1].formula}"
+        if job.optimizer in ("adam", "adamw"):
+            optim += 4 * counters[r]
+            formula += f"; + 4 x {counters[r]} Adam step counters"
         out.append(
             ModelStates(r, dense, expert, params, grads, optim, params + grads + optim, formula)
         )
