@@ -5,6 +5,7 @@ parameter name, sampler position, scaler and RNG state) so the test can compare 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 import warnings
@@ -426,3 +427,83 @@ def load_param_groups(strategy: str, root: str) -> dict[str, Any]:
     model, optimizer = _grouped(strategy, 1, (0.5, 0.5))
     checkpoint.load(root, model=model, optimizer=optimizer)
     return _group_report(model, optimizer)
+
+
+# --- byte-range reads and RNG streams at another world size --------------------------------
+WIDTH = 256  # two Linear(256, 256): 256 KiB per weight, so slices span many 4 KiB blocks
+SMALL_BLOCK = 4096
+
+
+def _wide(strategy: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    raw = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    optimizer = torch.optim.Adam(raw.parameters(), lr=0.01)
+    if strategy == "fsdp":  # a unit per Linear
+        return plait.prepare(raw, optimizer, strategy="fsdp", wrap={nn.Linear})
+    return plait.prepare(raw, optimizer, strategy=strategy)
+
+
+def _draws() -> dict[str, Any]:
+    """What this rank's torch CPU and Python generators draw next (their states are put
+    back afterwards, so drawing does not change them)."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    out = {"torch": torch.rand(6), "python": [random.random() for _ in range(3)]}
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    return out
+
+
+def save_wide(cases: list[tuple[str, str]], steps: list[int]) -> list[dict[str, Any]]:
+    """For each (strategy, root): train, saving after each of ``steps`` (blocks of 4 KiB);
+    the dense state saved at each step and what each rank's generators draw next."""
+    out = []
+    rank = plait.world().rank
+    for strategy, root in cases:
+        model, optimizer = _wide(strategy, 0)
+        torch.manual_seed(100 + rank)  # distinct streams per rank, as dropout would want
+        random.seed(200 + rank)
+        saved = {}
+        for step in steps:
+            optimizer.zero_grad()
+            model(torch.randn(8, WIDTH)).square().mean().backward()
+            optimizer.step()
+            checkpoint.save(
+                root, step=step, model=model, optimizer=optimizer, block_bytes=SMALL_BLOCK
+            )
+            saved[step] = {
+                "model": params(model),
+                "optimizer": named_optimizer_state(model, optimizer),
+                "draws": _draws(),
+            }
+        out.append(saved)
+    return out
+
+
+def load_wide(cases: list[tuple[str, str]], **kwargs: Any) -> list[dict[str, Any]]:
+    """For each (strategy, root): a fresh setup loads it; the dense state, the bytes this
+    rank read, how its RNG streams were set and what they draw next (or the error)."""
+    out = []
+    for strategy, root in cases:
+        model, optimizer = _wide(strategy, 1)
+        torch.manual_seed(999)
+        random.seed(999)
+        try:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                restored = checkpoint.load(root, model=model, optimizer=optimizer, **kwargs)
+        except checkpoint.CheckpointCorrupt as exc:
+            out.append({"error": str(exc)})
+            continue
+        draws = _draws()
+        out.append(
+            {
+                "step": restored.step,
+                "model": params(model),
+                "optimizer": named_optimizer_state(model, optimizer),
+                "bytes_read": restored.bytes_read,
+                "checkpoint_bytes": restored.checkpoint_bytes,
+                "rng_source": restored.rng_source,
+                "draws": draws,
+            }
+        )
+    return out

@@ -1,5 +1,6 @@
 """Checkpoints: transactions (per-step directories, latest, keep_last, agreement on root and
-step), integrity (SHA-256 per file, refusal naming file and rank, fallback), faults during
+step), integrity (SHA-256 per file and per block, range reads verified, refusal naming file
+and rank, fallback, format v2 read whole), faults during
 save (rank killed inside the writer, coordinator killed before the rename, disk full),
 async save, and the simple per-rank form. Resharding is in test_checkpoint_reshard.py."""
 
@@ -16,7 +17,7 @@ import torch
 
 import plait
 from plait import RankPool, checkpoint
-from plait.checkpoint import transaction
+from plait.checkpoint import blocks, transaction
 from plait.launch import RankExited
 from tests import checkpoint_fns, faultlog
 
@@ -305,3 +306,73 @@ def test_full_state_dict_of_a_plain_model():
     assert checkpoint.full_state_dict(model).keys() == model.state_dict().keys()
     with pytest.raises(RuntimeError, match="plait.init"):
         plait.DistributedDataParallel(model)
+
+
+# --- per-block checksums and range reads (one process) ---------------------------------------
+def _one_file(tmp_path: Path, tensors: dict[str, torch.Tensor], block: int) -> tuple[Path, dict]:
+    """A committed single-rank checkpoint of ``tensors`` (the simple form) and its manifest."""
+    checkpoint.save(tmp_path, tensors, step=1, block_bytes=block)
+    directory = tmp_path / "step-1"
+    return directory, transaction.read_manifest(directory)
+
+
+def test_range_reads_touch_only_the_blocks_they_need_and_verify_them(tmp_path: Path):
+    w = torch.arange(10_000, dtype=torch.float64)  # 80 000 bytes: 79 blocks of 1 KiB
+    directory, manifest = _one_file(tmp_path, {"w": w, "b": torch.ones(3)}, 1024)
+    name = transaction.part_name(0, 1)
+    entry = manifest["files"][name]
+    assert len(entry["blocks"]["rank0/w"]) == 79 and entry["block_bytes"] == 1024
+    reader = blocks.RangeReader(directory, manifest, reader=0)
+    got = reader.read(name, {"rank0/w": [(1000, 1100), (5000, 5001)], "rank0/b": None})
+    assert torch.equal(got["rank0/w"][1000:1100], w[1000:1100]) and got["rank0/w"][5000] == 5000
+    assert int(got["rank0/w"].count_nonzero()) == 101  # nothing else was filled in
+    assert torch.equal(got["rank0/b"], torch.ones(3))
+    # 800 bytes spanning 2 blocks, 8 bytes in 1 block, b's 12 bytes, the header
+    assert reader.bytes_read == 2 * 1024 + 1024 + 12 + entry["header_bytes"]
+    # a flipped bit in a block the ranges do not touch is not seen by them; verify sees it
+    path = directory / name
+    data = bytearray(path.read_bytes())
+    start, header = blocks.split_header(data)
+    data[8 + start + header["rank0/w"]["data_offsets"][0] + 8 * 3000] ^= 0x04
+    path.write_bytes(bytes(data))
+    again = blocks.RangeReader(directory, manifest, reader=0).read(name, {"rank0/w": [(0, 8)]})
+    assert torch.equal(again["rank0/w"][:8], w[:8])
+    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"'rank0/w' block 23 \(file bytes"):
+        blocks.RangeReader(directory, manifest, reader=0).read(name, {"rank0/w": [(2990, 3010)]})
+    assert any("SHA-256" in p for p in checkpoint.verify(tmp_path))
+    data[10] ^= 0x01  # inside the JSON header
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointCorrupt, match="safetensors header"):
+        blocks.RangeReader(directory, manifest, reader=0).read(name, {"rank0/b": None})
+
+
+def test_a_checkpoint_without_block_checksums_is_read_whole(tmp_path: Path):
+    """Format v2 (a SHA-256 per file only) still loads: every needed file is read whole
+    and checked against its file SHA-256. An unknown format is refused by name."""
+    model = checkpoint_fns.Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, checkpoint_fns.FEATURES)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path, step=1, model=model, optimizer=opt)
+    directory = tmp_path / "step-1"
+    body = transaction.read_manifest(directory)
+    assert body["format"] == "plait-checkpoint-v3"
+    body["format"] = "plait-checkpoint-v2"
+    body["files"] = {
+        n: {k: e[k] for k in ("rank", "bytes", "sha256")} for n, e in body["files"].items()
+    }
+    (directory / transaction.MANIFEST).write_bytes(transaction.manifest_bytes(body))
+    fresh = checkpoint_fns.Net()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.3)
+    restored = checkpoint.load(tmp_path, model=fresh, optimizer=fresh_opt)
+    assert _equal(fresh.state_dict(), model.state_dict())
+    assert restored.bytes_read == restored.checkpoint_bytes and restored.rng_source == "saved"
+    body["format"] = "plait-checkpoint-v9"
+    (directory / transaction.MANIFEST).write_bytes(transaction.manifest_bytes(body))
+    with pytest.raises(checkpoint.CheckpointCorrupt, match="plait-checkpoint-v9"):
+        checkpoint.load(tmp_path, model=fresh)
+
+
+def test_block_bytes_is_checked(tmp_path: Path):
+    with pytest.raises(ValueError, match="block_bytes must be an int >= 1024"):
+        checkpoint.save(tmp_path, {"x": torch.ones(2)}, step=1, block_bytes=100)

@@ -3,13 +3,15 @@
 bitwise equal to the saving run's dense state, the sampler continuing the same global order
 (the samples read before and after the restart are exactly the epoch, none lost or twice),
 the loss-scaler and LR-scheduler state restored, and each rank's RNG streams restored
-(rank r < 2 continues saved rank r's; new ranks get derived streams, see test_checkpoint_rng).
+(rank r < 2 continues saved rank r's; new ranks get derived streams: see
+test_rng_streams_at_another_world_size). Loads read only the bytes each rank keeps.
 
 The suite runs each saving strategy against each new world size under a rotating loading
 strategy; ``PLAIT_RESHARD_FULL=1`` runs the whole cross product (slower)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from plait.checkpoint import blocks, transaction
 from plait.strategies import fsdp
 from tests import checkpoint_fns, faultlog
 
@@ -148,3 +151,120 @@ def test_param_groups_survive_resharding(ranks, tmp_path: Path):
             for fqn, entry in saved["optimizer"].items():
                 for key, value in entry.items():
                     assert torch.equal(value, got["optimizer"][fqn][key]), (fqn, key)
+
+
+# --- each rank reads only what it keeps ------------------------------------------------------
+def _same_state(saved: dict[str, Any], got: dict[str, Any], where: str) -> None:
+    assert "error" not in got, (where, got)
+    assert saved["model"].keys() == got["model"].keys(), where
+    for k, v in saved["model"].items():
+        assert torch.equal(v, got["model"][k]), f"{where}: parameter {k}"
+    assert saved["optimizer"].keys() == got["optimizer"].keys(), where
+    for fqn, entry in saved["optimizer"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, got["optimizer"][fqn][key]), f"{where}: {fqn} {key}"
+
+
+def _sizes(directory: Path) -> tuple[int, int, int]:
+    """(manifest bytes, header bytes of all files, tensor data bytes of all files)."""
+    manifest = json.loads((directory / transaction.MANIFEST).read_text())
+    headers = sum(e["header_bytes"] for e in manifest["files"].values())
+    data = sum(e["bytes"] - e["header_bytes"] for e in manifest["files"].values())
+    return (directory / transaction.MANIFEST).stat().st_size, headers, data
+
+
+@pytest.mark.skipif(not HAVE_FSDP, reason="needs plait.strategies.fsdp's full-state API")
+def test_each_rank_reads_only_the_bytes_it_keeps(ranks, tmp_path: Path):
+    """Saved at W=4 by ZeRO-1 and FSDP; loaded at W'=2 and 4: under ZeRO-1 and FSDP each
+    rank reads about 1/W' of the tensor bytes (plus the manifest and headers), under DDP
+    (and with whole_files=True) all of them; every load is bitwise equal to the saved
+    state."""
+    roots = {s: str(tmp_path / s) for s in ("zero1", "fsdp")}
+    saved_by_rank = ranks(
+        4, checkpoint_fns.save_wide, [(s, roots[s]) for s in roots], [1], timeout=120
+    )
+    saved = {s: saved_by_rank[0][i][1] for i, s in enumerate(roots)}
+    sizes = {s: _sizes(Path(root) / "step-1") for s, root in roots.items()}
+    cases = [("zero1", "zero1"), ("fsdp", "fsdp"), ("zero1", "ddp")]
+    for world in (2, 4):
+        results = ranks(
+            world, checkpoint_fns.load_wide, [(t, roots[s]) for s, t in cases], timeout=120
+        )
+        for c, (s, t) in enumerate(cases):
+            for r in range(world):
+                got = results[r][c]
+                where = f"saved by {s} at 4, loaded by {t} at {world}, rank {r}"
+                _same_state(saved[s], got, where)
+                manifest_bytes, header_bytes, data_bytes = sizes[s]
+                read = got["bytes_read"] - manifest_bytes - header_bytes  # tensor bytes
+                assert got["checkpoint_bytes"] == manifest_bytes + header_bytes + data_bytes
+                if t == "ddp":
+                    assert read >= 0.99 * data_bytes, (where, read, data_bytes)
+                else:  # 1/W' of the data, give or take the 4 KiB blocks around each slice
+                    assert 0.95 < read / (data_bytes / world) < 1.15, (where, read, data_bytes)
+    whole = ranks(2, checkpoint_fns.load_wide, [("fsdp", roots["fsdp"])], whole_files=True)
+    for r, (got,) in enumerate(whole):
+        _same_state(saved["fsdp"], got, f"whole_files=True, rank {r}")
+        assert got["bytes_read"] == got["checkpoint_bytes"]
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(not HAVE_FSDP, reason="needs plait.strategies.fsdp's full-state API")
+def test_a_flipped_bit_is_named_by_the_rank_reading_its_block_then_fallback(ranks, tmp_path):
+    """One bit flipped inside model/2.weight of the latest checkpoint (W=4, FSDP, 4 KiB
+    blocks): the rank whose slice holds it names file, writer, tensor and block; every rank
+    refuses the checkpoint, and with fallback=True every rank loads the previous one."""
+    root = tmp_path / "run"
+    saved = ranks(4, checkpoint_fns.save_wide, [("fsdp", str(root))], [1, 2], timeout=120)[0][0]
+    directory = root / "step-2"
+    manifest = json.loads((directory / transaction.MANIFEST).read_text())
+    key = "model/2.weight"
+    victim = directory / manifest["tensors"][key]
+    data = bytearray(victim.read_bytes())
+    start, header = blocks.split_header(data)
+    element = 39321  # 60% into the weight: rank 2's slice of the unit (65792 / 4 each)
+    offset = 8 + start + header[key]["data_offsets"][0] + 4 * element
+    data[offset] ^= 0x10
+    victim.write_bytes(bytes(data))
+    block = 4 * element // checkpoint_fns.SMALL_BLOCK
+    refused = ranks(4, checkpoint_fns.load_wide, [("fsdp", str(root))], timeout=120)
+    for (got,) in refused:
+        message = got["error"]
+        assert (
+            str(victim) in message
+            and f"written by rank {manifest['files'][victim.name]['rank']}" in message
+        )
+        assert f"tensor {key!r} block {block}" in message and "read by rank 2" in message
+        assert "read by rank 0" not in message and "fallback=True" in message
+    back = ranks(4, checkpoint_fns.load_wide, [("fsdp", str(root))], fallback=True, timeout=120)
+    for r, (got,) in enumerate(back):
+        assert got["step"] == 1
+        _same_state(saved[1], got, f"fallback, rank {r}")
+
+
+# --- random streams at another world size ----------------------------------------------------
+def test_rng_streams_at_another_world_size(ranks, tmp_path: Path):
+    """W=4 -> W'=2: rank r draws what saved rank r would have drawn next. W=2 -> W'=4:
+    ranks 0 and 1 likewise; ranks 2 and 3 get derived streams: two resumes draw the same
+    numbers, and every rank draws different numbers."""
+    four, two = str(tmp_path / "w4"), str(tmp_path / "w2")
+    saved4 = [r[0][1] for r in ranks(4, checkpoint_fns.save_wide, [("ddp", four)], [1])]
+    saved2 = [r[0][1] for r in ranks(2, checkpoint_fns.save_wide, [("ddp", two)], [1])]
+    for r, (got,) in enumerate(ranks(2, checkpoint_fns.load_wide, [("ddp", four)])):
+        assert got["rng_source"] == "saved"
+        assert torch.equal(got["draws"]["torch"], saved4[r]["draws"]["torch"])
+        assert got["draws"]["python"] == saved4[r]["draws"]["python"]
+    results = ranks(4, checkpoint_fns.load_wide, [("ddp", two), ("zero1", two)], timeout=120)
+    for r, (first, second) in enumerate(results):
+        assert first["rng_source"] == second["rng_source"] == ("saved" if r < 2 else "derived")
+        assert torch.equal(first["draws"]["torch"], second["draws"]["torch"])  # two resumes
+        assert first["draws"]["python"] == second["draws"]["python"]
+        if r < 2:
+            assert torch.equal(first["draws"]["torch"], saved2[r]["draws"]["torch"])
+            assert first["draws"]["python"] == saved2[r]["draws"]["python"]
+    torch_draws = [got[0]["draws"]["torch"] for got in results]
+    python_draws = [got[0]["draws"]["python"] for got in results]
+    for a in range(4):
+        for b in range(a):
+            assert not torch.equal(torch_draws[a], torch_draws[b]), (a, b)
+            assert python_draws[a] != python_draws[b], (a, b)
