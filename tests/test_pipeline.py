@@ -1,9 +1,10 @@
 """The GPT under pipeline parallelism equals the one-process oracle: every schedule at
-p in {2, 4} and m in {1, p, 2p+1} where the schedule allows it (interleaved needs m % p == 0;
-the refusal is tested in test_pipeline_schedules.py), tied and untied head, with and
-without recomputation: first-step gradients, losses, and parameters after 3 Adam steps.
-Also: 1F1B's measured in-flight micro-batches, a failing or dying stage named on every
-rank, and the bubble report from the tracer.
+p in {2, 4} and m in {1, p, 2p+1} where the schedule allows it (interleaved needs m % p == 0,
+dualpipev m >= 2p, also run at its least m = 2p; the refusals are tested in
+test_pipeline_schedules.py), tied and untied head, with and without recomputation:
+first-step gradients, losses, and parameters after 3 Adam steps. Also: 1F1B's measured
+in-flight micro-batches, a failing or dying stage named on every rank, and the bubble
+report from the tracer.
 
 Tolerance: float64; the pipeline sums micro-batch gradients in another order than the
 dense backward of the whole batch (observed ~1e-14); we allow 1e-10.
@@ -22,7 +23,7 @@ from plait.strategies.pipeline.schedules import default_chunks
 from tests import pipeline_fns as fns
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 @functools.cache
@@ -34,9 +35,12 @@ def cases() -> list[tuple[str, int, int]]:
     out = []
     for p in (2, 4):
         for name in SCHEDULES:
-            for m in (1, p, 2 * p + 1):
-                if not (name == "interleaved" and m % p):
-                    out.append((name, p, m))
+            for m in (1, p, 2 * p, 2 * p + 1):
+                if m == 2 * p and name != "dualpipev":  # 2p: only DualPipeV's least m
+                    continue
+                if name == "interleaved" and m % p or name == "dualpipev" and m < 2 * p:
+                    continue
+                out.append((name, p, m))
     return out
 
 

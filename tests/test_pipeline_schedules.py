@@ -38,10 +38,15 @@ def ms(p: int) -> list[int]:
 
 
 def allowed(name: str, p: int, m: int) -> bool:
+    if name == "dualpipev":
+        return m >= 2 * p
     return not (name == "interleaved" and m % p)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+REFUSAL = {"interleaved": "not a multiple of p={p}", "dualpipev": "use at least {2p}"}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
 @pytest.mark.parametrize("p", PS)
 def test_every_schedule_validates_or_is_refused(name, p):
     for m in ms(p):
@@ -56,7 +61,8 @@ def test_every_schedule_validates_or_is_refused(name, p):
                 ]
                 assert sorted(fw) == list(range(m))
         else:
-            with pytest.raises(ScheduleError, match=f"not a multiple of p={p}"):
+            match = REFUSAL[name].replace("{p}", str(p)).replace("{2p}", str(2 * p))
+            with pytest.raises(ScheduleError, match=match):
                 build(name, p=p, m=m)
 
 
@@ -68,6 +74,7 @@ def test_every_schedule_validates_or_is_refused(name, p):
         ("zb-h1", 2, "zb-h1 runs one stage per rank"),
         ("interleaved", 1, "interleaving needs chunks >= 2"),
         ("zbv", 3, "exactly 2 chunks per rank"),
+        ("dualpipev", 1, "exactly 2 chunks per rank in a V"),
     ],
 )
 def test_constraints_are_refused_by_name(name, v, match):
@@ -75,6 +82,11 @@ def test_constraints_are_refused_by_name(name, v, match):
         build(name, p=2, m=4, v=v)
     with pytest.raises(ScheduleError, match="microbatches=0"):
         build(name, p=2, m=0, v=v)
+
+
+def test_dualpipev_refuses_too_few_microbatches():
+    with pytest.raises(ScheduleError, match=r"microbatches=7 < 2p = 8 chunk-stages.*at least 8"):
+        build("dualpipev", p=4, m=7)
 
 
 def test_unknown_schedule():
@@ -127,6 +139,53 @@ def test_zbv_only_fill(p):
         assert sim.bubble < 0.1
         # memory: at most 2p chunk-micro-batches per rank = 1F1B's p whole ones
         assert max(sim.peak_per_rank) <= 2 * p
+
+
+@pytest.mark.parametrize("p", (2, 3, 4, 8))
+def test_dualpipev_bubble_is_the_dualpipe_readme_s(p):
+    """The DualPipe README: bubble (PP/2 - 1)(F&B + B - 3W) per rank, PP = 2p chunk-stages,
+    F, B, W of one chunk, F&B an overlapped pair. Timed as DualPipe runs a pair (one unit
+    starting when both inputs are there, F&B = F + B: no overlap credit) the simulator
+    gives exactly that on every rank whenever I = F and W <= F, for any m; as plait's
+    runtime runs it (the pair's forward does not wait for its backward's gradient) one
+    forward less per (p - 1): (p - 1)(2B - 3W)."""
+    for f, w in ((1.0, 1.0), (0.5, 0.5), (1.0, 0.5), (2.0, 1.0), (1.0, 0.25), (3.0, 2.0)):
+        i, b = f, f + w
+        readme = (p - 1) * ((f + b) + b - 3 * w)
+        for m in (2 * p, 2 * p + 1, 3 * p + 2):
+            sched = build("dualpipev", p=p, m=m)
+            paired = simulate(sched, Costs(f=f, b=b, i=i, w=w, pair=1.0))
+            assert paired.idle == pytest.approx([readme] * p), (f, w, m)
+            apart = simulate(sched, Costs(f=f, b=b, i=i, w=w))
+            assert apart.idle == pytest.approx([(p - 1) * (2 * b - 3 * w)] * p), (f, w, m)
+            assert apart.makespan == pytest.approx(paired.makespan - (p - 1) * f)
+    # unit costs of a whole stage cut in two chunks: the textbook fraction, and ZBV's fill
+    for m in (2 * p, 4 * p):
+        sched = build("dualpipev", p=p, m=m)
+        paired = simulate(sched, Costs(f=0.5, b=1, i=0.5, w=0.5, pair=1.0))
+        assert paired.bubble == pytest.approx(formula_bubble("dualpipev", p, m))
+        zbv = simulate(build("zbv", p=p, m=m), Costs.per_chunk(2))
+        assert simulate(sched, Costs.per_chunk(2)).idle == pytest.approx(zbv.idle)
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 8))
+def test_dualpipev_memory_and_pairs(p):
+    """Every rank holds at most PP + 1 = 2p + 1 chunk-micro-batches (the README's
+    activation column); rank r runs 2 (m - 2p + r + 1) + (p - r - 1) F&B pairs, the tip
+    rank one fewer (its first forward and backward run apart, as in DualPipe)."""
+    for m in (2 * p, 2 * p + 1, 3 * p):
+        sched = build("dualpipev", p=p, m=m)
+        assert simulate(sched).peak_per_rank == (2 * p + 1,) * p
+        for r in range(p):
+            want = 2 * (m - 2 * p + r + 1) + (p - r - 1) - (r == p - 1)
+            assert len(sched.pairs[r]) == want, (m, r)
+            compute = sched.compute(r)
+            for k in sched.pairs[r]:  # a forward, then a backward of the rank's other chunk
+                f, b = compute[k], compute[k + 1]
+                assert f.kind is Kind.F and b.kind in (Kind.B, Kind.I)
+                assert f.stage != b.stage
+    text = str(build("dualpipev", p=2, m=4, comms=False))
+    assert text.splitlines()[1].startswith("rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 2F2& 1B0 1F3& 2B1")
 
 
 @pytest.mark.parametrize("p", PS)

@@ -2,6 +2,7 @@
 
 - ``actions``: :class:`Action` (``"2F0"``), :class:`Schedule` (per-rank action lists).
 - ``schedules``: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV; :func:`build`, :func:`add_comms`.
+- ``dualpipe``: DualPipeV (DeepSeek's DualPipe cut in half, F&B pairs as ``Schedule.pairs``).
 - ``validate``: :func:`validate` (counts, order, matched sends, no deadlock).
 - ``simulate``: :func:`simulate` (makespan, idle, bubble, in-flight micro-batches).
 - ``draw``: :func:`table` (text) and :func:`draw_png` (timeline picture).

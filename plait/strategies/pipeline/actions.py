@@ -98,6 +98,10 @@ class Schedule:
     """Per-rank action lists for ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank.
 
     ``placement[s]`` is the rank that holds stage ``s``; ``ranks[r]`` is rank ``r``'s list.
+    ``pairs[r]`` (DualPipe's F&B pairs; empty for other schedules) lists the positions, among
+    rank ``r``'s compute actions, of each forward that forms an overlapped pair with the
+    backward right after it: the runtime runs the two one after the other, the simulator
+    can time them as one unit (``Costs(pair=...)``).
     """
 
     name: str
@@ -106,6 +110,7 @@ class Schedule:
     v: int
     placement: tuple[int, ...]
     ranks: tuple[tuple[Action, ...], ...]
+    pairs: tuple[tuple[int, ...], ...] = ()
 
     @property
     def stages(self) -> int:
@@ -125,11 +130,30 @@ class Schedule:
         return any(a.kind in (Kind.I, Kind.W) for acts in self.ranks for a in acts)
 
     def with_ranks(self, ranks: Sequence[Sequence[Action]]) -> Schedule:
+        """The same schedule with other action lists (the compute order, which ``pairs``
+        indexes, kept: :func:`~.schedules.add_comms` only inserts messages)."""
         return Schedule(
-            self.name, self.p, self.m, self.v, self.placement, tuple(tuple(a) for a in ranks)
+            self.name,
+            self.p,
+            self.m,
+            self.v,
+            self.placement,
+            tuple(tuple(a) for a in ranks),
+            self.pairs,
         )
 
+    def paired(self, rank: int) -> set[int]:
+        """Positions, in rank ``rank``'s compute actions, of forwards that open an F&B pair."""
+        return set(self.pairs[rank]) if self.pairs else set()
+
     def __str__(self) -> str:
-        return "\n".join(
-            f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks)
-        )
+        """One line per rank; the forward opening an F&B pair prints with a trailing ``&``
+        (``"0F3& 3B1"``)."""
+        lines = []
+        for r, acts in enumerate(self.ranks):
+            opens, k, words = self.paired(r), 0, []
+            for a in acts:
+                words.append(str(a) + ("&" if a.kind.is_compute and k in opens else ""))
+                k += a.kind.is_compute
+            lines.append(f"rank {r}: " + " ".join(words))
+        return "\n".join(lines)

@@ -44,9 +44,10 @@ class PipelineParallel(nn.Module):
     ``model``: an ``nn.Sequential`` or a :class:`plait.models.GPT` (cut by ``split``), or a
     list of ``p * chunks`` modules, one per stage (their parameters named ``<i>.<name>``).
     ``schedule``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
-    ``"zbv"``) or a :class:`Schedule` for ``p = group.size``. ``chunks``: stages per rank
-    (default: 2 for interleaved and zbv, else 1). ``split``: ``"params"``, ``"time"`` (needs
-    ``sample``, one micro-batch of inputs) or the layer indices where stages 1.. start.
+    ``"zbv"``, ``"dualpipev"``) or a :class:`Schedule` for ``p = group.size``. ``chunks``:
+    stages per rank (default: 2 for interleaved, zbv and dualpipev, else 1). ``split``:
+    ``"params"``, ``"time"`` (needs ``sample``, one micro-batch of inputs) or the layer
+    indices where stages 1.. start.
     ``recompute``: keep only each stage's input between forward and backward.
     """
 

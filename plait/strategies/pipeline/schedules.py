@@ -18,6 +18,7 @@ gpipe         v = 1                        (p-1)/(m+p-1), holds m micro-batches
 interleaved   v >= 2, m % p == 0           (p-1)/(v*m+p-1)
 zb-h1         v = 1                        idle (p-1)*F per rank: a third of 1F1B's 3(p-1)F
 zbv           v = 2 (V placement)          the fill only
+dualpipev     v = 2 (V placement), m >= 2p  (p-1)(F&B + B - 3W) per rank (:mod:`.dualpipe`)
 ============  ===========================  =================================================
 """
 
@@ -36,7 +37,7 @@ from plait.strategies.pipeline.actions import (
     W,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 def loop_placement(p: int, v: int) -> tuple[int, ...]:
@@ -329,18 +330,25 @@ def add_comms(schedule: Schedule) -> Schedule:
     return schedule.with_ranks(out)
 
 
+def _dualpipev(p: int, m: int, v: int) -> Schedule:
+    from plait.strategies.pipeline.dualpipe import dualpipev  # it builds on v_placement
+
+    return dualpipev(p, m, v)
+
+
 _BUILDERS: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb-h1": zb_h1,
     "zbv": zbv,
+    "dualpipev": _dualpipev,
 }
 
 
 def default_chunks(name: str) -> int:
     """Chunks per rank a schedule uses when none is given."""
-    return 2 if name in ("interleaved", "zbv") else 1
+    return 2 if name in ("interleaved", "zbv", "dualpipev") else 1
 
 
 def build(name: str, *, p: int, m: int, v: int | None = None, comms: bool = True) -> Schedule:
@@ -349,7 +357,12 @@ def build(name: str, *, p: int, m: int, v: int | None = None, comms: bool = True
     from plait.strategies.pipeline.validate import validate
 
     key = name.lower().replace("_", "-")
-    key = {"zbh1": "zb-h1", "zb1p": "zb-h1", "1f1b-interleaved": "interleaved"}.get(key, key)
+    key = {
+        "zbh1": "zb-h1",
+        "zb1p": "zb-h1",
+        "1f1b-interleaved": "interleaved",
+        "dualpipe-v": "dualpipev",
+    }.get(key, key)
     if key not in _BUILDERS:
         raise ScheduleError(f"unknown schedule {name!r}; use one of {list(SCHEDULES)}")
     sched = _BUILDERS[key](p, m, default_chunks(key) if v is None else v)

@@ -6,7 +6,15 @@ plus ``comm`` seconds of transfer, and a receive posted on this rank), a backwar
 stage's gradient; sends and receive postings take no time (they run asynchronously), and
 ``gap`` seconds pass after every compute action (the runtime's own overhead, idle time).
 Costs are per action kind (``Costs(f=1, b=2, i=1, w=1)``, the unit costs of the bubble
-formulas) or measured per (kind, stage) (``Costs.measured(...)``).
+formulas) or measured per (kind, stage) (``Costs(per_stage=...)``), optionally per rank
+(``per_rank``: a stage's cost as the rank holding it measured it, which matters when the
+ranks do not run equally fast).
+
+F&B pairs (DualPipe, ``Schedule.pairs``): by default a pair is what plait's runtime runs,
+the forward then the backward, each starting when its own input is there. With
+``Costs(pair=x)`` a pair is one unit, as DualPipe runs it on a GPU: it starts when both
+inputs are there and takes ``x (F + B)`` (``x = 1``: nothing overlapped; ``x < 1``: the
+share the overlap saves).
 
 The bubble is the share of ``p x makespan`` in which ranks were idle. The in-flight count
 of a stage is the number of micro-batches whose forward ran and whose backward (B, or W
@@ -32,9 +40,13 @@ class Costs:
     comm: float = 0.0
     gap: float = 0.0  # a rank's time between two compute actions (Python, posting messages)
     per_stage: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    pair: float | None = None  # F&B pairs as one unit taking pair * (F + B); None: apart
+    per_rank: Mapping[tuple[int, str, int], float] = field(default_factory=dict)
 
-    def of(self, a: Action) -> float:
+    def of(self, a: Action, rank: int | None = None) -> float:
         k = a.kind.value
+        if rank is not None and (rank, k, a.stage) in self.per_rank:
+            return self.per_rank[(rank, k, a.stage)]
         if (k, a.stage) in self.per_stage:
             return self.per_stage[(k, a.stage)]
         return {"F": self.f, "B": self.b, "I": self.i, "W": self.w}.get(k, 0.0)
@@ -88,8 +100,11 @@ class Stuck(Exception):
         self.waits = waits
 
 
-def _needs(sched: Schedule, rank: int, a: Action) -> tuple[Action | None, Action | None]:
-    """(message this compute action reads, local action it reads) for ``a`` on ``rank``."""
+def _needs(
+    sched: Schedule, rank: int, a: Action, split: set[tuple[int, int]]
+) -> tuple[Action | None, Action | None]:
+    """(message this compute action reads, local action it reads) for ``a`` on ``rank``;
+    ``split`` holds the (stage, micro-batch) pairs whose backward is split into I and W."""
     place, last = sched.placement, sched.stages - 1
     if a.kind is Kind.F and a.stage > 0:
         if place[a.stage - 1] == rank:
@@ -97,25 +112,46 @@ def _needs(sched: Schedule, rank: int, a: Action) -> tuple[Action | None, Action
         return Action(Kind.SEND_F, a.stage - 1, a.mb), None
     if a.kind in (Kind.B, Kind.I) and a.stage < last:
         if place[a.stage + 1] == rank:
-            return None, _backward_of(sched, a.stage + 1, a.mb)
+            kind = Kind.I if (a.stage + 1, a.mb) in split else Kind.B
+            return None, Action(kind, a.stage + 1, a.mb)
         return Action(Kind.SEND_B, a.stage + 1, a.mb), None
     return None, None
 
 
-def _backward_of(sched: Schedule, stage: int, mb: int) -> Action:
-    kind = Kind.I if sched.split_backward else Kind.B
-    return Action(kind, stage, mb)
+def _split(sched: Schedule) -> set[tuple[int, int]]:
+    """(stage, micro-batch) pairs backwarded as I + W (a schedule may mix them with B)."""
+    return {(a.stage, a.mb) for acts in sched.ranks for a in acts if a.kind is Kind.I}
 
 
 def run(sched: Schedule, costs: Costs) -> list[Slot]:
     """Execute ``sched`` in simulated time; raises :class:`Stuck` on a deadlock."""
     p = sched.p
+    split = _split(sched)
+    compute = [[a for a in acts if a.kind.is_compute] for acts in sched.ranks]
+    opens = [sched.paired(r) if costs.pair is not None else set() for r in range(p)]
     pos = [0] * p
+    nth = [0] * p  # compute actions done per rank
     clock = [0.0] * p
+    scale = [1.0] * p  # cost factor of the next compute action (pair * ... inside a pair)
     sent: dict[Action, float] = {}  # SEND action -> time its data arrives
     done: dict[tuple[int, Action], float] = {}  # (rank, compute action) -> end
     posted: set[tuple[int, Action]] = set()
     slots: list[Slot] = []
+
+    def ready(r: int, a: Action) -> float | None:
+        """When ``a``'s inputs are there on rank ``r`` (None: not yet known)."""
+        msg, local = _needs(sched, r, a, split)
+        t = 0.0
+        if msg is not None:
+            if msg not in sent:
+                return None
+            t = sent[msg]
+        if local is not None:
+            if (r, local) not in done:
+                return None
+            t = max(t, done[(r, local)])
+        return t
+
     while True:
         progress = False
         for r in range(p):
@@ -127,19 +163,26 @@ def run(sched: Schedule, costs: Costs) -> list[Slot]:
                 elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                     posted.add((r, a))
                 else:
-                    msg, local = _needs(sched, r, a)
-                    start = clock[r]
-                    if msg is not None:
-                        if msg not in sent:
+                    t = ready(r, a)
+                    if t is None:
+                        break
+                    start = max(clock[r], t)
+                    if nth[r] in opens[r]:  # a pair: both inputs first, then pair * (F + B)
+                        b = compute[r][nth[r] + 1]
+                        tb = ready(r, b)
+                        if tb is None:
                             break
-                        start = max(start, sent[msg])
-                    if local is not None:
-                        if (r, local) not in done:
-                            break
-                        start = max(start, done[(r, local)])
-                    end = start + costs.of(a)
+                        start = max(start, tb)
+                        assert costs.pair is not None
+                        scale[r] = costs.pair
+                    end = start + scale[r] * costs.of(a, r)
                     done[(r, a)] = end
-                    clock[r] = end + costs.gap
+                    # inside a pair, the backward follows at once (no gap) at the same scale
+                    inside = nth[r] in opens[r]
+                    clock[r] = end + (0.0 if inside else costs.gap)
+                    if not inside:
+                        scale[r] = 1.0
+                    nth[r] += 1
                     slots.append(Slot(r, a, start, end))
                 pos[r] += 1
                 progress = True
@@ -150,7 +193,7 @@ def run(sched: Schedule, costs: Costs) -> list[Slot]:
             for r in range(p):
                 if pos[r] < len(sched.ranks[r]):
                     a = sched.ranks[r][pos[r]]
-                    msg, local = _needs(sched, r, a)
+                    msg, local = _needs(sched, r, a, split)
                     if msg is not None and msg not in sent:
                         src = sched.placement[msg.stage]
                         waits[r] = (pos[r], a, f"{msg} from rank {src}")
@@ -184,8 +227,8 @@ def simulate(sched: Schedule, costs: Costs | None = None) -> Simulation:
 
 
 def peak_in_flight(sched: Schedule) -> dict[int, int]:
-    """Per stage, the most micro-batches forwarded and not yet fully backwarded."""
-    split = sched.split_backward
+    """Per stage, the most micro-batches forwarded and not yet fully backwarded (B, or
+    W when split)."""
     peak: dict[int, int] = {}
     for acts in sched.ranks:
         held: dict[int, int] = {}
@@ -193,14 +236,13 @@ def peak_in_flight(sched: Schedule) -> dict[int, int]:
             if a.kind is Kind.F:
                 held[a.stage] = held.get(a.stage, 0) + 1
                 peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
-            elif a.kind is (Kind.W if split else Kind.B):
+            elif a.kind in (Kind.B, Kind.W):
                 held[a.stage] -= 1
     return dict(sorted(peak.items()))
 
 
 def peak_per_rank(sched: Schedule) -> tuple[int, ...]:
     """Per rank, the most (stage, micro-batch) activations held at once over its stages."""
-    split = sched.split_backward
     out = []
     for acts in sched.ranks:
         held = peak = 0
@@ -208,7 +250,7 @@ def peak_per_rank(sched: Schedule) -> tuple[int, ...]:
             if a.kind is Kind.F:
                 held += 1
                 peak = max(peak, held)
-            elif a.kind is (Kind.W if split else Kind.B):
+            elif a.kind in (Kind.B, Kind.W):
                 held -= 1
         out.append(peak)
     return tuple(out)
@@ -219,7 +261,10 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved: (p-1)/(v m + p-1). ZB-H1: idle time per
     rank (p-1)F, a third of 1F1B's (p-1)(F+B), so (p-1)/(3m+p-1) of the time. ZBV: 0 after
-    the fill (the fill itself is returned by the simulator, not by a formula).
+    the fill (the fill itself is returned by the simulator, not by a formula). DualPipeV:
+    the DualPipe README's (PP/2-1)(F&B+B-3W) per rank with PP = 2p chunks of F = 1/2,
+    B = 1, W = 1/2 and F&B = F + B: (p-1) idle beside 3m busy, (p-1)/(3m+p-1) (plait's
+    runtime, running a pair's halves apart, idles half that: :mod:`.dualpipe`).
     """
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
@@ -229,4 +274,6 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
         return (p - 1) / (3 * m + p - 1)
     if name == "zbv":
         return 0.0
+    if name == "dualpipev":
+        return (p - 1) / (3 * m + p - 1)
     raise ValueError(f"no bubble formula for schedule {name!r}")
