@@ -1,21 +1,34 @@
 """The planner's step time against measured steps of the reference GPT on 4 local ranks.
 
     .venv/bin/python benchmarks/plan_local.py            # ~1-2 minutes on 2 cores
+    .venv/bin/python benchmarks/plan_local.py --reuse    # the saved calibration
 
-Calibration, once: the link's alpha and beta come from the ring all-reduce rows of
-``plait bench comm`` (``runs/bench_comm_n4.json`` if present, else the committed
-``benchmarks/results/comm.json``); the compute efficiency from one process with one
-thread running the same GPT step on one rank's share of the batch (model FLOPs / (time x
-the single-thread matmul speed)). Then every layout is predicted with
-``plait.plan.hardware.local_cpu(ranks=4)`` (half a core per rank on this 2-core machine)
-and measured: median of the slowest rank's step (zero_grad, forward, backward, optimizer
-step) after a barrier, over several steps after warm-up.
+Calibration, once (``plait.plan.calibrate``, what ``plait bench calibrate -n 4`` runs):
+every collective over groups of 2 and 4 ranks and the point-to-point latency and bandwidth
+on the transport the ranks use (shared memory by default), and matmul rates with every rank
+busy; saved to ``runs/plan_calibration_n4.json`` (``local_cpu(ranks=4)`` reads it) and to
+``benchmarks/results/plan_calibration_n4.json``. The compute efficiency: the plain GPT's
+forward and backward on one rank's share of the batch, run by the 4 ranks at once without
+communication (model FLOPs / (time x the calibrated matmul rate)); the optimizer step is
+the calibration's measured Adam rate.
+
+Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
+``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
+measured: median of the slowest rank's step (zero_grad, forward and backward of every
+micro-batch, optimizer step) after a barrier, over several steps after warm-up; the
+layouts take turns for a few rounds (a noisy moment hits them alike) and the table keeps
+each one's median round. The
+"gloo links" column is the same planner with the previous link constants (the ring fit of
+``plait bench comm``'s gloo rows, ranks not lending idle cores): what the table showed
+before the calibration read the transport in use.
 
 Writes benchmarks/results/plan_local.md and .json. The machine is shared and noisy.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,16 +41,19 @@ from torch.nn import functional as F
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS, WIDTH, HEADS, SEQ, VOCAB, BATCH = 4, 128, 4, 64, 96, 16
-STEPS, WARMUP = 6, 2
-LAYOUTS = {  # name -> plait.plan Layout fields
-    "ddp": dict(dp=4),
-    "zero1": dict(dp=4, zero=1),
-    "zero2": dict(dp=4, zero=2),
-    "fsdp": dict(dp=4, zero=3),
-    "tp": dict(tp=4, microbatch=16),
-    "dp2tp2": dict(dp=2, tp=2, microbatch=8),
-    "pp 1f1b": dict(pp=4, schedule="1f1b", microbatch=2),
-    "pp2 gpipe": dict(pp=2, dp=2, schedule="gpipe", microbatch=2),
+STEPS, WARMUP, ROUNDS = 6, 2, 3
+LAYOUTS: dict[str, dict[str, Any]] = {  # name -> plait.plan Layout fields
+    "ddp": dict(dp=4, microbatch=4),
+    "zero1": dict(dp=4, zero=1, microbatch=4),
+    "zero2": dict(dp=4, zero=2, microbatch=4),
+    "fsdp": dict(dp=4, zero=3, microbatch=4),
+    "tp4": dict(tp=4, microbatch=16),
+    "dp2xtp2": dict(dp=2, tp=2, microbatch=8),
+    "pp4 1f1b": dict(pp=4, schedule="1f1b", microbatch=2),
+    "pp4 zb-h1": dict(pp=4, schedule="zb-h1", microbatch=2),
+    "dp2xpp2 gpipe": dict(pp=2, dp=2, schedule="gpipe", microbatch=2),
+    "dp2xpp2 interleaved": dict(pp=2, dp=2, schedule="interleaved", v=2, microbatch=2),
+    "pp2xtp2 1f1b": dict(pp=2, tp=2, schedule="1f1b", microbatch=4),
 }
 
 
@@ -47,183 +63,206 @@ def config() -> Any:
     return GPTConfig(vocab=VOCAB, layers=LAYERS, heads=HEADS, width=WIDTH, seq_len=SEQ)
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(cfg: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    ids = torch.randint(0, cfg.vocab, (size, cfg.seq_len + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
 
-def one_process_step_seconds(share: int) -> float:
-    """Median seconds of a plain GPT step on ``share`` sequences, one thread."""
+def _slowest_median(times: list[float]) -> float:
+    import plait
+
+    t = torch.tensor(times, dtype=torch.float64)
+    plait.comm.all_reduce(t, op="max")
+    return statistics.median(t.tolist())
+
+
+def busy_share_step(cfg: Any, share: int, steps: int = STEPS, warmup: int = WARMUP) -> float:
+    """On every rank at once, no communication: the plain GPT's forward and backward on
+    ``share`` sequences (one thread; the optimizer step is calibrated apart); the slowest
+    rank's median seconds."""
+    import plait
     from plait.models import GPT
 
     torch.set_num_threads(1)
-    model = GPT(config())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = batch()
-    x, y = x[:share], y[:share]
-    times = []
-    for i in range(WARMUP + STEPS):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-        opt.step()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure(kind: str) -> float:
-    """On every rank: build ``kind``, run steps; the median of the slowest rank's steps."""
-    import plait
-    from plait.models import GPT
-    from plait.models.gpt import tp_plan
-    from plait.strategies.pipeline.parallel import prepare_pipeline
-    from plait.strategies.tensor import loss_fn, parallelize
-
-    world = plait.world()
-    cfg = config()
-    x, y = batch()
     model = GPT(cfg)
-    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
-
-    if kind in ("ddp", "zero1", "zero2", "fsdp"):
-        extra = {"wrap": {type(model.blocks[0])}} if kind == "fsdp" else {}
-        net, opt = plait.prepare(model, adam, strategy=kind, **extra)
-        share = BATCH // world.size
-        xs, ys = x[world.rank * share :][:share], y[world.rank * share :][:share]
-
-        def step() -> None:
-            ce(net(xs), ys).backward()
-
-    elif kind == "tp":
-        net, opt = plait.prepare(model, adam, strategy="tp", mesh=plait.Mesh(tp=world.size))
-        loss = loss_fn(net)
-
-        def step() -> None:
-            loss(net(x), y).backward()
-
-    elif kind == "dp2tp2":
-        mesh = plait.Mesh(dp=2, tp=2)
-        tp_model = parallelize(model, mesh, tp_plan(layers=cfg.layers))
-        net = plait.DistributedDataParallel(tp_model, group=mesh.group("dp"))
-        opt = torch.optim.Adam(tp_model.parameters(), lr=1e-3)
-        loss = loss_fn(tp_model)
-        d, half = mesh.rank("dp"), BATCH // 2
-        xs, ys = x[d * half : (d + 1) * half], y[d * half : (d + 1) * half]
-
-        def step() -> None:
-            loss(net(xs), ys).backward()
-
-    elif kind.startswith("pp"):
-        p = 4 if kind == "pp 1f1b" else 2
-        mesh = plait.Mesh(pp=p) if p == world.size else plait.Mesh(pp=p, dp=world.size // p)
-        schedule = kind.split()[1]
-        if p == world.size:
-            pipe, opt = prepare_pipeline(model, adam, mesh=mesh, schedule=schedule, microbatches=8)
-            xs, ys = x, y
-        else:
-            pipe, opt = prepare_pipeline(model, adam, mesh=mesh, schedule=schedule, microbatches=4)
-            d, half = mesh.rank("dp"), BATCH // 2
-            xs, ys = x[d * half : (d + 1) * half], y[d * half : (d + 1) * half]
-
-        def step() -> None:
-            pipe.step(xs, ys)
-
-    else:
-        raise ValueError(kind)
-    assert opt is not None
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch(cfg, share)
     times = []
-    for i in range(WARMUP + STEPS):
+    for i in range(warmup + steps):
         plait.comm.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        step()
-        opt.step()
-        elapsed = torch.tensor([time.perf_counter() - t0])
-        plait.comm.all_reduce(elapsed, op="max")
-        if i >= WARMUP:
-            times.append(float(elapsed))
-    return statistics.median(times)
+        F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1)).backward()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return _slowest_median(times)
+
+
+def measure(
+    cfg: Any, fields: dict[str, Any], global_batch: int, steps: int = STEPS, warmup: int = WARMUP
+) -> float:
+    """On every rank: build ``Layout(**fields)``, run steps; the slowest rank's median."""
+    import plait
+    from plait.models import GPT
+    from plait.plan import execute
+    from plait.plan.layout import Job, Layout
+
+    torch.set_num_threads(1)
+    job = Job(global_batch=global_batch, seq=cfg.seq_len, precision="fp32", dropout=False)
+    x, y = batch(cfg, global_batch)
+    built = execute.build(GPT(cfg), Layout(**fields), job, x, y)
+    times = []
+    for i in range(warmup + steps):
+        plait.comm.barrier()
+        t0 = time.perf_counter()
+        built.optimizer.zero_grad()
+        built.step()
+        built.optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return _slowest_median(times)
+
+
+def calibrated(ranks: int, reuse: bool, pool: Any) -> Any:
+    """The calibration of ``ranks`` ranks: measured now on ``pool`` (or the saved file)."""
+    from plait.plan import calibrate
+
+    path = calibrate.default_path(ranks)
+    if reuse and path.exists():
+        return calibrate.load(path)
+    cal = calibrate.Calibration.from_dict(pool.run(calibrate.measure_rank, timeout=600)[0])
+    calibrate.save(cal)
+    calibrate.save(cal, RESULTS / f"plan_calibration_n{ranks}.json")
+    return cal
+
+
+def gloo_links(cluster: Any) -> Any:
+    """``cluster`` with the previous constants: gloo ring fit, no calibration, no lending."""
+    from plait.plan.hardware import bench_rows, default_bench_file, fit_alpha_beta
+
+    path = default_bench_file()
+    if path is None:
+        return None
+    fit = fit_alpha_beta(bench_rows(path), source=str(path))
+    return dataclasses.replace(
+        cluster,
+        calibration=None,
+        shared_cores=0.0,
+        intra_latency=fit.latency,
+        intra_bandwidth=fit.bandwidth,
+        inter_latency=fit.latency,
+        inter_bandwidth=fit.bandwidth,
+    )
 
 
 def main() -> int:
     from plait.launch import RankPool
+    from plait.plan import calibrate
     from plait.plan.hardware import local_cpu
     from plait.plan.layout import Job, Layout
     from plait.plan.model import from_gpt_config
     from plait.plan.search import evaluate
-    from plait.plan.time import Overlap
 
-    spec = from_gpt_config(config())
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reuse", action="store_true", help="reuse runs/plan_calibration_n4.json")
+    args = ap.parse_args()
+    cfg = config()
+    spec = from_gpt_config(cfg)
     job = Job(global_batch=BATCH, seq=SEQ, precision="fp32", dropout=False)
     share = BATCH // 4
-    t1 = one_process_step_seconds(share)
-    cluster = local_cpu(ranks=4, efficiency=1.0)
-    core = cluster.peak_flops * 2  # local_cpu gives half a core per rank on 2 cores
-    efficiency = spec.flops_per_iteration(batch=share, seq=SEQ) / (t1 * core)
-    cluster = local_cpu(ranks=4, efficiency=min(1.0, efficiency), flops_per_core=core)
-    print(
-        f"calibration: one thread, {share} sequences: {t1 * 1e3:.1f} ms -> efficiency "
-        f"{efficiency:.3f} of {core / 1e9:.1f} GFLOP/s per core; link alpha "
-        f"{cluster.intra_latency * 1e6:.0f} us, beta {cluster.intra_bandwidth / 1e9:.2f} GB/s",
-        flush=True,
-    )
     rows = []
     with RankPool(4, timeout=120) as pool:
-        for kind, fields in LAYOUTS.items():
-            plan = evaluate(spec, job, Layout(**fields), cluster, overlap=Overlap())
-            measured = pool.run(measure, kind, timeout=300)[0]
+        cal = calibrated(4, args.reuse, pool)
+        print(calibrate.format_calibration(cal), flush=True)
+        t_share = pool.run(busy_share_step, cfg, share, timeout=300)[0]
+        base = local_cpu(ranks=4, calibration=cal, efficiency=1.0)
+        efficiency = min(
+            1.0, spec.flops_per_iteration(batch=share, seq=SEQ) / (t_share * base.peak_flops)
+        )
+        cluster = dataclasses.replace(base, efficiency=efficiency)
+        old = gloo_links(cluster)
+        print(
+            f"efficiency {efficiency:.3f}: the GPT step on {share} sequences on every rank "
+            f"at once took {t_share * 1e3:.1f} ms at {base.peak_flops / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
+        runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        for _ in range(ROUNDS):
+            for name, fields in LAYOUTS.items():
+                runs[name].append(pool.run(measure, cfg, fields, BATCH, timeout=300)[0])
+        for name, fields in LAYOUTS.items():
+            layout = Layout(**fields)
+            plan = evaluate(spec, job, layout, cluster)
+            before = evaluate(spec, job, layout, old).time.total if old is not None else None
+            measured = statistics.median(runs[name])
+            t = plan.time
             rows.append(
                 {
-                    "layout": kind,
-                    "planner_layout": plan.layout.label(),
+                    "layout": name,
+                    "planner_layout": layout.label(),
                     "measured_s": measured,
-                    "predicted_s": plan.time.total,
-                    "ratio": plan.time.total / measured,
-                    "compute_s": plan.time.pipeline
-                    - plan.time.microbatches
-                    * (plan.time.tp_per_mb + plan.time.pp_per_mb)
-                    / (1 - plan.time.bubble),
-                    "comm_s": plan.time.total
-                    - plan.time.microbatches * plan.time.compute_per_mb / (1 - plan.time.bubble),
-                    "bubble": plan.time.bubble,
+                    "rounds_s": runs[name],
+                    "predicted_s": t.total,
+                    "ratio": t.total / measured,
+                    "gloo_links_s": before,
+                    "gloo_links_ratio": before / measured if before else None,
+                    "compute_s": t.microbatches * t.compute_per_mb,
+                    "tp_s": t.microbatches * t.tp_per_mb,
+                    "pp_s": t.microbatches * t.pp_per_mb,
+                    "dp_s": t.dp_exposed,
+                    "optimizer_s": t.optimizer,
+                    "bubble": t.bubble,
                 }
             )
             r = rows[-1]
             print(
-                f"{kind:<10} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
-                f"{r['predicted_s'] * 1e3:8.1f} ms  ratio {r['ratio']:.2f}",
+                f"{name:<20} measured {measured * 1e3:7.1f} ms  predicted "
+                f"{t.total * 1e3:7.1f} ms  ratio {r['ratio']:.2f}",
                 flush=True,
             )
+    within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.2)
     lines = [
         "# plait plan: predicted vs measured step time, reference GPT on 4 local ranks",
         "",
         f"`.venv/bin/python benchmarks/plan_local.py`: GPT L={LAYERS} h={WIDTH} a={HEADS} "
-        f"s={SEQ} V={VOCAB}, global batch {BATCH}, fp32 Adam, gloo on loopback, 4 ranks on "
-        "2 shared cores (noisy). Calibration: efficiency "
-        f"{efficiency:.3f} from a one-thread step on {share} sequences ({t1 * 1e3:.1f} ms); "
-        f"link alpha {cluster.intra_latency * 1e6:.0f} us, beta "
-        f"{cluster.intra_bandwidth / 1e9:.2f} GB/s from `plait bench comm` all-reduce rows. "
-        "Medians of the slowest rank over "
-        f"{STEPS} steps.",
+        f"s={SEQ} V={VOCAB}, global batch {BATCH}, fp32 Adam, 4 ranks on 2 shared cores "
+        f"(noisy: other jobs ran), transport {cal.transport}. Calibration "
+        f"(`plait.plan.calibrate`, measured in this run): collectives per group size, p2p, "
+        f"matmul {base.peak_flops / 1e9:.1f} GFLOP/s per rank with every rank busy; "
+        f"efficiency {efficiency:.3f} from the plain GPT step on {share} sequences on every "
+        f"rank at once ({t_share * 1e3:.1f} ms). Medians of the slowest rank over {STEPS} "
+        f"steps, median of {ROUNDS} rounds. Within 20%: {within} of {len(rows)}.",
         "",
-        "| layout | planner layout | measured | predicted | predicted / measured | bubble |",
-        "|---|---|---|---|---|---|",
+        "| layout | planner layout | measured | predicted | predicted / measured | compute | "
+        "tp | pp | dp | optimizer | bubble | gloo links: predicted / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ms = 1e3
     for r in rows:
+        gl = f"{r['gloo_links_ratio']:.2f}" if r["gloo_links_ratio"] else "-"
         lines.append(
-            f"| {r['layout']} | {r['planner_layout']} | {r['measured_s'] * 1e3:.1f} ms | "
-            f"{r['predicted_s'] * 1e3:.1f} ms | {r['ratio']:.2f} | {r['bubble']:.1%} |"
+            f"| {r['layout']} | {r['planner_layout']} | {r['measured_s'] * ms:.1f} ms | "
+            f"{r['predicted_s'] * ms:.1f} ms | {r['ratio']:.2f} | {r['compute_s'] * ms:.1f} | "
+            f"{r['tp_s'] * ms:.1f} | {r['pp_s'] * ms:.1f} | {r['dp_s'] * ms:.1f} | "
+            f"{r['optimizer_s'] * ms:.1f} | "
+            f"{r['bubble']:.1%} | {gl} |"
         )
+    lines += [
+        "",
+        "compute, tp, pp, dp, optimizer: the planner's terms in ms (tp and pp summed over the "
+        "micro-batches of the slowest pipeline rank; the bubble on top as shown).",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "plan_local.md").write_text(text)
-    payload = {"efficiency": efficiency, "one_thread_s": t1, "rows": rows}
+    payload = {
+        "efficiency": efficiency,
+        "busy_share_step_s": t_share,
+        "calibration": cal.to_dict(),
+        "rows": rows,
+    }
     (RESULTS / "plan_local.json").write_text(json.dumps(payload, indent=1) + "\n")
     return 0
 

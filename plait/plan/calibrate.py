@@ -13,6 +13,8 @@ call) and every group of a size busy at once (as a layout runs them):
   gathered output of all-gather);
 * ``p2p``: a send one way between the two ranks of each pair (``Mesh(pp=2, dp=n/2)``'s
   pp groups, every pair at once), half a round trip;
+* ``adam``: ``torch.optim.Adam``'s step over a few sizes of parameters, every rank at once
+  (the optimizer step is memory-bound; ZeRO divides it by ``dp``);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
   cores shared as in a run):
@@ -76,6 +78,8 @@ class Calibration:
     transport: str  # "shm" or "gloo": what carried the messages
     links: dict[str, dict[int, Line]]  # collective -> group size -> fit
     gemm: list[tuple[int, int, int, float]] = field(default_factory=list)  # M, K, N, FLOP/s
+    # torch.optim.Adam's step: seconds = latency + parameter elements / bandwidth
+    adam: Line | None = None
     raw: list[dict[str, Any]] = field(default_factory=list)
 
     def line(self, collective: str, n: int) -> Line | None:
@@ -116,7 +120,9 @@ class Calibration:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Calibration:
         links = {c: {int(n): Line(**v) for n, v in per.items()} for c, per in d["links"].items()}
+        adam = d.get("adam")
         return Calibration(
+            adam=Line(**adam) if adam else None,
             ranks=int(d["ranks"]),
             cores=int(d["cores"]),
             transport=str(d["transport"]),
@@ -190,6 +196,49 @@ def _collective(collective: str, numel: int, group: Any) -> Callable[[], object]
     return lambda: comm.reduce_scatter(part, full, group=group)
 
 
+def _gemm_rates(
+    gemms: Sequence[tuple[int, int, int]], *, rounds: int, world: Any
+) -> list[tuple[int, int, int, float]]:
+    """FLOP/s per rank of each shape, every rank at once; the shapes take turns round by
+    round (a noisy moment of a shared machine hits them alike), median over rounds."""
+    import torch
+
+    from plait import comm
+
+    mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
+    # enough repeats for ~20 ms at 50 GFLOP/s: the ranks share the cores for real
+    reps = [max(1, int(1e9 / (2.0 * m * k * n))) for m, k, n in gemms]
+    times: list[list[float]] = [[] for _ in gemms]
+    for a, b in mats:
+        a @ b
+    for _ in range(rounds):
+        for i, (a, b) in enumerate(mats):
+            comm.barrier(group=world)
+            t0 = time.perf_counter()
+            for _ in range(reps[i]):
+                a @ b
+            times[i].append((time.perf_counter() - t0) / reps[i])
+    out = []
+    for (m, k, n), ts in zip(gemms, times, strict=True):
+        out.append((m, k, n, 2.0 * m * k * n / statistics.median(_slowest(ts, world))))
+    return out
+
+
+def _adam_line(world: Any, *, iters: int) -> Line:
+    """``torch.optim.Adam``'s step (PyTorch's default implementation) over 256K and 1M
+    float32 parameter elements in tensors of 16K, every rank at once."""
+    import torch
+
+    pts = []
+    for numel in (1 << 18, 1 << 20):
+        params = [torch.nn.Parameter(torch.randn(1 << 14)) for _ in range(numel >> 14)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        pts.append((float(numel), _time_calls(opt.step, iters, world, block=2)))
+    return fit_line(pts)
+
+
 def measure_rank(
     *, sizes: Sequence[int] = SIZES, iters: int = 8, gemms: Sequence[tuple[int, int, int]] = GEMMS
 ) -> dict[str, Any]:
@@ -234,25 +283,21 @@ def measure_rank(
             pts.append((float(nbytes), t))
             raw.append({"collective": "p2p", "n": 2, "bytes": nbytes, "s": t})
         links["p2p"] = {2: fit_line(pts)}
-    gemm = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for m, k, nn in gemms:
-            a, b = torch.randn(m, k), torch.randn(k, nn)
-            # enough repeats for ~20 ms at 50 GFLOP/s: ranks share the cores for real
-            reps = max(1, int(1e9 / (2.0 * m * k * nn)))
-
-            def matmuls(a: torch.Tensor = a, b: torch.Tensor = b, reps: int = reps) -> None:
-                for _ in range(reps):
-                    a @ b
-
-            t = _time_calls(matmuls, max(3, iters // 2), world, block=1) / reps
-            gemm.append((m, k, nn, 2.0 * m * k * nn / t))
+        gemm = _gemm_rates(gemms, rounds=max(3, iters // 2), world=world)
+        adam = _adam_line(world, iters=max(3, iters // 2))
     finally:
         torch.set_num_threads(threads)
     cal = Calibration(
-        ranks=n, cores=os.cpu_count() or 1, transport=transport, links=links, gemm=gemm, raw=raw
+        ranks=n,
+        cores=os.cpu_count() or 1,
+        transport=transport,
+        links=links,
+        gemm=gemm,
+        adam=adam,
+        raw=raw,
     )
     return cal.to_dict()
 
@@ -298,6 +343,11 @@ def format_calibration(cal: Calibration) -> str:
     for c, per in cal.links.items():
         for n, ln in sorted(per.items()):
             lines.append(f"{c:<16}{n:>3}{ln.latency * 1e6:>14.1f}{ln.bandwidth / 1e9:>18.3f}")
+    if cal.adam is not None:
+        a = cal.adam
+        lines.append(
+            f"{'adam step':<16}{'':>3}{a.latency * 1e6:>14.1f}{a.bandwidth / 1e9:>14.3f} G params/s"
+        )
     lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
     for m, k, n, r in cal.gemm:
         lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")

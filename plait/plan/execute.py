@@ -19,7 +19,8 @@ anything else with ``pp``, ``tp``,      :func:`plait.strategies.compose.compose`
 :class:`Built` gives ``step()`` (forward and backward of this rank's rows of the global
 batch, every micro-batch), the optimizer, and ``held()``: the object
 :func:`plait.plan.memory.measure` reads for this rank's model states. Recomputation and
-2D/3D tensor modes are not built (refused, naming the field).
+2D/3D tensor modes, gradient accumulation without a pipeline, ZeRO-3 with tp or pp and
+expert parallelism with tp, pp or ZeRO are not built (:func:`supported` says why).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ class _Held:
         return {"params": list(self.params), "grads": grads}
 
 
+def supported(layout: Layout, job: Job) -> str | None:
+    """Why :func:`build` cannot run ``layout``, or None if it can."""
+    lay = layout
+    if lay.recompute != "none" or lay.tp_mode != "1d":
+        return f"recompute={lay.recompute!r}, tp_mode={lay.tp_mode!r}: only 'none', '1d' are built"
+    if lay.ep > 1 and (lay.tp > 1 or lay.pp > 1 or lay.zero):
+        return "ep with tp, pp or ZeRO is not built here"
+    if lay.pp == 1 and lay.microbatches(job) != 1:
+        return "without a pipeline one micro-batch per step (no gradient accumulation)"
+    if lay.zero == 3 and (lay.tp > 1 or lay.pp > 1):
+        return "ZeRO-3 (FSDP) only with pure data parallelism"
+    if lay.zero == 2 and lay.pp > 1:
+        return "ZeRO-2 only without a pipeline"
+    return None
+
+
 def _rows(x: torch.Tensor, index: int, shards: int) -> torch.Tensor:
     share = x.shape[0] // shards
     return x[index * share : (index + 1) * share]
@@ -86,11 +103,9 @@ def build(
         raise ValueError(
             f"ids has {ids.shape[0]} rows; the job's global_batch is {job.global_batch}"
         )
-    if lay.recompute != "none" or lay.tp_mode != "1d":
-        raise ValueError(
-            f"execute.build runs recompute='none', tp_mode='1d'; got recompute="
-            f"{lay.recompute!r}, tp_mode={lay.tp_mode!r}"
-        )
+    why = supported(lay, job)
+    if why is not None:
+        raise ValueError(f"execute.build: layout {lay.label()}: {why}")
     gpt: Any = model
     cfg: Any = gpt.config
     block_type: Any = type(gpt.blocks[0])
@@ -101,8 +116,6 @@ def build(
         return F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
 
     if lay.ep > 1:
-        if lay.tp > 1 or lay.pp > 1:
-            raise ValueError(f"execute.build: ep with tp or pp is not built ({lay.label()})")
         wrapped, opt = plait.prepare(
             model, adam, strategy="ep", mesh=plait.Mesh(ep=lay.ep, dp=lay.dp)
         )
@@ -121,14 +134,12 @@ def build(
         wrapped, opt = plait.prepare(model, adam, strategy=kind, **extra)  # type: ignore[arg-type]
         assert opt is not None
         xs, ys = _rows(ids, world.rank, world.size), _rows(targets, world.rank, world.size)
-        m = lay.microbatches(job)
 
         def dp_step() -> None:
-            for x, y in zip(xs.chunk(m), ys.chunk(m), strict=True):
-                ce(wrapped(x), y).backward()
+            ce(wrapped(xs), ys).backward()
 
         return Built(dp_step, opt, lambda: wrapped, 0, kind)
-    if lay.pp == 1 and lay.dp == 1 and not lay.sp and lay.microbatch == job.global_batch:
+    if lay.pp == 1 and lay.dp == 1 and not lay.sp:
         from plait.strategies.tensor import loss_fn
 
         wrapped, opt = plait.prepare(model, adam, strategy="tp", mesh=plait.Mesh(tp=lay.tp))
@@ -161,4 +172,4 @@ def build(
     )
 
 
-__all__ = ["Built", "build"]
+__all__ = ["Built", "build", "supported"]

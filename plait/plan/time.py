@@ -43,11 +43,20 @@ ZB-H1 ``(p-1)/(3m+p-1)`` (:func:`plait.strategies.pipeline.simulate.formula_bubb
 ``(p-1)/(6m+p-1)`` (its fill, which the simulator measures; :func:`bubble` can run the
 simulator instead for small pipelines).
 
+With a calibration (:mod:`plait.plan.calibrate`, the CPU preset), every collective above is
+its measured line for the group size instead of the ring formula, and the optimizer step
+is added: ``torch.optim.Adam``'s measured seconds for the elements this rank updates (its
+parameters, over ``dp`` under ZeRO). On ranks that share cores (``Cluster.shared_cores``)
+a rank idle in the bubble lends its share of the cores to the busy ones, so the pipeline
+term becomes ``max(m t_mb, m t_mb' / (1 - beta))``, ``t_mb'`` with the compute at up to a
+whole core (``Cluster.alone_speedup``): all the work at the shared speed, or the
+schedule's critical path, whichever is longer.
+
 Overlap rules (:class:`Overlap`, all 0 by default, as Megatron-LM ran for the published
 runs): ``dp`` the share of the data-parallel reduction hidden behind the backward pass
 (DDP's buckets hide most of it when ``p = 1``), ``tp`` and ``pp`` the share of tensor- and
-pipeline-parallel traffic hidden behind compute. Not counted: the optimizer step, the
-data loader, kernel launch gaps beyond what ``efficiency`` absorbs, stragglers.
+pipeline-parallel traffic hidden behind compute. Not counted: the optimizer step (unless
+calibrated), the data loader, kernel launch gaps beyond what ``efficiency`` absorbs, stragglers.
 """
 
 from __future__ import annotations
@@ -101,6 +110,7 @@ class StepTime:
     mfu: float
     hfu: float
     comm: tuple[GroupComm, ...] = field(default=())
+    optimizer: float = 0.0  # the optimizer step (measured rate; 0 without a calibration)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -302,9 +312,7 @@ def step_time(
                 head_b, head_s = _tp_head_grid(model, job, lay, cluster)
                 tp_s, tp_b = tp_s + head_s, tp_b + head_b
             elif lay.tp > 1:  # column-parallel head: dX all-reduce; the loss's three
-                tp_s += collective_seconds(
-                    cluster, "all_reduce", lay.tp, act, inter_node=tp_inter
-                )
+                tp_s += collective_seconds(cluster, "all_reduce", lay.tp, act, inter_node=tp_inter)
                 tp_s += 3 * collective_seconds(
                     cluster, "all_reduce", lay.tp, tokens * 4, inter_node=tp_inter
                 )
@@ -363,7 +371,13 @@ def step_time(
         )
         dp_b += zero3 * 2 * (dp_exp_n - 1) / dp_exp_n * expert * grad_bytes
     dp_exposed = (1 - ov.dp) * dp_s
-    total = pipeline + dp_exposed
+    optimizer = 0.0
+    adam = cluster.calibration.adam if cluster.calibration is not None else None
+    if adam is not None and job.optimizer in ("adam", "adamw"):
+        # the elements this rank's optimizer updates: ZeRO shards them over the data ranks
+        updated = dense / (dp_dense_n if lay.zero else 1) + expert / (dp_exp_n if lay.zero else 1)
+        optimizer = adam.seconds(updated)
+    total = pipeline + dp_exposed + optimizer
 
     model_flops = model.flops_per_iteration(batch=job.global_batch, seq=s)
     hw_flops = model.flops_per_iteration(batch=job.global_batch, seq=s, recompute=lay.recompute)
@@ -391,6 +405,7 @@ def step_time(
         model_flops / peak,
         hw_flops / peak,
         comm,
+        optimizer,
     )
 
 
