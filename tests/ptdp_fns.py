@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 import plait
 from plait.models import GPT, GPTConfig
+from plait.models.gpt import MoEConfig
 from plait.strategies.compose import compose
 
 STEPS, BATCH, LR = 3, 4, 1e-2
@@ -23,6 +24,9 @@ class Case:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
+    moe: float | None = None  # MoE blocks with this capacity factor (None: dense MLPs)
+    batch: int = BATCH
     microbatches: int = 2
     zero: int = 0
     sp: bool = False
@@ -35,7 +39,9 @@ class Case:
 
     @property
     def name(self) -> str:
-        parts = [f"{d}{n}" for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if n > 1]
+        dims = (("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("tp", self.tp))
+        parts = [f"{d}{n}" for d, n in dims if n > 1]
+        parts += [f"moe{self.moe}"] if self.moe is not None else []
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += ["sp"] if self.sp else []
         parts += ["tied"] if self.tied else []
@@ -45,12 +51,33 @@ class Case:
         return "x".join(parts)
 
 
-def config(tied: bool) -> GPTConfig:
+def config(tied: bool, moe: float | None = None) -> GPTConfig:
     # 2 blocks = 4 pipeline layers (pp <= 4); 4 heads, width 16, 8 tokens: tp 1, 2, 4;
-    # vocab 13 is padded under tp
+    # vocab 13 is padded under tp. With moe: block 1 is a top-2 GShard MoE of 4 experts
+    # (random second expert, auxiliary and z-losses on) with capacity factor ``moe``
+    # (4.0: C = S, nothing dropped; 1.0: C = 4 of 8 tokens' 16 choices, some dropped)
+    experts = None
+    if moe is not None:
+        experts = MoEConfig(
+            num_experts=4, top_k=2, capacity_factor=moe, z_loss_weight=1e-3, seed=7
+        )
     return GPTConfig(
-        vocab=13, layers=2, heads=4, width=16, seq_len=8, tied=tied, dtype=torch.float64
+        vocab=13,
+        layers=2,
+        heads=4,
+        width=16,
+        seq_len=8,
+        tied=tied,
+        dtype=torch.float64,
+        moe=experts,
     )
+
+
+def mesh_of(case: Case) -> plait.Mesh:
+    """``Mesh(pp, dp, tp)``, with ``ep`` when the case has MoE blocks."""
+    if case.moe is None:
+        return plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    return plait.Mesh(pp=case.pp, dp=case.dp, ep=case.ep, tp=case.tp)
 
 
 def batch(step: int, cfg: GPTConfig, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,20 +88,22 @@ def batch(step: int, cfg: GPTConfig, size: int = BATCH) -> tuple[torch.Tensor, t
 
 def oracle(case: Case) -> dict[str, Any]:
     """One process, the dense GPT, each optimizer step on the union of its batches."""
-    cfg = config(case.tied)
+    cfg = config(case.tied, case.moe)
     model = GPT(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        parts = [batch(step * case.accumulate + a, cfg) for a in range(case.accumulate)]
+        parts = [
+            batch(step * case.accumulate + a, cfg, case.batch) for a in range(case.accumulate)
+        ]
         x = torch.cat([p[0] for p in parts])
         y = torch.cat([p[1] for p in parts])
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1)).backward()
         for a in range(case.accumulate):
             with torch.no_grad():
-                rows = slice(a * BATCH, (a + 1) * BATCH)
+                rows = slice(a * case.batch, (a + 1) * case.batch)
                 losses.append(
                     F.cross_entropy(logits[rows].reshape(-1, cfg.vocab), y[rows].reshape(-1)).item()
                 )
@@ -86,8 +115,8 @@ def oracle(case: Case) -> dict[str, Any]:
 
 def train(case: Case) -> dict[str, Any]:
     """This rank's part of ``case`` for STEPS optimizer steps; the dense state at the end."""
-    cfg = config(case.tied)
-    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    cfg = config(case.tied, case.moe)
+    mesh = mesh_of(case)
     model = GPT(cfg)
     def via_prepare(model: Any, optimizer: Any, **options: Any) -> Any:
         return plait.prepare(model, optimizer, strategy="ptdp", **options)
@@ -110,7 +139,7 @@ def train(case: Case) -> dict[str, Any]:
     for step in range(STEPS):
         opt.zero_grad()
         for a in range(case.accumulate):
-            x, y = batch(step * case.accumulate + a, cfg)
+            x, y = batch(step * case.accumulate + a, cfg, case.batch)
             losses.append(ptdp.step(x, y).item())
         if case.clip is not None:
             norms.append(ptdp.clip_grad_norm_(case.clip).item())

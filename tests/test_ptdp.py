@@ -60,7 +60,7 @@ def _compare(case: Case, results: list[dict]) -> None:
         assert got["norms"] == pytest.approx(want["norms"], abs=TOL), f"rank {rank} norms"
     if case.clip is not None:
         assert max(want["norms"]) > case.clip, "the test must actually clip"
-    dense = sum(v.numel() for v in GPT(fns.config(case.tied)).parameters())
+    dense = sum(v.numel() for v in GPT(fns.config(case.tied, case.moe)).parameters())
     if case.tp * case.pp > 1:
         assert max(r["local"] for r in results) < dense, "every rank holds the whole model"
 
@@ -73,6 +73,10 @@ def test_four_ranks_match_one_process(ranks, case):
 def test_eight_ranks_dp2_tp2_pp2(ranks):
     case = Case(dp=2, tp=2, pp=2, zero=1, sp=True, clip=0.05)
     _compare(case, ranks(8, fns.train, case, timeout=240))
+
+
+def _moe(**options):
+    return GPT(GPTConfig(vocab=13, layers=2, heads=2, width=8, moe=MoEConfig(**options)))
 
 
 def _layout(**kw):
@@ -94,7 +98,9 @@ def _layout(**kw):
     ("kwargs", "words"),
     [
         ({"shape": {"pp": 1, "dp": 4}}, ["Mesh(pp=.., dp=.., tp=..)", "size 1"]),
-        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "ep": 2}}, ["['ep']"]),
+        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "cp": 2}}, ["['cp']", "ep=.."]),
+        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "ep": 2}}, ["ep=2", "no MoE blocks"]),
+        ({"tp_mode": "2d"}, ["tp_mode='2d'", "tp_mode='1d'", "strategy='tp'"]),
         ({"shape": {"pp": 1, "dp": 1, "tp": 3}}, ["tp=3", "heads = 4"]),
         ({"shape": {"pp": 5, "dp": 1, "tp": 1}}, ["pp=5", "4 layers"]),
         (
@@ -118,10 +124,14 @@ def _layout(**kw):
             ["tied", "zero=1 with pp=2"],
         ),
         ({"model": torch.nn.Linear(2, 2)}, ["plait.models.GPT", "Linear"]),
+        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "ep": 3}, "model": _moe()}, ["ep=3", "4"]),
         (
-            {"model": GPT(GPTConfig(vocab=13, layers=2, heads=2, width=8, moe=MoEConfig()))},
-            ["MoE", "'ep'"],
+            {"shape": {"pp": 1, "dp": 1, "tp": 2}, "sequence_parallel": True, "model": _moe()},
+            ["sequence parallelism with MoE"],
         ),
+        ({"shape": {"pp": 1, "dp": 2, "tp": 1, "ep": 2}, "zero": 1, "model": _moe()}, ["zero=0"]),
+        ({"model": _moe(aux_loss="switch")}, ["aux_loss='switch'", "'gshard'"]),
+        ({"model": _moe(bias_update_rate=1e-3)}, ["bias_update_rate=0"]),
     ],
 )
 def test_layouts_the_mesh_cannot_build_are_refused(kwargs, words):

@@ -16,15 +16,18 @@ from the dense shape)
 replicated over tp (LayerNorm, a    tp rank 0 only
 row-parallel bias, SP params)
 tied across two pipeline ranks      the lower pp rank only
+replicated over ep (not an expert)  ep rank 0 only (an expert: every ep rank, the sum
+                                    also runs over ep; :mod:`.experts`)
 replicated over dp (plain DP)       every dp rank, but the sum runs over tp and pp only
 ZeRO-1/2 over dp                    the dp rank whose shard holds the range (the sum
                                     also runs over dp)
 =================================  ===============================================
 
-Communication: :func:`global_grad_norm` all-reduces one scalar over tp, then pp (then dp
-under ZeRO); :func:`assemble` all-gathers each tensor-parallel layer over tp
-(``full_state``) and broadcasts each stage's dense tensors over pp, one flat tensor per
-(stage rank, dtype): the dense model's bytes cross the pp group once.
+Communication: :func:`global_grad_norm` all-reduces one scalar over tp, then pp (then ep
+with experts, dp under ZeRO); :func:`assemble` all-gathers each tensor-parallel layer over
+tp (``full_state``), broadcasts the experts over ep (one flat tensor per ep rank and dtype)
+and each stage's dense tensors over pp (:func:`broadcast_stages`, one flat tensor per
+(stage rank, dtype)): the dense model's bytes cross the pp group once.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class Counted:
     param: nn.Parameter
     split: bool  # over tp
     counted: bool
+    expert: bool = False  # an expert's (split over ep)
 
 
 def count_params(
@@ -88,9 +92,13 @@ def count_params(
     tp_rank: int,
     tied_peers: dict[int, int],
     pp_rank: int,
+    experts: set[int] | None = None,
+    ep_rank: int = 0,
 ) -> list[Counted]:
     """This rank's parameters (each once, in stage order) with their counting rule
-    (module docstring). ``tied_peers``: id(param) -> the other pp rank that holds it."""
+    (module docstring). ``tied_peers``: id(param) -> the other pp rank that holds it;
+    ``experts``: the ids of the expert parameters (split over ep)."""
+    experts = experts or set()
     out: list[Counted] = []
     seen: set[int] = set()
     for stage in stages:
@@ -103,7 +111,10 @@ def count_params(
             peer = tied_peers.get(id(p))
             if peer is not None and peer < pp_rank:
                 counted = False
-            out.append(Counted(name, p, split, counted))
+            expert = id(p) in experts
+            if not expert and ep_rank != 0:
+                counted = False
+            out.append(Counted(name, p, split, counted, expert))
     return out
 
 
@@ -167,22 +178,46 @@ def assemble(
     *,
     pp_group: Group,
     algorithm: str,
+    ep_group: Group | None = None,
+    expert_owner: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The dense model's state dict, keys in the dense order, on every rank.
 
-    Collective over the tp group (each tensor-parallel layer's ``full_state``) and the pp
+    Collective over the tp group (each tensor-parallel layer's ``full_state``), the ep
+    group when ``ep_group`` is given (``expert_owner``: key -> ep rank of every expert
+    tensor of this rank's stages) and the pp
     group (one broadcast per stage rank and dtype)."""
+    from plait.strategies.compose.experts import gather_experts
     from plait.strategies.tensor.parallelize import full_state_dict as tp_full_state
 
     local: dict[str, torch.Tensor] = {}
     for stage in stages:
         local.update(tp_full_state(stage))
+    if ep_group is not None and expert_owner:
+        wanted = {k: index.shapes[k] for k in expert_owner}
+        gather_experts(local, wanted, expert_owner, ep_group=ep_group, algorithm=algorithm)
+    return broadcast_stages(
+        local, index.shapes, index.owner, pp_group=pp_group, algorithm=algorithm
+    )
+
+
+def broadcast_stages(
+    local: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[torch.Size, torch.dtype]],
+    owner: dict[str, int],
+    *,
+    pp_group: Group,
+    algorithm: str,
+) -> dict[str, torch.Tensor]:
+    """Every key of ``shapes`` on every rank: each pp rank broadcasts the tensors it owns
+    (``owner``: key -> pp rank) from ``local``, one flat tensor per dtype. Keys in the order
+    of ``shapes``. Collective over ``pp_group``."""
     out: dict[str, torch.Tensor] = {}
     for src in range(pp_group.size):
-        keys = [k for k in index.shapes if index.owner[k] == src]
-        for dtype in sorted({index.shapes[k][1] for k in keys}, key=str):
-            mine = [k for k in keys if index.shapes[k][1] == dtype]
-            numels = [math.prod(index.shapes[k][0]) for k in mine]
+        keys = [k for k in shapes if owner[k] == src]
+        for dtype in sorted({shapes[k][1] for k in keys}, key=str):
+            mine = [k for k in keys if shapes[k][1] == dtype]
+            numels = [math.prod(shapes[k][0]) for k in mine]
             if src == pp_group.rank:
                 missing = [k for k in mine if k not in local]
                 if missing:
@@ -194,5 +229,5 @@ def assemble(
                 flat = torch.empty(sum(numels), dtype=dtype)
             ops.broadcast(flat, src, group=pp_group, algorithm=algorithm)
             for k, part in zip(mine, flat.split(numels), strict=True):
-                out[k] = part.view(index.shapes[k][0]).clone()
-    return {k: out[k] for k in index.shapes}
+                out[k] = part.view(shapes[k][0]).clone()
+    return {k: out[k] for k in shapes}

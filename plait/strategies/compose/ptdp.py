@@ -53,12 +53,15 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from plait.amp import DynamicLossScaler
 from plait.comm import ops
+from plait.comm.group import Group
 from plait.strategies.compose.check import Sizes, check_batch, check_layout
 from plait.strategies.compose.dense import (
     Counted,
@@ -69,6 +72,15 @@ from plait.strategies.compose.dense import (
     norm_terms,
     shard_terms,
 )
+from plait.strategies.compose.experts import (
+    MicroBatches,
+    average,
+    expert_owner,
+    shard_experts,
+    tp_plan_without_experts,
+)
+from plait.strategies.compose.scaling import Unscaler, install
+from plait.strategies.moe.layer import moe_layers
 
 
 class PTDP:
@@ -86,9 +98,10 @@ class PTDP:
         microbatches: int = 1,
         chunks: int | None = None,
         zero: int = 0,
+        scaler: DynamicLossScaler | None = None,
+        tp_mode: str = "1d",
         algorithm: str = "auto",
     ) -> None:
-        from plait.models.gpt import tp_plan as gpt_plan
         from plait.strategies.pipeline import PipelineParallel
         from plait.strategies.pipeline.split import layers_of
         from plait.strategies.tensor import loss_fn, parallelize
@@ -102,6 +115,7 @@ class PTDP:
             chunks=chunks,
             sequence_parallel=sequence_parallel,
             custom_plan=tp_plan is not None,
+            tp_mode=tp_mode,
         )
         if len(optimizer.param_groups) != 1 or optimizer.state:
             raise ValueError(
@@ -110,27 +124,70 @@ class PTDP:
             )
         self.mesh = mesh
         self.algorithm = algorithm
+        self.scaler = scaler
         self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
         self.dp_group = mesh.group("dp")
+        self.ep_group: Group | None = mesh.group("ep") if self.sizes.ep > 1 else None
+        # the batch is cut over dp x ep; the dense gradients average over the same ranks
+        self.batch_group: Group = (
+            mesh.submesh("dp", "ep").group("dp", "ep") if self.ep_group else self.dp_group
+        )
+        self.batch_rank = mesh.rank("dp") * self.sizes.ep + (
+            mesh.rank("ep") if self.ep_group else 0
+        )
         dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.param_names = [n for n, _ in model.named_parameters()]
+        # state-dict keys of a shared parameter (a tied head) -> its parameter name
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.aliases = {
+            k: names[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in names
+        }
+        self.config: Any = model.config
+        self.optimizer_class = type(optimizer)
         cfg: Any = model.config
+        layers_moe = moe_layers(model)
+        experts = shard_experts(model, ep_group=self.ep_group)
         if self.sizes.tp > 1:
-            plan = tp_plan or gpt_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
+            plan = tp_plan or tp_plan_without_experts(cfg, sequence_parallel=sequence_parallel)
             parallelize(model, self.tp_group, plan, algorithm=algorithm)
         layers = layers_of(model)
+        base_loss = loss_fn(model)
+        self._loss_scale = 1.0
+
+        def scaled_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = base_loss(y, target)
+            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
+
         self.pipe = PipelineParallel(
             model,
             group=self.pp_group,
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
-            loss_fn=loss_fn(model),
+            loss_fn=scaled_loss,
         )
         part = self.pipe.partition
         assert part.placement is not None
         self.index = DenseIndex.record(dense, layers, part.bounds, part.placement)
         del dense
         stages = list(self.pipe.stages.values())
+        held = {id(m) for stage in stages for m in stage.modules()}
+        local_moe = {n: m for n, m in layers_moe.items() if id(m) in held}
+        self.moe = (
+            MicroBatches(
+                local_moe,
+                microbatches=microbatches,
+                replicas=self.sizes.replicas,
+                batch_rank=self.batch_rank,
+            )
+            if local_moe
+            else None
+        )
+        self.expert_owner: dict[str, int] = {}
+        for key in self.index.shapes:
+            owner = expert_owner(key, local_moe, self.sizes.ep)
+            if owner is not None:
+                self.expert_owner[key] = owner
         tied = {id(p): peer for p, peer in self.pipe.runtime.tied}
         self.counted: list[Counted] = count_params(
             stages,
@@ -138,9 +195,12 @@ class PTDP:
             tp_rank=self.tp_group.rank,
             tied_peers=tied,
             pp_rank=self.pp_group.rank,
+            experts=experts,
+            ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
         params = [c.param for c in self.counted]
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer
 
@@ -154,7 +214,17 @@ class PTDP:
             )
         else:
             self.optimizer = type(optimizer)(params, **hyper)
+        sharded_unscale = self.optimizer.unscale_grads_ if zero else None  # type: ignore[attr-defined]
+        self._sharded_unscale = sharded_unscale
         self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
+        self.unscaler = Unscaler(
+            self.parameters,
+            groups=self.mesh_groups(),
+            algorithm=algorithm,
+            sync=self.sync_gradients,
+            sharded=sharded_unscale,
+        )
+        install(self.optimizer, self.unscaler)
         self._pending = 0  # steps whose gradients are not yet averaged
         # zero_grad drops the gradients of the pending steps, so it forgets them too (a
         # step taken only to evaluate, then zero_grad, must not scale the next ones by 1/2)
@@ -162,25 +232,45 @@ class PTDP:
 
         def forget_and_zero(set_to_none: bool = True) -> None:
             self._pending = 0
+            self.unscaler.reset()
             zero_grad(set_to_none)
 
         self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
 
+    def mesh_groups(self) -> list[Group]:
+        """The groups of this rank, one per mesh dimension (tp, pp, ep, dp)."""
+        groups = [self.tp_group, self.pp_group]
+        return groups + ([self.ep_group] if self.ep_group else []) + [self.dp_group]
+
     # --- training ------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's dp rows of the global batch ``inputs`` /
-        ``targets`` (the same on every rank) through the pipeline; returns the mean loss
-        over the global batch, on every rank. Gradients accumulate (zero them with the
+        ``targets`` (the same on every rank) through the pipeline (the loss multiplied by
+        the scaler's scale, if any); returns the mean loss over the global batch, unscaled,
+        on every rank. Gradients accumulate (zero them with the
         optimizer). Collective over the whole mesh."""
         check_batch(inputs, targets, self.sizes)
-        rows = inputs.shape[0] // self.sizes.dp
-        d = self.mesh.rank("dp")
-        loss = self.pipe.step(
-            inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
-        ).detach()
-        ops.all_reduce(loss, "sum", group=self.dp_group, algorithm=self.algorithm)
+        if self.unscaler.found is not None:
+            raise RuntimeError(
+                "ptdp.step: the gradients were already unscaled for this optimizer step "
+                "(clip_grad_norm_ or the scaler); step the optimizer (scaler.step(opt)) or "
+                "zero_grad before the next step"
+            )
+        rows = inputs.shape[0] // self.sizes.replicas
+        d = self.batch_rank
+        self._loss_scale = self.scaler.scale_value if self.scaler is not None else 1.0
+        if self.moe is not None:
+            self.moe.start(pending=self._pending, loss_scale=self._loss_scale)
+        try:
+            loss = self.pipe.step(
+                inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
+            ).detach()
+        finally:
+            if self.moe is not None:
+                self.moe.finish()
+        ops.all_reduce(loss, "sum", group=self.batch_group, algorithm=self.algorithm)
         self._pending += 1
-        return loss / self.sizes.dp
+        return loss / (self.sizes.replicas * self._loss_scale)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.step(inputs, targets)
@@ -189,15 +279,25 @@ class PTDP:
     def sync_gradients(self) -> None:
         """Make the gradients the dense gradient of the mean loss over every batch since
         the last optimizer step: divided by the number of ``step`` calls, averaged over dp
-        (zero=0: one all-reduce of the flattened gradients; under ZeRO the optimizer
-        reduce-scatters them itself). Runs by itself before ``optimizer.step()`` and in
-        ``clip_grad_norm_``; a no-op when nothing is pending. Collective over dp."""
+        (zero=0: one all-reduce of the flattened gradients; with MoE blocks one over
+        dp x ep for the dense ones and one over dp for the experts, :mod:`.experts`; under
+        ZeRO the optimizer reduce-scatters them itself). Runs by itself before
+        ``optimizer.step()`` and in ``clip_grad_norm_``; a no-op when nothing is pending.
+        Collective over dp (and dp x ep)."""
         k, self._pending = self._pending, 0
         if k == 0:
             return
-        if self.sizes.zero:
+        if self._sharded_unscale is not None:
             if k > 1:
-                self.optimizer.unscale_grads_(1.0 / k)  # type: ignore[attr-defined]
+                self._sharded_unscale(1.0 / k)
+            return
+        n = self.sizes.replicas * k
+        if self.moe is not None or self.sizes.ep > 1:
+            # experts: over the dp ranks holding them; the rest over dp x ep (.experts)
+            dense = [c.param for c in self.counted if not c.expert]
+            expert = [c.param for c in self.counted if c.expert]
+            average(dense, self.batch_group, divide=n, algorithm=self.algorithm)
+            average(expert, self.dp_group, divide=n, algorithm=self.algorithm)
             return
         grads = [c.param.grad for c in self.counted if c.param.grad is not None]
         if not grads:
@@ -219,6 +319,8 @@ class PTDP:
         if not norm_type > 0:
             raise ValueError(f"ptdp.clip_grad_norm_: norm_type must be positive, got {norm_type}")
         self.sync_gradients()
+        if self.scaler is not None:
+            self.unscaler.unscale(1.0 / self.scaler.scale_value)
         dtype = torch.promote_types(self.counted[0].param.dtype, torch.float32)
         if self.sizes.zero:
             opt: Any = self.optimizer
@@ -230,6 +332,8 @@ class PTDP:
             flat = None
             terms = norm_terms(self.counted, norm_type)
             groups = [self.tp_group, self.pp_group]
+            if self.ep_group is not None:
+                groups.append(self.ep_group)
         total = global_grad_norm(
             terms, norm_type, groups=groups, algorithm=self.algorithm, dtype=dtype
         )
@@ -256,14 +360,45 @@ class PTDP:
             self.index,
             pp_group=self.pp_group,
             algorithm=self.algorithm,
+            ep_group=self.ep_group,
+            expert_owner=self.expert_owner,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}``: the dense GPT's state dict and the plain
+        optimizer's over its parameters, the same on every rank (:mod:`.state`).
+        Collective over the whole mesh."""
+        from plait.strategies.compose import state
+
+        return state.state_dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Keep this rank's part of a :meth:`state_dict` from any layout (or of a dense
+        GPT's and its optimizer's, from one process). No communication."""
+        from plait.strategies.compose import state
+
+        state.load_state_dict(self, dict(state_dict["model"]), state_dict.get("optimizer"))
+
+    def save(self, root: str | Path, *, step: int, **options: Any) -> Path:
+        """A :mod:`plait.checkpoint` of the dense state, loadable into any layout or
+        strategy (:func:`.state.save`). Collective over the mesh."""
+        from plait.strategies.compose import state
+
+        return state.save(self, root, step=step, **options)
+
+    def load(self, root: str | Path, **options: Any) -> Any:
+        """Load a :mod:`plait.checkpoint` of a dense GPT and its optimizer, saved by any
+        layout or strategy, into this one (:func:`.state.load`). Collective."""
+        from plait.strategies.compose import state
+
+        return state.load(self, root, **options)
 
     def __repr__(self) -> str:
         s = self.sizes
         return (
-            f"PTDP(pp={s.pp}, dp={s.dp}, tp={s.tp}, schedule={self.pipe.schedule.name!r}, "
-            f"microbatches={s.microbatches}, zero={s.zero}, sequence_parallel="
-            f"{s.sequence_parallel})"
+            f"PTDP(pp={s.pp}, dp={s.dp}, ep={s.ep}, tp={s.tp}, "
+            f"schedule={self.pipe.schedule.name!r}, microbatches={s.microbatches}, "
+            f"zero={s.zero}, sequence_parallel={s.sequence_parallel})"
         )
 
 
@@ -278,6 +413,8 @@ def compose(
     microbatches: int = 1,
     chunks: int | None = None,
     zero: int = 0,
+    scaler: DynamicLossScaler | None = None,
+    tp_mode: str = "1d",
     algorithm: str = "auto",
 ) -> PTDP:
     """``model`` (a :class:`plait.models.GPT`, built with the same seed on every rank)
@@ -303,6 +440,8 @@ def compose(
         microbatches=microbatches,
         chunks=chunks,
         zero=zero,
+        scaler=scaler,
+        tp_mode=tp_mode,
         algorithm=algorithm,
     )
 

@@ -1,0 +1,98 @@
+"""Loss scaling through PTD-P with :class:`plait.amp.DynamicLossScaler`, unchanged::
+
+    scaler = plait.amp.DynamicLossScaler(init_scale=2.0**16)
+    ptdp = compose(model, opt, mesh=mesh, scaler=scaler)
+    opt = ptdp.optimizer
+    loss = ptdp.step(x, y)          # backward of scale * loss; returns the unscaled loss
+    ptdp.clip_grad_norm_(1.0)       # optional: unscales first (once)
+    stepped = scaler.step(opt)      # unscale (unless clipping did), agree, step or skip
+
+``ptdp.step`` multiplies every micro-batch's loss by ``scaler.scale_value`` (and the MoE
+auxiliary losses alike, :mod:`.experts`). The scaler finds the optimizer's
+``unscale_grads_``, which :func:`install` points at :func:`unscale`: the gradients are
+multiplied by ``1 / scale`` once per optimizer step (a second call, e.g. clipping then
+``scaler.step``, only returns the flag), and the found-inf flag (1.0 when any gradient of
+any rank is inf or nan) is reduced with ``max`` over tp, pp, ep and dp, so every rank of
+the mesh skips the same steps. The scaler then all-reduces the flag once more over its own
+``group`` (``None``: the world) and halves its scale on every rank alike.
+
+A power-of-two scale commutes exactly with floating-point arithmetic (away from overflow
+and subnormals): when nothing overflows, the steps are those of the unscaled run.
+
+Communication: one scalar all-reduce (max) per group of the mesh per optimizer step; under
+ZeRO the optimizer's own ``unscale_grads_`` (the gradient reduce-scatter, which ``step``
+then reuses, and one scalar all-reduce over dp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from plait.comm import ops
+from plait.comm.group import Group
+
+
+class Unscaler:
+    """The state of one optimizer step's unscaling (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: Callable[[], Sequence[torch.nn.Parameter]],
+        *,
+        groups: Sequence[Group],
+        algorithm: str,
+        sync: Callable[[], None],
+        sharded: Callable[[float], torch.Tensor] | None,
+    ) -> None:
+        self.params = params
+        self.groups = list(groups)
+        self.algorithm = algorithm
+        self.sync = sync
+        self.sharded = sharded  # ZeroOptimizer.unscale_grads_ (the original), or None
+        self.found: torch.Tensor | None = None  # set once this step's gradients are unscaled
+
+    def reset(self) -> None:
+        """A new optimizer step: the next :meth:`unscale` unscales again."""
+        self.found = None
+
+    @torch.no_grad()
+    def unscale(self, inv_scale: float | torch.Tensor) -> torch.Tensor:
+        """Multiply the gradients by ``inv_scale`` (once per optimizer step); the agreed
+        found-inf flag (float32 scalar, 1.0 or 0.0, equal on every rank of the mesh).
+        Collective over every group of the mesh."""
+        if self.found is not None:
+            return self.found
+        self.sync()
+        if self.sharded is not None:
+            found = self.sharded(float(inv_scale)).to(torch.float32).reshape(())
+        else:
+            found = torch.zeros((), dtype=torch.float32)
+            for p in self.params():
+                if p.grad is None:
+                    continue
+                p.grad.mul_(inv_scale)
+                if not bool(torch.isfinite(p.grad).all()):
+                    found.fill_(1.0)
+        for g in self.groups:
+            if g.size > 1:
+                ops.all_reduce(found, "max", group=g, algorithm=self.algorithm)
+        self.found = found
+        return found
+
+
+def install(optimizer: torch.optim.Optimizer, unscaler: Unscaler) -> None:
+    """Point ``optimizer.unscale_grads_`` (what :class:`plait.amp.DynamicLossScaler`
+    calls) at ``unscaler`` and forget the unscaling after every ``step``."""
+
+    def unscale_grads_(inv_scale: float | torch.Tensor) -> torch.Tensor:
+        return unscaler.unscale(inv_scale)
+
+    optimizer.unscale_grads_ = unscale_grads_  # type: ignore[attr-defined]
+
+    def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+        unscaler.reset()
+
+    optimizer.register_step_post_hook(after_step)

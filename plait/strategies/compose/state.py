@@ -1,0 +1,213 @@
+"""Checkpoints of a PTD-P layout: the dense GPT's state and its optimizer's, whatever the
+layout, and back into any layout.
+
+:func:`state_dict` returns ``{"model": <the dense GPT's state dict>, "optimizer": <the
+plain optimizer's state dict over the dense GPT's parameters>}``: exactly what
+``GPT(cfg)`` and ``type(opt)(model.parameters())`` trained in one process would hold
+(parameter indices in ``model.named_parameters()`` order). :func:`load_state_dict` takes
+such a pair (from any layout, or from one process) and keeps this rank's part: its
+stages, its tp slice (rows or columns, the vocabulary padding zero), its experts, and
+under ZeRO its dp range of the optimizer state. Values are copied, never recomputed: a
+state saved from one layout and loaded into another is bitwise equal.
+
+:func:`save` / :func:`load` go through :func:`plait.checkpoint.save` and
+:func:`plait.checkpoint.load` with a dense ``GPT`` and a plain optimizer built on every
+rank from that pair, so a PTD-P checkpoint is an ordinary plait checkpoint: it loads into
+one process, DDP, ZeRO or FSDP, and theirs load here (the dense model is held once per
+rank while saving or loading).
+
+Communication (:func:`state_dict`): the model as :meth:`PTDP.full_state_dict`; for the
+optimizer, under ZeRO its consolidated ``state_dict`` (all-gathers over dp), then per
+tensor-parallel parameter one all-gather over tp of each per-element statistic, one
+broadcast per (ep rank, dtype) of the experts' statistics over ep, one per (pp rank,
+dtype) over pp. :func:`load_state_dict` sends nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plait.strategies.compose.dense import broadcast_stages
+from plait.strategies.compose.experts import gather_experts
+from plait.strategies.tensor.mappings import all_gather_dim
+
+if TYPE_CHECKING:
+    from plait.strategies.compose.ptdp import PTDP
+
+
+def _split_dim(local: torch.Size, dense: torch.Size) -> int | None:
+    """The dimension tensor parallelism cut (None: replicated)."""
+    diff = [d for d, (a, b) in enumerate(zip(local, dense, strict=True)) if a != b]
+    return diff[0] if diff else None
+
+
+def _local_slice(dense: torch.Tensor, shape: torch.Size, rank: int) -> torch.Tensor:
+    """This tp rank's part of ``dense``: ``shape[d]`` rows along the split dimension
+    ``d`` starting at ``rank * shape[d]``, zero past the dense end (vocabulary padding)."""
+    d = _split_dim(shape, dense.shape)
+    if d is None:
+        return dense.clone()
+    part = shape[d]
+    out = dense.new_zeros(shape)
+    lo, hi = rank * part, min((rank + 1) * part, dense.shape[d])
+    if hi > lo:
+        out.narrow(d, 0, hi - lo).copy_(dense.narrow(d, lo, hi - lo))
+    return out
+
+
+def _statistics(ptdp: PTDP, dtype: torch.dtype) -> dict[str, tuple[bool, torch.Size, torch.dtype]]:
+    """The optimizer's state entries for a parameter of ``dtype``: name -> (per element,
+    shape when not, dtype). Found by stepping the optimizer class once on a probe."""
+    probe = torch.nn.Parameter(torch.zeros(2, 3, dtype=dtype))
+    probe.grad = torch.ones_like(probe)
+    opt = ptdp.optimizer_class([probe], **ptdp.hyper)
+    opt.step()
+    out = {}
+    for key, value in opt.state[probe].items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"ptdp.state_dict: optimizer state {key!r} is not a tensor")
+        per_element = value.shape == probe.shape
+        out[key] = (per_element, value.shape, value.dtype if not per_element else dtype)
+    return out
+
+
+def _canonical(ptdp: PTDP, name: str) -> str:
+    return ptdp.aliases.get(name, name)
+
+
+@torch.no_grad()
+def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
+    """The plain optimizer state dict over the dense GPT's parameters (module docstring).
+    Collective over the whole mesh."""
+    local = ptdp.optimizer.state_dict()
+    group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
+    names = ptdp.param_names
+    stepped = bool(local["state"])
+    out: dict[str, Any] = {
+        "state": {},
+        "param_groups": [{**group, "params": list(range(len(names)))}],
+    }
+    if not stepped:
+        return out
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    owner: dict[str, int] = {}
+    kinds = {n: _statistics(ptdp, ptdp.index.shapes[n][1]) for n in names}
+    for n in names:
+        for stat, (per_element, shape, dtype) in kinds[n].items():
+            key = f"{n}/{stat}"
+            shapes[key] = (ptdp.index.shapes[n][0] if per_element else shape, dtype)
+            owner[key] = ptdp.index.owner[n]
+    mine: dict[str, torch.Tensor] = {}
+    for i, c in enumerate(ptdp.counted):
+        n = _canonical(ptdp, c.name)
+        entry = local["state"].get(i)
+        if entry is None:
+            raise ValueError(
+                f"ptdp.state_dict: parameter {n!r} has no optimizer state while others do "
+                f"(it never had a gradient); step it once or leave it out of the model"
+            )
+        dense_shape = ptdp.index.shapes[n][0]
+        d = _split_dim(c.param.shape, dense_shape)
+        for stat, (per_element, _, _) in kinds[n].items():
+            value = entry[stat]
+            if per_element and d is not None:
+                value = all_gather_dim(value, d, ptdp.tp_group, ptdp.algorithm)
+                value = value.narrow(d, 0, dense_shape[d])
+            mine[f"{n}/{stat}"] = value.detach().clone()
+    if ptdp.ep_group is not None:
+        experts = {k: v for k, v in shapes.items() if k.split("/", 1)[0] in ptdp.expert_owner}
+        whose = {k: ptdp.expert_owner[k.split("/", 1)[0]] for k in experts}
+        gather_experts(mine, experts, whose, ep_group=ptdp.ep_group, algorithm=ptdp.algorithm)
+    full = broadcast_stages(mine, shapes, owner, pp_group=ptdp.pp_group, algorithm=ptdp.algorithm)
+    for i, n in enumerate(names):
+        out["state"][i] = {stat: full[f"{n}/{stat}"] for stat in kinds[n]}
+    return out
+
+
+def state_dict(ptdp: PTDP) -> dict[str, Any]:
+    """``{"model": dense state dict, "optimizer": dense optimizer state dict}``, the same
+    on every rank. Collective over the whole mesh."""
+    return {"model": ptdp.full_state_dict(), "optimizer": optimizer_state_dict(ptdp)}
+
+
+@torch.no_grad()
+def load_state_dict(
+    ptdp: PTDP, model: dict[str, torch.Tensor], optimizer: dict[str, Any] | None = None
+) -> None:
+    """Keep this rank's part of a dense ``model`` state dict and (optionally) a dense
+    ``optimizer`` state dict (module docstring). No communication (ZeRO keeps its range)."""
+    missing = [k for k in ptdp.index.shapes if k not in model]
+    if missing:
+        raise ValueError(f"ptdp.load_state_dict: the model state lacks {missing[:5]}")
+    rank = ptdp.tp_group.rank
+    for c in ptdp.counted:
+        dense = model[c.name]
+        if _split_dim(c.param.shape, dense.shape) is None and c.param.shape != dense.shape:
+            raise ValueError(
+                f"ptdp.load_state_dict: {c.name} has shape {tuple(dense.shape)}, expected "
+                f"{tuple(ptdp.index.shapes[c.name][0])}"
+            )
+        c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank))
+    for stage in ptdp.pipe.stages.values():
+        for name, buf in stage.named_buffers():
+            buf.copy_(model[name])
+    if optimizer is None:
+        return
+    names = ptdp.param_names
+    index = {n: i for i, n in enumerate(names)}
+    local: dict[str, Any] = {"state": {}, "param_groups": []}
+    for i, c in enumerate(ptdp.counted):
+        entry = optimizer["state"].get(index[_canonical(ptdp, c.name)])
+        if entry is None:
+            continue
+        local["state"][i] = {
+            stat: _local_slice(v, c.param.shape, rank)
+            if isinstance(v, torch.Tensor)
+            and v.shape == ptdp.index.shapes[c.name][0]
+            and v.dim() > 0
+            else v.clone()
+            if isinstance(v, torch.Tensor)
+            else v
+            for stat, v in entry.items()
+        }
+    group = {k: v for k, v in optimizer["param_groups"][0].items() if k != "params"}
+    local["param_groups"] = [{**group, "params": list(range(len(ptdp.counted)))}]
+    ptdp.optimizer.load_state_dict(local)
+
+
+def _dense_pair(ptdp: PTDP) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A dense GPT and a plain optimizer on it (the global RNG left as it was)."""
+    from plait.models import GPT
+
+    with torch.random.fork_rng(devices=[]):
+        model = GPT(ptdp.config)
+    return model, ptdp.optimizer_class(model.parameters(), **ptdp.hyper)
+
+
+def save(ptdp: PTDP, root: str | Path, *, step: int, **options: Any) -> Path:
+    """:func:`plait.checkpoint.save` of this layout's dense state (``options``: its other
+    arguments, e.g. ``scaler=``, ``keep_last=``); the committed directory. Collective
+    over the mesh and the checkpoint's group."""
+    from plait import checkpoint
+
+    state = state_dict(ptdp)
+    model, opt = _dense_pair(ptdp)
+    model.load_state_dict(state["model"])
+    if state["optimizer"]["state"]:
+        opt.load_state_dict(state["optimizer"])
+    return checkpoint.save(root, step=step, model=model, optimizer=opt, **options).wait()
+
+
+def load(ptdp: PTDP, root: str | Path, **options: Any) -> Any:
+    """:func:`plait.checkpoint.load` into a dense GPT and a plain optimizer, then
+    :func:`load_state_dict` into this layout; what ``load`` returned. Collective over the
+    checkpoint's group (the load itself sends nothing for a plain model)."""
+    from plait import checkpoint
+
+    model, opt = _dense_pair(ptdp)
+    restored = checkpoint.load(root, model=model, optimizer=opt, **options)
+    load_state_dict(ptdp, model.state_dict(), opt.state_dict() if opt.state else None)
+    return restored
