@@ -1,6 +1,10 @@
 """PTD-P's 2x2 (tp x pp) step against its parts: tp 2 alone, pp 2 alone, and the planner.
 
-    .venv/bin/python benchmarks/ptdp.py            # ~1-2 minutes on 2 cores
+    .venv/bin/python benchmarks/ptdp.py               # both parts, ~3-4 minutes on 2 cores
+    .venv/bin/python benchmarks/ptdp.py --part 2x2    # the 2x2 against its parts
+    .venv/bin/python benchmarks/ptdp.py --part 8      # the planner's best layout on 8 ranks
+
+Part "2x2": composition adds no cost beyond its parts.
 
 Measured, each the median over several steps of the slowest rank's step (zero_grad,
 ``step``, optimizer step) after a barrier: one process with plain PyTorch (the dense GPT,
@@ -10,8 +14,9 @@ the pipeline alone on 2 ranks (``PipelineParallel``) and through ``compose`` (Me
 dp=1, tp=1)), and ``compose`` on Mesh(pp=2, dp=1, tp=2) over 4 ranks.
 
 Predicted: ``plait.plan.evaluate`` of each layout on ``local_cpu(ranks=n)`` (the cores
-shared by n ranks) after one calibration (as benchmarks/plan_local.py: the compute
-efficiency from the one-thread step, the link from ``plait bench comm``'s rows); its
+shared by n ranks) calibrated as benchmarks/plan_local.py does (``plait.plan.calibrate`` on
+n ranks, the transport in use; the efficiency from the plain GPT's forward and backward on
+1/n of the batch with the n ranks busy; the one-process row from the one-thread step); its
 attribution of the step to compute, tensor-parallel communication, pipeline transfers and
 the bubble is printed beside each.
 
@@ -20,10 +25,20 @@ planner's sum of its parts (predicted total) plus 10%, and the 2x2's measured/pr
 ratio against the parts' (if composing added work the planner does not know of, the 2x2's
 ratio would exceed theirs). Writes benchmarks/results/ptdp.md and .json. The machine is
 shared by other jobs and noisy: one short run.
+
+Part "8": at 8 ranks, the planner's best layout against what a newcomer picks (pure DDP,
+pure FSDP), measured. The machine is calibrated on 8 ranks (``plait.plan.calibrate``, as
+``plait bench calibrate -n 8``; 8 ranks on 2 cores), the compute efficiency from the plain
+GPT's forward and backward on each rank's share with the 8 ranks busy at once; then
+``plait.plan.search`` ranks every layout that ``plait.plan.execute`` can build (no
+recomputation, 1D tensor parallelism, every schedule, ZeRO 0-3) and the best, the
+runners-up of other shapes, DDP and FSDP are run on the same model and global batch,
+taking turns for a few rounds (medians). Writes benchmarks/results/ptdp_8.md and .json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -129,7 +144,11 @@ def measure(kind: str) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
+def two_by_two() -> int:
+    import dataclasses
+
+    from plan_local import busy_share_step, calibrated
+
     from plait.launch import RankPool
     from plait.plan.hardware import local_cpu
     from plait.plan.layout import Job, Layout
@@ -149,15 +168,25 @@ def main() -> int:
     )
     rows = []
     pools: dict[int, RankPool] = {}
+    clusters: dict[int, Any] = {1: local_cpu(ranks=1, efficiency=efficiency, flops_per_core=core)}
     try:
         for kind, (n, fields) in RUNS.items():
-            cluster = local_cpu(ranks=n, efficiency=efficiency, flops_per_core=core)
+            if n not in pools and n > 1:
+                # calibrate n ranks on the transport in use; the efficiency from the plain
+                # GPT's forward and backward on 1/n of the batch with the n ranks busy
+                pools[n] = RankPool(n, timeout=120)
+                cal = calibrated(n, False, pools[n])
+                t_share = pools[n].run(busy_share_step, config(), BATCH // n, timeout=300)[0]
+                base = local_cpu(ranks=n, calibration=cal, efficiency=1.0)
+                flops = spec.flops_per_iteration(batch=BATCH // n, seq=SEQ)
+                eff = min(1.0, flops / (t_share * base.peak_flops))
+                clusters[n] = dataclasses.replace(base, efficiency=eff)
+                print(f"{n} ranks: efficiency {eff:.3f}, transport {cal.transport}", flush=True)
+            cluster = clusters[n]
             plan = evaluate(spec, job, Layout(**fields), cluster, overlap=Overlap())
             if n == 1:
                 measured = t1
             else:
-                if n not in pools:
-                    pools[n] = RankPool(n, timeout=120)
                 measured = pools[n].run(measure, kind, timeout=300)[0]
             t = plan.time
             m = t.microbatches
@@ -200,10 +229,12 @@ def main() -> int:
         "",
         f"`.venv/bin/python benchmarks/ptdp.py`: GPT L={LAYERS} h={WIDTH} a={HEADS} s={SEQ} "
         f"V={VOCAB}, global batch {BATCH}, {M} micro-batches (1F1B) where pipelined, fp32 "
-        f"Adam, gloo on loopback, 2 shared cores (noisy, other jobs running). Medians of the "
+        f"Adam, 2 shared cores (noisy, other jobs running). Medians of the "
         f"slowest rank over {STEPS} steps. Planner: `plait.plan.evaluate` on "
-        f"`local_cpu(ranks=n)`, efficiency {efficiency:.3f} calibrated from the one-process "
-        f"step ({t1 * ms:.1f} ms).",
+        f"`local_cpu(ranks=n)` calibrated on n ranks in this run (`plait.plan.calibrate`, "
+        f"the transport in use; efficiency from forward and backward on 1/n of the batch "
+        f"with n ranks busy); one process: efficiency {efficiency:.3f} from its step "
+        f"({t1 * ms:.1f} ms).",
         "",
         "| run | ranks | measured | predicted | measured / predicted | compute | tp comm | "
         "pp comm | bubble |",
@@ -230,6 +261,147 @@ def main() -> int:
     payload = {"efficiency": efficiency, "one_process_s": t1, "rows": rows, "verdict": verdict}
     (RESULTS / "ptdp.json").write_text(json.dumps(payload, indent=1) + "\n")
     return 0
+
+
+# --- part 8: the planner's best layout at 8 ranks against DDP and FSDP -----------------------
+L8, H8, A8, S8, V8, B8 = 8, 128, 8, 64, 128, 32
+ROUNDS8 = 2
+RUNNERS_UP = 3
+
+
+def config8() -> Any:
+    from plait.models import GPTConfig
+
+    return GPTConfig(vocab=V8, layers=L8, heads=A8, width=H8, seq_len=S8)
+
+
+def eight() -> int:
+    import dataclasses
+
+    from plan_local import busy_share_step, calibrated
+    from plan_local import measure as run_layout
+
+    from plait.launch import RankPool
+    from plait.plan import calibrate, execute
+    from plait.plan.hardware import local_cpu
+    from plait.plan.layout import Job, Layout
+    from plait.plan.model import from_gpt_config
+    from plait.plan.search import SearchSpace, evaluate, search
+
+    cfg = config8()
+    spec = from_gpt_config(cfg)
+    job = Job(global_batch=B8, seq=S8, precision="fp32", dropout=False)
+    share = B8 // 8
+    space = SearchSpace(
+        microbatch=(1, 2, 4, 8, 16, 32),
+        schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
+        chunks=(2,),
+        zero=(0, 1, 2, 3),
+        recompute=("none",),
+    )
+    with RankPool(8, timeout=180) as pool:
+        cal = calibrated(8, False, pool)
+        print(calibrate.format_calibration(cal), flush=True)
+        t_share = pool.run(busy_share_step, cfg, share, timeout=300)[0]
+        base = local_cpu(ranks=8, calibration=cal, efficiency=1.0)
+        flops = spec.flops_per_iteration(batch=share, seq=S8)
+        efficiency = min(1.0, flops / (t_share * base.peak_flops))
+        cluster = dataclasses.replace(base, efficiency=efficiency)
+        result = search(spec, job, cluster, space=space)
+        plans = [p for p in result.plans if execute.supported(p.layout, job) is None]
+        best = plans[0]
+        picked = {"planner's best": best}
+        shapes = {(best.layout.dp, best.layout.tp, best.layout.pp)}
+        for p in plans[1:]:
+            shape = (p.layout.dp, p.layout.tp, p.layout.pp)
+            if shape not in shapes and len(picked) <= RUNNERS_UP:
+                shapes.add(shape)
+                picked[f"runner-up {len(picked)}"] = p
+        for name, fields in (
+            ("DDP (newcomer)", dict(dp=8, microbatch=share)),
+            ("FSDP (newcomer)", dict(dp=8, zero=3, microbatch=share)),
+        ):
+            picked[name] = evaluate(spec, job, Layout(**fields), cluster)
+        print(
+            f"efficiency {efficiency:.3f}; {len(result.plans)} layouts fit, {len(plans)} "
+            f"buildable; running {len(picked)}",
+            flush=True,
+        )
+        runs: dict[str, list[float]] = {name: [] for name in picked}
+        for _ in range(ROUNDS8):
+            for name, plan in picked.items():
+                fields = dataclasses.asdict(plan.layout)
+                runs[name].append(pool.run(run_layout, cfg, fields, B8, timeout=600)[0])
+                print(f"  {name}: {runs[name][-1] * 1e3:.1f} ms", flush=True)
+    measured = {name: statistics.median(v) for name, v in runs.items()}
+    ddp, fsdp = measured["DDP (newcomer)"], measured["FSDP (newcomer)"]
+    rows = []
+    for name, plan in picked.items():
+        rows.append(
+            {
+                "run": name,
+                "layout": plan.layout.label(),
+                "rank_in_search": next(
+                    (i + 1 for i, p in enumerate(result.plans) if p.layout == plan.layout), None
+                ),
+                "predicted_s": plan.time.total,
+                "measured_s": measured[name],
+                "rounds_s": runs[name],
+                "predicted_over_measured": plan.time.total / measured[name],
+                "measured_over_ddp": measured[name] / ddp,
+                "measured_over_fsdp": measured[name] / fsdp,
+            }
+        )
+    b = rows[0]
+    met = b["measured_s"] <= min(ddp, fsdp)
+    ms = 1e3
+    lines = [
+        "# plait plan at 8 ranks: the planner's best layout against DDP and FSDP",
+        "",
+        f"`.venv/bin/python benchmarks/ptdp.py --part 8`: GPT L={L8} h={H8} a={A8} s={S8} "
+        f"V={V8}, global batch {B8}, fp32 Adam, 8 ranks on 2 shared cores (4 ranks per core; "
+        f"noisy, other jobs ran), transport {cal.transport}. Calibrated in this run on 8 "
+        f"ranks; efficiency {efficiency:.3f} (forward and backward on {share} sequences, 8 "
+        f"ranks busy: {t_share * ms:.1f} ms). Search: {len(result.plans)} layouts fit, "
+        f"{len(plans)} buildable by `plait.plan.execute`. Medians of the slowest rank over "
+        f"6 steps, median of {ROUNDS8} rounds taken in turns.",
+        "",
+        "| run | layout | planner's rank | predicted | measured | predicted / measured | "
+        "measured / DDP | measured / FSDP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rank = r["rank_in_search"] or "-"
+        lines.append(
+            f"| {r['run']} | {r['layout']} | {rank} | {r['predicted_s'] * ms:.1f} ms | "
+            f"{r['measured_s'] * ms:.1f} ms | {r['predicted_over_measured']:.2f} | "
+            f"{r['measured_over_ddp']:.2f} | {r['measured_over_fsdp']:.2f} |"
+        )
+    lines += [
+        "",
+        f"- the planner's best ({b['layout']}) measured {b['measured_over_ddp']:.2f}x DDP's "
+        f"and {b['measured_over_fsdp']:.2f}x FSDP's step: target (at least as fast as both) "
+        f"{'met' if met else 'NOT met'}",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ptdp_8.md").write_text(text)
+    payload = {"efficiency": efficiency, "busy_share_step_s": t_share, "rows": rows, "met": met}
+    (RESULTS / "ptdp_8.json").write_text(json.dumps(payload, indent=1) + "\n")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("both", "2x2", "8"), default="both")
+    args = ap.parse_args()
+    rc = 0
+    if args.part in ("both", "2x2"):
+        rc |= two_by_two()
+    if args.part in ("both", "8"):
+        rc |= eight()
+    return rc
 
 
 if __name__ == "__main__":

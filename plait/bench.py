@@ -239,6 +239,21 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+def calibrate(nproc: int, *, out: str | None = None, iters: int = 8) -> int:
+    """``plait bench calibrate -n N``: measure what the planner's CPU preset reads (the
+    collectives per group size, point-to-point, matmul and Adam rates, on the transport
+    the ranks use: :mod:`plait.plan.calibrate`) on ``nproc`` local ranks, print the table
+    and write ``out`` (default ``runs/plan_calibration_n<N>.json``, which
+    ``plait plan layouts --cluster cpu --ranks N`` reads)."""
+    from plait.plan import calibrate as cal
+
+    result = cal.run(nproc, iters=iters)
+    print(cal.format_calibration(result), flush=True)
+    path = cal.save(result, out)
+    print(f"wrote {path}")
+    return 0
+
+
 def size_range(lo: int, hi: int, factor: int = 4) -> list[int]:
     sizes = []
     s = lo

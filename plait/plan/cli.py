@@ -23,8 +23,9 @@ recomputation, sequence parallelism) of a GPT on a cluster by predicted step tim
 those whose memory per rank fits. The model: --model 22B/175B/530B/1T (Korthikanti et al.'s
 runs), --model gpt with --layers/--hidden/--heads/--vocab/--seq-len (plait's reference GPT
 shape), or --params 7.5B (a GPT-3-shaped model of that size). The cluster: a100, h100
-(nodes of 8 GPUs) or cpu (this machine, from `plait bench comm` results), each field
-overridable.
+(nodes of 8 GPUs) or cpu (this machine: `plait bench calibrate -n <ranks>`'s measured
+collectives, matmul and Adam rates on the transport the ranks use, else `plait bench comm`
+results), each field overridable.
 """
 
 
@@ -104,6 +105,11 @@ def add_subcommands(plan_sub: Any) -> None:
     c.add_argument("--intra-gbps", type=float, default=None, help="GB/s per device, NVLink")
     c.add_argument("--inter-gbps", type=float, default=None, help="GB/s per device, network")
     c.add_argument("--bench-file", default=None, help="cpu: a `plait bench comm --json` file")
+    c.add_argument(
+        "--calibration",
+        default=None,
+        help="cpu: a `plait bench calibrate` file (default runs/plan_calibration_n<ranks>.json)",
+    )
     j = lay.add_argument_group("job")
     j.add_argument("--batch", type=int, required=True, help="global batch in sequences")
     j.add_argument("--seq", type=int, default=None, help="tokens per sequence (default seq-len)")
@@ -190,7 +196,9 @@ def _cluster(args: argparse.Namespace) -> Any:
     from plait.plan import hardware
 
     if args.cluster == "cpu":
-        cluster = hardware.local_cpu(ranks=args.ranks, bench_file=args.bench_file)
+        cluster = hardware.local_cpu(
+            ranks=args.ranks, bench_file=args.bench_file, calibration=args.calibration
+        )
     else:
         cluster = hardware.preset(args.cluster, nodes=args.nodes)
     changes: dict[str, Any] = {}

@@ -1,0 +1,202 @@
+"""plait.plan's calibration of this machine and what the step time does with it: the
+measured lines replace the ring formula, the optimizer step is added, ranks sharing cores
+lend a pipeline bubble's share; Adam's step counters in the model states;
+``plait.plan.execute.supported``. Pure, in one process (the rank-side measurement runs in
+benchmarks/plan_local.py and the memory test of tests/test_plan_local.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.plan import calibrate, execute
+from plait.plan.calibrate import Calibration, Line, fit_line
+from plait.plan.hardware import Cluster, local_cpu
+from plait.plan.layout import Job, Layout
+from plait.plan.model import ModelSpec
+from plait.plan.states import rank_states, step_counters
+from plait.plan.time import bubble, collective_seconds, ring_seconds, step_time
+
+SMALL = ModelSpec(layers=4, hidden=32, heads=4, vocab=64, seq_len=16)
+JOB = Job(global_batch=16, seq=16, precision="fp32", dropout=False)
+
+
+def cal(**kw: Any) -> Calibration:
+    args: dict[str, Any] = dict(
+        ranks=4,
+        cores=2,
+        transport="shm",
+        links={
+            "all_reduce": {2: Line(1e-4, 1e9, 4), 4: Line(2e-4, 5e8, 4)},
+            "all_gather": {2: Line(5e-5, 2e9, 4), 4: Line(1e-4, 1e9, 4)},
+            "reduce_scatter": {2: Line(5e-5, 2e9, 4), 4: Line(1e-4, 1e9, 4)},
+            "p2p": {2: Line(3e-5, 4e9, 4)},
+        },
+        gemm=[(1024, 128, 512, 50e9), (1024, 128, 128, 50e9), (1024, 128, 32, 25e9)],
+        adam=Line(1e-4, 1e8, 2),
+    )
+    args.update(kw)
+    return Calibration(**args)
+
+
+def cpu(calibration: Calibration | None = None, **kw: Any) -> Cluster:
+    args: dict[str, Any] = dict(
+        name="cpu",
+        nodes=1,
+        devices_per_node=4,
+        peak_flops=1e10,
+        memory_bytes=1e10,
+        intra_bandwidth=1e9,
+        intra_latency=1e-3,
+        inter_bandwidth=1e9,
+        inter_latency=1e-3,
+        efficiency=1.0,
+        shared_cores=2.0,
+        calibration=calibration,
+    )
+    args.update(kw)
+    return Cluster(**args)
+
+
+def test_fit_line_recovers_a_line_and_clamps() -> None:
+    pts = [(s, 2e-4 + s / 3e9) for s in (4e3, 6.4e4, 5e5, 2e6)]
+    line = fit_line(pts)
+    assert line.latency == pytest.approx(2e-4)
+    assert line.bandwidth == pytest.approx(3e9)
+    assert line.points == 4
+    flat = fit_line([(1e3, 5e-3), (1e6, 1e-3)])  # falling: latency kept, slope from the end
+    assert flat.latency >= 0 and flat.bandwidth > 0
+    with pytest.raises(ValueError, match="2 or more"):
+        fit_line([(1.0, 1.0)])
+
+
+def test_calibration_round_trip_and_lookups(tmp_path: Path) -> None:
+    c = cal()
+    path = calibrate.save(c, tmp_path / "c.json")
+    back = calibrate.load(path)
+    assert back == c
+    assert back.line("all_reduce", 4) == Line(2e-4, 5e8, 4)
+    assert back.line("all_reduce", 8) == Line(2e-4, 5e8, 4)  # nearest measured size
+    assert back.line("p2p", 2) == Line(3e-5, 4e9, 4)
+    assert back.line("all_to_all", 4) is None
+    assert back.gemm_flops(1.0) == 25e9  # clamped below
+    assert back.gemm_flops(1e15) == 50e9  # clamped above
+    mid = back.gemm_flops(2.0 * 1024 * 128 * 64)  # between the 32- and 128-wide shapes
+    assert 25e9 < mid < 50e9
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="plait bench calibrate"):
+        calibrate.load(tmp_path / "bad.json")
+    print(calibrate.format_calibration(back))
+
+
+def test_collectives_use_the_measured_line() -> None:
+    c = cpu(cal())
+    size = 1e6
+    assert collective_seconds(c, "all_reduce", 4, size, inter_node=False) == pytest.approx(
+        2e-4 + size / 5e8
+    )
+    assert collective_seconds(c, "p2p", 2, size, inter_node=False) == pytest.approx(
+        3e-5 + size / 4e9
+    )
+    # not measured: the ring on the alpha-beta link
+    assert collective_seconds(c, "all_to_all", 4, size, inter_node=False) == ring_seconds(
+        "all_to_all", 4, size, 1e-3, 1e9
+    )
+    assert collective_seconds(cpu(None), "all_reduce", 4, size, inter_node=False) == (
+        ring_seconds("all_reduce", 4, size, 1e-3, 1e9)
+    )
+    assert collective_seconds(c, "all_reduce", 1, size, inter_node=False) == 0.0
+
+
+def test_tp_time_is_the_measured_all_reduces() -> None:
+    c = cpu(cal(gemm=[]))
+    lay = Layout(tp=4, microbatch=16)
+    t = step_time(SMALL, JOB, lay, c)
+    act = 16 * 16 * 32 * 4
+    one = 2e-4 + act / 5e8
+    # 4 per block, the embedding's 1, the head's 1 + the loss's 3 small ones
+    small = 2e-4 + 16 * 16 * 4 / 5e8
+    assert t.tp_per_mb == pytest.approx(4 * 4 * one + 2 * one + 3 * small)
+    sp = step_time(SMALL, JOB, dataclasses.replace(lay, sp=True), c)
+    rs_ag = 2 * (1e-4 + act / 1e9)  # a reduce-scatter and an all-gather over 4
+    assert sp.tp_per_mb == pytest.approx(4 * 4 * rs_ag + 2 * one + 3 * small)
+
+
+def test_optimizer_step_is_added_and_sharded_by_zero() -> None:
+    c = cpu(cal())
+    ddp = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), c)
+    zero = step_time(SMALL, JOB, Layout(dp=4, microbatch=4, zero=1), c)
+    params = SMALL.num_params
+    assert ddp.optimizer == pytest.approx(1e-4 + params / 1e8)
+    assert zero.optimizer == pytest.approx(1e-4 + params / 4 / 1e8)
+    assert ddp.total - zero.total == pytest.approx(ddp.optimizer - zero.optimizer)
+    assert step_time(SMALL, JOB, Layout(dp=4, microbatch=4), cpu(None)).optimizer == 0.0
+
+
+def test_gemm_slowdown_from_the_measured_rates() -> None:
+    slow = cal(gemm=[(1024, 128, 512, 50e9), (1024, 128, 32, 25e9)])
+    flat = cal(gemm=[(1024, 128, 512, 50e9), (1024, 128, 32, 50e9)])
+    gpt = ModelSpec(layers=4, hidden=128, heads=4, vocab=96, seq_len=64)
+    job = Job(global_batch=16, seq=64, precision="fp32", dropout=False)
+    lay = Layout(tp=4, microbatch=16)  # 1024 tokens: the MLP's 1024 x 128 x 512 split in 4
+    t_slow = step_time(gpt, job, lay, cpu(slow)).compute_per_mb
+    t_flat = step_time(gpt, job, lay, cpu(flat)).compute_per_mb
+    assert t_slow > t_flat
+    one = step_time(gpt, job, Layout(dp=4, microbatch=4), cpu(slow)).compute_per_mb
+    assert one == step_time(gpt, job, Layout(dp=4, microbatch=4), cpu(flat)).compute_per_mb
+
+
+def test_ranks_sharing_cores_lend_the_bubble() -> None:
+    lay = Layout(pp=4, schedule="1f1b", microbatch=2)
+    m = lay.microbatches(JOB)
+    dedicated = step_time(SMALL, JOB, lay, cpu(None, shared_cores=0.0, intra_latency=0.0))
+    shared = step_time(SMALL, JOB, lay, cpu(None, shared_cores=2.0, intra_latency=0.0))
+    beta = bubble("1f1b", p=4, m=m)
+    assert dedicated.pipeline == pytest.approx(m * dedicated.per_microbatch / (1 - beta))
+    # 4 ranks on 2 cores: a rank alone runs twice as fast; the critical path of
+    # (m + p - 1) micro-batch slots at that speed against all the work at the shared speed
+    c = shared.compute_per_mb
+    pp = shared.pp_per_mb
+    want = max(m * (c + pp), m * (c / 2 + pp) / (1 - beta))
+    assert shared.pipeline == pytest.approx(want)
+    assert shared.pipeline < dedicated.pipeline
+    assert cpu(None, shared_cores=2.0).alone_speedup == 2.0
+    assert cpu(None, shared_cores=0.0).alone_speedup == 1.0
+    assert cpu(None, shared_cores=8.0).alone_speedup == 1.0
+
+
+def test_local_cpu_reads_a_calibration(tmp_path: Path) -> None:
+    path = calibrate.save(cal(), tmp_path / "c.json")
+    c = local_cpu(ranks=4, calibration=path)
+    assert c.calibration == cal()
+    assert c.peak_flops == 50e9  # the best matmul rate per rank, every rank busy
+    assert (c.intra_latency, c.intra_bandwidth) == (3e-5, 4e9)  # the p2p line
+    assert c.shared_cores >= 1
+    assert c.to_dict()["calibration"]["transport"] == "shm"
+    with pytest.raises(ValueError, match="plait bench calibrate -n 8"):
+        local_cpu(ranks=8, calibration=path)
+
+
+def test_adam_step_counters() -> None:
+    gpt = ModelSpec(layers=8, hidden=64, heads=8, vocab=96, seq_len=16)
+    # one per tensor: 12 per block, 2 for the embedding, 3 for the final LayerNorm + head
+    assert step_counters(gpt, Layout(dp=4)) == [12 * 8 + 2 + 3]
+    assert step_counters(gpt, Layout(dp=4, zero=1)) == [1]
+    assert step_counters(gpt, Layout(dp=4, zero=3)) == [8 + 1]
+    assert step_counters(gpt, Layout(pp=4, schedule="1f1b")) == [26, 24, 24, 27]
+    moe = ModelSpec(layers=8, hidden=64, heads=8, vocab=96, seq_len=16, experts=4)
+    assert step_counters(moe, Layout(ep=4)) == [4 * 12 + 4 * (9 + 4) + 5]
+    states = rank_states(gpt, JOB, Layout(dp=4))[0]
+    sgd = rank_states(gpt, dataclasses.replace(JOB, optimizer="sgd"), Layout(dp=4))[0]
+    assert "step counters" in states.formula and "step counters" not in sgd.formula
+
+
+def test_execute_supported_names_what_is_not_built() -> None:
+    assert execute.supported(Layout(dp=4, microbatch=4), JOB) is None
+    assert execute.supported(Layout(pp=2, tp=2, schedule="1f1b", microbatch=4), JOB) is None
+    assert "micro-batch" in str(execute.supported(Layout(dp=4, microbatch=1), JOB))
+    assert "recompute" in str(execute.supported(Layout(dp=4, microbatch=4, recompute="full"), JOB))
+    assert "ZeRO-3" in str(execute.supported(Layout(dp=2, tp=2, zero=3, microbatch=8), JOB))
