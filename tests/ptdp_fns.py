@@ -3,6 +3,7 @@ mesh, and the same GPT trained in one process on the global batch (the oracle)."
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,3 +192,119 @@ def evaluate_then_train(evaluate: bool) -> dict[str, torch.Tensor]:
     ptdp.step(*batch(0, cfg))
     opt.step()
     return ptdp.full_state_dict()
+
+
+def build(case: Case, **options: Any) -> Any:
+    """The PTDP of ``case`` on a fresh GPT (Adam, LR)."""
+    model = GPT(config(case.tied, case.moe))
+    return compose(
+        model,
+        torch.optim.Adam(model.parameters(), lr=LR),
+        mesh=mesh_of(case),
+        sequence_parallel=case.sp,
+        schedule=case.schedule,
+        microbatches=case.microbatches,
+        zero=case.zero,
+        **options,
+    )
+
+
+def train_scaled(case: Case, inject: tuple[int, int] | None) -> dict[str, Any]:
+    """``case`` under plait.amp's DynamicLossScaler (scale 2**10) for STEPS steps;
+    ``inject = (global rank, step)``: that rank writes inf into one of its gradients after
+    that step's backward. Returns the dense state, the losses, norms, which steps were
+    taken, and the scale after each."""
+    from plait.amp import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    ptdp = build(case, scaler=scaler)
+    cfg = config(case.tied, case.moe)
+    opt = ptdp.optimizer
+    losses, norms, stepped, scales = [], [], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses.append(ptdp.step(*batch(step, cfg, case.batch)).item())
+        if inject is not None and inject == (plait.world().global_rank, step):
+            grad = ptdp.parameters()[-1].grad
+            assert grad is not None
+            grad.view(-1)[0] = float("inf")
+        if case.clip is not None:
+            norms.append(ptdp.clip_grad_norm_(case.clip).item())
+        stepped.append(scaler.step(opt))
+        scales.append(scaler.scale_value)
+    return {
+        "state": ptdp.full_state_dict(),
+        "losses": losses,
+        "norms": norms,
+        "stepped": stepped,
+        "scales": scales,
+    }
+
+
+def oracle_skipping(case: Case, skip: int | None) -> dict[str, Any]:
+    """One process, the dense GPT, optimizer step ``skip`` not taken (its gradients
+    dropped), as a loss scaler does after an overflow."""
+    cfg = config(case.tied, case.moe)
+    model = GPT(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, cfg, case.batch)
+        loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        if step == skip:
+            if case.clip is not None:
+                norms.append(float("nan"))
+            continue
+        if case.clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip).item())
+        opt.step()
+    return {"state": model.state_dict(), "losses": losses, "norms": norms}
+
+
+def train_and_save(case: Case, root: str) -> dict[str, Any]:
+    """``case`` for STEPS steps, saved to ``root`` through plait.checkpoint; the dense
+    state (model and Adam) as :meth:`PTDP.state_dict` assembles it."""
+    ptdp = build(case)
+    cfg = config(case.tied, case.moe)
+    for step in range(STEPS):
+        ptdp.optimizer.zero_grad()
+        ptdp.step(*batch(step, cfg, case.batch))
+        ptdp.optimizer.step()
+    ptdp.save(root, step=STEPS)
+    return ptdp.state_dict()
+
+
+def load_into(case: Case, root: str) -> dict[str, Any]:
+    """A fresh PTDP of ``case`` loaded from ``root``; its dense state, then the dense
+    model after one more step (to compare with the saving layout's continuation)."""
+    ptdp = build(case)
+    ptdp.load(root)
+    state = ptdp.state_dict()
+    cfg = config(case.tied, case.moe)
+    ptdp.optimizer.zero_grad()
+    ptdp.step(*batch(STEPS, cfg, case.batch))
+    ptdp.optimizer.step()
+    return {**state, "next": ptdp.full_state_dict()}
+
+
+def load_one_process(tied: bool, moe: float | None, root: str) -> dict[str, Any]:
+    """The dense GPT and a plain Adam loaded from ``root`` with plait.checkpoint.load, and
+    the model after one more step on the global batch."""
+    from plait import checkpoint
+
+    cfg = config(tied, moe)
+    model = GPT(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    checkpoint.load(root, model=model, optimizer=opt)
+    state = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(opt.state_dict()),
+    }
+    opt.zero_grad()
+    x, y = batch(STEPS, cfg)
+    F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1)).backward()
+    opt.step()
+    return {**state, "next": model.state_dict()}
