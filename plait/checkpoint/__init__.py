@@ -4,15 +4,19 @@
 writes ``root/step-N/`` as a transaction (``transaction.py``): every rank writes its
 safetensors file into ``step-N.partial/``, the coordinator writes ``manifest.json`` (a
 SHA-256 per file) last, renames the directory and only then points ``root/latest`` at it;
-``keep_last`` older steps are kept. ``load(root, model=..., optimizer=..., ...)`` verifies
-every file it reads and refuses a damaged checkpoint naming the file and rank, or with
-``fallback=True`` loads the previous good one. Ranks must agree on root and step (checked).
+``keep_last`` older steps are kept; the manifest also holds a SHA-256 per 1 MiB block of
+every tensor (``blocks.py``). ``load(root, model=..., optimizer=..., ...)`` reads on each
+rank only the blocks holding what that rank keeps (``needs.py``: 1/W' of the tensors under
+FSDP and ZeRO-1/2, all of them under DDP), verifies each, and refuses a damaged checkpoint
+naming the file, rank, tensor and block, or with ``fallback=True`` loads the previous good
+one. Ranks must agree on root and step (checked).
 
 The content is layout-neutral (``layout.py``): the dense model state and the plain-format
 optimizer state keyed by parameter names, so a checkpoint saved by DDP, ZeRO-1/2 or FSDP at
 one world size loads into any of them at another. See ``writer.py`` and ``reader.py`` for
-the communication and memory contract, and :func:`load` for the RNG rule (per-rank
-generator states restore only at the same world size).
+the communication and memory contract, and :func:`load` (``rng.py``) for the RNG rule at
+another world size (ranks the saving run had continue their streams, new ranks get streams
+derived from the checkpoint).
 
 Resuming (``root`` must be on a filesystem every rank sees; a rank that cannot write into
 the coordinator's directory fails the save on every rank)::
