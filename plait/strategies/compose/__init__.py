@@ -6,6 +6,12 @@
 - ``check``: the layouts refused up front, naming the constraint.
 - ``dense``: which rank counts which element of the dense gradient; the dense state dict
   assembled from any layout.
+- ``experts``: MoE blocks, experts split over the mesh's ``ep`` dimension (carved out of
+  data parallelism), the micro-batch bookkeeping that keeps them equal to one process.
+- ``scaling``: loss scaling with :class:`plait.amp.DynamicLossScaler`, the found-inf flag
+  agreed over the mesh.
+- ``state``: the dense model and optimizer state of any layout, checkpoints through
+  :mod:`plait.checkpoint`, loaded into any layout.
 """
 
 from plait.strategies.compose.check import Sizes, check_batch, check_layout

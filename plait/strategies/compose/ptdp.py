@@ -14,6 +14,12 @@ parallelism over ``dp``, on one ``Mesh(pp=.., dp=.., tp=..)`` (Narayanan et al. 
         ptdp.clip_grad_norm_(1.0)                        # the dense model's global norm
         opt.step()
     state = ptdp.full_state_dict()                       # the dense GPT's keys, every rank
+    ptdp.save(root, step=n)                              # a plait.checkpoint, any layout
+
+MoE blocks (``GPTConfig(moe=MoEConfig(...))``): ``Mesh(pp=.., dp=.., ep=.., tp=..)``; the
+batch is cut over ``dp * ep``, experts split over ``ep`` (:mod:`.experts`). Loss scaling:
+``compose(..., scaler=plait.amp.DynamicLossScaler())`` and ``scaler.step(opt)``
+(:mod:`.scaling`). Checkpoints: :meth:`PTDP.save` / :meth:`PTDP.load` (:mod:`.state`).
 
 How the parts meet: the dense GPT (same seed on every rank) is first cut by
 :func:`plait.parallelize` over ``mesh.group("tp")`` (``tp_plan``; sequence parallelism
@@ -42,6 +48,15 @@ dp     one all-reduce of the mean loss (a scalar)            zero=0: one all-red
                                                              rank's gradients; zero=1/2: a
                                                              reduce-scatter of them, then an
                                                              all-gather of the parameters
+ep     per MoE layer and micro-batch: an all-gather of 2E    one scalar all-reduce in
+       int64 counts, the dispatch and combine all-to-alls    ``clip_grad_norm_``
+       (kept rows only) each way (moe/dispatch.py)
+dp x   one all-reduce of the mean loss (with ep > 1, instead  with MoE: the non-expert
+ep     of dp's)                                              gradients all-reduced here, the
+                                                             experts' over dp (one buffer +
+                                                             one flag per parameter each)
+all    (loss scaling) one scalar all-reduce (max) of the     (see :mod:`.scaling`)
+       found-inf flag per group of the mesh
 =====  ====================================================  ==================================
 
 Gradient accumulation: several ``step`` calls before ``optimizer.step()`` leave the
