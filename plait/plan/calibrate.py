@@ -134,8 +134,9 @@ class Calibration:
 
 def fit_line(points: Sequence[tuple[float, float]]) -> Line:
     """Least-squares ``t = a + S / b`` over ``(S, t)`` points; a negative intercept is
-    clamped to 0 (and the slope refit through the origin), a non-positive slope becomes the
-    largest point's bytes per second."""
+    clamped to 0 (and the slope refit through the origin); a non-positive slope (noise
+    larger than the sizes' cost) keeps the fastest time as the latency and the largest
+    message's time over its size as the slope."""
     if len(points) < 2:
         raise ValueError(f"fit_line: need 2 or more sizes, got {len(points)}")
     n = len(points)
@@ -148,9 +149,9 @@ def fit_line(points: Sequence[tuple[float, float]]) -> Line:
     a = (st - slope * sx) / n
     if a < 0:
         a, slope = 0.0, sxt / sxx
-    if slope <= 0:
-        s, t = max(points)
-        slope = max(t - a, 1e-12) / s
+    if slope <= 0:  # noise hid the size's cost: the fastest call as latency, and the
+        s, t = max(points)  # largest message's whole time as its transfer (conservative)
+        a, slope = min(t for _, t in points), t / s
     return Line(latency=a, bandwidth=1.0 / slope, points=n)
 
 
