@@ -3,6 +3,8 @@ the same way.
 
     .venv/bin/python benchmarks/pipeline.py                 # p = 2 and 4, m = 8
     .venv/bin/python benchmarks/pipeline.py --quick --out /tmp/pp   # smoke test
+    .venv/bin/python benchmarks/pipeline.py --width 512 --heads 8 --name pipeline_w512
+    .venv/bin/python benchmarks/pipeline.py --pp 4 --schedules 1f1b,zbv --no-torch
 
 Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank. The model
 is ``plait.models.GPT`` (default 6 layers, width 128, 4 heads, sequence 64, vocabulary 96,
@@ -11,11 +13,12 @@ untied, fp32), a global batch of 16 sequences in m = 8 micro-batches, cut by
 two-chunk schedules); each stage is the same :class:`Stage` module for both libraries.
 
 - ``plait <schedule>``: :class:`PipelineParallel` with gpipe, 1f1b, interleaved (v=2),
-  zb-h1, zbv (v=2), Adam;
+  zb-h1, zbv (v=2), dualpipev (v=2), Adam;
 - ``torch <Schedule>``: ``PipelineStage(stage, index, n, cpu, input_args=..., output_args=...)``
   (explicit shapes: no shape-inference round) and ``ScheduleGPipe``, ``Schedule1F1B``,
-  ``ScheduleInterleaved1F1B`` (rank r holds stages r, r+p) and ``ScheduleZBVZeroBubble``
-  (rank r holds r and 2p-1-r), ``scale_grads=True`` with the mean cross-entropy, Adam.
+  ``ScheduleInterleaved1F1B`` (rank r holds stages r, r+p), ``ScheduleZBVZeroBubble`` and
+  ``ScheduleDualPipeV`` (rank r holds r and 2p-1-r; torch runs an F&B pair's halves one
+  after the other too), ``scale_grads=True`` with the mean cross-entropy, Adam.
 
 Step time: warm-up steps, then the variants take turns step by step (rotating order); a
 step is ``zero_grad`` + the schedule's step + ``optimizer.step()`` after a barrier, its time
@@ -23,12 +26,14 @@ the slowest rank's; tables show medians. Fairness: every variant's first loss eq
 one-process run's (relative 1e-4). Bubble: plait's runtime records one span per action;
 the measured bubble (1 - compute time / (p x step window)) is set beside the simulator
 run with the measured mean cost of every (kind, stage) (and once more with the measured
-mean time between two actions of a rank added after each action: "simulated + gap") and
-beside the formula; the timeline
-PNG of the last measured 1F1B / ZBV step at p = 4 is written next to the table, and the
-simulated timeline (unit costs) of every schedule.
+mean time between two actions of a rank added after each action: "simulated + gap"),
+beside the replay (each action's own measured time, each rank's own gap, the measured
+message latency: :func:`plait.strategies.pipeline.bubble_report`) and beside the formula;
+the timeline PNG of the last measured 1F1B / ZBV / DualPipeV step at the largest p is
+written next to the table, and the simulated timeline (unit costs) of every schedule.
 
-Writes ``<out>/pipeline.json``, ``<out>/pipeline.md`` and ``<out>/pipeline_*.png``.
+Writes ``<out>/<name>.json``, ``<out>/<name>.md`` (``--name``, default ``pipeline``) and
+``<out>/pipeline_*.png``.
 """
 
 from __future__ import annotations
@@ -61,13 +66,15 @@ from plait.strategies.pipeline.report import slots_from_spans
 from plait.strategies.pipeline.schedules import loop_placement, v_placement
 from plait.trace import Tracer
 
-PLAIT = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+PLAIT = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 TORCH = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def _config(args: dict[str, Any]) -> GPTConfig:
@@ -102,8 +109,8 @@ def _plait(cfg: GPTConfig, name: str, group: Any, m: int, tracer: Tracer) -> Any
 def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> Any:
     from torch.distributed import pipelining as tp
 
-    v = 2 if name in ("interleaved", "zbv") else 1
-    placement = v_placement(p) if name == "zbv" else loop_placement(p, v)
+    v = 2 if name in ("interleaved", *V_SHAPED) else 1
+    placement = v_placement(p) if name in V_SHAPED else loop_placement(p, v)
     layers = layers_of(GPT(cfg))
     part = partition(layers, p * v)
     mb = batch // m
@@ -162,13 +169,15 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
     tracers: dict[str, Tracer] = {}
     variants: dict[str, Any] = {}
     schedules: dict[str, Any] = {}
-    for name in PLAIT:
+    chosen = args["schedules"]
+    for name in chosen:
         tracers[name] = Tracer(rank=world.rank)
         variants[f"plait {name}"], schedules[name] = _plait(
             cfg, name, mesh.group("pp"), m, tracers[name]
         )
-    for name in TORCH:
-        variants[f"torch {TORCH[name]}"] = _torch(cfg, name, p, world.rank, m, batch)
+    for name in chosen:
+        if name in TORCH and not args["no_torch"]:
+            variants[f"torch {TORCH[name]}"] = _torch(cfg, name, p, world.rank, m, batch)
     dense = GPT(cfg)
     x, y = _batch(0, cfg, batch)
     with torch.no_grad():
@@ -179,7 +188,7 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
             raise AssertionError(f"{vname}: first loss {got} differs from one process's {want}")
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
-    spans: dict[str, list[list[Any]]] = {n: [] for n in PLAIT}
+    spans: dict[str, list[list[Any]]] = {n: [] for n in chosen}
     for i in range(args["warmup"] + args["steps"]):
         order = names[i % len(names) :] + names[: i % len(names)]
         for vname in order:
@@ -210,9 +219,13 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--schedules", default=",".join(PLAIT))
+    parser.add_argument("--no-torch", action="store_true", help="plait's schedules only")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="pipeline", help="stem of the .md and .json written")
     args = vars(parser.parse_args())
+    args["schedules"] = [x for x in str(args["schedules"]).split(",") if x]
     if args["quick"]:
         args |= {"pp": "2", "width": 32, "seq": 16, "steps": 2, "warmup": 1}
     out = Path(args["out"])
@@ -226,7 +239,7 @@ def main() -> None:
             pool.close()
         r0 = results[0]
         med = {n: statistics.median(v) for n, v in r0["times"].items()}
-        for name in PLAIT:
+        for name in args["schedules"]:
             sched = build(name, p=p, m=args["m"])
             reports = [
                 bubble_report(sched, [s for res in results for s in res["spans"][name][k]])
@@ -237,7 +250,9 @@ def main() -> None:
             waiting = statistics.median(r.waiting for r in reports)
             with_gap = statistics.median(r.simulated_with_gap for r in reports)
             gap_ms = 1e3 * statistics.median(r.gap_seconds for r in reports)
-            torch_name = f"torch {TORCH[name]}" if name in TORCH else None
+            replayed = statistics.median(r.replayed for r in reports)
+            latency_ms = 1e3 * statistics.median(r.latency_seconds for r in reports)
+            torch_name = f"torch {TORCH[name]}" if f"torch {TORCH.get(name)}" in med else None
             rows.append(
                 {
                     "p": p,
@@ -246,18 +261,21 @@ def main() -> None:
                     "plait_ms": 1e3 * med[f"plait {name}"],
                     "torch_ms": 1e3 * med[torch_name] if torch_name else None,
                     "ratio": med[f"plait {name}"] / med[torch_name] if torch_name else None,
-                    "vs_1f1b": med[f"plait {name}"] / med["plait 1f1b"],
+                    "vs_1f1b": None,
                     "sim_vs_1f1b": None,
                     "bubble_measured": measured,
                     "waiting": waiting,
                     "bubble_simulated_with_gap": with_gap,
                     "gap_ms": gap_ms,
+                    "bubble_replayed": replayed,
+                    "latency_ms": latency_ms,
                     "bubble_simulated": simulated,
                     "bubble_formula": reports[-1].formula,
                     "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
                 }
             )
-            if p == max(int(v) for v in str(args["pp"]).split(",")) and name in ("1f1b", "zbv"):
+            top = max(int(v) for v in str(args["pp"]).split(","))
+            if p == top and name in ("1f1b", "zbv", "dualpipev"):
                 last = [s for res in results for s in res["spans"][name][-1]]
                 slots = slots_from_spans(last)
                 draw_png(
@@ -267,12 +285,15 @@ def main() -> None:
                     unit="seconds",
                     title=f"plait {name}, p={p}, m={args['m']} (measured)",
                 )
-        sim_1f1b = next(r["sim_ms"] for r in rows if r["p"] == p and r["schedule"] == "1f1b")
+        base = [r for r in rows if r["p"] == p and r["schedule"] == "1f1b"]
         for r in rows:
-            if r["p"] == p:
-                r["sim_vs_1f1b"] = r["sim_ms"] / sim_1f1b
+            if r["p"] == p and base:
+                r["sim_vs_1f1b"] = r["sim_ms"] / base[0]["sim_ms"]
+                r["vs_1f1b"] = r["plait_ms"] / base[0]["plait_ms"]
+            elif r["p"] == p:
+                r["vs_1f1b"] = None
     top = max(int(v) for v in str(args["pp"]).split(","))
-    for name in PLAIT:  # the textbook pictures: unit costs, simulated
+    for name in args["schedules"]:  # the textbook pictures: unit costs, simulated
         sched = build(name, p=top, m=args["m"])
         sim = simulate(sched, Costs.per_chunk(sched.v))
         draw_png(
@@ -291,21 +312,27 @@ def main() -> None:
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
         "| bubble measured | of it waiting on messages | bubble simulated | simulated + gap "
-        "| gap per action | formula |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| replayed | measured - simulated | measured - replayed | gap per action "
+        "| latency per message | formula |",
+        "| --- " * 17 + "|",
     ]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     for r in rows:
-        t = f"{r['torch_ms']:.1f}" if r["torch_ms"] else "-"
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         lines.append(
-            f"| {r['p']} | {r['schedule']} | {r['plait_ms']:.1f} | {t} | {ratio} | "
-            f"{r['vs_1f1b']:.2f} | {r['sim_vs_1f1b']:.2f} | {100 * r['bubble_measured']:.1f}% | "
-            f"{100 * r['waiting']:.1f}% | "
-            f"{100 * r['bubble_simulated']:.1f}% | {100 * r['bubble_simulated_with_gap']:.1f}% | "
-            f"{r['gap_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% |"
+            f"| {r['p']} | {r['schedule']} | {r['plait_ms']:.1f} | {num(r['torch_ms'], '.1f')} | "
+            f"{num(r['ratio'], '.2f')} | {num(r['vs_1f1b'], '.2f')} | "
+            f"{num(r['sim_vs_1f1b'], '.2f')} | {100 * r['bubble_measured']:.1f}% | "
+            f"{100 * r['waiting']:.1f}% | {100 * r['bubble_simulated']:.1f}% | "
+            f"{100 * r['bubble_simulated_with_gap']:.1f}% | {100 * r['bubble_replayed']:.1f}% | "
+            f"{100 * (r['bubble_measured'] - r['bubble_simulated']):+.1f} | "
+            f"{100 * (r['bubble_measured'] - r['bubble_replayed']):+.1f} | "
+            f"{r['gap_ms']:.2f} ms | {r['latency_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% |"
         )
-    (out / "pipeline.md").write_text("\n".join(lines) + "\n")
-    (out / "pipeline.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
+    (out / f"{args['name']}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args['name']}.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
     print("\n".join(lines))
 
 

@@ -384,3 +384,35 @@ def test_gap_between_actions_is_measured_and_simulated():
     assert rep.measured == pytest.approx(0.75 / 6.75)
     assert rep.simulated == pytest.approx(0.0)
     assert rep.simulated_with_gap == pytest.approx(rep.measured)
+
+
+def test_replay_uses_each_action_s_own_time_and_the_message_latency():
+    """A step whose action times vary from one micro-batch to the next and whose messages
+    take 0.1 to arrive: the simulator with mean costs misses both, the replay (each
+    action's own time, the latency found in the trace) gives the measured bubble back."""
+    sched = build("1f1b", p=2, m=4)
+    times = {a: (1.0 + 0.7 * (a.mb % 2)) * (2 if a.kind is Kind.B else 1) for a in sched.compute(0)}
+    times |= {a: 1.0 + 0.5 * (a.mb == 3) for a in sched.compute(1)}
+    truth = simulate(sched, Costs(per_action=times, comm=0.1))
+    spans = []
+    for r in range(2):
+        mine = sorted((s for s in truth.slots if s.rank == r), key=lambda s: s.start)
+        for prev, s in zip([None, *mine], mine, strict=False):
+            if prev is not None and s.start > prev.end:  # idle: waiting on the neighbour
+                spans.append(Span("wait", "comm", int(prev.end * 1e9), int(s.start * 1e9), r, {}))
+            spans.append(
+                Span(
+                    s.action.kind.value,
+                    "compute",
+                    int(s.start * 1e9),
+                    int(s.end * 1e9),
+                    r,
+                    {"stage": s.action.stage, "mb": s.action.mb},
+                )
+            )
+    rep = bubble_report(sched, spans)
+    assert rep.latency_seconds == pytest.approx(0.1, abs=1e-6)
+    assert rep.gap_seconds == pytest.approx(0.0, abs=1e-6)
+    assert rep.measured == pytest.approx(truth.bubble, abs=1e-6)
+    assert rep.replayed == pytest.approx(rep.measured, abs=1e-6)
+    assert abs(rep.simulated - rep.measured) > 0.01  # the means alone do not explain it

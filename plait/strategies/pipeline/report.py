@@ -15,7 +15,15 @@ neighbour (stream ``comm``). From the spans of every rank for one step:
   messages, processes competing for cores);
 * the simulator once more with the measured mean time between two actions of a rank
   (outside waits) added after every action: what the schedule's bubble is once the
-  runtime's own overhead is counted.
+  runtime's own overhead is counted;
+* a replay: the simulator with each action's *own* measured time (not the mean of its
+  kind and stage), each rank's own mean time between actions, and the measured latency of
+  a message (median, over the actions that waited for one, of the time from the end of the
+  action producing it to the start of the reader). What the replay does not explain
+  (``measured - replayed``) is time nobody's dependencies account for: a rank that lost
+  its core longer than its mean gap (ranks time-sliced on fewer cores than ranks, other
+  processes), which the simulator cannot know; ``replayed - simulated`` is the variation
+  of action times from one micro-batch to the next that the mean smooths away.
 
 Ranks of one host share the clock (``perf_counter_ns``), so the window is exact there.
 """
@@ -74,6 +82,8 @@ class BubbleReport:
     waiting: float = 0.0  # share of p x window spent waiting on a neighbour's message
     gap_seconds: float = 0.0  # mean time between two compute actions of a rank, not waiting
     simulated_with_gap: float = 0.0  # the simulator's bubble with that gap after each action
+    replayed: float = 0.0  # each action's own time, each rank's gap, message latency
+    latency_seconds: float = 0.0  # measured: producer's end -> reader's start, when it waited
 
     @property
     def other(self) -> float:
@@ -89,7 +99,9 @@ class BubbleReport:
             f"{100 * self.measured:.1f}%, simulated {100 * self.simulated:.1f}%, formula "
             f"{100 * self.formula:.1f}% (waiting on messages {100 * self.waiting:.1f}%, "
             f"between actions {100 * self.other:.1f}%); with {1e3 * self.gap_seconds:.2f} ms "
-            f"between actions the simulator gives {100 * self.simulated_with_gap:.1f}%"
+            f"between actions the simulator gives {100 * self.simulated_with_gap:.1f}%; "
+            f"replayed (each action's own time, each rank's gap, "
+            f"{1e3 * self.latency_seconds:.2f} ms per message) {100 * self.replayed:.1f}%"
         )
 
 
@@ -110,8 +122,20 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         for s in spans_list
         if s.stream == "comm" and s.name == "wait"
     )
-    gap = _mean_gap(slots, spans_list, origin)
+    gaps = _gaps(slots, spans_list, origin)
+    every = [g for per in gaps.values() for g in per]
+    gap = sum(every) / len(every) if every else 0.0
     with_gap = simulate(schedule, replace(costs, gap=gap))
+    latency = _latency(schedule, slots)
+    replayed = simulate(
+        schedule,
+        replace(
+            costs,
+            per_action={x.action: x.end - x.start for x in slots},
+            per_rank_gap={r: sum(g) / len(g) for r, g in gaps.items() if g},
+            comm=latency,
+        ),
+    )
     return BubbleReport(
         schedule.name,
         schedule.p,
@@ -126,18 +150,20 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         waited / (schedule.p * window) if window > 0 else 0.0,
         gap,
         with_gap.bubble,
+        replayed.bubble,
+        latency,
     )
 
 
-def _mean_gap(slots: Sequence[Slot], spans: Sequence[Span], origin_ns: int) -> float:
-    """Mean time between consecutive compute actions of a rank that is not a wait."""
+def _gaps(slots: Sequence[Slot], spans: Sequence[Span], origin_ns: int) -> dict[int, list[float]]:
+    """Per rank, the times between consecutive compute actions that are not waits."""
     waits: dict[int, list[tuple[float, float]]] = {}
     for s in spans:
         if s.stream == "comm" and s.name == "wait":
             waits.setdefault(s.rank, []).append(
                 ((s.start_ns - origin_ns) / 1e9, (s.end_ns - origin_ns) / 1e9)
             )
-    gaps = []
+    gaps: dict[int, list[float]] = {}
     by_rank: dict[int, list[Slot]] = {}
     for slot in slots:
         by_rank.setdefault(slot.rank, []).append(slot)
@@ -146,5 +172,37 @@ def _mean_gap(slots: Sequence[Slot], spans: Sequence[Span], origin_ns: int) -> f
         for a, b in zip(mine, mine[1:], strict=False):
             idle = b.start - a.end
             waited = sum(max(0.0, min(e, b.start) - max(st, a.end)) for st, e in waits.get(r, []))
-            gaps.append(max(0.0, idle - waited))
-    return sum(gaps) / len(gaps) if gaps else 0.0
+            gaps.setdefault(r, []).append(max(0.0, idle - waited))
+    return gaps
+
+
+def _latency(schedule: Schedule, slots: Sequence[Slot]) -> float:
+    """Median time from the end of a message's producer to the start of its reader, over
+    the readers that waited for it (whose rank was done with its previous action first)."""
+    end = {(x.rank, x.action): x.end for x in slots}
+    split = {(x.action.stage, x.action.mb) for x in slots if x.action.kind is Kind.I}
+    place, last = schedule.placement, schedule.stages - 1
+    by_rank: dict[int, list[Slot]] = {}
+    for x in slots:
+        by_rank.setdefault(x.rank, []).append(x)
+    lags = []
+    for r, mine in by_rank.items():
+        mine.sort(key=lambda x: x.start)
+        for prev, x in zip(mine, mine[1:], strict=False):
+            a = x.action
+            if a.kind is Kind.F and a.stage > 0:
+                src = Action(Kind.F, a.stage - 1, a.mb)
+            elif a.kind in (Kind.B, Kind.I) and a.stage < last:
+                kind = Kind.I if (a.stage + 1, a.mb) in split else Kind.B
+                src = Action(kind, a.stage + 1, a.mb)
+            else:
+                continue
+            q = place[src.stage]
+            if q == r or (q, src) not in end:
+                continue
+            if end[(q, src)] > prev.end:  # it waited for the message
+                lags.append(max(0.0, x.start - end[(q, src)]))
+    if not lags:
+        return 0.0
+    lags.sort()
+    return lags[len(lags) // 2]

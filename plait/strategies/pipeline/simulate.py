@@ -6,9 +6,11 @@ plus ``comm`` seconds of transfer, and a receive posted on this rank), a backwar
 stage's gradient; sends and receive postings take no time (they run asynchronously), and
 ``gap`` seconds pass after every compute action (the runtime's own overhead, idle time).
 Costs are per action kind (``Costs(f=1, b=2, i=1, w=1)``, the unit costs of the bubble
-formulas) or measured per (kind, stage) (``Costs(per_stage=...)``), optionally per rank
-(``per_rank``: a stage's cost as the rank holding it measured it, which matters when the
-ranks do not run equally fast).
+formulas) or measured: per (kind, stage) (``per_stage``: the mean of a step) or per action
+(``per_action``: each action's own measured time, a replay of the step, which keeps the
+variation from one micro-batch to the next that a mean smooths away), and per rank the
+time between two of its actions (``gap``, or ``per_rank_gap``) and the latency of a
+message (``comm``).
 
 F&B pairs (DualPipe, ``Schedule.pairs``): by default a pair is what plait's runtime runs,
 the forward then the backward, each starting when its own input is there. With
@@ -41,12 +43,13 @@ class Costs:
     gap: float = 0.0  # a rank's time between two compute actions (Python, posting messages)
     per_stage: Mapping[tuple[str, int], float] = field(default_factory=dict)
     pair: float | None = None  # F&B pairs as one unit taking pair * (F + B); None: apart
-    per_rank: Mapping[tuple[int, str, int], float] = field(default_factory=dict)
+    per_action: Mapping[Action, float] = field(default_factory=dict)
+    per_rank_gap: Mapping[int, float] = field(default_factory=dict)  # overrides gap per rank
 
-    def of(self, a: Action, rank: int | None = None) -> float:
+    def of(self, a: Action) -> float:
+        if a in self.per_action:
+            return self.per_action[a]
         k = a.kind.value
-        if rank is not None and (rank, k, a.stage) in self.per_rank:
-            return self.per_rank[(rank, k, a.stage)]
         if (k, a.stage) in self.per_stage:
             return self.per_stage[(k, a.stage)]
         return {"F": self.f, "B": self.b, "I": self.i, "W": self.w}.get(k, 0.0)
@@ -175,11 +178,11 @@ def run(sched: Schedule, costs: Costs) -> list[Slot]:
                         start = max(start, tb)
                         assert costs.pair is not None
                         scale[r] = costs.pair
-                    end = start + scale[r] * costs.of(a, r)
+                    end = start + scale[r] * costs.of(a)
                     done[(r, a)] = end
                     # inside a pair, the backward follows at once (no gap) at the same scale
                     inside = nth[r] in opens[r]
-                    clock[r] = end + (0.0 if inside else costs.gap)
+                    clock[r] = end + (0.0 if inside else costs.per_rank_gap.get(r, costs.gap))
                     if not inside:
                         scale[r] = 1.0
                     nth[r] += 1
