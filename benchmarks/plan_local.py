@@ -9,8 +9,8 @@ on the transport the ranks use (shared memory by default), and matmul rates with
 busy; saved to ``runs/plan_calibration_n4.json`` (``local_cpu(ranks=4)`` reads it) and to
 ``benchmarks/results/plan_calibration_n4.json``. The compute efficiency: the plain GPT's
 forward and backward on one rank's share of the batch, run by the 4 ranks at once without
-communication (model FLOPs / (time x the calibrated matmul rate)); the optimizer step is
-the calibration's measured Adam rate.
+communication (model FLOPs / (time x the calibrated matmul rate)), taking its turn in every round with the
+layouts below; the optimizer step is the calibration's measured Adam rate.
 
 Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
 ``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
@@ -175,7 +175,14 @@ def main() -> int:
     with RankPool(4, timeout=120) as pool:
         cal = calibrated(4, args.reuse, pool)
         print(calibrate.format_calibration(cal), flush=True)
-        t_share = pool.run(busy_share_step, cfg, share, timeout=300)[0]
+        # the compute calibration takes its turn in every round with the layouts
+        runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        shares: list[float] = []
+        for _ in range(ROUNDS):
+            shares.append(pool.run(busy_share_step, cfg, share, timeout=300)[0])
+            for name, fields in LAYOUTS.items():
+                runs[name].append(pool.run(measure, cfg, fields, BATCH, timeout=300)[0])
+        t_share = statistics.median(shares)
         base = local_cpu(ranks=4, calibration=cal, efficiency=1.0)
         efficiency = min(
             1.0, spec.flops_per_iteration(batch=share, seq=SEQ) / (t_share * base.peak_flops)
@@ -187,10 +194,6 @@ def main() -> int:
             f"at once took {t_share * 1e3:.1f} ms at {base.peak_flops / 1e9:.1f} GFLOP/s",
             flush=True,
         )
-        runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-        for _ in range(ROUNDS):
-            for name, fields in LAYOUTS.items():
-                runs[name].append(pool.run(measure, cfg, fields, BATCH, timeout=300)[0])
         for name, fields in LAYOUTS.items():
             layout = Layout(**fields)
             plan = evaluate(spec, job, layout, cluster)
@@ -260,6 +263,7 @@ def main() -> int:
     payload = {
         "efficiency": efficiency,
         "busy_share_step_s": t_share,
+        "busy_share_rounds_s": shares,
         "calibration": cal.to_dict(),
         "rows": rows,
     }

@@ -41,6 +41,7 @@ from typing import Any
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 BLOCK = 5  # calls timed back to back
+BURST_S = 2e-3  # compute between two calls when measuring them as a step interleaves them
 SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
 # (M, K, N): a micro-batch of 1024 tokens through linears of width 128 split 1..8 ways
 GEMMS = (
@@ -76,7 +77,8 @@ class Calibration:
     ranks: int
     cores: int
     transport: str  # "shm" or "gloo": what carried the messages
-    links: dict[str, dict[int, Line]]  # collective -> group size -> fit
+    links: dict[str, dict[int, Line]]  # collective -> group size -> fit, between bursts
+    idle_links: dict[str, dict[int, Line]] = field(default_factory=dict)  # back to back
     gemm: list[tuple[int, int, int, float]] = field(default_factory=list)  # M, K, N, FLOP/s
     # torch.optim.Adam's step: seconds = latency + parameter elements / bandwidth
     adam: Line | None = None
@@ -112,14 +114,23 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["links"] = {
-            c: {str(n): asdict(v) for n, v in per.items()} for c, per in self.links.items()
-        }
+        for key in ("links", "idle_links"):
+            d[key] = {
+                c: {str(n): asdict(v) for n, v in per.items()}
+                for c, per in getattr(self, key).items()
+            }
         return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Calibration:
-        links = {c: {int(n): Line(**v) for n, v in per.items()} for c, per in d["links"].items()}
+        def lines(key: str) -> dict[str, dict[int, Line]]:
+            return {
+                c: {int(n): Line(**v) for n, v in per.items()} for c, per in d.get(key, {}).items()
+            }
+
+        links = lines("links")
+        if not links:
+            raise KeyError("links")
         adam = d.get("adam")
         return Calibration(
             adam=Line(**adam) if adam else None,
@@ -127,6 +138,7 @@ class Calibration:
             cores=int(d["cores"]),
             transport=str(d["transport"]),
             links=links,
+            idle_links=lines("idle_links"),
             gemm=[(int(m), int(k), int(n), float(r)) for m, k, n, r in d.get("gemm", [])],
             raw=list(d.get("raw", [])),
         )
@@ -240,6 +252,63 @@ def _adam_line(world: Any, *, iters: int) -> Line:
     return fit_line(pts)
 
 
+def _between_bursts(fn: Any, burst: Any, world: Any, *, iters: int, calls: int = 4) -> float:
+    """Seconds one call of ``fn`` adds to a loop in which every rank computes ``burst``
+    before each call, as a training step interleaves them: the slowest rank's loop with
+    the calls minus without (rounds taking turns, medians), over ``calls``. On ranks that
+    share cores this holds what back-to-back calls hide: a peer still computing, or
+    asleep and waiting for a core, before the collective can finish."""
+    from plait import comm
+
+    def loop(with_calls: bool) -> float:
+        comm.barrier(group=world)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            burst()
+            if with_calls:
+                fn()
+        return time.perf_counter() - t0
+
+    loop(True)
+    loop(False)
+    on, off = [], []
+    for _ in range(iters):
+        on.append(loop(True))
+        off.append(loop(False))
+    t_on = statistics.median(_slowest(on, world))
+    t_off = statistics.median(_slowest(off, world))
+    return max(0.0, (t_on - t_off) / calls)
+
+
+def _burst(rate: float, seconds: float = BURST_S) -> Callable[[], None]:
+    """A matmul loop of about ``seconds`` at ``rate`` FLOP/s (one thread)."""
+    import torch
+
+    a, b = torch.randn(256, 128), torch.randn(128, 128)
+    reps = max(1, int(seconds * rate / (2.0 * 256 * 128 * 128)))
+
+    def run() -> None:
+        for _ in range(reps):
+            a @ b
+
+    return run
+
+
+def _ping(pair: Any, buf: Any) -> Callable[[], None]:
+    """A message each way between the two ranks of ``pair`` (two p2p transfers)."""
+    from plait import comm
+
+    def ping() -> None:
+        if pair.rank == 0:
+            comm.send(buf, 1, group=pair)
+            comm.recv(buf, 1, group=pair)
+        else:
+            comm.recv(buf, 0, group=pair)
+            comm.send(buf, 0, group=pair)
+
+    return ping
+
+
 def measure_rank(
     *, sizes: Sequence[int] = SIZES, iters: int = 8, gemms: Sequence[tuple[int, int, int]] = GEMMS
 ) -> dict[str, Any]:
@@ -248,54 +317,58 @@ def measure_rank(
     import torch
 
     import plait
-    from plait import comm
     from plait.comm import ops
 
     world = plait.world()
     n = world.size
-    raw: list[dict[str, Any]] = []
-    links: dict[str, dict[int, Line]] = {}
-    for g in (d for d in range(2, n + 1) if n % d == 0):
-        group = plait.Mesh(dp=n // g, tp=g).group("tp")
-        for collective in COLLECTIVES[:3]:
-            pts = []
-            for nbytes in sizes:
-                numel = max(g, nbytes // 4 // g * g)
-                t = _time_calls(_collective(collective, numel, group), iters, world)
-                pts.append((numel * 4.0, t))
-                raw.append({"collective": collective, "n": g, "bytes": numel * 4, "s": t})
-            links.setdefault(collective, {})[g] = fit_line(pts)
-    transport = "shm" if ops.shared(world) else "gloo"
-    if n >= 2 and n % 2 == 0:
-        pair = plait.Mesh(pp=2, dp=n // 2).group("pp")
-        pts = []
-        for nbytes in sizes:
-            buf = torch.ones(nbytes // 4)
-
-            def ping(buf: torch.Tensor = buf) -> None:
-                if pair.rank == 0:
-                    comm.send(buf, 1, group=pair)
-                    comm.recv(buf, 1, group=pair)
-                else:
-                    comm.recv(buf, 0, group=pair)
-                    comm.send(buf, 0, group=pair)
-
-            t = _time_calls(ping, iters, world) / 2
-            pts.append((float(nbytes), t))
-            raw.append({"collective": "p2p", "n": 2, "bytes": nbytes, "s": t})
-        links["p2p"] = {2: fit_line(pts)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    raw: list[dict[str, Any]] = []
+    links: dict[str, dict[int, Line]] = {}
+    idle: dict[str, dict[int, Line]] = {}
     try:
         gemm = _gemm_rates(gemms, rounds=max(3, iters // 2), world=world)
         adam = _adam_line(world, iters=max(3, iters // 2))
+        burst = _burst(max(r for *_, r in gemm))
+        cases: list[tuple[str, int, Any, float]] = []  # collective, n, call, bytes
+        for g in (d for d in range(2, n + 1) if n % d == 0):
+            group = plait.Mesh(dp=n // g, tp=g).group("tp")
+            for collective in COLLECTIVES[:3]:
+                for nbytes in sizes:
+                    numel = max(g, nbytes // 4 // g * g)
+                    call = _collective(collective, numel, group)
+                    cases.append((collective, g, call, numel * 4.0))
+        if n % 2 == 0:
+            pair = plait.Mesh(pp=2, dp=n // 2).group("pp")
+            for nbytes in sizes:
+                cases.append(("p2p", 2, _ping(pair, torch.ones(nbytes // 4)), float(nbytes)))
+        points: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+        for collective, g, call, size in cases:
+            per = 2 if collective == "p2p" else 1  # a ping is two transfers
+            back_to_back = _time_calls(call, iters, world) / per
+            loaded = _between_bursts(call, burst, world, iters=max(3, iters // 2)) / per
+            points.setdefault((collective, g), []).append((size, back_to_back, loaded))
+            raw.append(
+                {
+                    "collective": collective,
+                    "n": g,
+                    "bytes": size,
+                    "s": back_to_back,
+                    "between_bursts_s": loaded,
+                }
+            )
+        for (collective, g), pts in points.items():
+            idle.setdefault(collective, {})[g] = fit_line([(s, t) for s, t, _ in pts])
+            # between bursts, never below back to back
+            links.setdefault(collective, {})[g] = fit_line([(s, max(t, u)) for s, t, u in pts])
     finally:
         torch.set_num_threads(threads)
     cal = Calibration(
         ranks=n,
         cores=os.cpu_count() or 1,
-        transport=transport,
+        transport="shm" if ops.shared(world) else "gloo",
         links=links,
+        idle_links=idle,
         gemm=gemm,
         adam=adam,
         raw=raw,
@@ -339,11 +412,17 @@ def format_calibration(cal: Calibration) -> str:
     """A short table of the fits and the matmul rates."""
     lines = [
         f"calibration: {cal.ranks} ranks on {cal.cores} cores, transport {cal.transport}",
-        f"{'collective':<16}{'n':>3}{'latency(us)':>14}{'bandwidth(GB/s)':>18}",
+        f"{'collective':<16}{'n':>3}{'latency(us)':>14}{'bandwidth(GB/s)':>18}"
+        f"{'b2b lat(us)':>16}{'b2b bw(GB/s)':>18}",
+        "(between 2 ms compute bursts on every rank, as a step runs them; b2b: back to back)",
     ]
     for c, per in cal.links.items():
         for n, ln in sorted(per.items()):
-            lines.append(f"{c:<16}{n:>3}{ln.latency * 1e6:>14.1f}{ln.bandwidth / 1e9:>18.3f}")
+            row = f"{c:<16}{n:>3}{ln.latency * 1e6:>14.1f}{ln.bandwidth / 1e9:>18.3f}"
+            b2b = cal.idle_links.get(c, {}).get(n)
+            if b2b is not None:
+                row += f"{b2b.latency * 1e6:>16.1f}{b2b.bandwidth / 1e9:>18.3f}"
+            lines.append(row)
     if cal.adam is not None:
         a = cal.adam
         lines.append(
