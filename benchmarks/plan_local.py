@@ -9,8 +9,8 @@ on the transport the ranks use (shared memory by default), and matmul rates with
 busy; saved to ``runs/plan_calibration_n4.json`` (``local_cpu(ranks=4)`` reads it) and to
 ``benchmarks/results/plan_calibration_n4.json``. The compute efficiency: the plain GPT's
 forward and backward on one rank's share of the batch, run by the 4 ranks at once without
-communication (model FLOPs / (time x the calibrated matmul rate)), taking its turn in every round with the
-layouts below; the optimizer step is the calibration's measured Adam rate.
+communication (model FLOPs / (time x the calibrated matmul rate)), taking its turn in
+every round with the layouts below; the optimizer step is the calibration's Adam rate.
 
 Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
 ``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
