@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +96,113 @@ def test_stopped_rank_is_named_and_a_short_stall_is_not_fatal():
     )
     # target: threshold + 1 s; allow for a loaded machine
     assert THRESHOLD_S - 1.0 < detected < THRESHOLD_S + 10, detected
+
+
+STORE_SCRIPT = Path(__file__).parent / "scripts" / "store_host_stops.py"
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def _wait_for(cond, timeout: float, what: str, logs: list[Path]) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    text = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+    raise AssertionError(f"{what}: not after {timeout}s\n{text}")
+
+
+@pytest.mark.faults
+def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path) -> None:
+    """Rendezvous by env:// (rank 0 hosts the store). Rank 0 stopped for 1.3 s while rank
+    1 waits on it: the all-reduce completes and rank 1 logs the store's silence. Rank 0
+    stopped for good: rank 1, whose store reads now block, still fails within the
+    heartbeat timeout, naming rank 0 and the store (before: only the 30 s collective
+    timeout, as the progress thread was stuck in a store read)."""
+    port = _free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        PLAIT_HEARTBEAT_TIMEOUT=str(THRESHOLD_S),
+        PLAIT_TIMEOUT="30",
+        OMP_NUM_THREADS="1",
+    )
+    procs = []
+    try:
+        for r in range(2):
+            with open(logs[r], "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(STORE_SCRIPT), "2.5", "20"],
+                        env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=ROOT,
+                    )
+                )
+        pid0 = procs[0].pid
+        # 1. rank 0 (and its store) stopped 1.3 s while rank 1 waits: completes, logged
+        _wait_for(lambda: "ROUND 0" in logs[0].read_text(), 120, "round 0", logs)
+        time.sleep(0.4)
+        os.kill(pid0, signal.SIGSTOP)
+        time.sleep(1.3)
+        os.kill(pid0, signal.SIGCONT)
+        # 2. stopped for good during round 1
+        _wait_for(lambda: "ROUND 1" in logs[0].read_text(), 60, "round 1", logs)
+        time.sleep(0.4)
+        os.kill(pid0, signal.SIGSTOP)
+        stopped_at = time.time()
+        _wait_for(lambda: procs[1].poll() is not None, 40, "rank 1 to fail", logs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait(30)
+    r1 = _lines(logs[1])
+    assert {"rank": 1, "round": 0, "ok": True} in r1, r1
+    failed = [e for e in r1 if e.get("round") == 1 and "error" in e]
+    assert failed, r1
+    err = failed[0]
+    assert err["error"] == "PeerUnresponsive", err
+    message = err["message"]
+    assert "rendezvous store at 127.0.0.1:" in message, message
+    assert "waited on rank 0 (host" in message and f"pid {pid0})" in message, message
+    assert len(err["store_stalls"]) == 1 and 0.8 < err["store_stalls"][0] < THRESHOLD_S, err
+    detected = err["at"] - stopped_at
+    faultlog.record(
+        row=3,
+        fault="SIGSTOP 1.3 s of rank 0, which hosts the store (env://)",
+        detected_after_s=None,
+        named_correctly=True,
+        recovered_after_s=0.0,
+        state_equal=True,
+        note="logged by rank 1 as a silence of the store below the heartbeat timeout",
+    )
+    faultlog.record(
+        row=2,
+        fault="SIGSTOP of rank 0, which hosts the store (env://)",
+        detected_after_s=round(detected, 2),
+        named_correctly=True,
+        threshold_s=THRESHOLD_S,
+        note="rank 1's store reads block; the store watch (no store access) decides",
+    )
+    # silence counts from the last answered heartbeat (<= 0.5 s before the stop)
+    assert THRESHOLD_S - 1.0 < detected < THRESHOLD_S + 3, detected

@@ -17,6 +17,18 @@ store client:
   same keys from its own client of the store.
 
 Then the thread runs the watchdog's checks (``watchdog.tick``).
+
+Each heartbeat is a round trip (a ``set``, then a ``check`` of the key, which the store
+must answer), and the time of the last one that came back is kept. A second daemon thread,
+``plait-store-watch``, never touches the store: every ``PERIOD_S`` it reads how long the
+store has been silent (``watchdog.store_silence``). That is how a rank notices that it is
+cut off from the store's host, or that the store's process is stopped: a TCPStore client's
+``check`` or ``get`` on a dead link blocks past its own timeout (measured on torch 2.13,
+a ``check`` against a SIGSTOPped store never returned), so the progress thread itself
+cannot be the one to tell. Silence longer than the heartbeat timeout ends every blocked
+collective wait, naming the store and the ranks on its host; a shorter one is logged when
+the store answers again. Time during which this process itself did not run (it was
+stopped, or starved) is not counted against the store.
 """
 
 from __future__ import annotations
@@ -37,12 +49,16 @@ if TYPE_CHECKING:
 
 PERIOD_S = 0.1
 HEARTBEAT_PERIOD_S = 0.5
+SELF_GAP_S = 1.0  # the store watch itself did not run this long: this process was stopped
 _stop = threading.Event()
 _groups: weakref.WeakSet[Group] = weakref.WeakSet()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _address: tuple[str, int] | None = None
 _local = threading.local()
+_watch_thread: threading.Thread | None = None
+_last_answer: float | None = None  # monotonic time the store last answered a heartbeat
+_store_lost = threading.Event()  # silent past the heartbeat timeout: readers stop asking
 
 
 def configure(host: str | None, port: int | None) -> None:
@@ -56,7 +72,16 @@ def configure_from_env() -> None:
 
 
 def store() -> Any:
-    """This thread's own client of the rendezvous store (clients are not shared)."""
+    """This thread's own client of the rendezvous store (clients are not shared); None
+    without a store, or once the store has been silent longer than the heartbeat timeout
+    (a read would block, possibly for good: see the module docstring)."""
+    if _address is None or _store_lost.is_set():
+        return None
+    return _client()
+
+
+def _client() -> Any:
+    """This thread's client, whether or not the store is thought lost (heartbeats)."""
     if _address is None:
         return None
     client = getattr(_local, "store", None)
@@ -89,13 +114,46 @@ _where: dict[int, str] = {}
 def beat(global_rank: int) -> None:
     """Publish one heartbeat of this process (rank ``global_rank``)."""
     global _me
-    client = store()
+    client = _client()
     if client is None:
         return
     if _me != global_rank:
-        client.set(where_key(global_rank), f"{socket.gethostname()} {os.getpid()}")
+        client.set(where_key(global_rank), f"{socket.gethostname()} {os.getpid()} {_my_address()}")
         _me = global_rank
-    client.set(heartbeat_key(global_rank), f"{time.time():.3f}")
+    key = heartbeat_key(global_rank)
+    client.set(key, f"{time.time():.3f}")
+    client.check([key])  # a set is only buffered; the store must answer this
+    answered()
+
+
+def answered() -> None:
+    """The store answered a request of this process just now."""
+    global _last_answer
+    _last_answer = time.monotonic()
+    _store_lost.clear()
+
+
+def last_answer() -> float | None:
+    """Monotonic time the store last answered a heartbeat; None before the first."""
+    return _last_answer
+
+
+def mark_store_lost() -> None:
+    """The store has been silent past the heartbeat timeout: :func:`store` returns None
+    until it answers a heartbeat again (a read now could block for good)."""
+    _store_lost.set()
+
+
+def _my_address() -> str:
+    """The local address this host reaches the store from (a UDP connect sends nothing)."""
+    if _address is None:
+        return "?"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((_address[0], _address[1] or 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "?"
 
 
 _beating: int | None = None  # the global rank whose heartbeat this process writes
@@ -113,23 +171,62 @@ def last_beat(global_rank: int) -> float | None:
         return None
 
 
+_addresses: dict[int, str] = {}  # global rank -> address it reaches the store from
+
+
 def whereabouts(global_rank: int) -> str:
-    """``" (host H, pid P)"`` for a rank that published it, else ``""``."""
-    if global_rank not in _where:
-        try:
-            client = store()
-            key = where_key(global_rank)
-            if client is None or not client.check([key]):
-                return ""
-            host, _, pid = client.get(key).decode().partition(" ")
-            _where[global_rank] = f" (host {host}, pid {pid})"
-        except Exception:
-            return ""
+    """``" (host H, address A, pid P)"`` for a rank that published it, else ``""``."""
+    if global_rank not in _where and not _learn_where(global_rank):
+        return ""
     return _where[global_rank]
 
 
+def cached_whereabouts(global_rank: int) -> str:
+    """:func:`whereabouts` from the cache only (never asks the store)."""
+    return _where.get(global_rank, "")
+
+
+def known_addresses() -> list[int]:
+    """Global ranks whose address is cached."""
+    return list(_addresses)
+
+
+def beating_rank() -> int | None:
+    """The global rank whose heartbeat this process writes."""
+    return _beating
+
+
+def address_of(global_rank: int) -> str | None:
+    """The address rank ``global_rank`` reaches the store from, if known (cached)."""
+    return _addresses.get(global_rank)
+
+
+def _learn_where(global_rank: int) -> bool:
+    try:
+        client = store()
+        key = where_key(global_rank)
+        if client is None or not client.check([key]):
+            return False
+        host, pid, addr = (client.get(key).decode().split(" ") + ["?", "?"])[:3]
+    except Exception:
+        return False
+    if addr != "?":
+        _addresses[global_rank] = addr
+        _where[global_rank] = f" (host {host}, address {addr}, pid {pid})"
+    else:
+        _where[global_rank] = f" (host {host}, pid {pid})"
+    return True
+
+
+def _learn_every_where() -> bool:
+    """Cache every registered group's ranks' whereabouts while the store answers (a rank
+    cut off from it later still names the others); True once all are known."""
+    ranks = {r for g in groups() for r in g.ranks}
+    return all(r in _where or _learn_where(r) for r in sorted(ranks))
+
+
 def register(group: Group) -> None:
-    global _thread, _beating
+    global _thread, _beating, _watch_thread
     with _lock:
         _groups.add(group)
         if _thread is None and _address is not None:
@@ -142,6 +239,11 @@ def register(group: Group) -> None:
                 daemon=True,
             )
             _thread.start()
+        if _watch_thread is None and _address is not None:
+            _watch_thread = threading.Thread(
+                target=_watch_store_forever, name="plait-store-watch", daemon=True
+            )
+            _watch_thread.start()
 
 
 def groups() -> list[Group]:
@@ -154,12 +256,15 @@ def stop() -> None:
 
     Called by ``plait.shutdown`` and at interpreter exit, so no thread of plait is
     inside the store or the backend while the process tears down."""
-    global _thread
+    global _thread, _watch_thread, _last_answer
     with _lock:
         thread, _thread = _thread, None
+        watch, _watch_thread = _watch_thread, None
     _stop.set()
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout=2.0)
+    for t in (thread, watch):
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+    _last_answer = None
     if thread is not None and _beating is not None:
         try:  # a launcher stops watching this rank's heartbeat: it did not freeze
             client = store()
@@ -183,31 +288,46 @@ def _publish_forever(global_rank: int) -> None:
     published: dict[int, tuple[int, str, str, str]] = {}
     next_beat = 0.0
     failures = 0
-    lost_since: float | None = None
+    everyone_known = False
     while not _stop.wait(PERIOD_S):
         try:
             now = time.monotonic()
             if now >= next_beat:
                 beat(global_rank)
                 next_beat = now + HEARTBEAT_PERIOD_S
+                if not everyone_known:
+                    everyone_known = _learn_every_where()
             publish_all(published)
             failures = 0
-        except Exception:  # the store is unreachable: keep trying
+        except Exception:  # the store is unreachable: keep trying (the store watch decides)
             failures += 1
             _local.store = None  # reconnect next time
-            if lost_since is None:
-                lost_since = time.monotonic()
-            try:
-                if watchdog.store_lost(time.monotonic() - lost_since, _address):
-                    return  # every blocked wait was ended; the job is over here
-            except Exception:
-                pass
             if failures > 100 and not any(g.waiting for g in groups()):
                 return  # long without a store and nothing waits: the job is over
+            time.sleep(min(1.0, 0.1 * failures))
             continue
-        lost_since = None
         try:
             watchdog.tick()
+        except Exception:
+            pass
+
+
+def _watch_store_forever() -> None:
+    """How long the store has been silent, every ``PERIOD_S`` (never touches the store)."""
+    from plait.comm import watchdog
+
+    last_tick = time.monotonic()
+    resumed = 0.0  # this process ran again after a gap: count the store's silence from here
+    while not _stop.wait(PERIOD_S):
+        now = time.monotonic()
+        if now - last_tick > SELF_GAP_S:
+            resumed = now
+        last_tick = now
+        answer = _last_answer
+        if answer is None:
+            continue
+        try:
+            watchdog.store_silence(now - max(answer, resumed), _address)
         except Exception:
             pass
 

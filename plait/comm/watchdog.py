@@ -19,6 +19,12 @@ board and the heartbeats of the store and decides:
 * a peer already decided (its verdict is in the store under ``plait/verdict/<group>``):
   the same error here.
 
+Separately (``store_silence``, on the store-watch thread of ``progress.py``): when the
+store itself has not answered this rank's heartbeats for the heartbeat timeout, this rank
+cannot judge its peers any more (it reads their beats from the store); it ends every
+blocked wait with :class:`PeerUnresponsive` naming the store and the ranks of the other
+host(s), the ones it is most likely cut off from. A shorter silence is logged.
+
 To end the blocked wait it records the error on the group, writes the verdict for the
 other ranks, dumps the flight recorder, and closes this rank's connections of the group
 (a receive under a reserved tag timed out at once: the transport then fails every
@@ -31,6 +37,7 @@ import datetime
 import json
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -59,6 +66,9 @@ _heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT_S
 _last_check: dict[int, float] = {}
 _silent_since: dict[int, float] = {}  # peer -> wall time of its last beat, while silent
 _stalls: list[tuple[int, float]] = []  # (peer, seconds) of stalls that ended
+_store_quiet = 0.0  # longest silence of the store since it last answered (store watch)
+_store_stalls: list[float] = []  # seconds of each silence of the store that ended
+_fail_lock = threading.Lock()  # fail() runs on the progress and the store-watch threads
 
 
 def parse_heartbeat_timeout(value: object, source: str) -> float:
@@ -89,6 +99,7 @@ def configure(heartbeat_timeout: float | None) -> float:
         _heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT_S
     _stalls.clear()
     _silent_since.clear()
+    _store_stalls.clear()
     return _heartbeat_timeout
 
 
@@ -129,29 +140,88 @@ def tick() -> None:
             _stall_ended(r, beat, "")
 
 
-def store_lost(seconds: float, address: tuple[str, int] | None) -> bool:
-    """The rendezvous store has not answered for ``seconds`` (progress thread): once that
-    passes the heartbeat timeout while a collective waits, this rank cannot tell its peers'
-    liveness any more and is most likely cut off from the store's host; end every blocked
-    wait with :class:`PeerUnresponsive` naming the store. Returns whether it did."""
-    if seconds < _heartbeat_timeout:
+def store_silence(seconds: float, address: tuple[str, int] | None) -> bool:
+    """The rendezvous store has not answered this rank's heartbeats for ``seconds``
+    (store-watch thread, every ``progress.PERIOD_S``). Past the heartbeat timeout every
+    blocked wait ends with :class:`PeerUnresponsive` naming the store and the ranks this
+    rank is most likely cut off from; a shorter silence is logged once the store answers
+    again. Returns whether a wait was ended."""
+    global _store_quiet
+    if seconds >= _heartbeat_timeout:
+        progress.mark_store_lost()
+        _store_quiet = max(_store_quiet, seconds)
+        return _end_waits_store_lost(seconds, address)
+    if seconds > STALL_LOG_S:
+        _store_quiet = max(_store_quiet, seconds)
         return False
+    if _store_quiet > STALL_LOG_S:  # it answered again
+        quiet, _store_quiet = _store_quiet, 0.0
+        _store_stalls.append(quiet)
+        past = quiet >= _heartbeat_timeout
+        log.warning(
+            f"plait: rank {progress.beating_rank()} had no heartbeat exchange with the "
+            f"rendezvous store at {_where_store(address)} for {quiet:.1f}s, then it "
+            f"answered again ("
+            + (
+                "past the heartbeat timeout: blocked waits were ended)"
+                if past
+                else f"a stall, below the heartbeat timeout of {_heartbeat_timeout:g}s)"
+            )
+        )
+    return False
+
+
+def store_stalls() -> list[float]:
+    """Seconds of each silence of the store this rank saw end (see :func:`store_silence`)."""
+    return list(_store_stalls)
+
+
+def _where_store(address: tuple[str, int] | None) -> str:
+    return f"{address[0]}:{address[1]}" if address else "(unknown address)"
+
+
+def _cut_off_from(me: int) -> tuple[str, list[int]]:
+    """What this rank is most likely cut off from, and those ranks (cached addresses)."""
+    mine = progress.address_of(me)
+    others: dict[str, list[int]] = {}
+    for r in sorted(progress.known_addresses()):
+        addr = progress.address_of(r)
+        if mine is not None and addr is not None and addr != mine:
+            others.setdefault(addr, []).append(r)
+    if not others:
+        return (
+            "the store's process (plait run's launcher, torchrun's agent, or the rank that "
+            "hosts it: rank 0 under env://) is stopped or wedged, or this host is cut off "
+            "from the store's host. Look at that process and at the link",
+            [],
+        )
+    hosts = "; ".join(
+        f"host {addr}: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for addr, rs in others.items()
+    )
+    return (
+        f"this host ({mine}) is most likely cut off from the other host(s) ({hosts}): "
+        f"a network partition, or that host is down. Check the link between the hosts",
+        [r for rs in others.values() for r in rs],
+    )
+
+
+def _end_waits_store_lost(seconds: float, address: tuple[str, int] | None) -> bool:
     ended = False
-    where = f"{address[0]}:{address[1]}" if address else "(unknown address)"
     for g in progress.groups():
         w = g.waiting
         if w is None or g.failure is not None:
             continue
         peer, call, since = w
+        me = g.global_rank
+        what, cut = _cut_off_from(me)
+        on = f" on rank {peer}{progress.cached_whereabouts(peer)}" if peer is not None else ""
         error = PeerUnresponsive(
-            f"{call.describe()}: rank {g.global_rank} cannot reach the rendezvous store at "
-            f"{where} for {seconds:.1f}s (longer than the heartbeat timeout of "
-            f"{_heartbeat_timeout:g}s) while it waits"
-            + (f" on rank {peer}" if peer is not None else "")
-            + ": this host is most likely cut off from the store's host (network "
-            "partition, or that host is down). Check the link between the hosts."
-            + _recorder_hint(),
-            [peer] if peer is not None else [],
+            f"{call.describe()}: rank {me}{progress.cached_whereabouts(me)} had no heartbeat "
+            f"exchange with the rendezvous store at {_where_store(address)} for "
+            f"{seconds:.1f}s (longer than the heartbeat timeout of {_heartbeat_timeout:g}s) "
+            f"while it waited{on}: {what}.{_recorder_hint()}",
+            cut or ([peer] if peer is not None else []),
         )
         fail(g, error, publish=False)
         ended = True
@@ -293,9 +363,10 @@ def _read_verdict(g: Group, call: Call) -> CollectiveError | None:
 def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
     """Record ``error`` on ``g``, tell the other ranks (``publish``), dump the recorder,
     and end the wait."""
-    if g.failure is not None:
-        return
-    g.failure = error
+    with _fail_lock:
+        if g.failure is not None:
+            return
+        g.failure = error
     ranks = (
         getattr(error, "disagreeing", None)
         or getattr(error, "ranks", None)
