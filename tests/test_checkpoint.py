@@ -321,7 +321,10 @@ def test_range_reads_touch_only_the_blocks_they_need_and_verify_them(tmp_path: P
     directory, manifest = _one_file(tmp_path, {"w": w, "b": torch.ones(3)}, 1024)
     name = transaction.part_name(0, 1)
     entry = manifest["files"][name]
-    assert len(entry["blocks"]["rank0/w"]) == 79 and entry["block_bytes"] == 1024
+    assert len(entry["blocks"]["rank0/w"]["sha256"]) == 79 and entry["block_bytes"] == 1024
+    assert blocks.block_size(80_000, 1 << 20) == 16 << 10  # finer blocks for small tensors
+    assert blocks.block_size(64 << 20, 1 << 20) == 1 << 20
+    assert blocks.block_size(8 << 20, 1 << 20) == 128 << 10
     reader = blocks.RangeReader(directory, manifest, reader=0)
     got = reader.read(name, {"rank0/w": [(1000, 1100), (5000, 5001)], "rank0/b": None})
     assert torch.equal(got["rank0/w"][1000:1100], w[1000:1100]) and got["rank0/w"][5000] == 5000

@@ -3,9 +3,10 @@
 A safetensors file is ``u64 N`` (little endian), ``N`` bytes of JSON header, then the data:
 the header gives each tensor's ``dtype``, ``shape`` and ``data_offsets`` ``[begin, end)``
 relative to the start of the data, laid out row-major. When a checkpoint file is written,
-:func:`describe` records in its manifest entry the header's size and SHA-256, the block size
-``B`` and, per tensor, the SHA-256 of each ``B``-byte block of its bytes (block ``k`` covers
-the tensor's bytes ``[kB, (k+1)B)``, the last one shorter).
+:func:`describe` records in its manifest entry the header's size and SHA-256 and, per
+tensor, a block size ``B`` (:func:`block_size`: ``block_bytes``, 1 MiB by default, or finer
+for tensors under 64 MiB, never under 16 KiB) and the SHA-256 of each ``B``-byte block of
+its bytes (block ``k`` covers the tensor's bytes ``[kB, (k+1)B)``, the last one shorter).
 
 :class:`RangeReader` then reads only what a rank needs: the header (verified), and for each
 wanted element range of a tensor the blocks it touches (so at most one block more on each
@@ -31,8 +32,10 @@ import torch
 from plait.checkpoint.agree import CheckpointCorrupt
 from plait.checkpoint.files import sha256_bytes
 
-BLOCK_BYTES = 1 << 20  # default checksum block: 1 MiB
-MIN_BLOCK_BYTES = 1 << 10
+BLOCK_BYTES = 1 << 20  # default largest checksum block: 1 MiB
+MIN_BLOCK_BYTES = 1 << 10  # the smallest ``block_bytes`` accepted
+SMALL_BLOCK_BYTES = 16 << 10  # no finer blocks than this unless block_bytes is smaller
+BLOCKS_PER_TENSOR = 64  # a tensor below 64 x block_bytes gets finer blocks (16 KiB or more)
 
 #: safetensors dtype names to torch dtypes (those torch can hold on the CPU)
 DTYPES: dict[str, torch.dtype] = {
@@ -64,16 +67,25 @@ def block_digests(view: memoryview, block_bytes: int) -> list[str]:
     return [sha256_bytes(view[a : a + block_bytes]) for a in range(0, len(view), block_bytes)]
 
 
+def block_size(nbytes: int, block_bytes: int) -> int:
+    """The checksum block of a tensor of ``nbytes``: ``block_bytes``, or a smaller power of
+    two (not below 16 KiB) so that the tensor has about 64 blocks: a slice of a mid-sized
+    tensor then reads little beyond itself, and a large one's manifest entry stays small."""
+    target = 1 << max(0, (nbytes // BLOCKS_PER_TENSOR - 1).bit_length())
+    return min(block_bytes, max(SMALL_BLOCK_BYTES, target))
+
+
 def describe(data: bytes, block_bytes: int) -> dict[str, Any]:
-    """The manifest fields of a file's bytes: header size and SHA-256, the block size and
-    every tensor's block digests."""
+    """The manifest fields of a file's bytes: header size and SHA-256, the largest block
+    size, and per tensor its block size and block digests."""
     n, header = split_header(data)
     view = memoryview(data)[8 + n :]
-    blocks = {
-        key: block_digests(view[entry["data_offsets"][0] : entry["data_offsets"][1]], block_bytes)
-        for key, entry in header.items()
-        if key != "__metadata__"
-    }
+    blocks = {}
+    for key, entry in header.items():
+        if key != "__metadata__":
+            begin, end = entry["data_offsets"]
+            size = block_size(end - begin, block_bytes)
+            blocks[key] = {"bytes": size, "sha256": block_digests(view[begin:end], size)}
     return {
         "header_bytes": 8 + n,
         "header_sha256": sha256_bytes(memoryview(data)[: 8 + n]),
@@ -171,8 +183,8 @@ class RangeReader:
         self, fd: int, name: str, start: int, header: dict[str, Any], key: str, ranges: Ranges
     ) -> torch.Tensor:
         entry = header.get(key)
-        digests = self.files[name]["blocks"].get(key)
-        if entry is None or digests is None or entry["dtype"] not in DTYPES:
+        recorded = self.files[name]["blocks"].get(key)
+        if entry is None or recorded is None or entry["dtype"] not in DTYPES:
             raise CheckpointCorrupt(
                 f"{self._who(name)} holds no tensor {key!r} of a known dtype, though the "
                 f"manifest places it there"
@@ -181,7 +193,7 @@ class RangeReader:
         begin, end = entry["data_offsets"]
         size = torch.empty(0, dtype=dtype).element_size()
         numel = (end - begin) // size
-        block = int(self.files[name]["block_bytes"])
+        block, digests = int(recorded["bytes"]), recorded["sha256"]
         if numel != _numel(shape) or len(digests) != -(-(end - begin) // block):
             raise CheckpointCorrupt(
                 f"{self._who(name)}: tensor {key!r} spans {end - begin} bytes for shape "

@@ -6,8 +6,8 @@ bytes (largest first to the least-loaded rank); sampler, loss-scaler and LR-sche
 and ``extra`` (rank 0's) as JSON in the manifest; per rank, the torch CPU generator state
 (a byte tensor), Python's ``random`` state (JSON) and the simple form's ``state``. Tensors
 are safetensors, everything else JSON: nothing is pickled. The manifest holds each file's
-SHA-256 and, per tensor, a SHA-256 per ``block_bytes`` block (``blocks.py``), so a load
-can read and verify only the ranges it needs.
+SHA-256 and, per tensor, a SHA-256 per block of at most ``block_bytes`` (``blocks.py``), so
+a load can read and verify only the ranges it needs.
 
 Communication (collective: every rank of ``group`` must call ``save`` and ``wait``):
 :func:`~plait.checkpoint.agree.gather_json` (two small all-gathers) to agree on the call,
@@ -198,7 +198,8 @@ def save(
     CPU generator and Python ``random`` states. ``block_bytes``: the size of the blocks
     checksummed one by one (SHA-256 each, in the manifest), the unit in which a load that
     needs part of a tensor reads and verifies it: smaller blocks read less around each
-    slice and make the manifest larger (64 hex digits per block). Default 1 MiB.
+    slice and make the manifest larger (64 hex digits per block). Default 1 MiB; a tensor
+    under 64 such blocks gets finer ones (about 64, not under 16 KiB: ``blocks.block_size``).
 
     ``async_=True``: the state is captured (copied) now, the file written by a background
     thread; the returned handle's ``wait()`` (or the next save/load) commits it. Without
