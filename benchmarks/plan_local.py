@@ -16,8 +16,9 @@ Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
 ``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
 measured: median of the slowest rank's step (zero_grad, forward and backward of every
 micro-batch, optimizer step) after a barrier, over several steps after warm-up; the
-layouts take turns for a few rounds (a noisy moment hits them alike) and the table keeps
-each one's median round. The
+layouts (and the compute calibration) take turns for a few rounds and the table keeps each
+one's fastest round: on a machine shared with other jobs their load only slows a round,
+so the fastest is the least disturbed (on a quiet machine the rounds agree). The
 "gloo links" column is the same planner with the previous link constants (the ring fit of
 ``plait bench comm``'s gloo rows, ranks not lending idle cores): what the table showed
 before the calibration read the transport in use.
@@ -41,7 +42,7 @@ from torch.nn import functional as F
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS, WIDTH, HEADS, SEQ, VOCAB, BATCH = 4, 128, 4, 64, 96, 16
-STEPS, WARMUP, ROUNDS = 6, 2, 3
+STEPS, WARMUP, ROUNDS = 6, 2, 5
 LAYOUTS: dict[str, dict[str, Any]] = {  # name -> plait.plan Layout fields
     "ddp": dict(dp=4, microbatch=4),
     "zero1": dict(dp=4, zero=1, microbatch=4),
@@ -137,6 +138,16 @@ def calibrated(ranks: int, reuse: bool, pool: Any) -> Any:
     return cal
 
 
+def with_compute(base: Any, flops: float, seconds: float) -> Any:
+    """``base`` whose rank computes ``flops`` in ``seconds`` with every rank busy: the
+    efficiency against its calibrated matmul rate, or, if the step ran faster than that
+    rate (the matmuls were timed in a busier moment), that speed as the peak."""
+    rate = flops / seconds
+    if rate <= base.peak_flops:
+        return dataclasses.replace(base, efficiency=rate / base.peak_flops)
+    return dataclasses.replace(base, peak_flops=rate, efficiency=1.0)
+
+
 def gloo_links(cluster: Any) -> Any:
     """``cluster`` with the previous constants: gloo ring fit, no calibration, no lending."""
     from plait.plan.hardware import bench_rows, default_bench_file, fit_alpha_beta
@@ -182,12 +193,10 @@ def main() -> int:
             shares.append(pool.run(busy_share_step, cfg, share, timeout=300)[0])
             for name, fields in LAYOUTS.items():
                 runs[name].append(pool.run(measure, cfg, fields, BATCH, timeout=300)[0])
-        t_share = statistics.median(shares)
+        t_share = min(shares)
         base = local_cpu(ranks=4, calibration=cal, efficiency=1.0)
-        efficiency = min(
-            1.0, spec.flops_per_iteration(batch=share, seq=SEQ) / (t_share * base.peak_flops)
-        )
-        cluster = dataclasses.replace(base, efficiency=efficiency)
+        cluster = with_compute(base, spec.flops_per_iteration(batch=share, seq=SEQ), t_share)
+        efficiency = cluster.efficiency
         old = gloo_links(cluster)
         print(
             f"efficiency {efficiency:.3f}: the GPT step on {share} sequences on every rank "
@@ -198,7 +207,7 @@ def main() -> int:
             layout = Layout(**fields)
             plan = evaluate(spec, job, layout, cluster)
             before = evaluate(spec, job, layout, old).time.total if old is not None else None
-            measured = statistics.median(runs[name])
+            measured = min(runs[name])
             t = plan.time
             rows.append(
                 {
@@ -235,7 +244,7 @@ def main() -> int:
         f"matmul {base.peak_flops / 1e9:.1f} GFLOP/s per rank with every rank busy; "
         f"efficiency {efficiency:.3f} from the plain GPT step on {share} sequences on every "
         f"rank at once ({t_share * 1e3:.1f} ms). Medians of the slowest rank over {STEPS} "
-        f"steps, median of {ROUNDS} rounds. Within 20%: {within} of {len(rows)}.",
+        f"steps, the fastest of {ROUNDS} rounds. Within 20%: {within} of {len(rows)}.",
         "",
         "| layout | planner layout | measured | predicted | predicted / measured | compute | "
         "tp | pp | dp | optimizer | bubble | gloo links: predicted / measured |",
