@@ -14,8 +14,8 @@ resident memory (``/proc/self/statm``) after each. Times are rank 0's. The check
 parameters and Adam's two moments, 12 bytes per parameter, plus 4 for Adam's step.
 
 Bytes read: four ranks save the same model under DDP, ZeRO-1 and FSDP (a unit per Linear),
-once of width 512 (``--params``; 1 MiB per weight: one checksum block, which a slice
-reads whole) and once of width 2048 (``--reads-params``; 16 MiB per weight);
+once of width 512 (``--params``; 1 MiB per weight, checksummed in 16 KiB blocks) and once
+of width 2048 (``--reads-params``; 16 MiB per weight, 256 KiB blocks);
 W' = 2 and 4 ranks load it under the same strategy, once reading whole files
 (``whole_files=True``: what every load did before per-block checksums) and once by ranges
 (the default), ``--reps`` times each. Per rank: bytes read (manifest, headers and data;
