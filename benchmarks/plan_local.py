@@ -180,7 +180,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = config()
     spec = from_gpt_config(cfg)
-    job = Job(global_batch=BATCH, seq=SEQ, precision="fp32", dropout=False)
+    job = Job(global_batch=BATCH, seq=SEQ, precision="fp32", dropout=False, pp_scatter_gather=False)
     share = BATCH // 4
     rows = []
     with RankPool(4, timeout=120) as pool:

@@ -156,7 +156,7 @@ def two_by_two() -> int:
     from plait.plan.time import Overlap
 
     spec = from_gpt_config(config())
-    job = Job(global_batch=BATCH, seq=SEQ, precision="fp32", dropout=False)
+    job = Job(global_batch=BATCH, seq=SEQ, precision="fp32", dropout=False, pp_scatter_gather=False)
     t1 = one_process()
     core = local_cpu(ranks=1, efficiency=1.0).peak_flops
     efficiency = min(1.0, spec.flops_per_iteration(batch=BATCH, seq=SEQ) / (t1 * core))
@@ -292,7 +292,7 @@ def eight() -> int:
 
     cfg = config8()
     spec = from_gpt_config(cfg)
-    job = Job(global_batch=B8, seq=S8, precision="fp32", dropout=False)
+    job = Job(global_batch=B8, seq=S8, precision="fp32", dropout=False, pp_scatter_gather=False)
     share = B8 // 8
     space = SearchSpace(
         microbatch=(1, 2, 4, 8, 16, 32),

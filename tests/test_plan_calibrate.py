@@ -200,3 +200,26 @@ def test_execute_supported_names_what_is_not_built() -> None:
     assert "micro-batch" in str(execute.supported(Layout(dp=4, microbatch=1), JOB))
     assert "recompute" in str(execute.supported(Layout(dp=4, microbatch=4, recompute="full"), JOB))
     assert "ZeRO-3" in str(execute.supported(Layout(dp=2, tp=2, zero=3, microbatch=8), JOB))
+
+
+def test_data_parallel_collectives_per_zero_stage() -> None:
+    c = cpu(cal(adam=None))
+    grads = SMALL.num_params * 4.0
+    ddp = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), c).dp
+    zero1 = step_time(SMALL, JOB, Layout(dp=4, microbatch=4, zero=1), c).dp
+    fsdp = step_time(SMALL, JOB, Layout(dp=4, microbatch=4, zero=3), c).dp
+    assert ddp == pytest.approx(2e-4 + grads / 5e8)
+    assert zero1 == pytest.approx(2 * (1e-4 + grads / 1e9))  # reduce-scatter + all-gather
+    units = SMALL.layers + 1  # each block wrapped, and the root
+    assert fsdp == pytest.approx(units * 3 * (1e-4 + grads / units / 1e9))
+
+
+def test_pipeline_messages_with_and_without_scatter_gather() -> None:
+    c = cpu(cal())
+    lay = Layout(pp=2, tp=2, schedule="1f1b", microbatch=4)
+    act = 4 * 16 * 32 * 4
+    sg = step_time(SMALL, JOB, lay, c).pp_per_mb
+    whole = step_time(SMALL, dataclasses.replace(JOB, pp_scatter_gather=False), lay, c)
+    p2p = Line(3e-5, 4e9, 4)
+    assert sg == pytest.approx(2 * p2p.seconds(act / 2) + 2 * (5e-5 + act / 2e9))
+    assert whole.pp_per_mb == pytest.approx(2 * p2p.seconds(act))

@@ -34,13 +34,17 @@ class Job:
 
     ``precision``: ``"mixed"`` (16-bit parameters, gradients and activations, fp32 master
     copy and Adam state: 16 bytes per parameter) or ``"fp32"``. ``dropout``: whether the
-    model keeps dropout masks (1 byte per element, Korthikanti et al.'s count)."""
+    model keeps dropout masks (1 byte per element, Korthikanti et al.'s count).
+    ``pp_scatter_gather``: how pipeline messages cross a tp group (comment below)."""
 
     global_batch: int
     seq: int
     precision: str = "mixed"
     optimizer: str = "adam"
     dropout: bool = True
+    # pipeline messages cut over tp and all-gathered by the receiver (PTD-P 4.1, Megatron);
+    # False: every tp rank sends the whole activation (plait's compose without SP)
+    pp_scatter_gather: bool = True
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq < 1:

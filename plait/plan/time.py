@@ -30,12 +30,14 @@ ep     per MoE block 4 all-to-alls of ``top_k S``     ``(ep-1) alpha + (ep-1)/ep
        (dispatch and combine, and their gradients)
 pp     2 v point-to-point messages of S/t             ``alpha + S/(t beta)`` each, + an
        (PTD-P's scatter/gather; SP's shard):          all-gather over tp without SP
-       activations forward, gradients back
+       activations forward, gradients back; S         (``Job.pp_scatter_gather=False``:
+       without scatter/gather                         S per message, no all-gather)
 dp     per step: the gradients, all-reduced (ZeRO     ``2(n-1) alpha + 2(n-1)/n G/beta``;
-       1-2: reduce-scatter + all-gather, the same     ``x 1.5`` for ZeRO-3
-       bytes; ZeRO-3: + an all-gather of the
-       parameters in backward); dense over dp*ep,
-       experts over dp
+       1-2: reduce-scatter + all-gather, the same     ZeRO-3: per unit ``3 (n-1) alpha +
+       bytes; ZeRO-3, per unit (each block, and the   3 (n-1)/n G_u/beta``
+       root): all-gathers in forward and backward,
+       a reduce-scatter); dense over dp*ep, experts
+       over dp
 =====  ==========================================  ==========================================
 
 The bubble ``beta``: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(vm+p-1)``,
@@ -265,6 +267,26 @@ def _tp_head_grid(
     return c.bytes_per_rank, 6 * (c.q - 1) * lat + c.bytes_per_rank / bw
 
 
+def _dp_seconds(
+    cluster: Cluster, zero: int, n: int, size: float, units: int, inter_node: bool
+) -> float:
+    """The data-parallel group's seconds per step for ``size`` bytes of gradients: an
+    all-reduce (ZeRO 0), a reduce-scatter and an all-gather (ZeRO-1/2), or per unit of
+    ``size / units`` two all-gathers (forward, backward) and a reduce-scatter (ZeRO-3)."""
+    if n <= 1:
+        return 0.0
+
+    def cost(collective: str, nbytes: float) -> float:
+        return collective_seconds(cluster, collective, n, nbytes, inter_node=inter_node)
+
+    if zero == 0:
+        return cost("all_reduce", size)
+    if zero in (1, 2):
+        return cost("reduce_scatter", size) + cost("all_gather", size)
+    unit = size / units
+    return units * (2 * cost("all_gather", unit) + cost("reduce_scatter", unit))
+
+
 def step_time(
     model: ModelSpec,
     job: Job,
@@ -331,10 +353,12 @@ def step_time(
     pp_s = pp_bytes_mb = 0.0
     if lay.pp > 1:
         pp_inter = spans_nodes(lay, "pp", cluster)
-        msg = act / lay.tp  # scatter/gather (PTD-P 4.1), or already sharded under SP
+        # scatter/gather (PTD-P 4.1), or already sharded under SP; else the whole of it
+        gathered = lay.tp > 1 and not lay.sp and job.pp_scatter_gather
+        msg = act / lay.tp if (gathered or lay.sp) else act
         pp_s = 2 * lay.v * collective_seconds(cluster, "p2p", 2, msg, inter_node=pp_inter)
         pp_bytes_mb = 2 * lay.v * msg
-        if lay.tp > 1 and not lay.sp:  # the receiver all-gathers the t pieces over tp
+        if gathered:  # the receiver all-gathers the t pieces over tp
             pp_s += (
                 2
                 * lay.v
@@ -356,21 +380,15 @@ def step_time(
     zero3 = 1.5 if lay.zero == 3 else 1.0
     dense, expert = max(rank_params(model, lay), key=lambda x: x[0] + x[1])
     dp_dense_n, dp_exp_n = lay.data_shards, lay.dp
-    dp_s = zero3 * collective_seconds(
-        cluster,
-        "all_reduce",
-        dp_dense_n,
-        dense * grad_bytes,
-        inter_node=spans_nodes(lay, "dpep", cluster),
+    # ZeRO-3 / FSDP gathers and reduces per unit: each block, and the root (the rest)
+    units = sum(rank_contents(model, lay)[0][:2]) + 1 if lay.zero == 3 else 1
+    dp_s = _dp_seconds(
+        cluster, lay.zero, dp_dense_n, dense * grad_bytes, units, spans_nodes(lay, "dpep", cluster)
     )
     dp_b = zero3 * 2 * (dp_dense_n - 1) / dp_dense_n * dense * grad_bytes
     if expert and dp_exp_n > 1:
-        dp_s += zero3 * collective_seconds(
-            cluster,
-            "all_reduce",
-            dp_exp_n,
-            expert * grad_bytes,
-            inter_node=spans_nodes(lay, "dp", cluster),
+        dp_s += _dp_seconds(
+            cluster, lay.zero, dp_exp_n, expert * grad_bytes, units, spans_nodes(lay, "dp", cluster)
         )
         dp_b += zero3 * 2 * (dp_exp_n - 1) / dp_exp_n * expert * grad_bytes
     dp_exposed = (1 - ov.dp) * dp_s
