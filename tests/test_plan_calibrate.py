@@ -150,19 +150,24 @@ def test_gemm_slowdown_from_the_measured_rates() -> None:
 
 
 def test_ranks_sharing_cores_lend_the_bubble() -> None:
-    lay = Layout(pp=4, schedule="1f1b", microbatch=2)
-    m = lay.microbatches(JOB)
-    dedicated = step_time(SMALL, JOB, lay, cpu(None, shared_cores=0.0, intra_latency=0.0))
-    shared = step_time(SMALL, JOB, lay, cpu(None, shared_cores=2.0, intra_latency=0.0))
-    beta = bubble("1f1b", p=4, m=m)
-    assert dedicated.pipeline == pytest.approx(m * dedicated.per_microbatch / (1 - beta))
-    # 4 ranks on 2 cores: a rank alone runs twice as fast; the critical path of
-    # (m + p - 1) micro-batch slots at that speed against all the work at the shared speed
-    c = shared.compute_per_mb
-    pp = shared.pp_per_mb
-    want = max(m * (c + pp), m * (c / 2 + pp) / (1 - beta))
-    assert shared.pipeline == pytest.approx(want)
-    assert shared.pipeline < dedicated.pipeline
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs, simulate
+
+    for m, micro in ((8, 2), (1, 16)):
+        lay = Layout(pp=4, schedule="1f1b", microbatch=micro)
+        dedicated = step_time(SMALL, JOB, lay, cpu(None, shared_cores=0.0, intra_latency=0.0))
+        shared = step_time(SMALL, JOB, lay, cpu(None, shared_cores=2.0, intra_latency=0.0))
+        beta = bubble("1f1b", p=4, m=m)
+        assert shared.microbatches == m
+        assert dedicated.pipeline == pytest.approx(m * dedicated.per_microbatch / (1 - beta))
+        # 4 ranks on 2 cores: a rank alone runs twice as fast; the schedule played at that
+        # speed (a message's latency on the path) against all the work at the shared speed
+        c, pp = shared.compute_per_mb, shared.pp_per_mb
+        costs = Costs(f=c / 2 / 3, b=2 * c / 2 / 3, i=c / 2 / 3, w=c / 2 / 3, comm=pp / 2)
+        path = simulate(build("1f1b", p=4, m=m), costs).makespan
+        assert shared.pipeline == pytest.approx(max(m * (c + pp), path))
+        assert shared.pipeline < dedicated.pipeline
+    assert path > m * (c + pp)  # one micro-batch: the path is longer than the shared work
     assert cpu(None, shared_cores=2.0).alone_speedup == 2.0
     assert cpu(None, shared_cores=0.0).alone_speedup == 1.0
     assert cpu(None, shared_cores=8.0).alone_speedup == 1.0

@@ -267,6 +267,29 @@ def _tp_head_grid(
     return c.bytes_per_rank, 6 * (c.q - 1) * lat + c.bytes_per_rank / bw
 
 
+SIMULATE_ACTIONS = 4096  # pipelines with at most this many compute actions are simulated
+
+
+def _critical_path(
+    lay: Layout, m: int, compute: float, comm: float, message: float
+) -> float | None:
+    """Seconds of ``lay``'s schedule played by :mod:`plait.strategies.pipeline.simulate`
+    with a micro-batch's ``compute`` (forward a third, backward two thirds; ZB's input and
+    weight gradients a third each) and tensor-parallel ``comm`` (half forward, half with
+    the input gradient) per rank, cut into ``v`` chunks, and ``message`` seconds per
+    pipeline message; None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
+    if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
+        return None
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs, simulate
+
+    v = lay.v
+    f, b = (compute / 3 + comm / 2) / v, (2 * compute / 3 + comm / 2) / v
+    i, w = (compute / 3 + comm / 2) / v, compute / 3 / v
+    sched = build(lay.schedule, p=lay.pp, m=m, v=v)
+    return simulate(sched, Costs(f=f, b=b, i=i, w=w, comm=message)).makespan
+
+
 def _dp_seconds(
     cluster: Cluster, zero: int, n: int, size: float, units: int, inter_node: bool
 ) -> float:
@@ -369,12 +392,17 @@ def step_time(
     beta = bubble(lay.schedule, p=lay.pp, m=m, v=lay.v, simulate=simulate_bubble)
     pipeline = m * per_mb / (1 - beta)
     speedup = cluster.alone_speedup
-    if speedup > 1 and beta > 0:
+    if speedup > 1 and lay.pp > 1:
         # ranks sharing cores: the bubble's idle share goes to the busy ranks. The step is
         # the longer of all the work at the shared speed (no idle core) and the schedule's
-        # critical path with each busy rank at up to a whole core.
-        alone = compute_mb / speedup + (1 - ov.tp) * (tp_mb + ep_mb) + (1 - ov.pp) * pp_s
-        pipeline = max(m * per_mb, m * alone / (1 - beta))
+        # critical path with each busy rank at up to a whole core: played by the pipeline
+        # simulator (messages' latency on the path) when small, else the bubble formula.
+        comm_mb = (1 - ov.tp) * (tp_mb + ep_mb)
+        one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
+        path = _critical_path(lay, m, compute_mb / speedup, comm_mb, one_msg)
+        if path is None:
+            path = m * (compute_mb / speedup + comm_mb + (1 - ov.pp) * pp_s) / (1 - beta)
+        pipeline = max(m * per_mb, path)
 
     grad_bytes = e if job.precision == "mixed" else 4
     zero3 = 1.5 if lay.zero == 3 else 1.0
