@@ -221,6 +221,19 @@ def init(
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if store is not None:
             kwargs["store"] = store
+        elif progress.attempt_namespace():
+            # torchrun's agent store outlives the attempt: a restarted attempt must not
+            # read the failed one's gloo addresses (connectFullMesh "Connection refused")
+            kwargs["store"] = dist.PrefixStore(
+                progress.attempt_namespace() + "/default_pg",
+                dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    world_size,
+                    False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                ),
+            )
         else:
             kwargs["init_method"] = "env://"
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)

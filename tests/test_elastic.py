@@ -139,14 +139,19 @@ def test_restart_budget_is_enforced(tmp_path: Path) -> None:
 @full_matrix
 @pytest.mark.faults
 def test_restart_through_torchrun_equals_uninterrupted(tmp_path: Path) -> None:
-    """plait run --master-addr hands over to torchrun with --max-restarts and
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the restarted run ends where the uninterrupted
-    one does."""
+    """plait run --master-addr hands over to torchrun with --max-restarts; the restarted
+    run ends where the uninterrupted one does. torchrun's static rendezvous keeps one store
+    for every attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE does not change that): rank 0
+    rendezvousing late on the restart (as on a loaded machine) made rank 1 read the failed
+    attempt's gloo address ("connectFullMesh ... Connection refused"). plait.init now
+    rendezvouses each attempt under its own prefix (plait/attempt-<n>)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     via = ("--master-addr", "127.0.0.1", "--master-port", str(port))
-    restarted, log, took = train(tmp_path, "tr", "--kill", "1:6", restarts=1, launcher=via)
+    restarted, log, took = train(
+        tmp_path, "tr", "--kill", "1:6", "--late-rank0", "2", restarts=1, launcher=via
+    )
     assert "attempt 1: starting at step 4" in log, log
     uninterrupted, _, plain = train(tmp_path, "plain")
     assert equal(restarted, uninterrupted)
@@ -157,5 +162,6 @@ def test_restart_through_torchrun_equals_uninterrupted(tmp_path: Path) -> None:
         named_correctly=None,
         recovered_after_s=round(took - plain, 2),
         state_equal=True,
-        note="plait run hands over to torchrun; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        note="plait run hands over to torchrun (static rendezvous, one store for every "
+        "attempt); rank 0 rendezvouses 2 s late on the restart; per-attempt key prefix",
     )

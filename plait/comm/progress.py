@@ -61,14 +61,37 @@ _last_answer: float | None = None  # monotonic time the store last answered a he
 _store_lost = threading.Event()  # silent past the heartbeat timeout: readers stop asking
 
 
-def configure(host: str | None, port: int | None) -> None:
-    """Point the board at the rendezvous store (``MASTER_ADDR``/``MASTER_PORT``)."""
-    global _address
+_namespace = ""  # key prefix in a store that outlives the attempt (see attempt_namespace)
+
+
+def configure(host: str | None, port: int | None, namespace: str = "") -> None:
+    """Point the board at the rendezvous store (``MASTER_ADDR``/``MASTER_PORT``); every
+    key of plait's goes under ``namespace`` (``""``: none)."""
+    global _address, _namespace
     _address = (host, int(port)) if host and port else None
+    _namespace = namespace
 
 
 def configure_from_env() -> None:
-    configure(os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")) or None)
+    configure(
+        os.environ.get("MASTER_ADDR"),
+        int(os.environ.get("MASTER_PORT", "0")) or None,
+        attempt_namespace(),
+    )
+
+
+def attempt_namespace() -> str:
+    """``"plait/attempt-<n>"`` when the store is an agent's that outlives the attempt
+    (torchrun: ``TORCHELASTIC_USE_AGENT_STORE=True``; its static rendezvous keeps one store
+    for every restart whatever ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` says), so a restarted
+    attempt never reads the previous one's keys (a heartbeat, a verdict, a gloo address);
+    ``""`` otherwise, and under ``plait run``, whose launcher starts a fresh store for each
+    attempt and reads the heartbeats at their plain keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    if os.environ.get("PLAIT_LAUNCHER_PID"):
+        return ""
+    return f"plait/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def store() -> Any:
@@ -89,6 +112,8 @@ def _client() -> Any:
         client = dist.TCPStore(
             _address[0], _address[1], is_master=False, timeout=datetime.timedelta(seconds=5)
         )
+        if _namespace:
+            client = dist.PrefixStore(_namespace, client)
         _local.store = client
     return client
 

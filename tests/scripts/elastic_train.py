@@ -7,13 +7,16 @@ next step) to ``<ckpt-dir>/step-<k>.pt`` atomically, then all ranks pass a barri
 start the script resumes from the highest step file there; ``--cold-from S`` instead
 starts fresh (new model, new optimizer) at step S. ``--kill R:S[,S2...]``: on restart
 attempt a (``PLAIT_RESTART_COUNT``, or
-``TORCHELASTIC_RESTART_COUNT`` under torchrun) rank R SIGKILLs itself at step S_a. Rank 0 writes the
-final parameters to ``--out``.
+``TORCHELASTIC_RESTART_COUNT`` under torchrun) rank R SIGKILLs itself at step S_a.
+``--late-rank0 T``: on a restart, rank 0 waits T s before it rendezvouses (the others then
+read the store first: a store kept from the failed attempt hands them its stale keys).
+Rank 0 writes the final parameters to ``--out``.
 """
 
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -28,12 +31,17 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--every", type=int, default=4)
 parser.add_argument("--kill", default=None, help="RANK:STEP[,STEP...] (one per attempt)")
 parser.add_argument("--cold-from", type=int, default=None)
+parser.add_argument(
+    "--late-rank0", type=float, default=0.0, help="seconds rank 0 waits before init on restarts"
+)
 args = parser.parse_args()
 
-world = plait.init()
 attempt = int(
     os.environ.get("PLAIT_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 )
+if attempt > 0 and os.environ.get("RANK") == "0":
+    time.sleep(args.late_rank0)  # as a loaded machine may: the others rendezvous first
+world = plait.init()
 kill_rank, kill_steps = -1, []
 if args.kill:
     r, steps = args.kill.split(":")
