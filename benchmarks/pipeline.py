@@ -27,6 +27,8 @@ one-process run's (relative 1e-4). Bubble: plait's runtime records one span per 
 the measured bubble (1 - compute time / (p x step window)) is set beside the simulator
 run with the measured mean cost of every (kind, stage) (and once more with the measured
 mean time between two actions of a rank added after each action: "simulated + gap"),
+on ``--cores`` cores shared by the ranks when there are fewer than ranks (the mean *work*
+of each (kind, stage) under processor sharing: :mod:`plait.strategies.pipeline.cores`),
 beside the replay (each action's own measured time, each rank's own gap, the measured
 message latency: :func:`plait.strategies.pipeline.bubble_report`) and beside the formula;
 the timeline PNG of the last measured 1F1B / ZBV / DualPipeV step at the largest p is
@@ -39,7 +41,9 @@ Writes ``<out>/<name>.json``, ``<out>/<name>.md`` (``--name``, default ``pipelin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -221,6 +225,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--schedules", default=",".join(PLAIT))
     parser.add_argument("--no-torch", action="store_true", help="plait's schedules only")
+    parser.add_argument(
+        "--cores", type=float, default=float(os.cpu_count() or 1), help="cores the ranks share"
+    )
+    parser.add_argument("--save-spans", default="", help="write every step's spans here")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="pipeline", help="stem of the .md and .json written")
@@ -238,11 +246,24 @@ def main() -> None:
         finally:
             pool.close()
         r0 = results[0]
+        if args["save_spans"]:  # every measured step's spans, to study the bubble offline
+            raw = {
+                name: [
+                    [dataclasses.asdict(s) for res in results for s in res["spans"][name][k]]
+                    for k in range(len(r0["spans"][name]))
+                ]
+                for name in args["schedules"]
+            }
+            Path(args["save_spans"]).with_suffix(f".p{p}.json").write_text(json.dumps(raw))
         med = {n: statistics.median(v) for n, v in r0["times"].items()}
         for name in args["schedules"]:
             sched = build(name, p=p, m=args["m"])
             reports = [
-                bubble_report(sched, [s for res in results for s in res["spans"][name][k]])
+                bubble_report(
+                    sched,
+                    [s for res in results for s in res["spans"][name][k]],
+                    cores=args["cores"],
+                )
                 for k in range(len(r0["spans"][name]))
             ]
             measured = statistics.median(r.measured for r in reports)
@@ -252,6 +273,8 @@ def main() -> None:
             gap_ms = 1e3 * statistics.median(r.gap_seconds for r in reports)
             replayed = statistics.median(r.replayed for r in reports)
             latency_ms = 1e3 * statistics.median(r.latency_seconds for r in reports)
+            shared = [r.simulated_on_cores for r in reports if r.simulated_on_cores is not None]
+            on_cores = statistics.median(shared) if shared else None
             torch_name = f"torch {TORCH[name]}" if f"torch {TORCH.get(name)}" in med else None
             rows.append(
                 {
@@ -269,6 +292,7 @@ def main() -> None:
                     "gap_ms": gap_ms,
                     "bubble_replayed": replayed,
                     "latency_ms": latency_ms,
+                    "bubble_simulated_on_cores": on_cores,
                     "bubble_simulated": simulated,
                     "bubble_formula": reports[-1].formula,
                     "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
@@ -312,13 +336,16 @@ def main() -> None:
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
         "| bubble measured | of it waiting on messages | bubble simulated | simulated + gap "
-        "| replayed | measured - simulated | measured - replayed | gap per action "
-        "| latency per message | formula |",
-        "| --- " * 17 + "|",
+        f"| replayed | on {args['cores']:g} shared cores | measured - simulated "
+        "| measured - replayed | gap per action | latency per message | formula |",
+        "| --- " * 18 + "|",
     ]
 
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
 
     for r in rows:
         lines.append(
@@ -327,6 +354,7 @@ def main() -> None:
             f"{num(r['sim_vs_1f1b'], '.2f')} | {100 * r['bubble_measured']:.1f}% | "
             f"{100 * r['waiting']:.1f}% | {100 * r['bubble_simulated']:.1f}% | "
             f"{100 * r['bubble_simulated_with_gap']:.1f}% | {100 * r['bubble_replayed']:.1f}% | "
+            f"{pct(r['bubble_simulated_on_cores'])} | "
             f"{100 * (r['bubble_measured'] - r['bubble_simulated']):+.1f} | "
             f"{100 * (r['bubble_measured'] - r['bubble_replayed']):+.1f} | "
             f"{r['gap_ms']:.2f} ms | {r['latency_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% |"

@@ -386,6 +386,21 @@ def test_gap_between_actions_is_measured_and_simulated():
     assert rep.simulated_with_gap == pytest.approx(rep.measured)
 
 
+def spans_of(slots) -> list[Span]:
+    """Tracer spans for simulated slots: one per action, and a wait wherever a rank idles
+    between two actions (as the runtime records them)."""
+    spans = []
+    for r in {s.rank for s in slots}:
+        mine = sorted((s for s in slots if s.rank == r), key=lambda s: s.start)
+        for prev, s in zip([None, *mine], mine, strict=False):
+            if prev is not None and s.start > prev.end:
+                spans.append(Span("wait", "comm", round(prev.end * 1e9), round(s.start * 1e9), r))
+            args = {"stage": s.action.stage, "mb": s.action.mb}
+            kind = s.action.kind.value
+            spans.append(Span(kind, "compute", round(s.start * 1e9), round(s.end * 1e9), r, args))
+    return spans
+
+
 def test_replay_uses_each_action_s_own_time_and_the_message_latency():
     """A step whose action times vary from one micro-batch to the next and whose messages
     take 0.1 to arrive: the simulator with mean costs misses both, the replay (each
@@ -394,25 +409,37 @@ def test_replay_uses_each_action_s_own_time_and_the_message_latency():
     times = {a: (1.0 + 0.7 * (a.mb % 2)) * (2 if a.kind is Kind.B else 1) for a in sched.compute(0)}
     times |= {a: 1.0 + 0.5 * (a.mb == 3) for a in sched.compute(1)}
     truth = simulate(sched, Costs(per_action=times, comm=0.1))
-    spans = []
-    for r in range(2):
-        mine = sorted((s for s in truth.slots if s.rank == r), key=lambda s: s.start)
-        for prev, s in zip([None, *mine], mine, strict=False):
-            if prev is not None and s.start > prev.end:  # idle: waiting on the neighbour
-                spans.append(Span("wait", "comm", int(prev.end * 1e9), int(s.start * 1e9), r, {}))
-            spans.append(
-                Span(
-                    s.action.kind.value,
-                    "compute",
-                    int(s.start * 1e9),
-                    int(s.end * 1e9),
-                    r,
-                    {"stage": s.action.stage, "mb": s.action.mb},
-                )
-            )
+    spans = spans_of(truth.slots)
     rep = bubble_report(sched, spans)
     assert rep.latency_seconds == pytest.approx(0.1, abs=1e-6)
     assert rep.gap_seconds == pytest.approx(0.0, abs=1e-6)
     assert rep.measured == pytest.approx(truth.bubble, abs=1e-6)
     assert rep.replayed == pytest.approx(rep.measured, abs=1e-6)
     assert abs(rep.simulated - rep.measured) > 0.01  # the means alone do not explain it
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
+def test_ranks_sharing_cores(name):
+    """Processor sharing: with a core per rank it is the plain simulator; on one core the
+    step is the sum of all work (someone always computes); a measured step's work, read
+    back from its slots, is each action's cost; the report's shared-cores simulation of a
+    step made that way gives its bubble back."""
+    from plait.strategies.pipeline.cores import run_on_cores, work_of
+    from plait.strategies.pipeline.simulate import run
+
+    p = 4
+    sched = build(name, p=p, m=8)
+    costs = Costs(gap=0.1, comm=0.05, per_stage={("F", 0): 0.7, ("B", p - 1): 2.5})
+    key = lambda s: (s.rank, str(s.action), round(s.start, 9), round(s.end, 9))  # noqa: E731
+    assert sorted(map(key, run(sched, costs))) == sorted(map(key, run_on_cores(sched, costs, p)))
+    unit = Costs(f=1, b=2, i=1, w=1)
+    one = run_on_cores(sched, unit, 1)
+    assert max(s.end for s in one) == pytest.approx(sum(unit.of(s.action) for s in one))
+    shared = run_on_cores(sched, costs, 1.5)
+    work = work_of(shared, 1.5)
+    assert all(work[s] == pytest.approx(costs.of(s.action)) for s in shared)
+    spans = spans_of(run_on_cores(sched, Costs(per_stage=costs.per_stage), 2))
+    rep = bubble_report(sched, spans, cores=2)
+    assert rep.cores == 2 and rep.simulated_on_cores is not None
+    assert rep.simulated_on_cores == pytest.approx(rep.measured, abs=1e-6)
+    assert bubble_report(sched, spans, cores=p).simulated_on_cores is None  # a core each

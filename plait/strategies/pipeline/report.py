@@ -23,7 +23,11 @@ neighbour (stream ``comm``). From the spans of every rank for one step:
   (``measured - replayed``) is time nobody's dependencies account for: a rank that lost
   its core longer than its mean gap (ranks time-sliced on fewer cores than ranks, other
   processes), which the simulator cannot know; ``replayed - simulated`` is the variation
-  of action times from one micro-batch to the next that the mean smooths away.
+  of action times from one micro-batch to the next that the mean smooths away;
+* with ``cores=c`` (fewer cores than ranks): the simulator with ranks sharing ``c`` cores
+  (:mod:`.cores`), from each (kind, stage)'s mean *work* (its measured time weighted by the
+  share of a core it had), plus the mean gap: a prediction that knows the ranks are
+  time-sliced, which the one-core-per-rank simulator does not.
 
 Ranks of one host share the clock (``perf_counter_ns``), so the window is exact there.
 """
@@ -34,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.cores import run_on_cores, work_of
 from plait.strategies.pipeline.simulate import Costs, Slot, formula_bubble, simulate
 from plait.trace import Span
 
@@ -84,6 +89,8 @@ class BubbleReport:
     simulated_with_gap: float = 0.0  # the simulator's bubble with that gap after each action
     replayed: float = 0.0  # each action's own time, each rank's gap, message latency
     latency_seconds: float = 0.0  # measured: producer's end -> reader's start, when it waited
+    cores: float | None = None  # cores the ranks shared, when fewer than ranks
+    simulated_on_cores: float | None = None  # mean work on shared cores, plus the mean gap
 
     @property
     def other(self) -> float:
@@ -102,11 +109,21 @@ class BubbleReport:
             f"between actions the simulator gives {100 * self.simulated_with_gap:.1f}%; "
             f"replayed (each action's own time, each rank's gap, "
             f"{1e3 * self.latency_seconds:.2f} ms per message) {100 * self.replayed:.1f}%"
+            + (
+                f"; on {self.cores:g} shared cores the simulator gives "
+                f"{100 * self.simulated_on_cores:.1f}%"
+                if self.simulated_on_cores is not None and self.cores is not None
+                else ""
+            )
         )
 
 
-def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
-    """The report for one step from the spans of all ranks (gather them first)."""
+def bubble_report(
+    schedule: Schedule, spans: Iterable[Span], *, cores: float | None = None
+) -> BubbleReport:
+    """The report for one step from the spans of all ranks (gather them first). ``cores``:
+    the cores the ranks shared (``os.cpu_count()`` on one host); with fewer cores than
+    ranks the report adds the shared-cores simulation."""
     spans_list = list(spans)
     slots = slots_from_spans(spans_list)
     if not slots:
@@ -136,6 +153,14 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
             comm=latency,
         ),
     )
+    on_cores = None
+    if cores is not None and cores < schedule.p:
+        work = work_of(slots, cores)
+        per: dict[tuple[str, int], list[float]] = {}
+        for x, w in work.items():
+            per.setdefault((x.action.kind.value, x.action.stage), []).append(w)
+        mean_work = Costs(per_stage={k: sum(v) / len(v) for k, v in per.items()}, gap=gap)
+        on_cores = _bubble(schedule.p, run_on_cores(schedule, mean_work, cores))
     return BubbleReport(
         schedule.name,
         schedule.p,
@@ -152,7 +177,16 @@ def bubble_report(schedule: Schedule, spans: Iterable[Span]) -> BubbleReport:
         with_gap.bubble,
         replayed.bubble,
         latency,
+        cores if on_cores is not None else None,
+        on_cores,
     )
+
+
+def _bubble(p: int, slots: Sequence[Slot]) -> float:
+    """Idle share of ``p`` ranks over the span of ``slots``."""
+    window = max(s.end for s in slots) - min(s.start for s in slots)
+    busy = sum(s.end - s.start for s in slots)
+    return 1.0 - busy / (p * window) if window > 0 else 0.0
 
 
 def _gaps(slots: Sequence[Slot], spans: Sequence[Span], origin_ns: int) -> dict[int, list[float]]:
