@@ -181,7 +181,7 @@ def two_by_two() -> int:
                 )
                 base = local_cpu(ranks=n, calibration=cal, efficiency=1.0)
                 flops = spec.flops_per_iteration(batch=BATCH // n, seq=SEQ)
-                clusters[n] = with_compute(base, flops, t_share)
+                clusters[n] = with_compute(base, flops, t_share, LAYERS + 1)
                 eff = clusters[n].efficiency
                 print(f"{n} ranks: efficiency {eff:.3f}, transport {cal.transport}", flush=True)
             cluster = clusters[n]
@@ -306,7 +306,7 @@ def eight() -> int:
         print(calibrate.format_calibration(cal), flush=True)
         t_share = min(pool.run(busy_share_step, cfg, share, timeout=300)[0] for _ in range(ROUNDS8))
         base = local_cpu(ranks=8, calibration=cal, efficiency=1.0)
-        cluster = with_compute(base, spec.flops_per_iteration(batch=share, seq=S8), t_share)
+        cluster = with_compute(base, spec.flops_per_iteration(batch=share, seq=S8), t_share, L8 + 1)
         efficiency = cluster.efficiency
         result = search(spec, job, cluster, space=space)
         plans = [p for p in result.plans if execute.supported(p.layout, job) is None]

@@ -15,6 +15,9 @@ call) and every group of a size busy at once (as a layout runs them):
   pp groups, every pair at once), half a round trip;
 * ``adam``: ``torch.optim.Adam``'s step over a few sizes of parameters, every rank at once
   (the optimizer step is memory-bound; ZeRO divides it by ``dp``);
+* ``block_overhead``: a tiny GPT block's forward and backward (almost no FLOPs): what a
+  block costs per micro-batch whatever its size (operator dispatch), which small
+  micro-batches and tensor-parallel shards pay in full;
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
   cores shared as in a run):
@@ -82,6 +85,9 @@ class Calibration:
     gemm: list[tuple[int, int, int, float]] = field(default_factory=list)  # M, K, N, FLOP/s
     # torch.optim.Adam's step: seconds = latency + parameter elements / bandwidth
     adam: Line | None = None
+    # seconds of a GPT block's forward and backward that do not grow with its FLOPs
+    # (operator dispatch): a tiny block's, every rank busy
+    block_overhead: float = 0.0
     raw: list[dict[str, Any]] = field(default_factory=list)
 
     def line(self, collective: str, n: int) -> Line | None:
@@ -134,6 +140,7 @@ class Calibration:
         adam = d.get("adam")
         return Calibration(
             adam=Line(**adam) if adam else None,
+            block_overhead=float(d.get("block_overhead", 0.0)),
             ranks=int(d["ranks"]),
             cores=int(d["cores"]),
             transport=str(d["transport"]),
@@ -280,6 +287,25 @@ def _between_bursts(fn: Any, burst: Any, world: Any, *, iters: int, calls: int =
     return max(0.0, (t_on - t_off) / calls)
 
 
+def _block_overhead(world: Any, *, iters: int) -> float:
+    """Seconds per block of a tiny GPT's forward and backward (width 8, one token: almost
+    no FLOPs, every operator still dispatched), every rank at once; the embedding and the
+    head count as one more block."""
+    import torch
+
+    from plait.models import GPT, GPTConfig
+
+    layers = 4
+    model = GPT(GPTConfig(vocab=8, layers=layers, heads=2, width=8, seq_len=1))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+
+    def step() -> None:
+        model.zero_grad()
+        model(ids).sum().backward()
+
+    return _time_calls(step, iters, world, block=4) / (layers + 1)
+
+
 def _burst(rate: float, seconds: float = BURST_S) -> Callable[[], None]:
     """A matmul loop of about ``seconds`` at ``rate`` FLOP/s (one thread)."""
     import torch
@@ -329,6 +355,7 @@ def measure_rank(
     try:
         gemm = _gemm_rates(gemms, rounds=max(3, iters // 2), world=world)
         adam = _adam_line(world, iters=max(3, iters // 2))
+        overhead = _block_overhead(world, iters=iters)
         burst = _burst(max(r for *_, r in gemm))
         cases: list[tuple[str, int, Any, float]] = []  # collective, n, call, bytes
         for g in (d for d in range(2, n + 1) if n % d == 0):
@@ -371,6 +398,7 @@ def measure_rank(
         idle_links=idle,
         gemm=gemm,
         adam=adam,
+        block_overhead=overhead,
         raw=raw,
     )
     return cal.to_dict()
@@ -428,6 +456,7 @@ def format_calibration(cal: Calibration) -> str:
         lines.append(
             f"{'adam step':<16}{'':>3}{a.latency * 1e6:>14.1f}{a.bandwidth / 1e9:>14.3f} G params/s"
         )
+    lines.append(f"{'block overhead':<19}{cal.block_overhead * 1e6:>14.1f} us per block")
     lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
     for m, k, n, r in cal.gemm:
         lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")

@@ -47,7 +47,9 @@ simulator instead for small pipelines, and does for ZB-H1 and ZBV with ``m < p``
 the formulas undercount: at p = 8, m = 1 ZB-H1's is 0.70 and the simulated 0.82).
 
 With a calibration (:mod:`plait.plan.calibrate`, the CPU preset), every collective above is
-its measured line for the group size instead of the ring formula, and the optimizer step
+its measured line for the group size instead of the ring formula; each block costs a
+measured ``block_overhead`` per micro-batch on top of its FLOPs (operator dispatch: every
+tensor-parallel rank and every micro-batch pays it whole); and the optimizer step
 is added: ``torch.optim.Adam``'s measured seconds for the elements this rank updates (its
 parameters, over ``dp`` under ZeRO). On ranks that share cores (``Cluster.shared_cores``)
 a rank idle in the bubble lends its share of the cores to the busy ones, so the pipeline
@@ -366,6 +368,9 @@ def step_time(
                 )
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
         compute = flops * tokens * per_flop * slow
+        if cluster.calibration is not None:  # dispatch per block, the embedding and head one
+            blocks = dense + moe + (1 if (first or last) else 0)
+            compute += blocks * cluster.calibration.block_overhead
         ep_s = moe * ep_one
         total = compute + (1 - ov.tp) * (tp_s + ep_s)
         if total > worst[0]:
