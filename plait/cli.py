@@ -30,9 +30,18 @@ named and stopped. A rank that set plait/launch/may_exit/<rank> to "1" may exit 
 --max-restarts k: after a failure, stop every rank and start them all again (a fresh store
 each time), at most k times; the script reads PLAIT_RESTART_COUNT (and
 TORCHELASTIC_RESTART_COUNT) and resumes from its own last checkpoint. Under torchrun
-(--nnodes > 1), restarts with gloo need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13:
-a restarted attempt against torchrun's shared store fails in connectFullMesh); plait run
-sets it when it hands over with --max-restarts, and so must you when calling torchrun.
+(--nnodes > 1), restarts with gloo need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with torchrun's
+c10d rendezvous (torch 2.13: a restarted attempt against the shared store fails in
+connectFullMesh); plait run sets it when it hands over with --max-restarts. torchrun's
+static rendezvous keeps one store for all attempts regardless: plait.init rendezvouses
+each attempt under its own key prefix (plait/attempt-<n>), so plait scripts restart
+cleanly under either.
+
+--min-nproc m (one machine, with --max-restarts): elastic world size. A failure costs the
+root-cause rank's slot: the job restarts with one rank fewer (WORLD_SIZE says how many,
+ranks renumbered 0..n-1), never below m (else it stops and says so); the script resumes
+from its checkpoint at the new world size (plait.checkpoint.load reshards). Example:
+plait run -n 4 --min-nproc 2 --max-restarts 2 train.py
 """
 
 
@@ -44,7 +53,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"plait run: no such script: {args.script}", file=sys.stderr)
         return 2
     if args.nnodes > 1 or args.master_addr:
+        if args.min_nproc is not None:
+            print(
+                "plait run: --min-nproc is for one machine (plait run's own launcher); across "
+                "machines use torchrun's --nnodes MIN:MAX",
+                file=sys.stderr,
+            )
+            return 2
         return _run_multinode(args)
+    from plait.elastic import check_elastic
+
+    try:
+        check_elastic(nproc=args.nproc, min_nproc=args.min_nproc, max_restarts=args.max_restarts)
+    except ValueError as exc:
+        print(f"plait run: {exc}", file=sys.stderr)
+        return 2
     return _run_local(args)
 
 
@@ -76,6 +99,7 @@ def _run_local(args: argparse.Namespace) -> int:
         args.script_args,
         nproc=args.nproc,
         max_restarts=args.max_restarts,
+        min_nproc=args.min_nproc,
         grace=args.grace,
         timeout=args.timeout,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -363,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     run.add_argument(
         "--max-restarts", type=int, default=0, help="restart every rank after a failure, k times"
+    )
+    run.add_argument(
+        "--min-nproc",
+        type=int,
+        default=None,
+        help="elastic: after a failure restart with one rank fewer, never below this "
+        "(needs --max-restarts; default -n: same size)",
     )
     run.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
     run.add_argument(

@@ -5,7 +5,17 @@ fails (exits non-zero, dies by a signal, or stops beating) every rank is stopped
 ``max_restarts`` left the job starts again from scratch against a fresh store (a new port,
 so no key of the failed attempt is ever read), and the script learns which attempt it is
 from ``PLAIT_RESTART_COUNT`` (also ``TORCHELASTIC_RESTART_COUNT``): it must resume from its
-own last checkpoint. SIGTERM, SIGINT or SIGHUP to the launcher stop the job within the
+own last checkpoint.
+
+Elastic world size (``min_nproc`` below ``nproc``; ``plait run -n 4 --min-nproc 2``, what
+torchrun's ``--nnodes MIN:MAX`` gives across machines): a failure costs its root-cause
+rank's slot, as a node that fails leaves a torchrun job. The next attempt starts with one
+rank fewer (``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` say how many; ranks are renumbered
+0..n-1, as torchrun does not keep RANK stable either), within the same ``max_restarts``
+budget; the script resumes from its checkpoint resharded to the new world size
+(:func:`plait.checkpoint.load` does that). A failure that would leave fewer than
+``min_nproc`` ranks stops the job, saying so. Without ``min_nproc`` every restart is at
+``nproc``. SIGTERM, SIGINT or SIGHUP to the launcher stop the job within the
 grace period (a second signal skips what is left of it); the exit code is then 128 + the
 signal's number.
 
@@ -41,6 +51,7 @@ def run_job(
     *,
     nproc: int,
     max_restarts: int = 0,
+    min_nproc: int | None = None,
     grace: float = DEFAULT_GRACE_S,
     timeout: float | None = None,
     heartbeat_timeout: float | None = None,
@@ -51,8 +62,12 @@ def run_job(
 
     0 when every rank exited 0 (or left with permission, ``plait/launch/may_exit/<r>``);
     the root-cause rank's exit code (1 if it died by a signal or froze) after a failure
-    with no restarts left; 124 after ``timeout`` seconds; 128 + n after signal n.
+    with no restarts left, or when restarting would leave fewer than ``min_nproc`` ranks;
+    124 after ``timeout`` seconds; 128 + n after signal n. ``min_nproc`` (1 <= min_nproc
+    <= nproc, needs ``max_restarts`` >= 1): restart with one rank fewer after each failure
+    (see the module docstring).
     """
+    check_elastic(nproc=nproc, min_nproc=min_nproc, max_restarts=max_restarts)
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -65,6 +80,7 @@ def run_job(
             script_args,
             nproc=nproc,
             max_restarts=max_restarts,
+            min_nproc=nproc if min_nproc is None else min_nproc,
             grace=grace,
             timeout=timeout,
             heartbeat_timeout=heartbeat_timeout,
@@ -77,12 +93,32 @@ def run_job(
             signal.signal(s, handler)
 
 
+def check_elastic(*, nproc: int, min_nproc: int | None, max_restarts: int) -> None:
+    """Refuse an elastic configuration that cannot work, naming the flag to change."""
+    if nproc < 1:
+        raise ValueError(f"nproc (-n) must be at least 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts (--max-restarts) must be >= 0, got {max_restarts}")
+    if min_nproc is None:
+        return
+    if not 1 <= min_nproc <= nproc:
+        raise ValueError(
+            f"min_nproc (--min-nproc) must be between 1 and nproc (-n {nproc}), got {min_nproc}"
+        )
+    if min_nproc < nproc and max_restarts < 1:
+        raise ValueError(
+            f"min_nproc (--min-nproc {min_nproc}) below nproc (-n {nproc}) restarts with fewer "
+            f"ranks after a failure, which needs restarts: add --max-restarts k (k >= 1)"
+        )
+
+
 def _run(
     script: str,
     script_args: list[str],
     *,
     nproc: int,
     max_restarts: int,
+    min_nproc: int,
     grace: float,
     timeout: float | None,
     heartbeat_timeout: float | None,
@@ -91,6 +127,7 @@ def _run(
     received: list[int],
 ) -> int:
     job_id = new_job_id()
+    elastic = min_nproc < nproc
     deadline = time.monotonic() + timeout if timeout else None
     restart = 0
     while True:
@@ -124,11 +161,27 @@ def _run(
             _say(f"received {signal.Signals(received[0]).name}; not restarting")
             return 128 + received[0]
         if failure.kind in ("exit", "frozen") and restart < max_restarts and not received:
+            # an elastic job loses the root-cause rank's slot (a frozen rank's too)
+            lost = elastic and failure.rank is not None
+            if lost and nproc - 1 < min_nproc:
+                _say(
+                    f"{failure.message}: its slot is lost, and {nproc - 1} rank(s) would be "
+                    f"left, fewer than --min-nproc {min_nproc}; not restarting (the job failed)"
+                )
+                return failure.code
             restart += 1
-            _say(
-                f"restarting every rank (restart {restart} of {max_restarts}, "
-                f"PLAIT_RESTART_COUNT={restart}) after: {failure.message}"
-            )
+            if lost:
+                nproc -= 1
+                _say(
+                    f"restarting with {nproc} ranks, one fewer (restart {restart} of "
+                    f"{max_restarts}, WORLD_SIZE={nproc}, PLAIT_RESTART_COUNT={restart}; "
+                    f"--min-nproc {min_nproc}) after: {failure.message}"
+                )
+            else:
+                _say(
+                    f"restarting every rank (restart {restart} of {max_restarts}, "
+                    f"PLAIT_RESTART_COUNT={restart}) after: {failure.message}"
+                )
             continue
         if failure.kind in ("exit", "frozen") and max_restarts:
             _say(f"no restarts left ({max_restarts} used); the job failed")
@@ -239,11 +292,14 @@ def run_torchrun(
     """Several machines: hand the job to torchrun's launcher (static rendezvous at
     ``master_addr:master_port``; the same environment contract for the script).
 
-    With ``max_restarts`` the rendezvous store is not shared with the workers
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): on torch 2.13 with gloo, a restarted attempt
-    against the shared store fails in ``connectFullMesh`` (fact sheet M1). torchrun itself
-    dies with ``plait run`` (SIGTERM when it is killed), and SIGTERM/SIGINT are passed on to
-    it; it gets ``grace`` + 35 s (its own grace for its workers is 30 s) before SIGKILL.
+    With ``max_restarts``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set (it matters to
+    torchrun's c10d rendezvous: on torch 2.13 with gloo a restarted attempt against the
+    shared store fails in ``connectFullMesh``, fact sheet M1). The static rendezvous used
+    here keeps one store for every attempt whatever that variable says; ``plait.init``
+    then rendezvouses each attempt under ``plait/attempt-<n>`` (see
+    :func:`plait.comm.progress.attempt_namespace`), so no attempt reads another's keys.
+    torchrun itself dies with ``plait run`` (SIGTERM when it is killed), and SIGTERM/SIGINT
+    are passed on to it; it gets ``grace`` + 35 s (its own grace for its workers is 30 s) before SIGKILL.
     """
     import os
     import subprocess

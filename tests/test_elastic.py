@@ -165,3 +165,102 @@ def test_restart_through_torchrun_equals_uninterrupted(tmp_path: Path) -> None:
         note="plait run hands over to torchrun (static rendezvous, one store for every "
         "attempt); rank 0 rendezvouses 2 s late on the restart; per-attempt key prefix",
     )
+
+
+SHRINK = Path(__file__).parent / "scripts" / "elastic_shrink.py"
+
+
+def shrink_train(
+    tmp: Path, name: str, nproc: int, *extra: str, elastic: tuple[str, ...] = ()
+) -> tuple[dict, str, float]:
+    """elastic_shrink.py under plait run -n ``nproc`` (ZeRO-1, plait.checkpoint)."""
+    out = tmp / f"{name}.pt"
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "run", "-n", str(nproc), "--grace", "2", *elastic]
+        + [str(SHRINK), "--ckpt-dir", str(tmp / name), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    return torch.load(out, weights_only=True), done.stderr + done.stdout, took
+
+
+@full_matrix
+@pytest.mark.faults
+def test_elastic_shrink_equals_a_restart_by_hand_at_the_smaller_size(tmp_path: Path) -> None:
+    """plait run -n 3 --min-nproc 2 --max-restarts 1: rank 1 SIGKILLed at step 6, the job
+    restarts with 2 ranks from the step-4 checkpoint (ZeRO-1: Adam's moments resharded from
+    3 to 2 ranks; the sampler continues the global position). Its final parameters equal
+    those of a 2-rank run started by hand from the same checkpoint, and differ from a cold
+    start at step 4 at 2 ranks."""
+    elastic = ("--min-nproc", "2", "--max-restarts", "1")
+    shrunk, log, took = shrink_train(tmp_path, "elastic", 3, "--kill", "1:6", elastic=elastic)
+    assert "rank 1 (pid" in log and "was killed by SIGKILL (root cause)" in log, log
+    assert "restarting with 2 ranks, one fewer (restart 1 of 1, WORLD_SIZE=2" in log, log
+    assert "attempt 0: world size 3, starting at step 0" in log, log
+    assert "attempt 1: world size 2, starting at step 4" in log, log
+    hand = tmp_path / "hand"
+    shutil.copytree(tmp_path / "elastic" / "step-4", hand / "step-4")
+    by_hand, log_hand, _ = shrink_train(tmp_path, "hand", 2, "--resume-step", "4")
+    assert "attempt 0: world size 2, starting at step 4" in log_hand, log_hand
+    cold, _, _ = shrink_train(tmp_path, "cold", 2, "--cold-from", "4")
+    assert equal(shrunk, by_hand)
+    assert not equal(shrunk, cold)
+    record(
+        row=11,
+        fault="kill -9 of rank 1 of 3 at step 6, --min-nproc 2: restart at 2 ranks (ZeRO-1)",
+        detected_after_s=None,
+        named_correctly=True,
+        recovered_after_s=None,
+        state_equal=True,
+        note=f"shrunk job == restarted by hand at 2 ranks != cold start; whole job {took:.0f}s",
+    )
+
+
+@full_matrix
+@pytest.mark.faults
+def test_elastic_never_goes_below_min_nproc(tmp_path: Path) -> None:
+    script = tmp_path / "rank1_fails.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('attempt', os.environ['PLAIT_RESTART_COUNT'], 'world', "
+        "os.environ['WORLD_SIZE'], flush=True)\n"
+        "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "run", "-n", "3", "--min-nproc", "2"]
+        + ["--max-restarts", "5", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.count("attempt 0 world 3") == 3, done.stdout
+    assert done.stdout.count("attempt 1 world 2") == 2, done.stdout
+    assert "attempt 2" not in done.stdout, done.stdout
+    assert "1 rank(s) would be left, fewer than --min-nproc 2; not restarting" in done.stderr
+
+
+def test_elastic_configuration_is_refused_up_front() -> None:
+    from plait.cli import main
+    from plait.elastic import check_elastic
+
+    check_elastic(nproc=4, min_nproc=2, max_restarts=1)
+    check_elastic(nproc=4, min_nproc=None, max_restarts=0)
+    check_elastic(nproc=4, min_nproc=4, max_restarts=0)  # fixed size: no restarts needed
+    with pytest.raises(ValueError, match=r"--min-nproc\) must be between 1 and nproc \(-n 4\)"):
+        check_elastic(nproc=4, min_nproc=5, max_restarts=1)
+    with pytest.raises(ValueError, match=r"must be between 1"):
+        check_elastic(nproc=4, min_nproc=0, max_restarts=1)
+    with pytest.raises(ValueError, match=r"add --max-restarts k"):
+        check_elastic(nproc=4, min_nproc=2, max_restarts=0)
+    script = str(SHRINK)
+    assert main(["run", "-n", "2", "--min-nproc", "3", "--max-restarts", "1", script]) == 2
+    assert main(["run", "-n", "2", "--min-nproc", "1", script]) == 2
+    multinode = ["run", "-n", "2", "--nnodes", "2", "--min-nproc", "1", "--max-restarts", "1"]
+    assert main([*multinode, script]) == 2
