@@ -299,7 +299,8 @@ def run_torchrun(
     then rendezvouses each attempt under ``plait/attempt-<n>`` (see
     :func:`plait.comm.progress.attempt_namespace`), so no attempt reads another's keys.
     torchrun itself dies with ``plait run`` (SIGTERM when it is killed), and SIGTERM/SIGINT
-    are passed on to it; it gets ``grace`` + 35 s (its own grace for its workers is 30 s) before SIGKILL.
+    are passed on to it; it gets ``grace`` + 35 s (its own grace for its workers is 30 s)
+    before SIGKILL.
     """
     import os
     import subprocess

@@ -144,17 +144,17 @@ def store_silence(seconds: float, address: tuple[str, int] | None) -> bool:
     """The rendezvous store has not answered this rank's heartbeats for ``seconds``
     (store-watch thread, every ``progress.PERIOD_S``). Past the heartbeat timeout every
     blocked wait ends with :class:`PeerUnresponsive` naming the store and the ranks this
-    rank is most likely cut off from; a shorter silence is logged once the store answers
-    again. Returns whether a wait was ended."""
+    rank is most likely cut off from; a silence longer than half of it is logged once the
+    store answers again. Returns whether a wait was ended."""
     global _store_quiet
     if seconds >= _heartbeat_timeout:
         progress.mark_store_lost()
         _store_quiet = max(_store_quiet, seconds)
         return _end_waits_store_lost(seconds, address)
-    if seconds > STALL_LOG_S:
+    if seconds > store_log_s():
         _store_quiet = max(_store_quiet, seconds)
         return False
-    if _store_quiet > STALL_LOG_S:  # it answered again
+    if _store_quiet > store_log_s():  # it answered again
         quiet, _store_quiet = _store_quiet, 0.0
         _store_stalls.append(quiet)
         past = quiet >= _heartbeat_timeout
@@ -169,6 +169,12 @@ def store_silence(seconds: float, address: tuple[str, int] | None) -> bool:
             )
         )
     return False
+
+
+def store_log_s() -> float:
+    """A silence of the store longer than this is logged: half the heartbeat timeout (a
+    loaded machine delays a round trip by a second now and then; that is not news)."""
+    return max(STALL_LOG_S, _heartbeat_timeout / 2)
 
 
 def store_stalls() -> list[float]:
