@@ -185,6 +185,7 @@ def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path
     err = failed[0]
     assert err["error"] == "PeerUnresponsive", err
     message = err["message"]
+    assert "cannot reach the rendezvous store: no heartbeat exchange with the " in message
     assert "rendezvous store at 127.0.0.1:" in message, message
     assert "waited on rank 0 (host" in message and f"pid {pid0})" in message, message
     stalls = err["store_stalls"]

@@ -186,8 +186,9 @@ def _where_store(address: tuple[str, int] | None) -> str:
     return f"{address[0]}:{address[1]}" if address else "(unknown address)"
 
 
-def _cut_off_from(me: int) -> tuple[str, list[int]]:
-    """What this rank is most likely cut off from, and those ranks (cached addresses)."""
+def _cut_off_from(me: int) -> tuple[str, str, list[int]]:
+    """(finding, advice, ranks): what this rank is most likely cut off from, judged from
+    the addresses cached while the store answered."""
     mine = progress.address_of(me)
     others: dict[str, list[int]] = {}
     for r in sorted(progress.known_addresses()):
@@ -196,9 +197,10 @@ def _cut_off_from(me: int) -> tuple[str, list[int]]:
             others.setdefault(addr, []).append(r)
     if not others:
         return (
-            "the store's process (plait run's launcher, torchrun's agent, or the rank that "
+            "cannot reach the rendezvous store",
+            "The store's process (plait run's launcher, torchrun's agent, or the rank that "
             "hosts it: rank 0 under env://) is stopped or wedged, or this host is cut off "
-            "from the store's host. Look at that process and at the link",
+            "from the store's host: look at that process and at the link.",
             [],
         )
     hosts = "; ".join(
@@ -206,8 +208,8 @@ def _cut_off_from(me: int) -> tuple[str, list[int]]:
         for addr, rs in others.items()
     )
     return (
-        f"this host ({mine}) is most likely cut off from the other host(s) ({hosts}): "
-        f"a network partition, or that host is down. Check the link between the hosts",
+        f"is most likely cut off from the other host(s) ({hosts})",
+        "A network partition, or that host is down: check the link between the hosts.",
         [r for rs in others.values() for r in rs],
     )
 
@@ -220,13 +222,13 @@ def _end_waits_store_lost(seconds: float, address: tuple[str, int] | None) -> bo
             continue
         peer, call, since = w
         me = g.global_rank
-        what, cut = _cut_off_from(me)
+        finding, advice, cut = _cut_off_from(me)
         on = f" on rank {peer}{progress.cached_whereabouts(peer)}" if peer is not None else ""
         error = PeerUnresponsive(
-            f"{call.describe()}: rank {me}{progress.cached_whereabouts(me)} had no heartbeat "
-            f"exchange with the rendezvous store at {_where_store(address)} for "
-            f"{seconds:.1f}s (longer than the heartbeat timeout of {_heartbeat_timeout:g}s) "
-            f"while it waited{on}: {what}.{_recorder_hint()}",
+            f"{call.describe()}: rank {me} {finding}: no heartbeat exchange with the "
+            f"rendezvous store at {_where_store(address)} for {seconds:.1f}s (longer than "
+            f"the heartbeat timeout of {_heartbeat_timeout:g}s) while it waited{on}; rank "
+            f"{me} is{progress.cached_whereabouts(me)}. {advice}{_recorder_hint()}",
             cut or ([peer] if peer is not None else []),
         )
         fail(g, error, publish=False)
