@@ -211,6 +211,7 @@ class Attempt:
                 PLAIT_MAX_RESTARTS=str(max_restarts),
                 PLAIT_JOB_ID=job_id,
                 PLAIT_LAUNCHER_PID=str(me),
+                PLAIT_FRESH_STORE="1",  # keys at their plain names (this launcher reads them)
                 PLAIT_ERROR_FILE=str(error_file),
             )
             proc = subprocess.Popen(

@@ -264,3 +264,19 @@ def test_elastic_configuration_is_refused_up_front() -> None:
     assert main(["run", "-n", "2", "--min-nproc", "1", script]) == 2
     multinode = ["run", "-n", "2", "--nnodes", "2", "--min-nproc", "1", "--max-restarts", "1"]
     assert main([*multinode, script]) == 2
+
+
+def test_keys_of_a_torchrun_attempt_have_their_own_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent store outlives an attempt: plait's keys and the default group's
+    rendezvous go under plait/attempt-<n>; plait run's fresh store per attempt: plain."""
+    from plait.comm.progress import attempt_namespace
+
+    monkeypatch.delenv("PLAIT_FRESH_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert attempt_namespace() == "plait/attempt-2"
+    monkeypatch.setenv("PLAIT_FRESH_STORE", "1")
+    assert attempt_namespace() == ""
+    monkeypatch.delenv("PLAIT_FRESH_STORE")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert attempt_namespace() == ""

@@ -85,11 +85,11 @@ def attempt_namespace() -> str:
     (torchrun: ``TORCHELASTIC_USE_AGENT_STORE=True``; its static rendezvous keeps one store
     for every restart whatever ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` says), so a restarted
     attempt never reads the previous one's keys (a heartbeat, a verdict, a gloo address);
-    ``""`` otherwise, and under ``plait run``, whose launcher starts a fresh store for each
-    attempt and reads the heartbeats at their plain keys."""
+    ``""`` otherwise, and under ``plait run`` (``PLAIT_FRESH_STORE=1``), whose launcher
+    starts a fresh store for each attempt and reads the heartbeats at their plain keys."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return ""
-    if os.environ.get("PLAIT_LAUNCHER_PID"):
+    if os.environ.get("PLAIT_FRESH_STORE") == "1":
         return ""
     return f"plait/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
