@@ -125,8 +125,9 @@ def measure(
     return _slowest_median(times)
 
 
-def calibrated(ranks: int, reuse: bool, pool: Any) -> Any:
-    """The calibration of ``ranks`` ranks: measured now on ``pool`` (or the saved file)."""
+def calibrated(ranks: int, reuse: bool, pool: Any, *, keep: str | None = None) -> Any:
+    """The calibration of ``ranks`` ranks: measured now on ``pool`` (or the saved file);
+    saved to runs/ and, named ``keep``, to benchmarks/results/."""
     from plait.plan import calibrate
 
     path = calibrate.default_path(ranks)
@@ -134,7 +135,8 @@ def calibrated(ranks: int, reuse: bool, pool: Any) -> Any:
         return calibrate.load(path)
     cal = calibrate.Calibration.from_dict(pool.run(calibrate.measure_rank, timeout=600)[0])
     calibrate.save(cal)
-    calibrate.save(cal, RESULTS / f"plan_calibration_n{ranks}.json")
+    if keep is not None:
+        calibrate.save(cal, RESULTS / keep)
     return cal
 
 
@@ -187,7 +189,7 @@ def main() -> int:
     share = BATCH // 4
     rows = []
     with RankPool(4, timeout=120) as pool:
-        cal = calibrated(4, args.reuse, pool)
+        cal = calibrated(4, args.reuse, pool, keep="plan_calibration_n4.json")
         print(calibrate.format_calibration(cal), flush=True)
         # the compute calibration takes its turn in every round with the layouts
         runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}

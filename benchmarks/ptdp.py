@@ -302,7 +302,7 @@ def eight() -> int:
         recompute=("none",),
     )
     with RankPool(8, timeout=180) as pool:
-        cal = calibrated(8, False, pool)
+        cal = calibrated(8, False, pool, keep="plan_calibration_n8.json")
         print(calibrate.format_calibration(cal), flush=True)
         t_share = min(pool.run(busy_share_step, cfg, share, timeout=300)[0] for _ in range(ROUNDS8))
         base = local_cpu(ranks=8, calibration=cal, efficiency=1.0)
