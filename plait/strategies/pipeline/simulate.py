@@ -16,7 +16,8 @@ F&B pairs (DualPipe, ``Schedule.pairs``): by default a pair is what plait's runt
 the forward then the backward, each starting when its own input is there. With
 ``Costs(pair=x)`` a pair is one unit, as DualPipe runs it on a GPU: it starts when both
 inputs are there and takes ``x (F + B)`` (``x = 1``: nothing overlapped; ``x < 1``: the
-share the overlap saves).
+share the overlap saves). Ranks sharing fewer cores than there are ranks:
+:func:`~.cores.run_on_cores`.
 
 The bubble is the share of ``p x makespan`` in which ranks were idle. The in-flight count
 of a stage is the number of micro-batches whose forward ran and whose backward (B, or W
@@ -33,7 +34,8 @@ from plait.strategies.pipeline.actions import Action, Kind, Schedule
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds (or units) per action. ``per_stage`` overrides by ``(kind, stage)``."""
+    """Seconds (or units) per action: by kind, overridden by ``(kind, stage)`` in
+    ``per_stage``, overridden by the action itself in ``per_action``."""
 
     f: float = 1.0
     b: float = 2.0
