@@ -21,10 +21,10 @@ from tests import plan_fns
 
 LAYERS = 8
 FOUR: dict[str, dict[str, Any]] = {
-    "ddp": dict(dp=4),
-    "zero1": dict(dp=4, zero=1),
-    "zero2": dict(dp=4, zero=2),
-    "fsdp": dict(dp=4, zero=3),
+    "ddp": dict(dp=4, microbatch=2),
+    "zero1": dict(dp=4, zero=1, microbatch=2),
+    "zero2": dict(dp=4, zero=2, microbatch=2),
+    "fsdp": dict(dp=4, zero=3, microbatch=2),
     "tp4": dict(tp=4, microbatch=8),
     "dp2xtp2": dict(dp=2, tp=2, microbatch=4),
     "dp2xtp2 sp": dict(dp=2, tp=2, sp=True, microbatch=4),
@@ -35,8 +35,8 @@ FOUR: dict[str, dict[str, Any]] = {
     "dp2xpp2 interleaved": dict(dp=2, pp=2, schedule="interleaved", v=2, microbatch=2),
     "dp2xpp2 zero1": dict(dp=2, pp=2, schedule="1f1b", microbatch=2, zero=1),
     "pp2xtp2": dict(pp=2, tp=2, schedule="1f1b", microbatch=2),
-    "ep4": dict(ep=4),
-    "dp2xep2": dict(dp=2, ep=2),
+    "ep4": dict(ep=4, microbatch=2),
+    "dp2xep2": dict(dp=2, ep=2, microbatch=2),
 }
 EIGHT: dict[str, dict[str, Any]] = {
     "ddp": dict(dp=8),
