@@ -19,9 +19,10 @@ micro-batch, optimizer step) after a barrier, over several steps after warm-up; 
 layouts (and the compute calibration) take turns for a few rounds and the table keeps each
 one's fastest round: on a machine shared with other jobs their load only slows a round,
 so the fastest is the least disturbed (on a quiet machine the rounds agree). The
-"gloo links" column is the same planner with the previous link constants (the ring fit of
-``plait bench comm``'s gloo rows, ranks not lending idle cores): what the table showed
-before the calibration read the transport in use.
+"gloo links" column is the same planner and efficiency without the calibration: the
+previous link constants (the ring fit of ``plait bench comm``'s gloo rows), ranks not
+lending idle cores, no dispatch or optimizer terms; what the table showed before the
+calibration read the transport in use.
 
 Writes benchmarks/results/plan_local.md and .json. The machine is shared and noisy.
 """
