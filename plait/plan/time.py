@@ -69,6 +69,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from plait.plan.costs import (
+    collective_seconds,
+    critical_path,
+    dp_seconds,
+    gemm_slowdown,
+    ring_seconds,
+)
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec
@@ -119,46 +126,6 @@ class StepTime:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth: float) -> float:
-    """Alpha-beta time of a ring ``collective`` of ``size`` bytes over ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-    if collective == "p2p":
-        return latency + size / bandwidth
-    if collective not in steps:
-        raise ValueError(f"ring_seconds: unknown collective {collective!r}")
-    k = steps[collective]
-    return k * (n - 1) * latency + k * (n - 1) / n * size / bandwidth
-
-
-def collective_seconds(
-    cluster: Cluster, collective: str, n: int, size: float, *, inter_node: bool
-) -> float:
-    """Seconds of ``collective`` of ``size`` bytes over ``n`` ranks on ``cluster``: the
-    measured line of the cluster's calibration for that collective and group size when it
-    has one (a group inside a node), else :func:`ring_seconds` on the group's link."""
-    if n <= 1:
-        return 0.0
-    if cluster.calibration is not None and not inter_node:
-        line = cluster.calibration.line(collective, n)
-        if line is not None:
-            return line.seconds(size)
-    lat, bw = cluster.link(inter_node)
-    return ring_seconds(collective, n, size, lat, bw)
-
-
-def gemm_slowdown(cluster: Cluster, tokens: int, hidden: int, t: int) -> float:
-    """How much slower a rank's matmuls run when ``t`` tensor-parallel ranks split them:
-    the calibration's measured rate of the MLP's ``tokens x h @ h x 4h`` over that of
-    ``tokens x h @ h x 4h/t`` (1 without a calibration or with ``t = 1``)."""
-    cal = cluster.calibration
-    if cal is None or not cal.gemm or t == 1:
-        return 1.0
-    whole = 2.0 * tokens * hidden * 4 * hidden
-    return max(1.0, cal.gemm_flops(whole) / cal.gemm_flops(whole / t))
 
 
 def spans_nodes(layout: Layout, group: str, cluster: Cluster) -> bool:
@@ -269,49 +236,6 @@ def _tp_head_grid(
     return c.bytes_per_rank, 6 * (c.q - 1) * lat + c.bytes_per_rank / bw
 
 
-SIMULATE_ACTIONS = 4096  # pipelines with at most this many compute actions are simulated
-
-
-def _critical_path(
-    lay: Layout, m: int, compute: float, comm: float, message: float
-) -> float | None:
-    """Seconds of ``lay``'s schedule played by :mod:`plait.strategies.pipeline.simulate`
-    with a micro-batch's ``compute`` (forward a third, backward two thirds; ZB's input and
-    weight gradients a third each) and tensor-parallel ``comm`` (half forward, half with
-    the input gradient) per rank, cut into ``v`` chunks, and ``message`` seconds per
-    pipeline message; None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
-    if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
-        return None
-    from plait.strategies.pipeline.schedules import build
-    from plait.strategies.pipeline.simulate import Costs, simulate
-
-    v = lay.v
-    f, b = (compute / 3 + comm / 2) / v, (2 * compute / 3 + comm / 2) / v
-    i, w = (compute / 3 + comm / 2) / v, compute / 3 / v
-    sched = build(lay.schedule, p=lay.pp, m=m, v=v)
-    return simulate(sched, Costs(f=f, b=b, i=i, w=w, comm=message)).makespan
-
-
-def _dp_seconds(
-    cluster: Cluster, zero: int, n: int, size: float, units: int, inter_node: bool
-) -> float:
-    """The data-parallel group's seconds per step for ``size`` bytes of gradients: an
-    all-reduce (ZeRO 0), a reduce-scatter and an all-gather (ZeRO-1/2), or per unit of
-    ``size / units`` two all-gathers (forward, backward) and a reduce-scatter (ZeRO-3)."""
-    if n <= 1:
-        return 0.0
-
-    def cost(collective: str, nbytes: float) -> float:
-        return collective_seconds(cluster, collective, n, nbytes, inter_node=inter_node)
-
-    if zero == 0:
-        return cost("all_reduce", size)
-    if zero in (1, 2):
-        return cost("reduce_scatter", size) + cost("all_gather", size)
-    unit = size / units
-    return units * (2 * cost("all_gather", unit) + cost("reduce_scatter", unit))
-
-
 def step_time(
     model: ModelSpec,
     job: Job,
@@ -404,7 +328,7 @@ def step_time(
         # simulator (messages' latency on the path) when small, else the bubble formula.
         comm_mb = (1 - ov.tp) * (tp_mb + ep_mb)
         one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
-        path = _critical_path(lay, m, compute_mb / speedup, comm_mb, one_msg)
+        path = critical_path(lay, m, compute_mb / speedup, comm_mb, one_msg)
         if path is None:
             path = m * (compute_mb / speedup + comm_mb + (1 - ov.pp) * pp_s) / (1 - beta)
         pipeline = max(m * per_mb, path)
@@ -415,12 +339,12 @@ def step_time(
     dp_dense_n, dp_exp_n = lay.data_shards, lay.dp
     # ZeRO-3 / FSDP gathers and reduces per unit: each block, and the root (the rest)
     units = sum(rank_contents(model, lay)[0][:2]) + 1 if lay.zero == 3 else 1
-    dp_s = _dp_seconds(
+    dp_s = dp_seconds(
         cluster, lay.zero, dp_dense_n, dense * grad_bytes, units, spans_nodes(lay, "dpep", cluster)
     )
     dp_b = zero3 * 2 * (dp_dense_n - 1) / dp_dense_n * dense * grad_bytes
     if expert and dp_exp_n > 1:
-        dp_s += _dp_seconds(
+        dp_s += dp_seconds(
             cluster, lay.zero, dp_exp_n, expert * grad_bytes, units, spans_nodes(lay, "dp", cluster)
         )
         dp_b += zero3 * 2 * (dp_exp_n - 1) / dp_exp_n * expert * grad_bytes
@@ -463,4 +387,13 @@ def step_time(
     )
 
 
-__all__ = ["GroupComm", "Overlap", "StepTime", "bubble", "ring_seconds", "spans_nodes", "step_time"]
+__all__ = [
+    "GroupComm",
+    "Overlap",
+    "StepTime",
+    "bubble",
+    "collective_seconds",
+    "ring_seconds",
+    "spans_nodes",
+    "step_time",
+]

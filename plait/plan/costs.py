@@ -1,0 +1,107 @@
+"""What one collective, one data-parallel synchronisation and one pipeline's critical path
+cost on a :class:`~plait.plan.hardware.Cluster`: the pieces :mod:`plait.plan.time` adds up.
+
+- :func:`ring_seconds`: the alpha-beta time of a ring collective (the GPU presets);
+- :func:`collective_seconds`: the cluster's measured line for that collective and group size
+  when it has a calibration (:mod:`plait.plan.calibrate`), else :func:`ring_seconds`;
+- :func:`gemm_slowdown`: how much slower tensor-parallel shards' matmuls run (measured);
+- :func:`dp_seconds`: the data-parallel group's collectives per ZeRO stage;
+- :func:`critical_path`: a pipeline schedule played by the pipeline simulator with
+  per-action costs (used on ranks that share cores).
+"""
+
+from __future__ import annotations
+
+from plait.plan.hardware import Cluster
+from plait.plan.layout import Layout
+
+
+def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth: float) -> float:
+    """Alpha-beta time of a ring ``collective`` of ``size`` bytes over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+    if collective == "p2p":
+        return latency + size / bandwidth
+    if collective not in steps:
+        raise ValueError(f"ring_seconds: unknown collective {collective!r}")
+    k = steps[collective]
+    return k * (n - 1) * latency + k * (n - 1) / n * size / bandwidth
+
+
+def collective_seconds(
+    cluster: Cluster, collective: str, n: int, size: float, *, inter_node: bool
+) -> float:
+    """Seconds of ``collective`` of ``size`` bytes over ``n`` ranks on ``cluster``: the
+    measured line of the cluster's calibration for that collective and group size when it
+    has one (a group inside a node), else :func:`ring_seconds` on the group's link."""
+    if n <= 1:
+        return 0.0
+    if cluster.calibration is not None and not inter_node:
+        line = cluster.calibration.line(collective, n)
+        if line is not None:
+            return line.seconds(size)
+    lat, bw = cluster.link(inter_node)
+    return ring_seconds(collective, n, size, lat, bw)
+
+
+def gemm_slowdown(cluster: Cluster, tokens: int, hidden: int, t: int) -> float:
+    """How much slower a rank's matmuls run when ``t`` tensor-parallel ranks split them:
+    the calibration's measured rate of the MLP's ``tokens x h @ h x 4h`` over that of
+    ``tokens x h @ h x 4h/t`` (1 without a calibration or with ``t = 1``)."""
+    cal = cluster.calibration
+    if cal is None or not cal.gemm or t == 1:
+        return 1.0
+    whole = 2.0 * tokens * hidden * 4 * hidden
+    return max(1.0, cal.gemm_flops(whole) / cal.gemm_flops(whole / t))
+
+
+SIMULATE_ACTIONS = 4096  # pipelines with at most this many compute actions are simulated
+
+
+def critical_path(lay: Layout, m: int, compute: float, comm: float, message: float) -> float | None:
+    """Seconds of ``lay``'s schedule played by :mod:`plait.strategies.pipeline.simulate`
+    with a micro-batch's ``compute`` (forward a third, backward two thirds; ZB's input and
+    weight gradients a third each) and tensor-parallel ``comm`` (half forward, half with
+    the input gradient) per rank, cut into ``v`` chunks, and ``message`` seconds per
+    pipeline message; None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
+    if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
+        return None
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs, simulate
+
+    v = lay.v
+    f, b = (compute / 3 + comm / 2) / v, (2 * compute / 3 + comm / 2) / v
+    i, w = (compute / 3 + comm / 2) / v, compute / 3 / v
+    sched = build(lay.schedule, p=lay.pp, m=m, v=v)
+    return simulate(sched, Costs(f=f, b=b, i=i, w=w, comm=message)).makespan
+
+
+def dp_seconds(
+    cluster: Cluster, zero: int, n: int, size: float, units: int, inter_node: bool
+) -> float:
+    """The data-parallel group's seconds per step for ``size`` bytes of gradients: an
+    all-reduce (ZeRO 0), a reduce-scatter and an all-gather (ZeRO-1/2), or per unit of
+    ``size / units`` two all-gathers (forward, backward) and a reduce-scatter (ZeRO-3)."""
+    if n <= 1:
+        return 0.0
+
+    def cost(collective: str, nbytes: float) -> float:
+        return collective_seconds(cluster, collective, n, nbytes, inter_node=inter_node)
+
+    if zero == 0:
+        return cost("all_reduce", size)
+    if zero in (1, 2):
+        return cost("reduce_scatter", size) + cost("all_gather", size)
+    unit = size / units
+    return units * (2 * cost("all_gather", unit) + cost("reduce_scatter", unit))
+
+
+__all__ = [
+    "SIMULATE_ACTIONS",
+    "collective_seconds",
+    "critical_path",
+    "dp_seconds",
+    "gemm_slowdown",
+    "ring_seconds",
+]
