@@ -457,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     gpt.add_argument("--evals", type=int, default=None, help="held-out points (default 10)")
     gpt.add_argument("--pp", type=int, default=1, help="pipeline stages: Mesh(pp=n)")
     gpt.add_argument(
-        "--schedule", default=None, help="gpipe, 1f1b (default), interleaved, zb-h1, zbv"
+        "--schedule",
+        default=None,
+        help="gpipe, 1f1b (default), interleaved, zb-h1, zbv, dualpipev (m >= 2p)",
     )
     gpt.add_argument("--microbatches", type=int, default=None, help="default 2 x pp")
     gpt.add_argument("--moe", action="store_true", help="GShard MoE in every second block")

@@ -188,7 +188,7 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 def _validate_pp_moe(c: GPTDemoConfig) -> None:

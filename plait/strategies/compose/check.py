@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.strategies.pipeline.schedules import default_chunks
+
 DIMS = ("pp", "dp", "tp")
 OPTIONAL_DIMS = ("ep",)  # expert parallelism, carved out of data parallelism
 ZERO_STAGES = (0, 1, 2)
-# stages per rank a schedule runs by default (PipelineParallel's own rule)
-_CHUNKED = ("interleaved", "zbv")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def check_layout(
         )
     if sequence_parallel and custom_plan:
         raise ValueError("ptdp: with an explicit tp_plan, mark sequence regions in the plan")
-    v = chunks if chunks is not None else (2 if schedule in _CHUNKED else 1)
+    v = chunks if chunks is not None else default_chunks(schedule)
     units = cfg.layers + 2  # the embedding, each block, the head (pipeline/split.py)
     if pp * v > units:
         raise ValueError(
