@@ -7,6 +7,7 @@
                                               # several machines: torchrun's launcher
     plait bench comm -n 4                     # nccl-tests-style table + JSON
     plait bench comm -n 4 --tune              # and write the table "auto" reads
+    plait bench calibrate -n 4                # this machine's constants for plait plan
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ def _run_local(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         master_port=args.master_port,
     )
+
+
+# --- plait bench calibrate ----------------------------------------------------------------
+def _bench_calibrate(args: argparse.Namespace) -> int:
+    from plait import bench
+
+    return bench.calibrate(args.nproc, out=args.json, iters=args.iters)
 
 
 # --- plait bench comm ---------------------------------------------------------------------
@@ -494,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     comm_p.add_argument("--tune", action="store_true", help="write the table auto reads")
     comm_p.add_argument("--tune-file", default=None)
     comm_p.set_defaults(func=_bench_comm)
+    cal_p = bench_sub.add_parser("calibrate", help="this machine's constants for plait plan (cpu)")
+    cal_p.add_argument("-n", "--nproc", type=int, default=4)
+    cal_p.add_argument("--json", default=None, help="default runs/plan_calibration_n<N>.json")
+    cal_p.add_argument("--iters", type=int, default=8)
+    cal_p.set_defaults(func=_bench_calibrate)
 
     plan_p = sub.add_parser("plan", help="plan before running")
     plan_sub = plan_p.add_subparsers(dest="what", required=True)
