@@ -27,8 +27,11 @@ cut off from the store's host, or that the store's process is stopped: a TCPStor
 a ``check`` against a SIGSTOPped store never returned), so the progress thread itself
 cannot be the one to tell. Silence longer than the heartbeat timeout ends every blocked
 collective wait, naming the store and the ranks on its host; a shorter one is logged when
-the store answers again. Time during which this process itself did not run (it was
-stopped, or starved) is not counted against the store.
+the store answers again. Silence counts only while the progress thread is inside a round
+of store work (or its last round failed): a thread that merely did not get to run, or a
+process that was itself stopped, says nothing about the store. Nothing else changes when
+the store is thought lost: readers still get their client (a false alarm must not make a
+rank skip a store-based protocol step that the others wait for).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ _address: tuple[str, int] | None = None
 _local = threading.local()
 _watch_thread: threading.Thread | None = None
 _last_answer: float | None = None  # monotonic time the store last answered a heartbeat
-_store_lost = threading.Event()  # silent past the heartbeat timeout: readers stop asking
+_busy_since: float | None = None  # the progress thread's round of store work began (or failed)
 
 
 _namespace = ""  # key prefix in a store that outlives the attempt (see attempt_namespace)
@@ -96,15 +99,12 @@ def attempt_namespace() -> str:
 
 def store() -> Any:
     """This thread's own client of the rendezvous store (clients are not shared); None
-    without a store, or once the store has been silent longer than the heartbeat timeout
-    (a read would block, possibly for good: see the module docstring)."""
-    if _address is None or _store_lost.is_set():
-        return None
+    without a store. (A read may block for good on a lost store: the error paths read
+    ``Group.failure`` first, which the store watch sets.)"""
     return _client()
 
 
 def _client() -> Any:
-    """This thread's client, whether or not the store is thought lost (heartbeats)."""
     if _address is None:
         return None
     client = getattr(_local, "store", None)
@@ -155,18 +155,11 @@ def answered() -> None:
     """The store answered a request of this process just now."""
     global _last_answer
     _last_answer = time.monotonic()
-    _store_lost.clear()
 
 
 def last_answer() -> float | None:
     """Monotonic time the store last answered a heartbeat; None before the first."""
     return _last_answer
-
-
-def mark_store_lost() -> None:
-    """The store has been silent past the heartbeat timeout: :func:`store` returns None
-    until it answers a heartbeat again (a read now could block for good)."""
-    _store_lost.set()
 
 
 def _my_address() -> str:
@@ -281,7 +274,7 @@ def stop() -> None:
 
     Called by ``plait.shutdown`` and at interpreter exit, so no thread of plait is
     inside the store or the backend while the process tears down."""
-    global _thread, _watch_thread, _last_answer
+    global _thread, _watch_thread, _last_answer, _busy_since
     with _lock:
         thread, _thread = _thread, None
         watch, _watch_thread = _watch_thread, None
@@ -290,6 +283,7 @@ def stop() -> None:
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
     _last_answer = None
+    _busy_since = None
     if thread is not None and _beating is not None:
         try:  # a launcher stops watching this rank's heartbeat: it did not freeze
             client = store()
@@ -308,6 +302,7 @@ def unregister(group: Group) -> None:
 
 
 def _publish_forever(global_rank: int) -> None:
+    global _busy_since
     from plait.comm import watchdog
 
     published: dict[int, tuple[int, str, str, str]] = {}
@@ -315,6 +310,8 @@ def _publish_forever(global_rank: int) -> None:
     failures = 0
     everyone_known = False
     while not _stop.wait(PERIOD_S):
+        if _busy_since is None:
+            _busy_since = time.monotonic()
         try:
             now = time.monotonic()
             if now >= next_beat:
@@ -330,15 +327,20 @@ def _publish_forever(global_rank: int) -> None:
             if failures > 100 and not any(g.waiting for g in groups()):
                 return  # long without a store and nothing waits: the job is over
             time.sleep(min(1.0, 0.1 * failures))
-            continue
+            continue  # still busy: a failed round counts against the store
         try:
             watchdog.tick()
         except Exception:
             pass
+        _busy_since = None
 
 
 def _watch_store_forever() -> None:
-    """How long the store has been silent, every ``PERIOD_S`` (never touches the store)."""
+    """How long the store has been silent, every ``PERIOD_S`` (never touches the store).
+
+    Only while the progress thread is inside a round of store work (or its last round
+    failed) does the silence count: a thread that merely did not get to run (a loaded
+    machine, the GIL held elsewhere) says nothing about the store."""
     from plait.comm import watchdog
 
     last_tick = time.monotonic()
@@ -351,8 +353,9 @@ def _watch_store_forever() -> None:
         answer = _last_answer
         if answer is None:
             continue
+        silence = now - max(answer, resumed) if _busy_since is not None else 0.0
         try:
-            watchdog.store_silence(now - max(answer, resumed), _address)
+            watchdog.store_silence(silence, _address)
         except Exception:
             pass
 

@@ -148,7 +148,6 @@ def store_silence(seconds: float, address: tuple[str, int] | None) -> bool:
     store answers again. Returns whether a wait was ended."""
     global _store_quiet
     if seconds >= _heartbeat_timeout:
-        progress.mark_store_lost()
         _store_quiet = max(_store_quiet, seconds)
         return _end_waits_store_lost(seconds, address)
     if seconds > store_log_s():
