@@ -53,3 +53,23 @@ def measured(fields: dict[str, Any], layers: int, experts: int = 0) -> dict[str,
         "pp_rank": built.pp_rank,
         "strategy": built.strategy,
     }
+
+
+def runtime_probes() -> dict[str, Any]:
+    """On every rank: the strategies' own-work probes (plait.plan.probe_runtime) with
+    made-up collective lines (only the pipeline probe reads the p2p line)."""
+    import plait
+    from plait.plan import probe_runtime
+    from plait.plan.calibrate import Calibration, Line
+
+    torch.set_num_threads(1)
+    line = Line(1e-4, 1e9, 2)
+    base = Calibration(
+        ranks=plait.world().size,
+        cores=1,
+        transport="",
+        links={c: {2: line} for c in ("all_reduce", "all_gather", "reduce_scatter", "p2p")},
+        adam=Line(1e-4, 1e8, 2),
+    )
+    fields, raw = probe_runtime.measure(base, plait.world(), iters=2)
+    return {"fields": fields, "raw": raw}

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 
 from plait.plan import calibrate, execute
-from plait.plan.calibrate import Calibration, Line, fit_line
+from plait.plan.calibrate import Calibration, Line, Overhead, fit_line
+from plait.plan.costs import param_tensors, pipeline_actions, tp_calls
 from plait.plan.hardware import Cluster, local_cpu
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec
+from plait.plan.probe_runtime import split_overhead
 from plait.plan.states import rank_states, step_counters
 from plait.plan.time import bubble, collective_seconds, ring_seconds, step_time
 
@@ -74,7 +76,9 @@ def test_fit_line_recovers_a_line_and_clamps() -> None:
 
 
 def test_calibration_round_trip_and_lookups(tmp_path: Path) -> None:
-    c = cal()
+    c = cal(
+        ddp=Overhead(5e-5, 1e-9), zero=Overhead(3e-5, 2e-9), tp_call={2: 1e-4}, pipe_action=2e-4
+    )
     path = calibrate.save(c, tmp_path / "c.json")
     back = calibrate.load(path)
     assert back == c
@@ -228,3 +232,88 @@ def test_pipeline_messages_with_and_without_scatter_gather() -> None:
     p2p = Line(3e-5, 4e9, 4)
     assert sg == pytest.approx(2 * p2p.seconds(act / 2) + 2 * (5e-5 + act / 2e9))
     assert whole.pp_per_mb == pytest.approx(2 * p2p.seconds(act))
+
+
+def test_split_overhead_into_tensors_and_bytes() -> None:
+    own = split_overhead((1e4, 30 * 5e-5 + 1e4 * 2e-9), (1e6, 30 * 5e-5 + 1e6 * 2e-9), 30)
+    assert own.per_tensor == pytest.approx(5e-5)
+    assert own.per_byte == pytest.approx(2e-9)
+    assert own.seconds(10, 1e3) == pytest.approx(10 * 5e-5 + 1e3 * 2e-9)
+    falling = split_overhead((1e4, 2e-3), (1e6, 1e-3), 10)  # noise: no byte cost
+    assert falling.per_byte == 0.0 and falling.per_tensor == pytest.approx(2e-4)
+    assert split_overhead((1e4, -1e-3), (1e6, -2e-3), 10) == Overhead(0.0, 0.0)
+    with pytest.raises(ValueError, match="larger bytes second"):
+        split_overhead((1e6, 1.0), (1e4, 1.0), 10)
+
+
+def test_param_tensors_count_the_gpt_s() -> None:
+    from plait.models import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(vocab=64, layers=4, heads=4, width=32, seq_len=16))
+    assert param_tensors(SMALL, Layout(), 4, 0, True, True) == len(list(gpt.parameters()))
+    tied = dataclasses.replace(SMALL, tied=True)
+    assert param_tensors(tied, Layout(), 4, 0, True, True) == 4 * 12 + 4
+    assert param_tensors(SMALL, Layout(pp=2), 2, 0, False, True) == 2 * 12 + 3
+
+
+def test_ddp_and_zero_own_work_per_tensor_and_byte() -> None:
+    c = cpu(cal(ddp=Overhead(1e-4, 1e-9), zero=Overhead(2e-4, 3e-9)))
+    grads, tensors = SMALL.num_params * 4, 4 * 12 + 5
+    ddp = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), c)
+    assert ddp.strategy == pytest.approx(1e-4 * tensors + 1e-9 * grads)
+    for stage in (1, 2):
+        zero = step_time(SMALL, JOB, Layout(dp=4, microbatch=4, zero=stage), c)
+        assert zero.strategy == pytest.approx(2e-4 * tensors + 3e-9 * grads)
+    plain = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), cpu(cal()))
+    assert ddp.total - plain.total == pytest.approx(ddp.strategy)
+    # compose's own all-reduce over dp is not plait's DDP; FSDP and one rank: nothing
+    assert (
+        step_time(SMALL, JOB, Layout(dp=2, pp=2, schedule="1f1b", microbatch=2), c).strategy == 0.0
+    )
+    assert step_time(SMALL, JOB, Layout(dp=4, zero=3, microbatch=4), c).strategy == 0.0
+    assert step_time(SMALL, JOB, Layout(dp=4, microbatch=4), cpu(None)).strategy == 0.0
+
+
+def test_tensor_parallel_calls_cost_their_own_work() -> None:
+    c, base = cpu(cal(gemm=[], tp_call={2: 1e-4, 4: 3e-4})), cpu(cal(gemm=[]))
+    lay = Layout(tp=4, microbatch=16)
+    t, t0 = step_time(SMALL, JOB, lay, c), step_time(SMALL, JOB, lay, base)
+    assert t.tp_calls_per_mb == 4 * 4 + 1 + 4  # blocks, embedding, head and loss
+    assert t.tp_per_mb - t0.tp_per_mb == pytest.approx(21 * 3e-4)
+    sp = step_time(SMALL, JOB, dataclasses.replace(lay, sp=True), c)
+    assert sp.tp_calls_per_mb == 2 * 4 * 4 + 5
+    assert c.calibration is not None and c.calibration.tp_call_seconds(8) == 3e-4
+    assert tp_calls(Layout(tp=2, pp=2), 2, 0, True, False) == 2 * 4 + 1
+    assert tp_calls(Layout(dp=4), 4, 0, True, True) == 0
+
+
+def test_pipeline_actions_from_the_schedule() -> None:
+    # 1F1B over 4 ranks: a middle rank runs F, B, two sends and two receives per micro-batch
+    assert pipeline_actions(Layout(pp=4, schedule="1f1b", microbatch=2), 8) == 6.0
+    assert pipeline_actions(Layout(pp=4, schedule="zb-h1", microbatch=2), 8) == 7.0
+    assert pipeline_actions(Layout(pp=2, dp=2, schedule="gpipe", microbatch=2), 4) == 4.0
+    assert pipeline_actions(Layout(dp=4), 1) == 0.0
+    big = Layout(pp=64, v=2, schedule="interleaved", microbatch=1)
+    assert pipeline_actions(big, 1024) == 2 * (2 + 4.0)  # too large to build: v (c + 4)
+    lay = Layout(pp=4, schedule="1f1b", microbatch=2)
+    c = cpu(cal(pipe_action=1e-4), shared_cores=0.0)
+    t, t0 = step_time(SMALL, JOB, lay, c), step_time(SMALL, JOB, lay, cpu(cal(), shared_cores=0.0))
+    assert t.runtime_per_mb == pytest.approx(6 * 1e-4)
+    assert t.compute_per_mb - t0.compute_per_mb == pytest.approx(6 * 1e-4)
+    assert t.pipeline == pytest.approx(8 * t.per_microbatch / (1 - t.bubble))
+
+
+def test_runtime_probes_on_ranks(ranks: Any) -> None:
+    from tests import plan_fns
+
+    out = ranks(2, plan_fns.runtime_probes, timeout=120)
+    assert out[0] == out[1]  # the slowest rank's figures, on every rank
+    fields = out[0]["fields"]
+    for key in ("ddp", "zero"):
+        assert fields[key].per_tensor >= 0 and fields[key].per_byte >= 0
+    assert set(fields["tp_call"]) == {2} and fields["tp_call"][2] >= 0
+    assert fields["pipe_action"] >= 0
+    probes = [row["probe"] for row in out[0]["raw"]]
+    assert probes == ["ddp", "ddp", "zero1", "zero1", "tp", "pipeline"]
+    for row in out[0]["raw"][:4]:
+        assert row["strategy_s"] > 0 and row["reference_s"] > 0 and row["tensors"] == 29

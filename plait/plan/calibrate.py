@@ -18,6 +18,11 @@ call) and every group of a size busy at once (as a layout runs them):
 * ``block_overhead``: a tiny GPT block's forward and backward (almost no FLOPs): what a
   block costs per micro-batch whatever its size (operator dispatch), which small
   micro-batches and tensor-parallel shards pay in full;
+* the strategies' own work (:mod:`plait.plan.probe_runtime`, a tiny GPT under each
+  strategy against its plain step with the same collectives): DDP's and ZeRO-1/2's seconds
+  per step per parameter tensor and per gradient byte (:class:`Overhead`), the 1D
+  tensor-parallel layers' seconds per collective (``tp_call``, per group size), the
+  pipeline runtime's seconds per action (``pipe_action``);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
   cores shared as in a run):
@@ -54,6 +59,18 @@ class Line:
         return self.latency + size / self.bandwidth
 
 
+@dataclass(frozen=True)
+class Overhead:
+    """A strategy's own seconds per step: ``per_tensor`` per parameter tensor the rank
+    holds and ``per_byte`` per byte of its gradients (:mod:`plait.plan.probe_runtime`)."""
+
+    per_tensor: float
+    per_byte: float
+
+    def seconds(self, tensors: float, nbytes: float) -> float:
+        return self.per_tensor * tensors + self.per_byte * nbytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """What :func:`measure_rank` found on ``ranks`` ranks sharing ``cores`` cores."""
@@ -69,6 +86,12 @@ class Calibration:
     # seconds of a GPT block's forward and backward that do not grow with its FLOPs
     # (operator dispatch): a tiny block's, every rank busy
     block_overhead: float = 0.0
+    # the strategies' own work (plait.plan.probe_runtime): DDP's and ZeRO-1/2's per step,
+    # per tensor-parallel collective (by group size), per pipeline action
+    ddp: Overhead | None = None
+    zero: Overhead | None = None
+    tp_call: dict[int, float] = field(default_factory=dict)
+    pipe_action: float = 0.0
     raw: list[dict[str, Any]] = field(default_factory=list)
 
     def line(self, collective: str, n: int) -> Line | None:
@@ -80,6 +103,13 @@ class Calibration:
         if collective == "p2p":
             return next(iter(per.values()))
         return per[min(per, key=lambda k: (abs(k - n), k))]
+
+    def tp_call_seconds(self, n: int) -> float:
+        """The tensor-parallel layers' own seconds per collective over ``n`` ranks (the
+        nearest measured group size; 0 if not measured)."""
+        if n <= 1 or not self.tp_call:
+            return 0.0
+        return self.tp_call[min(self.tp_call, key=lambda k: (abs(k - n), k))]
 
     def gemm_flops(self, flops: float) -> float:
         """FLOP/s of a matmul of ``flops`` FLOPs on one rank while every rank computes:
@@ -119,7 +149,12 @@ class Calibration:
         if not links:
             raise KeyError("links")
         adam = d.get("adam")
+        ddp, zero = d.get("ddp"), d.get("zero")
         return Calibration(
+            ddp=Overhead(**ddp) if ddp else None,
+            zero=Overhead(**zero) if zero else None,
+            tp_call={int(g): float(s) for g, s in d.get("tp_call", {}).items()},
+            pipe_action=float(d.get("pipe_action", 0.0)),
             adam=Line(**adam) if adam else None,
             block_overhead=float(d.get("block_overhead", 0.0)),
             ranks=int(d["ranks"]),
@@ -216,6 +251,15 @@ def format_calibration(cal: Calibration) -> str:
             f"{'adam step':<16}{'':>3}{a.latency * 1e6:>14.1f}{a.bandwidth / 1e9:>14.3f} G params/s"
         )
     lines.append(f"{'block overhead':<19}{cal.block_overhead * 1e6:>14.1f} us per block")
+    for name, ov in (("ddp", cal.ddp), ("zero-1/2", cal.zero)):
+        if ov is not None:
+            lines.append(
+                f"{name + ' own work':<19}{ov.per_tensor * 1e6:>14.1f} us per tensor"
+                f" + {ov.per_byte * 1e9:.3f} ns per byte"
+            )
+    for g, sec in sorted(cal.tp_call.items()):
+        lines.append(f"{f'tp call, n={g}':<19}{sec * 1e6:>14.1f} us per collective")
+    lines.append(f"{'pipeline action':<19}{cal.pipe_action * 1e6:>14.1f} us per action")
     lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
     for m, k, n, r in cal.gemm:
         lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")
@@ -226,6 +270,7 @@ __all__ = [
     "COLLECTIVES",
     "Calibration",
     "Line",
+    "Overhead",
     "default_path",
     "fit_line",
     "format_calibration",

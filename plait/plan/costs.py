@@ -7,13 +7,17 @@ cost on a :class:`~plait.plan.hardware.Cluster`: the pieces :mod:`plait.plan.tim
 - :func:`gemm_slowdown`: how much slower tensor-parallel shards' matmuls run (measured);
 - :func:`dp_seconds`: the data-parallel group's collectives per ZeRO stage;
 - :func:`critical_path`: a pipeline schedule played by the pipeline simulator with
-  per-action costs (used on ranks that share cores).
+  per-action costs (used on ranks that share cores);
+- :func:`tp_calls`, :func:`pipeline_actions`, :func:`param_tensors`: what a rank has of the
+  things whose own cost the calibration measures (:mod:`plait.plan.probe_runtime`): its
+  tensor-parallel collectives, its pipeline actions, its parameter tensors.
 """
 
 from __future__ import annotations
 
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Layout
+from plait.plan.model import ModelSpec
 
 
 def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth: float) -> float:
@@ -97,11 +101,63 @@ def dp_seconds(
     return units * (2 * cost("all_gather", unit) + cost("reduce_scatter", unit))
 
 
+def tp_calls(lay: Layout, dense: int, moe: int, first: bool, last: bool) -> int:
+    """Tensor-parallel (1D) collectives one rank calls per micro-batch, forward and
+    backward, holding ``dense`` and ``moe`` blocks (and the embedding if ``first``, the
+    head if ``last``): per dense block 4 all-reduces (2 in an MoE block; +2, +1 with full
+    recomputation), each a reduce-scatter and an all-gather under SP (2 calls); the
+    embedding 1, the head 1 and the vocab-parallel loss 3. 0 when ``lay.tp == 1``."""
+    if lay.tp == 1:
+        return 0
+    full = lay.recompute == "full"
+    per = dense * (4 + (2 if full else 0)) + moe * (2 + (1 if full else 0))
+    if lay.sp:
+        per *= 2
+    return per + (1 if first else 0) + (4 if last else 0)
+
+
+def pipeline_actions(lay: Layout, m: int) -> float:
+    """Actions per micro-batch on the busiest rank of ``lay``'s schedule (compute, sends,
+    receives): counted in the schedule built with ``m`` micro-batches when it has at most
+    :data:`SIMULATE_ACTIONS` compute actions (and a name), else ``v (c + 4)``, ``c`` the
+    compute actions of a micro-batch per chunk (2: F and B; 3 for the zero-bubble
+    schedules: F, I, W)."""
+    if lay.pp == 1:
+        return 0.0
+    if lay.schedule != "none" and lay.pp * m * lay.v * 3 <= SIMULATE_ACTIONS:
+        from plait.strategies.pipeline.schedules import build
+
+        sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
+        return max(len(actions) for actions in sched.ranks) / m
+    compute = 3 if lay.schedule in ("zb-h1", "zbv") else 2
+    return lay.v * (compute + 4.0)
+
+
+def param_tensors(
+    model: ModelSpec, lay: Layout, dense: int, moe: int, first: bool, last: bool
+) -> int:
+    """Parameter tensors of a rank holding ``dense`` and ``moe`` blocks (and the embedding
+    if ``first``, the head if ``last``), as :class:`plait.models.GPT` has them: 12 per
+    dense block (2 LayerNorms, qkv, proj, fc1, fc2: weight and bias each); an MoE block 8,
+    the gate, and 4 per local expert (``experts / ep``); token and position embeddings 2;
+    the final LayerNorm 2 and the head 1 (0 when tied)."""
+    experts = model.experts // lay.ep if model.experts else 0
+    n = 12 * dense + moe * (9 + 4 * experts)
+    if first:
+        n += 2
+    if last:
+        n += 2 + (0 if model.tied else 1)
+    return n
+
+
 __all__ = [
     "SIMULATE_ACTIONS",
     "collective_seconds",
     "critical_path",
     "dp_seconds",
     "gemm_slowdown",
+    "param_tensors",
+    "pipeline_actions",
     "ring_seconds",
+    "tp_calls",
 ]

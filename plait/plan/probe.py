@@ -204,6 +204,7 @@ def measure_rank(
 
     import plait
     from plait.comm import ops
+    from plait.plan import probe_runtime
 
     world = plait.world()
     n = world.size
@@ -250,7 +251,23 @@ def measure_rank(
             links.setdefault(collective, {})[g] = fit_line([(s, max(t, u)) for s, t, u in pts])
     finally:
         torch.set_num_threads(threads)
+    base = Calibration(
+        ranks=n,
+        cores=1,
+        transport="",
+        links=links,
+        idle_links=idle,
+        adam=adam,
+        block_overhead=overhead,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        own, own_raw = probe_runtime.measure(base, world, iters=max(3, iters // 2))
+    finally:
+        torch.set_num_threads(threads)
     cal = Calibration(
+        **own,
         ranks=n,
         cores=os.cpu_count() or 1,
         transport="shm" if ops.shared(world) else "gloo",
@@ -259,7 +276,7 @@ def measure_rank(
         gemm=gemm,
         adam=adam,
         block_overhead=overhead,
-        raw=raw,
+        raw=raw + own_raw,
     )
     return cal.to_dict()
 

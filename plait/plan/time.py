@@ -51,11 +51,22 @@ its measured line for the group size instead of the ring formula; each block cos
 measured ``block_overhead`` per micro-batch on top of its FLOPs (operator dispatch: every
 tensor-parallel rank and every micro-batch pays it whole); and the optimizer step
 is added: ``torch.optim.Adam``'s measured seconds for the elements this rank updates (its
-parameters, over ``dp`` under ZeRO). On ranks that share cores (``Cluster.shared_cores``)
-a rank idle in the bubble lends its share of the cores to the busy ones, so the pipeline
-term becomes ``max(m t_mb, m t_mb' / (1 - beta))``, ``t_mb'`` with the compute at up to a
-whole core (``Cluster.alone_speedup``): all the work at the shared speed, or the
-schedule's critical path, whichever is longer.
+parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
+:mod:`plait.plan.probe_runtime` and charged by what the layout does::
+
+    t_tp    += calls * tp_call(t)           calls: :func:`~plait.plan.costs.tp_calls`
+    t_comp  += actions * pipe_action        actions per micro-batch of the busiest rank
+                                            (:func:`~plait.plan.costs.pipeline_actions`)
+    step    += per_tensor * T + per_byte * G   DDP (plait's, pp = tp = 1) or ZeRO-1/2:
+                                            T the rank's parameter tensors
+                                            (:func:`~plait.plan.costs.param_tensors`),
+                                            G its gradient bytes
+
+On ranks that share cores (``Cluster.shared_cores``) a rank idle in the bubble lends its
+share of the cores to the busy ones, so the pipeline term becomes
+``max(m t_mb, m t_mb' / (1 - beta))``, ``t_mb'`` with the compute at up to a whole core
+(``Cluster.alone_speedup``): all the work at the shared speed, or the schedule's critical
+path, whichever is longer.
 
 Overlap rules (:class:`Overlap`, all 0 by default, as Megatron-LM ran for the published
 runs): ``dp`` the share of the data-parallel reduction hidden behind the backward pass
@@ -74,7 +85,10 @@ from plait.plan.costs import (
     critical_path,
     dp_seconds,
     gemm_slowdown,
+    param_tensors,
+    pipeline_actions,
     ring_seconds,
+    tp_calls,
 )
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Job, Layout
@@ -123,6 +137,9 @@ class StepTime:
     hfu: float
     comm: tuple[GroupComm, ...] = field(default=())
     optimizer: float = 0.0  # the optimizer step (measured rate; 0 without a calibration)
+    runtime_per_mb: float = 0.0  # the pipeline runtime's own work, in compute_per_mb
+    tp_calls_per_mb: int = 0  # tensor-parallel collectives per micro-batch (slowest rank)
+    strategy: float = 0.0  # DDP's or ZeRO's own work per step (calibrated)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -269,6 +286,9 @@ def step_time(
 
     worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch
     tp_bytes_mb = ep_bytes_mb = 0.0
+    calls_mb = 0
+    cal = cluster.calibration
+    call_s = cal.tp_call_seconds(lay.tp) if cal is not None else 0.0
     for dense, moe, first, last in rank_contents(model, lay):
         flops = dense * _block_flops(model, s, False) + moe * _block_flops(model, s, True)
         flops *= mult
@@ -277,6 +297,8 @@ def step_time(
         tp_s = dense * tp_dense + moe * tp_moe
         tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
         grid = lay.tp_mode != "1d"
+        calls = 0 if grid or lay.tp == 1 else tp_calls(lay, dense, moe, first, last)
+        tp_s += calls * call_s
         if lay.tp > 1 and first and not grid:  # vocabulary-parallel embedding's all-reduce
             tp_s += collective_seconds(cluster, "all_reduce", lay.tp, act, inter_node=tp_inter)
             tp_b += 2 * (lay.tp - 1) / lay.tp * act
@@ -299,8 +321,12 @@ def step_time(
         total = compute + (1 - ov.tp) * (tp_s + ep_s)
         if total > worst[0]:
             worst = (total, compute, tp_s, ep_s, tp_b)
-            tp_bytes_mb, ep_bytes_mb = tp_b, moe * ep_one_bytes
+            tp_bytes_mb, ep_bytes_mb, calls_mb = tp_b, moe * ep_one_bytes, calls
     _, compute_mb, tp_mb, ep_mb, _ = worst
+    runtime_mb = 0.0
+    if cal is not None and lay.pp > 1:  # the runtime's own work per action it runs
+        runtime_mb = pipeline_actions(lay, m) * cal.pipe_action
+        compute_mb += runtime_mb
 
     pp_s = pp_bytes_mb = 0.0
     if lay.pp > 1:
@@ -355,7 +381,15 @@ def step_time(
         # the elements this rank's optimizer updates: ZeRO shards them over the data ranks
         updated = dense / (dp_dense_n if lay.zero else 1) + expert / (dp_exp_n if lay.zero else 1)
         optimizer = adam.seconds(updated)
-    total = pipeline + dp_exposed + optimizer
+    own = 0.0
+    if cal is not None and lay.data_shards > 1:
+        tensors = max(param_tensors(model, lay, *held) for held in rank_contents(model, lay))
+        grads = (dense + expert) * grad_bytes
+        if lay.zero in (1, 2) and cal.zero is not None:
+            own = cal.zero.seconds(tensors, grads)
+        elif lay.zero == 0 and lay.tp == 1 and lay.pp == 1 and cal.ddp is not None:
+            own = cal.ddp.seconds(tensors, grads)  # plait's DDP (compose has its own)
+    total = pipeline + dp_exposed + optimizer + own
 
     model_flops = model.flops_per_iteration(batch=job.global_batch, seq=s)
     hw_flops = model.flops_per_iteration(batch=job.global_batch, seq=s, recompute=lay.recompute)
@@ -384,6 +418,9 @@ def step_time(
         hw_flops / peak,
         comm,
         optimizer,
+        runtime_mb,
+        calls_mb,
+        own,
     )
 
 
