@@ -10,7 +10,10 @@ busy; saved to ``runs/plan_calibration_n4.json`` (``local_cpu(ranks=4)`` reads i
 ``benchmarks/results/plan_calibration_n4.json``. The compute efficiency: the plain GPT's
 forward and backward on one rank's share of the batch, run by the 4 ranks at once without
 communication (model FLOPs / (time x the calibrated matmul rate)), taking its turn in
-every round with the layouts below; the optimizer step is the calibration's Adam rate.
+every round with the layouts below; the optimizer step is the calibration's Adam rate;
+the strategies' own work (DDP's and ZeRO's per step, the tensor-parallel layers' per
+collective, the pipeline runtime's per action) the calibration's probes
+(``plait.plan.probe_runtime``), charged by what each layout has of them.
 
 Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
 ``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
@@ -154,6 +157,34 @@ def with_compute(base: Any, flops: float, seconds: float, blocks: int) -> Any:
     return dataclasses.replace(base, peak_flops=rate, efficiency=1.0)
 
 
+def own_text(cal: Any) -> str:
+    """The calibration's own-work figures in a sentence."""
+    parts = []
+    for name, ov in (("DDP", cal.ddp), ("ZeRO-1/2", cal.zero)):
+        if ov is not None:
+            parts.append(
+                f"{name} {ov.per_tensor * 1e6:.0f} us per tensor + "
+                f"{ov.per_byte * 1e9:.2f} ns per gradient byte"
+            )
+    for g, sec in sorted(cal.tp_call.items()):
+        parts.append(f"{sec * 1e6:.0f} us per tensor-parallel collective over {g}")
+    parts.append(f"{cal.pipe_action * 1e6:.0f} us per pipeline action")
+    return ", ".join(parts)
+
+
+def without_own_work(cluster: Any) -> Any:
+    """``cluster`` whose calibration has none of the strategies' own work (DDP's, ZeRO's,
+    the tensor-parallel layers' and the pipeline runtime's): the planner before it."""
+    cal = dataclasses.replace(cluster.calibration, ddp=None, zero=None, tp_call={}, pipe_action=0.0)
+    return dataclasses.replace(cluster, calibration=cal)
+
+
+def own_work(t: Any, cal: Any, tp: int) -> float:
+    """Seconds of the strategies' own work in the prediction ``t`` (before the bubble)."""
+    per_mb = t.runtime_per_mb + t.tp_calls_per_mb * cal.tp_call_seconds(tp)
+    return float(t.strategy + t.microbatches * per_mb)
+
+
 def gloo_links(cluster: Any) -> Any:
     """``cluster`` with the previous constants: gloo ring fit, no calibration, no lending."""
     from plait.plan.hardware import bench_rows, default_bench_file, fit_alpha_beta
@@ -205,6 +236,7 @@ def main() -> int:
         cluster = with_compute(base, flops, t_share, LAYERS + 1)
         efficiency = cluster.efficiency
         old = gloo_links(cluster)
+        bare = without_own_work(cluster)
         print(
             f"efficiency {efficiency:.3f}: the GPT step on {share} sequences on every rank "
             f"at once took {t_share * 1e3:.1f} ms at {base.peak_flops / 1e9:.1f} GFLOP/s",
@@ -214,6 +246,7 @@ def main() -> int:
             layout = Layout(**fields)
             plan = evaluate(spec, job, layout, cluster)
             before = evaluate(spec, job, layout, old).time.total if old is not None else None
+            no_own = evaluate(spec, job, layout, bare).time.total
             measured = min(runs[name])
             t = plan.time
             rows.append(
@@ -226,6 +259,9 @@ def main() -> int:
                     "ratio": t.total / measured,
                     "gloo_links_s": before,
                     "gloo_links_ratio": before / measured if before else None,
+                    "without_own_work_s": no_own,
+                    "without_own_work_ratio": no_own / measured,
+                    "own_work_s": own_work(t, cal, layout.tp),
                     "compute_s": t.microbatches * t.compute_per_mb,
                     "tp_s": t.microbatches * t.tp_per_mb,
                     "pp_s": t.microbatches * t.pp_per_mb,
@@ -237,10 +273,12 @@ def main() -> int:
             r = rows[-1]
             print(
                 f"{name:<20} measured {measured * 1e3:7.1f} ms  predicted "
-                f"{t.total * 1e3:7.1f} ms  ratio {r['ratio']:.2f}",
+                f"{t.total * 1e3:7.1f} ms  ratio {r['ratio']:.2f}  "
+                f"(without own work {r['without_own_work_ratio']:.2f})",
                 flush=True,
             )
     within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.2)
+    within_before = sum(1 for r in rows if abs(r["without_own_work_ratio"] - 1) <= 0.2)
     lines = [
         "# plait plan: predicted vs measured step time, reference GPT on 4 local ranks",
         "",
@@ -249,30 +287,40 @@ def main() -> int:
         f"(noisy: other jobs ran), transport {cal.transport}. Calibration "
         f"(`plait.plan.calibrate`, measured in this run): collectives per group size, p2p, "
         f"matmul {base.peak_flops / 1e9:.1f} GFLOP/s per rank with every rank busy, "
-        f"{cal.block_overhead * 1e3:.2f} ms per block of dispatch; efficiency "
+        f"{cal.block_overhead * 1e3:.2f} ms per block of dispatch; the strategies' own work "
+        f"({own_text(cal)}); efficiency "
         f"{efficiency:.3f} (against {cluster.peak_flops / 1e9:.1f} GFLOP/s) from the plain "
         f"GPT's forward and backward on {share} sequences on every rank at once "
         f"({t_share * 1e3:.1f} ms). Medians of the slowest rank over {STEPS} "
-        f"steps, the fastest of {ROUNDS} rounds. Within 20%: {within} of {len(rows)}.",
+        f"steps, the fastest of {ROUNDS} rounds. Within 20%: {within} of {len(rows)} "
+        f"({within_before} of {len(rows)} without the own-work terms).",
         "",
-        "| layout | planner layout | measured | predicted | predicted / measured | compute | "
-        "tp | pp | dp | optimizer | bubble | gloo links: predicted / measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | planner layout | measured | predicted | predicted / measured | "
+        "without own work | compute | tp | pp | dp | optimizer | own work | bubble | "
+        "gloo links |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ms = 1e3
     for r in rows:
         gl = f"{r['gloo_links_ratio']:.2f}" if r["gloo_links_ratio"] else "-"
         lines.append(
             f"| {r['layout']} | {r['planner_layout']} | {r['measured_s'] * ms:.1f} ms | "
-            f"{r['predicted_s'] * ms:.1f} ms | {r['ratio']:.2f} | {r['compute_s'] * ms:.1f} | "
+            f"{r['predicted_s'] * ms:.1f} ms | {r['ratio']:.2f} | "
+            f"{r['without_own_work_ratio']:.2f} | {r['compute_s'] * ms:.1f} | "
             f"{r['tp_s'] * ms:.1f} | {r['pp_s'] * ms:.1f} | {r['dp_s'] * ms:.1f} | "
-            f"{r['optimizer_s'] * ms:.1f} | "
+            f"{r['optimizer_s'] * ms:.1f} | {r['own_work_s'] * ms:.1f} | "
             f"{r['bubble']:.1%} | {gl} |"
         )
     lines += [
         "",
         "compute, tp, pp, dp, optimizer: the planner's terms in ms (tp and pp summed over the "
-        "micro-batches of the slowest pipeline rank; the bubble on top as shown).",
+        "micro-batches of the slowest pipeline rank; the bubble on top as shown). own work: "
+        "the strategies' own work inside them (`plait.plan.probe_runtime`: DDP's or ZeRO's "
+        "per step, the tensor-parallel layers' per collective (in tp), the pipeline "
+        "runtime's per action (in compute)). without own work: predicted / measured with "
+        "those terms at 0 (the planner before them). gloo links: predicted / measured "
+        "with the previous link constants (the ring fit of `plait bench comm`'s gloo rows, "
+        "no calibration).",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
