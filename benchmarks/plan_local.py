@@ -160,7 +160,7 @@ def with_compute(base: Any, flops: float, seconds: float, blocks: int) -> Any:
 def own_text(cal: Any) -> str:
     """The calibration's own-work figures in a sentence."""
     parts = []
-    for name, ov in (("DDP", cal.ddp), ("ZeRO-1/2", cal.zero)):
+    for name, ov in (("DDP", cal.ddp), ("ZeRO-1/2", cal.zero), ("FSDP", cal.fsdp)):
         if ov is not None:
             parts.append(
                 f"{name} {ov.per_tensor * 1e6:.0f} us per tensor + "
@@ -315,7 +315,7 @@ def main() -> int:
         "",
         "compute, tp, pp, dp, optimizer: the planner's terms in ms (tp and pp summed over the "
         "micro-batches of the slowest pipeline rank; the bubble on top as shown). own work: "
-        "the strategies' own work inside them (`plait.plan.probe_runtime`: DDP's or ZeRO's "
+        "the strategies' own work inside them (`plait.plan.probe_runtime`: DDP's, ZeRO's or FSDP's "
         "per step, the tensor-parallel layers' per collective (in tp), the pipeline "
         "runtime's per action (in compute)). without own work: predicted / measured with "
         "those terms at 0 (the planner before them). gloo links: predicted / measured "

@@ -256,8 +256,8 @@ def test_param_tensors_count_the_gpt_s() -> None:
     assert param_tensors(SMALL, Layout(pp=2), 2, 0, False, True) == 2 * 12 + 3
 
 
-def test_ddp_and_zero_own_work_per_tensor_and_byte() -> None:
-    c = cpu(cal(ddp=Overhead(1e-4, 1e-9), zero=Overhead(2e-4, 3e-9)))
+def test_ddp_zero_and_fsdp_own_work_per_tensor_and_byte() -> None:
+    c = cpu(cal(ddp=Overhead(1e-4, 1e-9), zero=Overhead(2e-4, 3e-9), fsdp=Overhead(4e-4, 5e-9)))
     grads, tensors = SMALL.num_params * 4, 4 * 12 + 5
     ddp = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), c)
     assert ddp.strategy == pytest.approx(1e-4 * tensors + 1e-9 * grads)
@@ -266,11 +266,13 @@ def test_ddp_and_zero_own_work_per_tensor_and_byte() -> None:
         assert zero.strategy == pytest.approx(2e-4 * tensors + 3e-9 * grads)
     plain = step_time(SMALL, JOB, Layout(dp=4, microbatch=4), cpu(cal()))
     assert ddp.total - plain.total == pytest.approx(ddp.strategy)
-    # compose's own all-reduce over dp is not plait's DDP; FSDP and one rank: nothing
+    fsdp = step_time(SMALL, JOB, Layout(dp=4, zero=3, microbatch=4), c)
+    assert fsdp.strategy == pytest.approx(4e-4 * tensors + 5e-9 * grads)
+    # compose's own all-reduce over dp is not plait's DDP; no data parallelism: nothing
     assert (
         step_time(SMALL, JOB, Layout(dp=2, pp=2, schedule="1f1b", microbatch=2), c).strategy == 0.0
     )
-    assert step_time(SMALL, JOB, Layout(dp=4, zero=3, microbatch=4), c).strategy == 0.0
+    assert step_time(SMALL, JOB, Layout(tp=4, microbatch=16), c).strategy == 0.0
     assert step_time(SMALL, JOB, Layout(dp=4, microbatch=4), cpu(None)).strategy == 0.0
 
 
@@ -309,11 +311,11 @@ def test_runtime_probes_on_ranks(ranks: Any) -> None:
     out = ranks(2, plan_fns.runtime_probes, timeout=120)
     assert out[0] == out[1]  # the slowest rank's figures, on every rank
     fields = out[0]["fields"]
-    for key in ("ddp", "zero"):
+    for key in ("ddp", "zero", "fsdp"):
         assert fields[key].per_tensor >= 0 and fields[key].per_byte >= 0
     assert set(fields["tp_call"]) == {2} and fields["tp_call"][2] >= 0
     assert fields["pipe_action"] >= 0
     probes = [row["probe"] for row in out[0]["raw"]]
-    assert probes == ["ddp", "ddp", "zero1", "zero1", "tp", "pipeline"]
-    for row in out[0]["raw"][:4]:
+    assert probes == ["ddp", "ddp", "zero1", "zero1", "fsdp", "fsdp", "tp", "pipeline"]
+    for row in out[0]["raw"][:6]:
         assert row["strategy_s"] > 0 and row["reference_s"] > 0 and row["tensors"] == 29

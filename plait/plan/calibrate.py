@@ -19,8 +19,8 @@ call) and every group of a size busy at once (as a layout runs them):
   block costs per micro-batch whatever its size (operator dispatch), which small
   micro-batches and tensor-parallel shards pay in full;
 * the strategies' own work (:mod:`plait.plan.probe_runtime`, a tiny GPT under each
-  strategy against its plain step with the same collectives): DDP's and ZeRO-1/2's seconds
-  per step per parameter tensor and per gradient byte (:class:`Overhead`), the 1D
+  strategy against its plain step with the same collectives): DDP's, ZeRO-1/2's and FSDP's
+  seconds per step per parameter tensor and per gradient byte (:class:`Overhead`), the 1D
   tensor-parallel layers' seconds per collective (``tp_call``, per group size), the
   pipeline runtime's seconds per action (``pipe_action``);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
@@ -90,6 +90,7 @@ class Calibration:
     # per tensor-parallel collective (by group size), per pipeline action
     ddp: Overhead | None = None
     zero: Overhead | None = None
+    fsdp: Overhead | None = None
     tp_call: dict[int, float] = field(default_factory=dict)
     pipe_action: float = 0.0
     raw: list[dict[str, Any]] = field(default_factory=list)
@@ -149,10 +150,11 @@ class Calibration:
         if not links:
             raise KeyError("links")
         adam = d.get("adam")
-        ddp, zero = d.get("ddp"), d.get("zero")
+        ddp, zero, fsdp = d.get("ddp"), d.get("zero"), d.get("fsdp")
         return Calibration(
             ddp=Overhead(**ddp) if ddp else None,
             zero=Overhead(**zero) if zero else None,
+            fsdp=Overhead(**fsdp) if fsdp else None,
             tp_call={int(g): float(s) for g, s in d.get("tp_call", {}).items()},
             pipe_action=float(d.get("pipe_action", 0.0)),
             adam=Line(**adam) if adam else None,
@@ -251,7 +253,7 @@ def format_calibration(cal: Calibration) -> str:
             f"{'adam step':<16}{'':>3}{a.latency * 1e6:>14.1f}{a.bandwidth / 1e9:>14.3f} G params/s"
         )
     lines.append(f"{'block overhead':<19}{cal.block_overhead * 1e6:>14.1f} us per block")
-    for name, ov in (("ddp", cal.ddp), ("zero-1/2", cal.zero)):
+    for name, ov in (("ddp", cal.ddp), ("zero-1/2", cal.zero), ("fsdp", cal.fsdp)):
         if ov is not None:
             lines.append(
                 f"{name + ' own work':<19}{ov.per_tensor * 1e6:>14.1f} us per tensor"

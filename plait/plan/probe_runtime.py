@@ -3,29 +3,38 @@
 A layout's step costs more than its FLOPs, its collectives and Adam: plait's strategies
 run Python per parameter, per collective and per pipeline action (hooks, bucket copies,
 flattening, autograd functions around the collectives, the pipeline runtime's action
-loop). Each probe here runs a tiny GPT (width 8, a few tokens: almost no FLOPs, every
-operator still dispatched) under one strategy, on every rank of the world at once (the
-cores shared as in a run), subtracts what the planner already charges (the same model's
-plain step, the collectives' measured lines, Adam's line) and divides the rest by what
-the planner can count in any layout:
+loop). Each probe here runs a small GPT (2 blocks, a few tokens: almost no FLOPs, every
+operator still dispatched) under one strategy and, taking turns with it, a **reference
+step**: the plain model's step calling the same collectives on buffers of the same sizes
+(so the collectives' cost, and the wake-ups of ranks that share cores, cancel), every rank
+of the world at once. The difference is the strategy's own work, divided by what the
+planner can count in any layout (``T``: the slowest rank's median step; ``G`` gradient
+bytes, ``N`` parameter elements, ``n`` ranks):
 
 ================  ============================================================  ============
-field             probe (``T``: the slowest rank's median step)                  charged per
+field             probe                                                          charged per
 ================  ============================================================  ============
-``ddp``           ``T_ddp - T_plain - all_reduce(G)``, at width 8 and 32 (same   step: per
-                  tensors, ``G`` grown 14x): ``per_tensor``, ``per_byte`` from    gradient
-                  the two (:func:`split_overhead`)                               tensor, byte
-``zero``          ``T_zero1 - T_plain - reduce_scatter(G) - all_gather(G) +      step: per
-                  adam(N) - adam(N/n)``, the same two widths                     tensor, byte
-``tp_call``       ``(T_tp - T_plain - k all_reduce(S)) / k`` over ``Mesh(tp=g)``  collective
-                  for each group size ``g``, ``k = 4 L + 5`` the model's calls
-                  (4 per block, embedding, head, the loss's 3)
+``ddp``           ``T_ddp - T_ref``, ref = plain + ``all_reduce(G)``; at widths  step: per
+                  8 and 128 (29 tensors each, 7.5 KB and 1.6 MB of gradients):   gradient
+                  ``per_tensor`` and ``per_byte`` from the two                   tensor, byte
+                  (:func:`split_overhead`)
+``zero``          ``T_zero1 - T_ref + adam(N) - adam(N/n)``, ref = plain +       step: per
+                  ``reduce_scatter(G)`` + ``all_gather(G)`` (Adam on all of it)  tensor, byte
+``fsdp``          ``T_fsdp - T_ref + adam(N) - adam(N/n)``, each block a unit    step: per
+                  and the root one; ref = plain + per unit 2 ``all_gather`` and  tensor, byte
+                  a ``reduce_scatter`` of ``G/units``
+``tp_call``       ``(T_tp - T_ref) / k`` over ``Mesh(dp=n/g, tp=g)`` for each    collective
+                  group size ``g``; ref = plain + ``k`` all-reduces of the
+                  activation (half after forward, half after backward),
+                  ``k = 4 L + 5`` the model's calls (4 per block, embedding,
+                  head, the loss's 3)
 ``pipe_action``   a 2-stage 1F1B pipeline (``compose``, ``Mesh(pp=2, dp=n/2)``)  action
                   at ``m1`` and ``m2`` micro-batches: ``(T(m2) - T(m1)) /
                   (m2 - m1)`` per micro-batch (fill, drain and the step's fixed
-                  work cancel), minus the slowest stage's compute (2 blocks of
-                  ``block_overhead``) and its 2 messages (p2p line), over the 4
-                  actions each rank runs per micro-batch (F, B, a send, a recv)
+                  work cancel), minus half the whole model's forward and
+                  backward of a micro-batch (a stage's compute) and 2 messages
+                  (the back-to-back p2p line), over the 4 actions each rank
+                  runs per micro-batch (F, B, a send, a receive)
 ================  ============================================================  ============
 
 Each function is collective over the world (barriers and the strategies' collectives,
@@ -45,6 +54,7 @@ from plait.plan.calibrate import Calibration, Line, Overhead
 WIDTHS = (8, 128)  # the ddp and zero probes' two GPTs: same tensors, 7.5 KB and 1.6 MB
 LAYERS = 2
 PIPE_MB = (2, 6)  # the pipeline probe's two micro-batch counts
+UNITS = LAYERS + 1  # the FSDP probe's units: each block, and the root
 
 
 def split_overhead(
@@ -117,7 +127,8 @@ def _wrapped_step(strategy: str, model: Any, ids: Any, group: Any) -> Callable[[
     import plait
 
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
-    wrapped, opt = plait.prepare(model, adam, strategy=strategy, group=group)
+    extra: dict[str, Any] = {"wrap": {type(model.blocks[0])}} if strategy == "fsdp" else {}
+    wrapped, opt = plait.prepare(model, adam, strategy=strategy, group=group, **extra)
     assert opt is not None
 
     def step() -> None:
@@ -131,7 +142,8 @@ def _wrapped_step(strategy: str, model: Any, ids: Any, group: Any) -> Callable[[
 def data_parallel(
     strategy: str, world: Any, adam: Line, raw: list[dict[str, Any]], *, iters: int
 ) -> Overhead:
-    """``ddp`` (``strategy="ddp"``) or ``zero`` (``"zero1"``) of the module doc."""
+    """``ddp`` (``strategy="ddp"``), ``zero`` (``"zero1"``) or ``fsdp`` (``"fsdp"``, each
+    block a unit) of the module doc."""
     import torch
 
     from plait import comm
@@ -147,11 +159,20 @@ def data_parallel(
         params = [p.numel() for p in model.parameters()]
         numel = -(-sum(params) // n) * n
         tensors, grad = len(params), 4.0 * sum(params)
+        unit = -(-numel // UNITS // n) * n
         full, part = torch.zeros(numel), torch.zeros(numel // n)
+        ufull, upart = torch.zeros(unit), torch.zeros(unit // n)
 
-        def collectives(full: Any = full, part: Any = part) -> None:
+        def collectives(
+            full: Any = full, part: Any = part, ufull: Any = ufull, upart: Any = upart
+        ) -> None:
             if strategy == "ddp":
                 comm.all_reduce(full, group=world)
+            elif strategy == "fsdp":  # per unit: gathered in forward and backward, reduced
+                for _ in range(UNITS):
+                    comm.all_gather(ufull, upart, group=world)
+                    comm.all_gather(ufull, upart, group=world)
+                    comm.reduce_scatter(upart, ufull, group=world)
             else:
                 comm.reduce_scatter(part, full, group=world)
                 comm.all_gather(full, part, group=world)
@@ -304,6 +325,7 @@ def measure(
     out: dict[str, Any] = {
         "ddp": data_parallel("ddp", world, adam, raw, iters=iters),
         "zero": data_parallel("zero1", world, adam, raw, iters=iters),
+        "fsdp": data_parallel("fsdp", world, adam, raw, iters=iters),
         "tp_call": tensor_call(world, raw, iters=iters),
     }
     if world.size % 2 == 0:  # messages back to back: the tiny pipeline has no bursts

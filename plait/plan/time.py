@@ -57,7 +57,7 @@ parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
     t_tp    += calls * tp_call(t)           calls: :func:`~plait.plan.costs.tp_calls`
     t_comp  += actions * pipe_action        actions per micro-batch of the busiest rank
                                             (:func:`~plait.plan.costs.pipeline_actions`)
-    step    += per_tensor * T + per_byte * G   DDP (plait's, pp = tp = 1) or ZeRO-1/2:
+    step    += per_tensor * T + per_byte * G   DDP (plait's, pp = tp = 1), ZeRO-1/2, FSDP:
                                             T the rank's parameter tensors
                                             (:func:`~plait.plan.costs.param_tensors`),
                                             G its gradient bytes
@@ -139,7 +139,7 @@ class StepTime:
     optimizer: float = 0.0  # the optimizer step (measured rate; 0 without a calibration)
     runtime_per_mb: float = 0.0  # the pipeline runtime's own work, in compute_per_mb
     tp_calls_per_mb: int = 0  # tensor-parallel collectives per micro-batch (slowest rank)
-    strategy: float = 0.0  # DDP's or ZeRO's own work per step (calibrated)
+    strategy: float = 0.0  # DDP's, ZeRO's or FSDP's own work per step (calibrated)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -387,6 +387,8 @@ def step_time(
         grads = (dense + expert) * grad_bytes
         if lay.zero in (1, 2) and cal.zero is not None:
             own = cal.zero.seconds(tensors, grads)
+        elif lay.zero == 3 and cal.fsdp is not None:
+            own = cal.fsdp.seconds(tensors, grads)
         elif lay.zero == 0 and lay.tp == 1 and lay.pp == 1 and cal.ddp is not None:
             own = cal.ddp.seconds(tensors, grads)  # plait's DDP (compose has its own)
     total = pipeline + dp_exposed + optimizer + own
