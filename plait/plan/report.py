@@ -101,6 +101,8 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
         f"  pipeline       {_fmt_s(t.pipeline):>12}   m x t_mb / (1 - bubble) = {m} x "
         f"{_fmt_s(t.per_microbatch)} / (1 - {t.bubble:.4f})  [{lay.schedule}, v={lay.v}]",
         f"  dp reduction   {_fmt_s(t.dp):>12}   exposed {_fmt_s(t.dp_exposed)}",
+        f"  optimizer      {_fmt_s(t.optimizer):>12}",
+        *_own_work(t, cluster),
         f"  total          {_fmt_s(t.total):>12}",
         f"  MFU {t.mfu:.1%}  HFU {t.hfu:.1%}   model FLOPs/step {t.model_flops:.4g}, with "
         f"recomputation {t.hardware_flops:.4g}",
@@ -115,6 +117,23 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
                 f"{_fmt_bytes(c.bytes_per_step):>12}  {_fmt_s(c.seconds):>10}"
             )
     return "\n".join(lines)
+
+
+def _own_work(t: Any, cluster: Cluster) -> list[str]:
+    """The strategies' own work in ``t`` (calibrated clusters only: plait.plan.probe_runtime)."""
+    cal = cluster.calibration
+    if cal is None:
+        return []
+    tp = cal.tp_call_seconds(max(1, t.comm[0].size)) if t.comm else 0.0
+    return [
+        "  own work of the strategies (measured by plait bench calibrate)",
+        f"    tp layers    {_fmt_s(t.tp_calls_per_mb * tp):>12}   per micro-batch, "
+        f"{t.tp_calls_per_mb} collectives x {_fmt_s(tp)} (in tp comm)",
+        f"    pipeline     {_fmt_s(t.runtime_per_mb):>12}   per micro-batch, actions x "
+        f"{_fmt_s(cal.pipe_action)} (in compute)",
+        f"    ddp/zero/fsdp{_fmt_s(t.strategy):>12}   per step, tensors x per-tensor + "
+        "gradient bytes x per-byte",
+    ]
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
