@@ -319,3 +319,30 @@ def test_runtime_probes_on_ranks(ranks: Any) -> None:
     assert probes == ["ddp", "ddp", "zero1", "zero1", "fsdp", "fsdp", "tp", "pipeline"]
     for row in out[0]["raw"][:6]:
         assert row["strategy_s"] > 0 and row["reference_s"] > 0 and row["tensors"] == 29
+
+
+def test_fastest_keeps_the_least_disturbed_figures() -> None:
+    calm = cal(block_overhead=1e-4, pipe_action=2e-4, tp_call={2: 1e-4, 4: 5e-4})
+    busy = cal(
+        links={
+            "all_reduce": {2: Line(3e-4, 1e9, 4), 4: Line(1e-4, 5e8, 4)},
+            "p2p": {2: Line(3e-5, 4e9, 4)},
+        },
+        gemm=[(1024, 128, 512, 40e9), (1024, 128, 128, 60e9)],
+        adam=Line(2e-4, 1e8, 2),
+        block_overhead=3e-4,
+        ddp=Overhead(1e-5, 1e-9),
+        pipe_action=1e-4,
+        tp_call={4: 3e-4},
+    )
+    best = calibrate.fastest([calm, busy])
+    assert best.line("all_reduce", 2) == Line(1e-4, 1e9, 4)  # calm's
+    assert best.line("all_reduce", 4) == Line(1e-4, 5e8, 4)  # busy's, faster here
+    assert best.line("all_gather", 4) == Line(1e-4, 1e9, 4)  # only calm measured it
+    assert dict(((m, k, n), r) for m, k, n, r in best.gemm)[(1024, 128, 128)] == 60e9
+    assert best.adam == Line(1e-4, 1e8, 2)
+    assert best.block_overhead == 1e-4 and best.pipe_action == 1e-4
+    assert best.ddp == Overhead(1e-5, 1e-9) and best.zero is None
+    assert best.tp_call == {2: 1e-4, 4: 3e-4}
+    with pytest.raises(ValueError, match="do not mix"):
+        calibrate.fastest([calm, cal(ranks=8)])

@@ -212,6 +212,67 @@ def run(ranks: int, *, iters: int = 8, timeout: float = 600) -> Calibration:
     return Calibration.from_dict(out)
 
 
+def fastest(cals: Sequence[Calibration]) -> Calibration:
+    """Figure by figure, the least disturbed of several calibrations of the same ranks (on
+    a shared machine other jobs' load only slows a measurement): per collective and group
+    size the line that is faster at 1 MiB, the higher rate per matmul shape, Adam's line
+    faster at 1M elements, the smaller dispatch, per strategy the own work smaller at 50
+    tensors and 1 MiB, per group size the smaller tensor-parallel call, the smaller
+    pipeline action. Raw rows: the first calibration's."""
+    if not cals:
+        raise ValueError("fastest: no calibration given")
+    first = cals[0]
+    for c in cals[1:]:
+        if (c.ranks, c.transport) != (first.ranks, first.transport):
+            raise ValueError(
+                f"fastest: calibrations of {first.ranks} ranks ({first.transport}) and "
+                f"{c.ranks} ranks ({c.transport}) do not mix"
+            )
+
+    def lines(key: str) -> dict[str, dict[int, Line]]:
+        out: dict[str, dict[int, Line]] = {}
+        for c in cals:
+            for coll, per in getattr(c, key).items():
+                for n, ln in per.items():
+                    best = out.setdefault(coll, {}).get(n)
+                    if best is None or ln.seconds(1 << 20) < best.seconds(1 << 20):
+                        out[coll][n] = ln
+        return out
+
+    def least(items: list[Any], cost: Any) -> Any:
+        present = [x for x in items if x is not None]
+        return min(present, key=cost) if present else None
+
+    gemm: dict[tuple[int, int, int], float] = {}
+    for c in cals:
+        for m, k, n, r in c.gemm:
+            gemm[(m, k, n)] = max(r, gemm.get((m, k, n), 0.0))
+    tp_call: dict[int, float] = {}
+    for c in cals:
+        for g, sec in c.tp_call.items():
+            tp_call[g] = min(sec, tp_call.get(g, sec))
+
+    def own(key: str) -> Overhead | None:
+        return least([getattr(c, key) for c in cals], lambda o: o.seconds(50, 1 << 20))
+
+    return Calibration(
+        ranks=first.ranks,
+        cores=first.cores,
+        transport=first.transport,
+        links=lines("links"),
+        idle_links=lines("idle_links"),
+        gemm=[(m, k, n, r) for (m, k, n), r in gemm.items()],
+        adam=least([c.adam for c in cals], lambda a: a.seconds(1 << 20)),
+        block_overhead=min(c.block_overhead for c in cals),
+        ddp=own("ddp"),
+        zero=own("zero"),
+        fsdp=own("fsdp"),
+        tp_call=tp_call,
+        pipe_action=min(c.pipe_action for c in cals),
+        raw=first.raw,
+    )
+
+
 def default_path(ranks: int) -> Path:
     return Path(f"runs/plan_calibration_n{ranks}.json")
 
@@ -274,6 +335,7 @@ __all__ = [
     "Line",
     "Overhead",
     "default_path",
+    "fastest",
     "fit_line",
     "format_calibration",
     "load",
