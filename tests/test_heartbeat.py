@@ -129,7 +129,7 @@ def _wait_for(cond, timeout: float, what: str, logs: list[Path]) -> None:  # typ
 
 @pytest.mark.faults
 def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path) -> None:
-    """Rendezvous by env:// (rank 0 hosts the store). Rank 0 stopped for 2.5 s while rank
+    """Rendezvous by env:// (rank 0 hosts the store). Rank 0 stopped for 3 s while rank
     1 waits on it (heartbeat timeout 4 s): the all-reduce completes and rank 1 logs the
     store's silence (longer than half the timeout). Rank 0
     stopped for good: rank 1, whose store reads now block, still fails within the
@@ -152,7 +152,7 @@ def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path
             with open(logs[r], "wb") as out:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(STORE_SCRIPT), "3.5", "20"],
+                        [sys.executable, str(STORE_SCRIPT), "4.5", "20"],
                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                         stdout=out,
                         stderr=subprocess.STDOUT,
@@ -160,11 +160,11 @@ def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path
                     )
                 )
         pid0 = procs[0].pid
-        # 1. rank 0 (and its store) stopped 2.5 s while rank 1 waits: completes, logged
+        # 1. rank 0 (and its store) stopped 3 s while rank 1 waits: completes, logged
         _wait_for(lambda: "ROUND 0" in logs[0].read_text(), 120, "round 0", logs)
         time.sleep(0.4)
         os.kill(pid0, signal.SIGSTOP)
-        time.sleep(2.5)
+        time.sleep(3.0)
         os.kill(pid0, signal.SIGCONT)
         # 2. stopped for good during round 1
         _wait_for(lambda: "ROUND 1" in logs[0].read_text(), 60, "round 1", logs)
@@ -193,7 +193,7 @@ def test_the_rank_hosting_the_store_stopped_is_named_by_the_other(tmp_path: Path
     detected = err["at"] - stopped_at
     faultlog.record(
         row=3,
-        fault="SIGSTOP 2.5 s of rank 0, which hosts the store (env://)",
+        fault="SIGSTOP 3 s of rank 0, which hosts the store (env://)",
         detected_after_s=None,
         named_correctly=True,
         recovered_after_s=0.0,

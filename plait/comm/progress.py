@@ -18,20 +18,24 @@ store client:
 
 Then the thread runs the watchdog's checks (``watchdog.tick``).
 
-Each heartbeat is a round trip (a ``set``, then a ``check`` of the key, which the store
-must answer), and the time of the last one that came back is kept. A second daemon thread,
-``plait-store-watch``, never touches the store: every ``PERIOD_S`` it reads how long the
-store has been silent (``watchdog.store_silence``). That is how a rank notices that it is
-cut off from the store's host, or that the store's process is stopped: a TCPStore client's
-``check`` or ``get`` on a dead link blocks past its own timeout (measured on torch 2.13,
-a ``check`` against a SIGSTOPped store never returned), so the progress thread itself
-cannot be the one to tell. Silence longer than the heartbeat timeout ends every blocked
-collective wait, naming the store and the ranks on its host; a shorter one is logged when
-the store answers again. Silence counts only while the progress thread is inside a round
-of store work (or its last round failed): a thread that merely did not get to run, or a
-process that was itself stopped, says nothing about the store. Nothing else changes when
-the store is thought lost: readers still get their client (a false alarm must not make a
-rank skip a store-based protocol step that the others wait for).
+While a collective waits, each heartbeat is a round trip (a ``set``, then a ``check`` of
+the key, which the store must answer; otherwise only the ``set``, which is buffered: a
+TCPStore call holds the process's GIL until the store answers, and a round trip every
+0.5 s slowed a 25-rank job on 2 cores threefold). The progress thread's client notes when
+each of its calls begins and ends.
+A second daemon thread, ``plait-store-watch``, never touches the store: every
+``PERIOD_S`` it reads how long the store has been silent (``watchdog.store_silence``).
+That is how a rank notices that it is cut off from the store's host, or that the store's
+process is stopped: a TCPStore client's ``check`` on a dead link blocks past its own
+timeout (torch 2.13: a ``check`` against a SIGSTOPped store never returned), so the
+progress thread itself cannot be the one to tell. Silence is the time one store call of
+the progress thread has been under way (or since its first failed call, while every call
+since failed): a thread that merely did not get to run, or a process that was itself
+stopped, says nothing about the store. Silence longer than the heartbeat timeout ends
+every blocked collective wait, naming the store and the ranks on the other host(s); a
+silence longer than half of it is logged when the store answers again. Nothing else
+changes when the store is thought lost: readers still get their client (a false alarm must
+not make a rank skip a store-based protocol step that the others wait for).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ if TYPE_CHECKING:
 
 PERIOD_S = 0.1
 HEARTBEAT_PERIOD_S = 0.5
+LEARN_PERIOD_S = 0.5  # how often the others' whereabouts are read until all are known
+TROUBLED_S = 1.0  # a store call under way this long: error paths stop reading the store
 SELF_GAP_S = 1.0  # the store watch itself did not run this long: this process was stopped
 _stop = threading.Event()
 _groups: weakref.WeakSet[Group] = weakref.WeakSet()
@@ -60,8 +66,9 @@ _thread: threading.Thread | None = None
 _address: tuple[str, int] | None = None
 _local = threading.local()
 _watch_thread: threading.Thread | None = None
-_last_answer: float | None = None  # monotonic time the store last answered a heartbeat
-_busy_since: float | None = None  # the progress thread's round of store work began (or failed)
+_last_answer: float | None = None  # monotonic time the store last answered this process
+_asking_since: float | None = None  # the progress thread's store call under way began
+_failing_since: float | None = None  # its first failed call since the last answer
 
 
 _namespace = ""  # key prefix in a store that outlives the attempt (see attempt_namespace)
@@ -104,18 +111,80 @@ def store() -> Any:
     return _client()
 
 
+def diagnostic_store() -> Any:
+    """:func:`store` for reads that only explain a failure (a peer's beat, the board, a
+    verdict): None while a store call of the progress thread has been under way (or
+    failing) for over ``TROUBLED_S``: on a lost link such a read blocks for good, and an
+    error path must end."""
+    since = [t for t in (_asking_since, _failing_since) if t is not None]
+    if since and time.monotonic() - min(since) > TROUBLED_S:
+        return None
+    return store()
+
+
 def _client() -> Any:
     if _address is None:
         return None
     client = getattr(_local, "store", None)
     if client is None:
-        client = dist.TCPStore(
-            _address[0], _address[1], is_master=False, timeout=datetime.timedelta(seconds=5)
-        )
+        timed = threading.current_thread().name == "plait-progress"
+        if timed:
+            _asking(True)
+        try:
+            client = dist.TCPStore(
+                _address[0], _address[1], is_master=False, timeout=datetime.timedelta(seconds=5)
+            )
+        except Exception:
+            if timed:
+                _asking(False, ok=False)
+            raise
         if _namespace:
             client = dist.PrefixStore(_namespace, client)
+        if timed:
+            _asking(False)
+            client = _Timed(client)
         _local.store = client
     return client
+
+
+class _Timed:
+    """The progress thread's store client: the store watch sees when each call began, and
+    whether the store answered (see the module docstring)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _asking(True)
+            try:
+                out = method(*args, **kwargs)
+            except Exception:
+                _asking(False, ok=False)
+                raise
+            _asking(False)
+            return out
+
+        return call
+
+
+def _asking(start: bool, *, ok: bool = True) -> None:
+    """A store call of the progress thread begins (``start``) or ends (answered if ``ok``)."""
+    global _asking_since, _failing_since
+    now = time.monotonic()
+    if start:
+        _asking_since = now
+        return
+    _asking_since = None
+    if ok:
+        _failing_since = None
+        answered()
+    elif _failing_since is None:
+        _failing_since = now
 
 
 def _key(group: Group, global_rank: int) -> str:
@@ -147,8 +216,11 @@ def beat(global_rank: int) -> None:
         _me = global_rank
     key = heartbeat_key(global_rank)
     client.set(key, f"{time.time():.3f}")
-    client.check([key])  # a set is only buffered; the store must answer this
-    answered()
+    if any(g.waiting is not None for g in groups()):
+        # A set is only buffered; the store must answer this. Only while a collective
+        # waits (what a lost store would end): a TCPStore call holds this process's GIL
+        # until the store answers (a loaded store stalled 25-rank jobs by seconds).
+        client.check([key])
 
 
 def answered() -> None:
@@ -180,7 +252,7 @@ _beating: int | None = None  # the global rank whose heartbeat this process writ
 def last_beat(global_rank: int) -> float | None:
     """Wall-clock time of rank ``global_rank``'s last heartbeat; None if unknown."""
     try:
-        client = store()
+        client = diagnostic_store()
         key = heartbeat_key(global_rank)
         if client is None or not client.check([key]):
             return None
@@ -194,7 +266,7 @@ _addresses: dict[int, str] = {}  # global rank -> address it reaches the store f
 
 def whereabouts(global_rank: int) -> str:
     """``" (host H, address A, pid P)"`` for a rank that published it, else ``""``."""
-    if global_rank not in _where and not _learn_where(global_rank):
+    if global_rank not in _where and (diagnostic_store() is None or not _learn_where(global_rank)):
         return ""
     return _where[global_rank]
 
@@ -240,7 +312,7 @@ def _learn_every_where() -> bool:
     """Cache every registered group's ranks' whereabouts while the store answers (a rank
     cut off from it later still names the others); True once all are known."""
     ranks = {r for g in groups() for r in g.ranks}
-    return all(r in _where or _learn_where(r) for r in sorted(ranks))
+    return all([r in _where or _learn_where(r) for r in sorted(ranks)])  # tries each
 
 
 def register(group: Group) -> None:
@@ -274,7 +346,7 @@ def stop() -> None:
 
     Called by ``plait.shutdown`` and at interpreter exit, so no thread of plait is
     inside the store or the backend while the process tears down."""
-    global _thread, _watch_thread, _last_answer, _busy_since
+    global _thread, _watch_thread, _last_answer, _asking_since, _failing_since
     with _lock:
         thread, _thread = _thread, None
         watch, _watch_thread = _watch_thread, None
@@ -282,8 +354,7 @@ def stop() -> None:
     for t in (thread, watch):
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
-    _last_answer = None
-    _busy_since = None
+    _last_answer = _asking_since = _failing_since = None
     if thread is not None and _beating is not None:
         try:  # a launcher stops watching this rank's heartbeat: it did not freeze
             client = store()
@@ -302,23 +373,22 @@ def unregister(group: Group) -> None:
 
 
 def _publish_forever(global_rank: int) -> None:
-    global _busy_since
     from plait.comm import watchdog
 
     published: dict[int, tuple[int, str, str, str]] = {}
     next_beat = 0.0
     failures = 0
     everyone_known = False
+    next_learn = 0.0
     while not _stop.wait(PERIOD_S):
-        if _busy_since is None:
-            _busy_since = time.monotonic()
         try:
             now = time.monotonic()
             if now >= next_beat:
                 beat(global_rank)
                 next_beat = now + HEARTBEAT_PERIOD_S
-                if not everyone_known:
-                    everyone_known = _learn_every_where()
+            if not everyone_known and now >= next_learn:  # seldom: O(world) reads each
+                everyone_known = _learn_every_where()
+                next_learn = now + LEARN_PERIOD_S
             publish_all(published)
             failures = 0
         except Exception:  # the store is unreachable: keep trying (the store watch decides)
@@ -327,20 +397,19 @@ def _publish_forever(global_rank: int) -> None:
             if failures > 100 and not any(g.waiting for g in groups()):
                 return  # long without a store and nothing waits: the job is over
             time.sleep(min(1.0, 0.1 * failures))
-            continue  # still busy: a failed round counts against the store
+            continue
         try:
             watchdog.tick()
         except Exception:
             pass
-        _busy_since = None
 
 
 def _watch_store_forever() -> None:
-    """How long the store has been silent, every ``PERIOD_S`` (never touches the store).
-
-    Only while the progress thread is inside a round of store work (or its last round
-    failed) does the silence count: a thread that merely did not get to run (a loaded
-    machine, the GIL held elsewhere) says nothing about the store."""
+    """How long the store has been silent, every ``PERIOD_S`` (never touches the store):
+    the time since the progress thread's store call under way began, or since its first
+    failed call when every call since has failed; zero between calls. A thread that merely
+    did not get to run (a loaded machine, the GIL held elsewhere) says nothing about the
+    store, nor time during which this whole process was stopped."""
     from plait.comm import watchdog
 
     last_tick = time.monotonic()
@@ -350,10 +419,10 @@ def _watch_store_forever() -> None:
         if now - last_tick > SELF_GAP_S:
             resumed = now
         last_tick = now
-        answer = _last_answer
-        if answer is None:
+        if _last_answer is None:
             continue
-        silence = now - max(answer, resumed) if _busy_since is not None else 0.0
+        since = [t for t in (_asking_since, _failing_since) if t is not None]
+        silence = now - max(min(since), resumed) if since else 0.0
         try:
             watchdog.store_silence(silence, _address)
         except Exception:
@@ -382,7 +451,7 @@ def read_full(group: Group, publish: bool = True) -> dict[int, tuple[int, str, s
     try:
         if publish:
             publish_all()
-        client = store()
+        client = diagnostic_store()
         if client is None:
             return {}
         board = {}

@@ -344,7 +344,7 @@ def _recorder_hint() -> str:
 
 def _read_verdict(g: Group, call: Call) -> CollectiveError | None:
     try:
-        client = progress.store()
+        client = progress.diagnostic_store()
         key = _verdict_key(g)
         if client is None or not client.check([key]):
             return None
