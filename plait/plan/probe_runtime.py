@@ -24,8 +24,9 @@ field             probe                                                         
                   and the root one; ref = plain + per unit 2 ``all_gather`` and  tensor, byte
                   a ``reduce_scatter`` of ``G/units``
 ``tp_call``       ``(T_tp - T_ref) / k`` over ``Mesh(dp=n/g, tp=g)`` for each    collective
-                  group size ``g``; ref = plain + ``k`` all-reduces of the
-                  activation (half after forward, half after backward),
+                  group size ``g`` (``max(4, g)`` heads of 2 features); ref =
+                  plain + ``k`` all-reduces of the activation (half after
+                  forward, half after backward),
                   ``k = 4 L + 5`` the model's calls (4 per block, embedding,
                   head, the loss's 3)
 ``pipe_action``   a 2-stage 1F1B pipeline (``compose``, ``Mesh(pp=2, dp=n/2)``)  action
@@ -74,10 +75,10 @@ def split_overhead(
     return Overhead(per_tensor=per_tensor, per_byte=per_byte)
 
 
-def _gpt(width: int, layers: int = LAYERS, heads: int = 4) -> Any:
+def _gpt(width: int, layers: int = LAYERS, heads: int = 4, vocab: int = 8) -> Any:
     from plait.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab=8, layers=layers, heads=heads, width=width, seq_len=4))
+    return GPT(GPTConfig(vocab=vocab, layers=layers, heads=heads, width=width, seq_len=4))
 
 
 def _paired(
@@ -220,22 +221,27 @@ def tensor_call(world: Any, raw: list[dict[str, Any]], *, iters: int) -> dict[in
         torch.manual_seed(0)
         mesh = plait.Mesh(dp=n // g, tp=g)
         group = mesh.group("tp")
-        plain_model, model = _gpt(8), _gpt(8)
+        # heads, width and vocabulary divisible by g (2 features per head, at least 4 heads)
+        heads = max(4, g)
+        width, vocab = 2 * heads, max(8, g)
+        plain_model = _gpt(width, heads=heads, vocab=vocab)
+        model = _gpt(width, heads=heads, vocab=vocab)
         plain_opt = torch.optim.Adam(plain_model.parameters(), lr=1e-3)
         adam = torch.optim.Adam(model.parameters(), lr=1e-3)
         wrapped, opt = plait.prepare(model, adam, strategy="tp", mesh=mesh)
         assert opt is not None
         loss = loss_fn(wrapped)
-        act = torch.zeros(ids.numel() * 8)
+        act = torch.zeros(ids.numel() * width)
 
         def plain(
             plain_model: Any = plain_model,
             plain_opt: Any = plain_opt,
             act: Any = act,
             group: Any = group,
+            vocab: int = vocab,
         ) -> None:
             plain_opt.zero_grad()
-            logits = plain_model(ids).reshape(-1, 8)
+            logits = plain_model(ids).reshape(-1, vocab)
             for _ in range(calls // 2):
                 comm.all_reduce(act, group=group)
             F.cross_entropy(logits, targets.reshape(-1)).backward()
