@@ -414,6 +414,7 @@ def _watch_store_forever() -> None:
 
     last_tick = time.monotonic()
     resumed = 0.0  # this process ran again after a gap: count the store's silence from here
+    warned = False
     while not _stop.wait(PERIOD_S):
         now = time.monotonic()
         if now - last_tick > SELF_GAP_S:
@@ -425,8 +426,12 @@ def _watch_store_forever() -> None:
         silence = now - max(min(since), resumed) if since else 0.0
         try:
             watchdog.store_silence(silence, _address)
-        except Exception:
-            pass
+        except Exception as exc:  # the watch must keep running; say once that it failed
+            if not warned:
+                warned = True
+                watchdog.log.warning(
+                    "plait store watch: checking the store's silence failed: %r", exc
+                )
 
 
 def publish_all(published: dict[int, tuple[int, str, str, str]] | None = None) -> None:
