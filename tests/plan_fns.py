@@ -73,3 +73,11 @@ def runtime_probes() -> dict[str, Any]:
     )
     fields, raw = probe_runtime.measure(base, plait.world(), iters=2)
     return {"fields": fields, "raw": raw}
+
+
+def pipeline_probe() -> list[dict[str, Any]]:
+    """On every rank: the calibration GPT through 1F1B and ZB-H1 and its plain step
+    (plait.plan.probe_pipeline), three rounds."""
+    from plait.plan import probe_pipeline
+
+    return probe_pipeline.measure_rank(iters=3)

@@ -346,3 +346,123 @@ def test_fastest_keeps_the_least_disturbed_figures() -> None:
     assert best.tp_call == {2: 1e-4, 4: 3e-4}
     with pytest.raises(ValueError, match="do not mix"):
         calibrate.fastest([calm, cal(ranks=8)])
+
+
+def test_a_rank_capped_below_a_core_lends_nothing() -> None:
+    from plait.strategies.pipeline.cores import run_on_cores
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs, run
+
+    sched = build("gpipe", p=2, m=4)
+    costs = Costs(f=1.0, b=2.0)
+    own_core = max(s.end for s in run(sched, costs))
+    # two ranks on one core, each never above half of it: every action at half speed
+    assert max(s.end for s in run_on_cores(sched, costs, 1.0, cap=0.5)) == pytest.approx(
+        2 * own_core
+    )
+    # uncapped, the rank alone in the fill and drain runs at a whole core: faster
+    assert max(s.end for s in run_on_cores(sched, costs, 1.0)) < 2 * own_core
+    with pytest.raises(ValueError, match="cap"):
+        run_on_cores(sched, costs, 1.0, cap=0.0)
+
+
+def test_pipeline_probe_fits_recover_lending_and_split() -> None:
+    from plait.plan import probe_pipeline as pp
+
+    kw: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=2e-4, action=5e-5)
+    for g, m in ((2, 4), (4, 8)):
+        none = pp.played("1f1b", g, m, lending=0.0, **kw)
+        full = pp.played("1f1b", g, m, lending=1.0, **kw)
+        assert full < none
+        made = pp.played("1f1b", g, m, lending=0.3, **kw)
+        assert pp.fit_lending(g, m, makespan=made, **kw) == pytest.approx(0.3, abs=1e-6)
+        assert pp.fit_lending(g, m, makespan=2 * none, **kw) == 0.0  # slower than no lending
+        assert pp.fit_lending(g, m, makespan=full / 2, **kw) == 1.0
+        zb = pp.played("zb-h1", g, m, lending=0.3, split=1.4, **kw)
+        assert pp.fit_split(g, m, makespan=zb, lending=0.3, **kw) == pytest.approx(1.4, abs=1e-6)
+        assert pp.fit_split(g, m, makespan=zb / 3, lending=0.3, **kw) == 1.0
+    with pytest.raises(ValueError, match="g >= 2"):
+        pp.fit_lending(1, 4, makespan=1.0, **kw)
+    # the runtime's seconds per compute action: 1F1B p=2 m=4, the busiest rank runs 8
+    # compute actions and 8 sends/receives
+    assert pp.action_seconds("1f1b", 2, 4, 1e-4) == pytest.approx(2e-4)
+    # fit() from probe rows: each message the p2p line, each action the runtime's share
+    line = Line(1e-4, 1e9, 2)
+    at: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=line.seconds(1e4))
+    steps = {
+        name: pp.played(
+            name, 2, 4, lending=0.5, split=1.2, action=pp.action_seconds(name, 2, 4, 1e-4), **at
+        )
+        for name in ("1f1b", "zb-h1")
+    }
+    rows = [{"g": 2, "m": 4, "busy_mb_s": 0.02, "message_bytes": 1e4, "steps_s": steps}]
+    lending, split = pp.fit(rows, cores=2.0, ranks=4, p2p=line, pipe_action=1e-4)
+    assert lending[2] == pytest.approx(0.5, abs=1e-6) and split[2] == pytest.approx(1.2, abs=1e-6)
+
+
+def test_shared_cores_play_the_schedule_with_the_measured_lending() -> None:
+    from plait.plan.costs import shared_cores_path
+
+    lay = Layout(pp=4, schedule="1f1b", microbatch=2)
+    lent = {
+        x: step_time(SMALL, JOB, lay, cpu(cal(lending={2: 1.0, 4: x}, zb_split={4: 1.0})))
+        for x in (0.0, 0.5, 1.0)
+    }
+    assert lent[0.0].pipeline > lent[0.5].pipeline > lent[1.0].pipeline
+    t = lent[0.0]
+    m = t.microbatches
+    # no lending: every rank at the shared speed, so never faster than all the work there
+    assert t.pipeline >= m * t.per_microbatch - 1e-12
+    assert t.pipeline == pytest.approx(
+        shared_cores_path(
+            lay,
+            m,
+            t.compute_per_mb,
+            t.tp_per_mb,
+            t.pp_per_mb / 2,
+            runtime=t.runtime_per_mb,
+            cores=2.0,
+            ranks=4,
+            lending=0.0,
+            split=1.0,
+        )
+    )
+    # ZB-H1's backward costs what the calibration measured
+    zb = Layout(pp=4, schedule="zb-h1", microbatch=2)
+    even, heavy = (
+        step_time(SMALL, JOB, zb, cpu(cal(lending={4: 0.2}, zb_split={4: s}))) for s in (1.0, 1.5)
+    )
+    assert heavy.pipeline > even.pipeline
+    # a data-parallel layout has no pipeline to play
+    dp = Layout(dp=4, microbatch=4)
+    assert step_time(SMALL, JOB, dp, cpu(cal(lending={4: 0.0}))).total == pytest.approx(
+        step_time(SMALL, JOB, dp, cpu(cal())).total
+    )
+
+
+def test_pipeline_figures_round_trip_and_fastest() -> None:
+    c = cal(lending={2: 0.1, 4: 0.3}, zb_split={2: 1.3, 4: 1.2})
+    back = Calibration.from_dict(c.to_dict())
+    assert back.lending == {2: 0.1, 4: 0.3} and back.zb_split == {2: 1.3, 4: 1.2}
+    assert back.pipeline_figures(4) == (0.3, 1.2)
+    assert back.pipeline_figures(8) == (0.3, 1.2)  # the nearest measured size
+    assert cal().pipeline_figures(4) is None
+    best = calibrate.fastest([c, cal(lending={2: 0.4, 4: 0.2}, zb_split={2: 1.5, 4: 1.1})])
+    assert best.lending == {2: 0.4, 4: 0.3} and best.zb_split == {2: 1.3, 4: 1.1}
+    assert "lending" in calibrate.format_calibration(best)
+
+
+def test_pipeline_probe_on_ranks(ranks: Any) -> None:
+    from plait.plan import probe_pipeline
+    from tests import plan_fns
+
+    out = ranks(2, plan_fns.pipeline_probe, timeout=180)
+    assert out[0] == out[1]  # the slowest rank's figures, on every rank
+    (row,) = out[0]
+    assert (row["g"], row["m"]) == (2, 4)
+    assert row["busy_mb_s"] > 0 and set(row["steps_s"]) == set(probe_pipeline.SCHEDULES)
+    assert all(s > 0 for s in row["steps_s"].values())
+    lending, split = probe_pipeline.fit(
+        [row], cores=1.0, ranks=2, p2p=Line(1e-4, 1e9, 2), pipe_action=1e-4
+    )
+    assert 0.0 <= lending[2] <= 1.0 and 1.0 <= split[2] <= 3.0

@@ -81,6 +81,50 @@ def critical_path(lay: Layout, m: int, compute: float, comm: float, message: flo
     return simulate(sched, Costs(f=f, b=b, i=i, w=w, comm=message)).makespan
 
 
+def shared_cores_path(
+    lay: Layout,
+    m: int,
+    compute: float,
+    comm: float,
+    message: float,
+    *,
+    runtime: float,
+    cores: float,
+    ranks: int,
+    lending: float,
+    split: float,
+) -> float | None:
+    """Seconds of ``lay``'s schedule when ``ranks`` ranks share ``cores`` cores: played by
+    :func:`plait.strategies.pipeline.cores.run_on_cores` on the pipeline's share of the
+    cores (``cores pp / ranks``: the other pipelines and tensor-parallel ranks run alike),
+    each rank at most ``shared + lending (1 - shared)`` of a core (``shared = cores /
+    ranks``; ``lending`` measured by :mod:`plait.plan.probe_pipeline`). A micro-batch's
+    ``compute`` (with every rank busy, the runtime's ``runtime`` seconds included) and
+    tensor-parallel ``comm`` per rank are cut as in :func:`critical_path`, the zero-bubble
+    schedules' backward times ``split``, the runtime spread over the compute actions; work
+    is that time times ``shared``. None when the schedule is larger than
+    :data:`SIMULATE_ACTIONS`."""
+    if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
+        return None
+    from plait.strategies.pipeline.cores import run_on_cores
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs
+
+    shared = min(1.0, cores / ranks)
+    v, zb = lay.v, lay.schedule in ("zb-h1", "zbv")
+    action = runtime / ((3 if zb else 2) * v)
+    base = compute - runtime
+    f = (base / 3 + comm / 2) / v + action
+    back = 2 * base / 3 / v * (split if zb else 1.0)
+    b = back + comm / 2 / v + action
+    i, w = back / 2 + comm / 2 / v + action, back / 2 + action
+    costs = Costs(f=f * shared, b=b * shared, i=i * shared, w=w * shared, comm=message)
+    sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
+    cap = shared + lending * (1.0 - shared)
+    slots = run_on_cores(sched, costs, cores * lay.pp / ranks, cap=cap)
+    return max(s.end for s in slots)
+
+
 def dp_seconds(
     cluster: Cluster, zero: int, n: int, size: float, units: int, inter_node: bool
 ) -> float:
@@ -159,5 +203,6 @@ __all__ = [
     "param_tensors",
     "pipeline_actions",
     "ring_seconds",
+    "shared_cores_path",
     "tp_calls",
 ]

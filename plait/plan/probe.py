@@ -204,7 +204,7 @@ def measure_rank(
 
     import plait
     from plait.comm import ops
-    from plait.plan import probe_runtime
+    from plait.plan import probe_pipeline, probe_runtime
 
     world = plait.world()
     n = world.size
@@ -260,16 +260,27 @@ def measure_rank(
         adam=adam,
         block_overhead=overhead,
     )
+    cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         own, own_raw = probe_runtime.measure(base, world, iters=max(3, iters // 2))
+        if n > cores and n % 2 == 0:  # ranks share cores: how a pipeline runs on them
+            rows = probe_pipeline.measure_rank(iters=max(3, iters // 2))
+            own["lending"], own["zb_split"] = probe_pipeline.fit(
+                rows,
+                cores=cores,
+                ranks=n,
+                p2p=links["p2p"][2],
+                pipe_action=own.get("pipe_action", 0.0),
+            )
+            own_raw += [{"probe": "pipeline_sharing", **r} for r in rows]
     finally:
         torch.set_num_threads(threads)
     cal = Calibration(
         **own,
         ranks=n,
-        cores=os.cpu_count() or 1,
+        cores=cores,
         transport="shm" if ops.shared(world) else "gloo",
         links=links,
         idle_links=idle,

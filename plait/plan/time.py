@@ -62,8 +62,13 @@ parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
                                             (:func:`~plait.plan.costs.param_tensors`),
                                             G its gradient bytes
 
-On ranks that share cores (``Cluster.shared_cores``) a rank idle in the bubble lends its
-share of the cores to the busy ones, so the pipeline term becomes
+On ranks that share cores (``Cluster.shared_cores``) a rank idle in the bubble frees its
+share of the cores, and the busy ranks may take it. With a calibration that measured how
+much they do (:mod:`plait.plan.probe_pipeline`: ``lending`` per pipeline size, and ZB's
+split backward's work against B's), the schedule is played under processor sharing
+(:func:`~plait.plan.costs.shared_cores_path`): the pipeline's share of the cores
+``c pp / n``, each rank at most ``c/n + lending (1 - c/n)`` of a core, every action's
+work its time with every rank busy times ``c/n``, each message the p2p line. Without one:
 ``max(m t_mb, m t_mb' / (1 - beta))``, ``t_mb'`` with the compute at up to a whole core
 (``Cluster.alone_speedup``): all the work at the shared speed, or the schedule's critical
 path, whichever is longer.
@@ -88,6 +93,7 @@ from plait.plan.costs import (
     param_tensors,
     pipeline_actions,
     ring_seconds,
+    shared_cores_path,
     tp_calls,
 )
 from plait.plan.hardware import Cluster
@@ -354,10 +360,28 @@ def step_time(
         # simulator (messages' latency on the path) when small, else the bubble formula.
         comm_mb = (1 - ov.tp) * (tp_mb + ep_mb)
         one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
-        path = critical_path(lay, m, compute_mb / speedup, comm_mb, one_msg)
-        if path is None:
-            path = m * (compute_mb / speedup + comm_mb + (1 - ov.pp) * pp_s) / (1 - beta)
-        pipeline = max(m * per_mb, path)
+        figures = cal.pipeline_figures(lay.pp) if cal is not None else None
+        played = None
+        if figures is not None:  # measured: how much of a waiting rank's core is lent
+            played = shared_cores_path(
+                lay,
+                m,
+                compute_mb,
+                comm_mb,
+                one_msg,
+                runtime=runtime_mb,
+                cores=cluster.shared_cores,
+                ranks=cluster.devices_per_node,
+                lending=figures[0],
+                split=figures[1],
+            )
+        if played is not None:
+            pipeline = played
+        else:
+            path = critical_path(lay, m, compute_mb / speedup, comm_mb, one_msg)
+            if path is None:
+                path = m * (compute_mb / speedup + comm_mb + (1 - ov.pp) * pp_s) / (1 - beta)
+            pipeline = max(m * per_mb, path)
 
     grad_bytes = e if job.precision == "mixed" else 4
     zero3 = 1.5 if lay.zero == 3 else 1.0

@@ -1,0 +1,316 @@
+"""How a pipeline runs on ranks that share cores, measured for the planner.
+
+When ``n`` ranks share ``c < n`` cores, a rank waiting in a pipeline's bubble frees its
+share of the cores, and the ranks still computing could take it: a rank alone on a core
+runs up to ``n / c`` times faster than with every rank busy (processor sharing, as the
+operating system shares cores among runnable processes). How much of that a pipeline
+really gets depends on how fast a woken rank wins a core back, how long the idle
+stretches are and how the runtime's Python between actions lands on the cores: on this
+two-core machine a 1F1B pipeline of four ranks ran close to *no* lending (each rank at the
+shared speed, bubble and all), and ZB-H1's split backward (I then W) cost more than B.
+
+Two figures, fit per pipeline size ``g`` on a calibration GPT (not the model being
+planned; :data:`MODEL`) that :func:`measure_rank` runs through
+:func:`plait.strategies.compose.compose` on ``Mesh(pp=g, dp=n/g)``, every pipeline at once:
+
+=============  ================================================================  ==========
+figure         probe                                                             charged to
+=============  ================================================================  ==========
+``lending``    1F1B, ``m = 2g``: the ``lending`` in [0, 1] for which             a rank's
+               :func:`played` (the schedule in :func:`~plait.strategies.          top speed
+               pipeline.cores.run_on_cores`, each rank at most ``shared +         while
+               lending (1 - shared)`` of a core, ``shared = c/n``) ends when      others wait
+               the measured step ended (:func:`fit_lending`)
+``zb_split``   ZB-H1, ``m = 2g``, with that lending: the factor on the           B's work,
+               backward's work (I + W against B) for which :func:`played`         as I + W
+               ends when the measured step ended (:func:`fit_split`)
+=============  ================================================================  ==========
+
+Each action's work in :func:`played`: the plain calibration GPT's forward and backward of
+one micro-batch with every rank busy (measured in the same rounds), over ``g`` stages,
+forward a third and backward two thirds, plus the pipeline runtime's own seconds per
+action (``pipe_action`` of :mod:`plait.plan.probe_runtime`) as the planner charges them,
+all times the shared share of a core; each message the calibration's ``p2p`` line for the
+activation's bytes. The planner plays a layout's schedule the same way
+(:mod:`plait.plan.time`).
+
+Communication of the probe: per micro-batch and stage boundary an activation forward and
+a gradient backward on the ``pp`` group; the compose step's loss all-reduce; barriers and
+an all-reduce (max) of the times on the world.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+# the calibration GPT (vocab, layers, heads, width, sequence) and its micro-batch rows
+MODEL = (64, 8, 4, 96, 32)
+ROWS = 2
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+def _costs(
+    schedule: str, *, busy_mb: float, g: int, shared: float, action: float, split: float
+) -> Any:
+    """Work per action (seconds on a whole core): a stage's ``busy_mb / g``, forward a
+    third and backward two thirds (times ``split`` and halved into I and W for the
+    zero-bubble schedules), each plus ``action``, times ``shared``."""
+    from plait.strategies.pipeline.simulate import Costs
+
+    f = (busy_mb / g / 3 + action) * shared
+    back = 2 * busy_mb / g / 3
+    if schedule in ("zb-h1", "zbv"):
+        half = (back * split / 2 + action) * shared
+        return Costs(f=f, b=(back * split + action) * shared, i=half, w=half)
+    return Costs(f=f, b=(back + action) * shared)
+
+
+def action_seconds(schedule: str, g: int, m: int, pipe_action: float) -> float:
+    """The runtime's seconds per compute action: ``pipe_action`` times the busiest rank's
+    actions (compute, sends, receives) over its compute actions."""
+    from plait.strategies.pipeline.schedules import build
+
+    sched = build(schedule, p=g, m=m)
+    busiest = max(sched.ranks, key=len)
+    compute = sum(1 for a in busiest if a.kind.is_compute)
+    return pipe_action * len(busiest) / compute
+
+
+def played(
+    schedule: str,
+    g: int,
+    m: int,
+    *,
+    busy_mb: float,
+    cores: float,
+    ranks: int,
+    lending: float,
+    comm: float,
+    action: float = 0.0,
+    split: float = 1.0,
+) -> float:
+    """Seconds ``schedule`` (``g`` stages, ``m`` micro-batches) takes in
+    :func:`~plait.strategies.pipeline.cores.run_on_cores` (module doc): ``busy_mb`` the whole
+    model's forward and backward of a micro-batch with every rank busy, ``action`` the
+    runtime's seconds per compute action (:func:`action_seconds`), ``split`` the
+    backward's factor when cut into I and W, ``comm`` seconds per message, on the
+    pipeline's share of the cores (``cores g / ranks``), a rank at most
+    ``shared + lending (1 - shared)`` of a core."""
+    from plait.strategies.pipeline.cores import run_on_cores
+    from plait.strategies.pipeline.schedules import build
+
+    shared = min(1.0, cores / ranks)
+    costs = replace(
+        _costs(schedule, busy_mb=busy_mb, g=g, shared=shared, action=action, split=split),
+        comm=comm,
+    )
+    cap = shared + lending * (1.0 - shared)
+    slots = run_on_cores(build(schedule, p=g, m=m), costs, cores * g / ranks, cap=cap)
+    return max(s.end for s in slots)
+
+
+def _bisect(at: Callable[[float], float], lo: float, hi: float, makespan: float) -> float:
+    """The x in [lo, hi] where the increasing ``at(x)`` reaches ``makespan`` (clamped)."""
+    if at(lo) >= makespan:
+        return lo
+    if at(hi) <= makespan:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if at(mid) < makespan:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _check(g: int, m: int, busy_mb: float, makespan: float, cores: float, ranks: int) -> None:
+    if g < 2 or m < 1 or busy_mb <= 0 or makespan <= 0 or cores <= 0 or ranks < g:
+        raise ValueError(
+            f"probe_pipeline: need g >= 2, m >= 1, ranks >= g and positive times and cores; "
+            f"got g={g}, m={m}, ranks={ranks}, busy_mb={busy_mb}, makespan={makespan}, "
+            f"cores={cores}"
+        )
+
+
+def fit_lending(
+    g: int,
+    m: int,
+    *,
+    busy_mb: float,
+    makespan: float,
+    cores: float,
+    ranks: int,
+    comm: float,
+    action: float = 0.0,
+) -> float:
+    """The ``lending`` in [0, 1] for which 1F1B's :func:`played` ends at ``makespan``
+    (the makespan falls as lending grows): 0 when even no lending is faster than measured,
+    1 when full lending is slower."""
+    _check(g, m, busy_mb, makespan, cores, ranks)
+
+    def slower(x: float) -> float:  # increasing in x = 1 - lending
+        return played(
+            "1f1b",
+            g,
+            m,
+            busy_mb=busy_mb,
+            cores=cores,
+            ranks=ranks,
+            lending=1.0 - x,
+            comm=comm,
+            action=action,
+        )
+
+    return 1.0 - _bisect(slower, 0.0, 1.0, makespan)
+
+
+def fit_split(
+    g: int,
+    m: int,
+    *,
+    busy_mb: float,
+    makespan: float,
+    cores: float,
+    ranks: int,
+    comm: float,
+    lending: float,
+    action: float = 0.0,
+) -> float:
+    """The factor in [1, 3] on the backward's work for which ZB-H1's :func:`played` ends
+    at ``makespan`` (1 when ZB-H1 ran as fast as an even split predicts, or faster)."""
+    _check(g, m, busy_mb, makespan, cores, ranks)
+
+    def at(split: float) -> float:
+        return played(
+            "zb-h1",
+            g,
+            m,
+            busy_mb=busy_mb,
+            cores=cores,
+            ranks=ranks,
+            lending=lending,
+            comm=comm,
+            action=action,
+            split=split,
+        )
+
+    return _bisect(at, 1.0, 3.0, makespan)
+
+
+def fit(
+    rows: list[dict[str, Any]], *, cores: float, ranks: int, p2p: Any, pipe_action: float
+) -> tuple[dict[int, float], dict[int, float]]:
+    """``(lending, zb_split)`` per pipeline size from :func:`measure_rank`'s rows, each
+    message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for its bytes."""
+    lending, split = {}, {}
+    for r in rows:
+        g, m = r["g"], r["m"]
+        kw = dict(
+            busy_mb=r["busy_mb_s"], cores=cores, ranks=ranks, comm=p2p.seconds(r["message_bytes"])
+        )
+        lam = fit_lending(
+            g,
+            m,
+            makespan=r["steps_s"]["1f1b"],
+            action=action_seconds("1f1b", g, m, pipe_action),
+            **kw,
+        )
+        lending[g] = lam
+        split[g] = fit_split(
+            g,
+            m,
+            makespan=r["steps_s"]["zb-h1"],
+            lending=lam,
+            action=action_seconds("zb-h1", g, m, pipe_action),
+            **kw,
+        )
+    return lending, split
+
+
+def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
+    """Runs on every rank of the world (collective; barriers, the pipelines' messages and
+    all-reduces, each bounded by the group timeout): per pipeline size ``g`` dividing the
+    world, the slowest rank's median step of the calibration GPT under each of
+    :data:`SCHEDULES` (``m = 2g``) and of its plain forward and backward of one
+    micro-batch with every rank busy, taking turns round by round."""
+    import torch
+
+    import plait
+    from plait import comm
+    from plait.models import GPT, GPTConfig
+    from plait.strategies.compose import compose
+
+    world = plait.world()
+    n = world.size
+    vocab, layers, heads, width, seq = MODEL
+    cfg = GPTConfig(vocab=vocab, layers=layers, heads=heads, width=width, seq_len=seq)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    one = torch.zeros(ROWS, seq, dtype=torch.long)
+
+    def reference() -> None:
+        plain.zero_grad()
+        plain(one).sum().backward()
+
+    out = []
+    for g in (d for d in range(2, n + 1) if n % d == 0 and layers % d == 0):
+        m = 2 * g
+        mesh = plait.Mesh(pp=g, dp=n // g, tp=1)
+        ids = torch.zeros(mesh.size("dp") * m * ROWS, seq, dtype=torch.long)
+        runs: dict[str, Callable[[], None]] = {"reference": reference}
+        for name in SCHEDULES:
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            ptdp = compose(
+                model,
+                torch.optim.Adam(model.parameters(), lr=1e-3),
+                mesh=mesh,
+                schedule=name,
+                microbatches=m,
+            )
+
+            def step(ptdp: Any = ptdp, ids: Any = ids) -> None:
+                ptdp.optimizer.zero_grad()
+                ptdp.step(ids, ids)
+
+            runs[name] = step
+        for fn in runs.values():
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(iters):
+            for k, fn in runs.items():
+                comm.barrier(group=world)
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        t = torch.tensor([times[k] for k in runs], dtype=torch.float64)
+        comm.all_reduce(t, op="max", group=world)
+        med = dict(zip(runs, (statistics.median(row) for row in t.tolist()), strict=True))
+        out.append(
+            {
+                "g": g,
+                "m": m,
+                "busy_mb_s": med.pop("reference"),
+                "steps_s": med,
+                "message_bytes": 4.0 * ROWS * seq * width,
+            }
+        )
+    return out
+
+
+__all__ = [
+    "MODEL",
+    "ROWS",
+    "SCHEDULES",
+    "action_seconds",
+    "fit",
+    "fit_lending",
+    "fit_split",
+    "measure_rank",
+    "played",
+]
