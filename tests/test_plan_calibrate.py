@@ -369,35 +369,37 @@ def test_a_rank_capped_below_a_core_lends_nothing() -> None:
 def test_pipeline_probe_fits_recover_lending_and_split() -> None:
     from plait.plan import probe_pipeline as pp
 
-    kw: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=2e-4, action=5e-5)
+    kw: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=2e-4, pipe_action=5e-5)
     for g, m in ((2, 4), (4, 8)):
-        none = pp.played("1f1b", g, m, lending=0.0, **kw)
-        full = pp.played("1f1b", g, m, lending=1.0, **kw)
-        assert full < none
-        made = pp.played("1f1b", g, m, lending=0.3, **kw)
-        assert pp.fit_lending(g, m, makespan=made, **kw) == pytest.approx(0.3, abs=1e-6)
-        assert pp.fit_lending(g, m, makespan=2 * none, **kw) == 0.0  # slower than no lending
-        assert pp.fit_lending(g, m, makespan=full / 2, **kw) == 1.0
+        for name in ("1f1b", "gpipe", "interleaved"):
+            none = pp.played(name, g, m, lending=0.0, **kw)
+            full = pp.played(name, g, m, lending=1.0, **kw)
+            assert full < none
+            made = pp.played(name, g, m, lending=0.3, **kw)
+            assert pp.fit_lending(name, g, m, makespan=made, **kw) == pytest.approx(0.3, abs=1e-6)
+            assert pp.fit_lending(name, g, m, makespan=2 * none, **kw) == 0.0  # slower
+            assert pp.fit_lending(name, g, m, makespan=full / 2, **kw) == 1.0
         zb = pp.played("zb-h1", g, m, lending=0.3, split=1.4, **kw)
         assert pp.fit_split(g, m, makespan=zb, lending=0.3, **kw) == pytest.approx(1.4, abs=1e-6)
         assert pp.fit_split(g, m, makespan=zb / 3, lending=0.3, **kw) == 1.0
     with pytest.raises(ValueError, match="g >= 2"):
-        pp.fit_lending(1, 4, makespan=1.0, **kw)
-    # the runtime's seconds per compute action: 1F1B p=2 m=4, the busiest rank runs 8
-    # compute actions and 8 sends/receives
-    assert pp.action_seconds("1f1b", 2, 4, 1e-4) == pytest.approx(2e-4)
-    # fit() from probe rows: each message the p2p line, each action the runtime's share
+        pp.fit_lending("1f1b", 1, 4, makespan=1.0, **kw)
+    # fit() from probe rows: each message the p2p line for its bytes
     line = Line(1e-4, 1e9, 2)
-    at: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=line.seconds(1e4))
+    at: dict[str, Any] = dict(
+        busy_mb=0.02, cores=2.0, ranks=4, comm=line.seconds(1e4), pipe_action=1e-4
+    )
     steps = {
-        name: pp.played(
-            name, 2, 4, lending=0.5, split=1.2, action=pp.action_seconds(name, 2, 4, 1e-4), **at
-        )
-        for name in ("1f1b", "zb-h1")
+        "1f1b": pp.played("1f1b", 2, 4, lending=0.5, **at),
+        "gpipe": pp.played("gpipe", 2, 4, lending=0.2, **at),
+        "zb-h1": pp.played("zb-h1", 2, 4, lending=0.5, split=1.2, **at),
     }
     rows = [{"g": 2, "m": 4, "busy_mb_s": 0.02, "message_bytes": 1e4, "steps_s": steps}]
     lending, split = pp.fit(rows, cores=2.0, ranks=4, p2p=line, pipe_action=1e-4)
-    assert lending[2] == pytest.approx(0.5, abs=1e-6) and split[2] == pytest.approx(1.2, abs=1e-6)
+    assert set(lending) == {"1f1b", "gpipe"}
+    assert lending["1f1b"][2] == pytest.approx(0.5, abs=1e-6)
+    assert lending["gpipe"][2] == pytest.approx(0.2, abs=1e-6)
+    assert split[2] == pytest.approx(1.2, abs=1e-6)
 
 
 def test_shared_cores_play_the_schedule_with_the_measured_lending() -> None:
@@ -405,7 +407,7 @@ def test_shared_cores_play_the_schedule_with_the_measured_lending() -> None:
 
     lay = Layout(pp=4, schedule="1f1b", microbatch=2)
     lent = {
-        x: step_time(SMALL, JOB, lay, cpu(cal(lending={2: 1.0, 4: x}, zb_split={4: 1.0})))
+        x: step_time(SMALL, JOB, lay, cpu(cal(lending={"1f1b": {2: 1.0, 4: x}}, zb_split={4: 1.0})))
         for x in (0.0, 0.5, 1.0)
     }
     assert lent[0.0].pipeline > lent[0.5].pipeline > lent[1.0].pipeline
@@ -430,25 +432,30 @@ def test_shared_cores_play_the_schedule_with_the_measured_lending() -> None:
     # ZB-H1's backward costs what the calibration measured
     zb = Layout(pp=4, schedule="zb-h1", microbatch=2)
     even, heavy = (
-        step_time(SMALL, JOB, zb, cpu(cal(lending={4: 0.2}, zb_split={4: s}))) for s in (1.0, 1.5)
+        step_time(SMALL, JOB, zb, cpu(cal(lending={"1f1b": {4: 0.2}}, zb_split={4: s})))
+        for s in (1.0, 1.5)
     )
     assert heavy.pipeline > even.pipeline
     # a data-parallel layout has no pipeline to play
     dp = Layout(dp=4, microbatch=4)
-    assert step_time(SMALL, JOB, dp, cpu(cal(lending={4: 0.0}))).total == pytest.approx(
+    assert step_time(SMALL, JOB, dp, cpu(cal(lending={"1f1b": {4: 0.0}}))).total == pytest.approx(
         step_time(SMALL, JOB, dp, cpu(cal())).total
     )
 
 
 def test_pipeline_figures_round_trip_and_fastest() -> None:
-    c = cal(lending={2: 0.1, 4: 0.3}, zb_split={2: 1.3, 4: 1.2})
+    c = cal(lending={"1f1b": {2: 0.1, 4: 0.3}, "gpipe": {2: 0.6}}, zb_split={2: 1.3, 4: 1.2})
     back = Calibration.from_dict(c.to_dict())
-    assert back.lending == {2: 0.1, 4: 0.3} and back.zb_split == {2: 1.3, 4: 1.2}
-    assert back.pipeline_figures(4) == (0.3, 1.2)
-    assert back.pipeline_figures(8) == (0.3, 1.2)  # the nearest measured size
-    assert cal().pipeline_figures(4) is None
-    best = calibrate.fastest([c, cal(lending={2: 0.4, 4: 0.2}, zb_split={2: 1.5, 4: 1.1})])
-    assert best.lending == {2: 0.4, 4: 0.3} and best.zb_split == {2: 1.3, 4: 1.1}
+    assert back.lending == c.lending and back.zb_split == {2: 1.3, 4: 1.2}
+    assert back.pipeline_figures("1f1b", 4) == (0.3, 1.2)
+    assert back.pipeline_figures("1f1b", 8) == (0.3, 1.2)  # the nearest measured size
+    assert back.pipeline_figures("gpipe", 4) == (0.6, 1.2)  # its own lending
+    assert back.pipeline_figures("zbv", 2) == (0.1, 1.3)  # not measured: 1F1B's
+    assert cal().pipeline_figures("1f1b", 4) is None
+    other = cal(lending={"1f1b": {2: 0.4, 4: 0.2}}, zb_split={2: 1.5, 4: 1.1})
+    best = calibrate.fastest([c, other])
+    assert best.lending == {"1f1b": {2: 0.4, 4: 0.3}, "gpipe": {2: 0.6}}
+    assert best.zb_split == {2: 1.3, 4: 1.1}
     assert "lending" in calibrate.format_calibration(best)
 
 
@@ -465,4 +472,5 @@ def test_pipeline_probe_on_ranks(ranks: Any) -> None:
     lending, split = probe_pipeline.fit(
         [row], cores=1.0, ranks=2, p2p=Line(1e-4, 1e9, 2), pipe_action=1e-4
     )
-    assert 0.0 <= lending[2] <= 1.0 and 1.0 <= split[2] <= 3.0
+    assert set(lending) == {"1f1b", "gpipe", "interleaved"}
+    assert all(0.0 <= per[2] <= 1.0 for per in lending.values()) and 1.0 <= split[2] <= 3.0

@@ -24,8 +24,9 @@ call) and every group of a size busy at once (as a layout runs them):
   tensor-parallel layers' seconds per collective (``tp_call``, per group size), the
   pipeline runtime's seconds per action (``pipe_action``);
 * ranks sharing cores, per pipeline size (:mod:`plait.plan.probe_pipeline`, a calibration
-  GPT through 1F1B and ZB-H1): how much of a waiting rank's core the computing ranks take
-  (``lending``), and ZB's split backward's work against B's (``zb_split``);
+  GPT through GPipe, 1F1B, interleaved 1F1B and ZB-H1): how much of a waiting rank's core
+  the computing ranks take, per schedule (``lending``), and ZB's split backward's work
+  against B's (``zb_split``);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
   cores shared as in a run):
@@ -96,10 +97,10 @@ class Calibration:
     fsdp: Overhead | None = None
     tp_call: dict[int, float] = field(default_factory=dict)
     pipe_action: float = 0.0
-    # ranks sharing cores, per pipeline size (plait.plan.probe_pipeline): how much of a
-    # waiting rank's core the computing ranks take (0..1), and ZB's backward work as I + W
-    # over B's
-    lending: dict[int, float] = field(default_factory=dict)
+    # ranks sharing cores (plait.plan.probe_pipeline): per schedule and pipeline size, how
+    # much of a waiting rank's core the computing ranks take (0..1); per pipeline size,
+    # ZB's backward work as I + W over B's
+    lending: dict[str, dict[int, float]] = field(default_factory=dict)
     zb_split: dict[int, float] = field(default_factory=dict)
     raw: list[dict[str, Any]] = field(default_factory=list)
 
@@ -120,13 +121,20 @@ class Calibration:
             return 0.0
         return self.tp_call[min(self.tp_call, key=lambda k: (abs(k - n), k))]
 
-    def pipeline_figures(self, g: int) -> tuple[float, float] | None:
-        """``(lending, zb_split)`` for a pipeline of ``g`` ranks (the nearest measured
-        size); None if the pipeline probe did not run."""
-        if not self.lending:
+    def pipeline_figures(self, schedule: str, g: int) -> tuple[float, float] | None:
+        """``(lending, zb_split)`` for ``schedule`` on a pipeline of ``g`` ranks: the
+        schedule's own lending if measured, else 1F1B's; the nearest measured size. None
+        if the pipeline probe did not run."""
+        per = self.lending.get(schedule) or self.lending.get("1f1b")
+        if not per:
             return None
-        k = min(self.lending, key=lambda x: (abs(x - g), x))
-        return self.lending[k], self.zb_split.get(k, 1.0)
+        k = min(per, key=lambda x: (abs(x - g), x))
+        split = (
+            self.zb_split[min(self.zb_split, key=lambda x: (abs(x - g), x))]
+            if self.zb_split
+            else 1.0
+        )
+        return per[k], split
 
     def gemm_flops(self, flops: float) -> float:
         """FLOP/s of a matmul of ``flops`` FLOPs on one rank while every rank computes:
@@ -173,7 +181,10 @@ class Calibration:
             fsdp=Overhead(**fsdp) if fsdp else None,
             tp_call={int(g): float(s) for g, s in d.get("tp_call", {}).items()},
             pipe_action=float(d.get("pipe_action", 0.0)),
-            lending={int(g): float(x) for g, x in d.get("lending", {}).items()},
+            lending={
+                str(name): {int(g): float(x) for g, x in per.items()}
+                for name, per in d.get("lending", {}).items()
+            },
             zb_split={int(g): float(x) for g, x in d.get("zb_split", {}).items()},
             adam=Line(**adam) if adam else None,
             block_overhead=float(d.get("block_overhead", 0.0)),
@@ -236,8 +247,8 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
     size the line that is faster at 1 MiB, the higher rate per matmul shape, Adam's line
     faster at 1M elements, the smaller dispatch, per strategy the own work smaller at 50
     tensors and 1 MiB, per group size the smaller tensor-parallel call, the smaller
-    pipeline action, per pipeline size the larger lending and the smaller ZB split. Raw
-    rows: the first calibration's."""
+    pipeline action, per schedule and pipeline size the larger lending, per pipeline size
+    the smaller ZB split. Raw rows: the first calibration's."""
     if not cals:
         raise ValueError("fastest: no calibration given")
     first = cals[0]
@@ -267,13 +278,15 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
         for m, k, n, r in c.gemm:
             gemm[(m, k, n)] = max(r, gemm.get((m, k, n), 0.0))
     tp_call: dict[int, float] = {}
-    lending: dict[int, float] = {}
+    lending: dict[str, dict[int, float]] = {}
     zb_split: dict[int, float] = {}
     for c in cals:
         for g, sec in c.tp_call.items():
             tp_call[g] = min(sec, tp_call.get(g, sec))
-        for g, x in c.lending.items():
-            lending[g] = max(x, lending.get(g, x))
+        for name, per in c.lending.items():
+            mine = lending.setdefault(name, {})
+            for g, x in per.items():
+                mine[g] = max(x, mine.get(g, x))
         for g, x in c.zb_split.items():
             zb_split[g] = min(x, zb_split.get(g, x))
 
@@ -350,9 +363,11 @@ def format_calibration(cal: Calibration) -> str:
     for g, sec in sorted(cal.tp_call.items()):
         lines.append(f"{f'tp call, n={g}':<19}{sec * 1e6:>14.1f} us per collective")
     lines.append(f"{'pipeline action':<19}{cal.pipe_action * 1e6:>14.1f} us per action")
-    for g, x in sorted(cal.lending.items()):
-        split = cal.zb_split.get(g, 1.0)
-        lines.append(f"{f'pipeline of {g}':<19}{x:>14.2f} lending (0..1), ZB backward x{split:.2f}")
+    for schedule, lent in sorted(cal.lending.items()):
+        for g, x in sorted(lent.items()):
+            lines.append(f"{f'{schedule}, pp={g}':<19}{x:>14.2f} lending (0..1) on shared cores")
+    for g, x in sorted(cal.zb_split.items()):
+        lines.append(f"{f'zb split, pp={g}':<19}{x:>14.2f} x B's work for I + W")
     lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
     for m, k, n, r in cal.gemm:
         lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")

@@ -44,40 +44,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 # the calibration GPT (vocab, layers, heads, width, sequence) and its micro-batch rows
 MODEL = (64, 8, 4, 96, 32)
 ROWS = 2
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 
 
-def _costs(
-    schedule: str, *, busy_mb: float, g: int, shared: float, action: float, split: float
-) -> Any:
-    """Work per action (seconds on a whole core): a stage's ``busy_mb / g``, forward a
-    third and backward two thirds (times ``split`` and halved into I and W for the
-    zero-bubble schedules), each plus ``action``, times ``shared``."""
-    from plait.strategies.pipeline.simulate import Costs
+def layout(schedule: str, g: int) -> Any:
+    """The planner's :class:`~plait.plan.layout.Layout` of a ``g``-stage ``schedule``
+    (its default chunks per rank)."""
+    from plait.plan.layout import Layout
+    from plait.strategies.pipeline.schedules import default_chunks
 
-    f = (busy_mb / g / 3 + action) * shared
-    back = 2 * busy_mb / g / 3
-    if schedule in ("zb-h1", "zbv"):
-        half = (back * split / 2 + action) * shared
-        return Costs(f=f, b=(back * split + action) * shared, i=half, w=half)
-    return Costs(f=f, b=(back + action) * shared)
-
-
-def action_seconds(schedule: str, g: int, m: int, pipe_action: float) -> float:
-    """The runtime's seconds per compute action: ``pipe_action`` times the busiest rank's
-    actions (compute, sends, receives) over its compute actions."""
-    from plait.strategies.pipeline.schedules import build
-
-    sched = build(schedule, p=g, m=m)
-    busiest = max(sched.ranks, key=len)
-    compute = sum(1 for a in busiest if a.kind.is_compute)
-    return pipe_action * len(busiest) / compute
+    return Layout(pp=g, schedule=schedule, v=default_chunks(schedule))
 
 
 def played(
@@ -90,27 +71,34 @@ def played(
     ranks: int,
     lending: float,
     comm: float,
-    action: float = 0.0,
+    pipe_action: float = 0.0,
     split: float = 1.0,
 ) -> float:
-    """Seconds ``schedule`` (``g`` stages, ``m`` micro-batches) takes in
-    :func:`~plait.strategies.pipeline.cores.run_on_cores` (module doc): ``busy_mb`` the whole
-    model's forward and backward of a micro-batch with every rank busy, ``action`` the
-    runtime's seconds per compute action (:func:`action_seconds`), ``split`` the
-    backward's factor when cut into I and W, ``comm`` seconds per message, on the
-    pipeline's share of the cores (``cores g / ranks``), a rank at most
-    ``shared + lending (1 - shared)`` of a core."""
-    from plait.strategies.pipeline.cores import run_on_cores
-    from plait.strategies.pipeline.schedules import build
+    """Seconds ``schedule`` (``g`` stages, ``m`` micro-batches) takes as the planner plays
+    it (:func:`plait.plan.costs.shared_cores_path`): a stage's micro-batch ``busy_mb / g``
+    (the whole model's forward and backward with every rank busy, over the stages) plus
+    ``pipe_action`` per action of the busiest rank, ``split`` the backward's factor when
+    cut into I and W, ``comm`` seconds per message, on the pipeline's share of the cores,
+    a rank at most ``shared + lending (1 - shared)`` of a core."""
+    from plait.plan.costs import pipeline_actions, shared_cores_path
 
-    shared = min(1.0, cores / ranks)
-    costs = replace(
-        _costs(schedule, busy_mb=busy_mb, g=g, shared=shared, action=action, split=split),
-        comm=comm,
+    lay = layout(schedule, g)
+    runtime = pipeline_actions(lay, m) * pipe_action
+    out = shared_cores_path(
+        lay,
+        m,
+        busy_mb / g + runtime,
+        0.0,
+        comm,
+        runtime=runtime,
+        cores=cores,
+        ranks=ranks,
+        lending=lending,
+        split=split,
     )
-    cap = shared + lending * (1.0 - shared)
-    slots = run_on_cores(build(schedule, p=g, m=m), costs, cores * g / ranks, cap=cap)
-    return max(s.end for s in slots)
+    if out is None:
+        raise ValueError(f"probe_pipeline: {schedule} with p={g}, m={m} is too large to play")
+    return out
 
 
 def _bisect(at: Callable[[float], float], lo: float, hi: float, makespan: float) -> float:
@@ -138,6 +126,7 @@ def _check(g: int, m: int, busy_mb: float, makespan: float, cores: float, ranks:
 
 
 def fit_lending(
+    schedule: str,
     g: int,
     m: int,
     *,
@@ -146,16 +135,16 @@ def fit_lending(
     cores: float,
     ranks: int,
     comm: float,
-    action: float = 0.0,
+    pipe_action: float = 0.0,
 ) -> float:
-    """The ``lending`` in [0, 1] for which 1F1B's :func:`played` ends at ``makespan``
-    (the makespan falls as lending grows): 0 when even no lending is faster than measured,
-    1 when full lending is slower."""
+    """The ``lending`` in [0, 1] for which ``schedule``'s :func:`played` ends at
+    ``makespan`` (the makespan falls as lending grows): 0 when even no lending is faster
+    than measured, 1 when full lending is slower."""
     _check(g, m, busy_mb, makespan, cores, ranks)
 
     def slower(x: float) -> float:  # increasing in x = 1 - lending
         return played(
-            "1f1b",
+            schedule,
             g,
             m,
             busy_mb=busy_mb,
@@ -163,7 +152,7 @@ def fit_lending(
             ranks=ranks,
             lending=1.0 - x,
             comm=comm,
-            action=action,
+            pipe_action=pipe_action,
         )
 
     return 1.0 - _bisect(slower, 0.0, 1.0, makespan)
@@ -179,7 +168,7 @@ def fit_split(
     ranks: int,
     comm: float,
     lending: float,
-    action: float = 0.0,
+    pipe_action: float = 0.0,
 ) -> float:
     """The factor in [1, 3] on the backward's work for which ZB-H1's :func:`played` ends
     at ``makespan`` (1 when ZB-H1 ran as fast as an even split predicts, or faster)."""
@@ -195,7 +184,7 @@ def fit_split(
             ranks=ranks,
             lending=lending,
             comm=comm,
-            action=action,
+            pipe_action=pipe_action,
             split=split,
         )
 
@@ -204,35 +193,33 @@ def fit_split(
 
 def fit(
     rows: list[dict[str, Any]], *, cores: float, ranks: int, p2p: Any, pipe_action: float
-) -> tuple[dict[int, float], dict[int, float]]:
-    """``(lending, zb_split)`` per pipeline size from :func:`measure_rank`'s rows, each
-    message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for its bytes."""
-    lending, split = {}, {}
+) -> tuple[dict[str, dict[int, float]], dict[int, float]]:
+    """``(lending, zb_split)`` from :func:`measure_rank`'s rows: lending per schedule
+    measured (ZB-H1 aside) and pipeline size, ZB's split per pipeline size (with 1F1B's
+    lending); each message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for
+    its bytes."""
+    lending: dict[str, dict[int, float]] = {}
+    split: dict[int, float] = {}
     for r in rows:
         g, m = r["g"], r["m"]
-        kw = dict(
-            busy_mb=r["busy_mb_s"], cores=cores, ranks=ranks, comm=p2p.seconds(r["message_bytes"])
+        kw: dict[str, Any] = dict(
+            busy_mb=r["busy_mb_s"],
+            cores=cores,
+            ranks=ranks,
+            comm=p2p.seconds(r["message_bytes"]),
+            pipe_action=pipe_action,
         )
-        lam = fit_lending(
-            g,
-            m,
-            makespan=r["steps_s"]["1f1b"],
-            action=action_seconds("1f1b", g, m, pipe_action),
-            **kw,
-        )
-        lending[g] = lam
-        split[g] = fit_split(
-            g,
-            m,
-            makespan=r["steps_s"]["zb-h1"],
-            lending=lam,
-            action=action_seconds("zb-h1", g, m, pipe_action),
-            **kw,
-        )
+        for name, makespan in r["steps_s"].items():
+            if name != "zb-h1":
+                lending.setdefault(name, {})[g] = fit_lending(name, g, m, makespan=makespan, **kw)
+        if "zb-h1" in r["steps_s"] and "1f1b" in r["steps_s"]:
+            split[g] = fit_split(
+                g, m, makespan=r["steps_s"]["zb-h1"], lending=lending["1f1b"][g], **kw
+            )
     return lending, split
 
 
-def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
+def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> list[dict[str, Any]]:
     """Runs on every rank of the world (collective; barriers, the pipelines' messages and
     all-reduces, each bounded by the group timeout): per pipeline size ``g`` dividing the
     world, the slowest rank's median step of the calibration GPT under each of
@@ -244,6 +231,7 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
     from plait import comm
     from plait.models import GPT, GPTConfig
     from plait.strategies.compose import compose
+    from plait.strategies.pipeline.schedules import default_chunks
 
     world = plait.world()
     n = world.size
@@ -263,7 +251,9 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
         mesh = plait.Mesh(pp=g, dp=n // g, tp=1)
         ids = torch.zeros(mesh.size("dp") * m * ROWS, seq, dtype=torch.long)
         runs: dict[str, Callable[[], None]] = {"reference": reference}
-        for name in SCHEDULES:
+        for name in schedules:
+            if layers % (g * default_chunks(name)):
+                continue  # the calibration GPT's blocks do not split into its chunks
             torch.manual_seed(0)
             model = GPT(cfg)
             ptdp = compose(
@@ -307,7 +297,7 @@ __all__ = [
     "MODEL",
     "ROWS",
     "SCHEDULES",
-    "action_seconds",
+    "layout",
     "fit",
     "fit_lending",
     "fit_split",

@@ -360,7 +360,7 @@ def step_time(
         # simulator (messages' latency on the path) when small, else the bubble formula.
         comm_mb = (1 - ov.tp) * (tp_mb + ep_mb)
         one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
-        figures = cal.pipeline_figures(lay.pp) if cal is not None else None
+        figures = cal.pipeline_figures(lay.schedule, lay.pp) if cal is not None else None
         played = None
         if figures is not None:  # measured: how much of a waiting rank's core is lent
             played = shared_cores_path(
