@@ -146,16 +146,10 @@ def calibrated(ranks: int, reuse: bool, pool: Any, *, keep: str | None = None) -
 
 
 def with_compute(base: Any, flops: float, seconds: float, blocks: int) -> Any:
-    """``base`` whose rank runs ``blocks`` (the embedding and head one more) of ``flops``
-    in ``seconds`` with every rank busy: the calibration's dispatch cost per block taken
-    out, the efficiency against its matmul rate, or, if the step ran faster than that rate
-    (the matmuls were timed in a busier moment), that speed as the peak."""
-    cal = base.calibration
-    overhead = blocks * cal.block_overhead if cal is not None else 0.0
-    rate = flops / max(seconds - overhead, 0.25 * seconds)
-    if rate <= base.peak_flops:
-        return dataclasses.replace(base, efficiency=rate / base.peak_flops)
-    return dataclasses.replace(base, peak_flops=rate, efficiency=1.0)
+    """:func:`plait.plan.hardware.with_compute` (the efficiency from a measured step)."""
+    from plait.plan.hardware import with_compute as measured
+
+    return measured(base, flops, seconds, blocks)
 
 
 def own_text(cal: Any) -> str:

@@ -81,3 +81,11 @@ def pipeline_probe() -> list[dict[str, Any]]:
     from plait.plan import probe_pipeline
 
     return probe_pipeline.measure_rank(iters=3)
+
+
+def tensor_probe() -> list[dict[str, Any]]:
+    """On every rank: the calibration GPT's plain and tensor-parallel forward and backward
+    (plait.plan.probe_tensor), three rounds."""
+    from plait.plan import probe_tensor
+
+    return probe_tensor.measure_rank(iters=3)

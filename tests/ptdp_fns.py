@@ -59,9 +59,7 @@ def config(tied: bool, moe: float | None = None) -> GPTConfig:
     # (4.0: C = S, nothing dropped; 1.0: C = 4 of 8 tokens' 16 choices, some dropped)
     experts = None
     if moe is not None:
-        experts = MoEConfig(
-            num_experts=4, top_k=2, capacity_factor=moe, z_loss_weight=1e-3, seed=7
-        )
+        experts = MoEConfig(num_experts=4, top_k=2, capacity_factor=moe, z_loss_weight=1e-3, seed=7)
     return GPTConfig(
         vocab=13,
         layers=2,
@@ -95,9 +93,7 @@ def oracle(case: Case) -> dict[str, Any]:
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        parts = [
-            batch(step * case.accumulate + a, cfg, case.batch) for a in range(case.accumulate)
-        ]
+        parts = [batch(step * case.accumulate + a, cfg, case.batch) for a in range(case.accumulate)]
         x = torch.cat([p[0] for p in parts])
         y = torch.cat([p[1] for p in parts])
         logits = model(x)
@@ -119,6 +115,7 @@ def train(case: Case) -> dict[str, Any]:
     cfg = config(case.tied, case.moe)
     mesh = mesh_of(case)
     model = GPT(cfg)
+
     def via_prepare(model: Any, optimizer: Any, **options: Any) -> Any:
         return plait.prepare(model, optimizer, strategy="ptdp", **options)
 

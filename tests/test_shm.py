@@ -57,8 +57,12 @@ def test_mode_is_checked(monkeypatch):
 
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(dead.stdout)
     stale = tmp_path / f"{transport.PREFIX}{pid}-abcd-0-0"
     alive = tmp_path / f"{transport.PREFIX}{os.getpid()}-abcd-0-0"
@@ -102,8 +106,7 @@ def test_every_peer_on_this_host_goes_through_shared_memory(shm_pools, world):
     for r, o in enumerate(out):
         assert o["peers"] == [p for p in range(world) if p != r]
         assert o["shared"] is True
-    assert all(o["files"] == [] or all(str(os.getpid()) not in f for f in o["files"])
-               for o in out)
+    assert all(o["files"] == [] or all(str(os.getpid()) not in f for f in o["files"]) for o in out)
     assert _segments() == []  # unlinked once every peer mapped them
 
 
@@ -134,9 +137,7 @@ def test_a_size_mismatch_is_named_not_copied(shm_pools):
 
 def test_ring_tree_mixes_transports_across_simulated_hosts(shm_pools):
     numel = 10_007
-    out = _pool(shm_pools, 4, PLAIT_NODE_SIZE="2").run(
-        shm_fns.ring_tree_mixed, numel, timeout=120
-    )
+    out = _pool(shm_pools, 4, PLAIT_NODE_SIZE="2").run(shm_fns.ring_tree_mixed, numel, timeout=120)
     assert [o["peers"] for o in out] == [[1], [0], [3], [2]]  # node peers only
     assert not any(o["auto_shared"] for o in out)
     for o in out:

@@ -200,9 +200,7 @@ def test_plait_run_two_nodes_and_a_cut_link(tmp_path: Path) -> None:
             # host A (holds the store) names host B's rank by its stale heartbeat; host B
             # (cut off from the store) names host A's address and ranks
             named = {
-                "a": all(
-                    any(f"on rank {r} (host" in msg for r in (2, 3)) for _, msg in found["a"]
-                ),
+                "a": all(any(f"on rank {r} (host" in msg for r in (2, 3)) for _, msg in found["a"]),
                 "b": all(f"{CUT_OFF}: no heartbeat" in msg for _, msg in found["b"]),
             }
             detected = {k: max(t for t, _ in f) for k, f in found.items()}

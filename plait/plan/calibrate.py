@@ -26,7 +26,9 @@ call) and every group of a size busy at once (as a layout runs them):
 * ranks sharing cores, per pipeline size (:mod:`plait.plan.probe_pipeline`, a calibration
   GPT through GPipe, 1F1B, interleaved 1F1B and ZB-H1): how much of a waiting rank's core
   the computing ranks take, per schedule (``lending``), and ZB's split backward's work
-  against B's (``zb_split``);
+  against B's (``zb_split``); what 1D tensor parallelism costs beyond the planner's other
+  terms, per group size (:mod:`plait.plan.probe_tensor`: ``tp_residual``, per collective
+  and per token x hidden x block);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
   cores shared as in a run):
@@ -75,6 +77,20 @@ class Overhead:
         return self.per_tensor * tensors + self.per_byte * nbytes
 
 
+@dataclass(frozen=True)
+class Residual:
+    """A 1D tensor-parallel micro-batch's seconds beyond the planner's other terms on ranks
+    that share cores (:mod:`plait.plan.probe_tensor`): ``per_call`` per collective (the
+    group waiting for its last rank) and ``per_element`` per token x hidden x block (the
+    work every rank repeats in full)."""
+
+    per_call: float
+    per_element: float
+
+    def seconds(self, calls: float, elements: float) -> float:
+        return self.per_call * calls + self.per_element * elements
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """What :func:`measure_rank` found on ``ranks`` ranks sharing ``cores`` cores."""
@@ -102,6 +118,8 @@ class Calibration:
     # ZB's backward work as I + W over B's
     lending: dict[str, dict[int, float]] = field(default_factory=dict)
     zb_split: dict[int, float] = field(default_factory=dict)
+    # ranks sharing cores: 1D tensor parallelism's residual per group size
+    tp_residual: dict[int, Residual] = field(default_factory=dict)
     raw: list[dict[str, Any]] = field(default_factory=list)
 
     def line(self, collective: str, n: int) -> Line | None:
@@ -135,6 +153,13 @@ class Calibration:
             else 1.0
         )
         return per[k], split
+
+    def residual(self, t: int) -> Residual | None:
+        """The tensor-parallel residual over ``t`` ranks (the nearest measured size), or
+        None if not measured (or ``t = 1``)."""
+        if t <= 1 or not self.tp_residual:
+            return None
+        return self.tp_residual[min(self.tp_residual, key=lambda k: (abs(k - t), k))]
 
     def gemm_flops(self, flops: float) -> float:
         """FLOP/s of a matmul of ``flops`` FLOPs on one rank while every rank computes:
@@ -186,6 +211,7 @@ class Calibration:
                 for name, per in d.get("lending", {}).items()
             },
             zb_split={int(g): float(x) for g, x in d.get("zb_split", {}).items()},
+            tp_residual={int(t): Residual(**v) for t, v in d.get("tp_residual", {}).items()},
             adam=Line(**adam) if adam else None,
             block_overhead=float(d.get("block_overhead", 0.0)),
             ranks=int(d["ranks"]),
@@ -278,17 +304,31 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
         for m, k, n, r in c.gemm:
             gemm[(m, k, n)] = max(r, gemm.get((m, k, n), 0.0))
     tp_call: dict[int, float] = {}
-    lending: dict[str, dict[int, float]] = {}
-    zb_split: dict[int, float] = {}
     for c in cals:
         for g, sec in c.tp_call.items():
             tp_call[g] = min(sec, tp_call.get(g, sec))
+    # fit from a ratio of two timings (a disturbed reference moves them one way, a
+    # disturbed run the other): the mean of the calibrations that measured them
+    lent: dict[str, dict[int, list[float]]] = {}
+    splits: dict[int, list[float]] = {}
+    residuals: dict[int, list[Residual]] = {}
+    for c in cals:
         for name, per in c.lending.items():
-            mine = lending.setdefault(name, {})
             for g, x in per.items():
-                mine[g] = max(x, mine.get(g, x))
+                lent.setdefault(name, {}).setdefault(g, []).append(x)
         for g, x in c.zb_split.items():
-            zb_split[g] = min(x, zb_split.get(g, x))
+            splits.setdefault(g, []).append(x)
+        for t, res in c.tp_residual.items():
+            residuals.setdefault(t, []).append(res)
+    lending = {name: {g: _mean(xs) for g, xs in per.items()} for name, per in lent.items()}
+    zb_split = {g: _mean(xs) for g, xs in splits.items()}
+    residual = {
+        t: Residual(
+            per_call=_mean([r.per_call for r in rs]),
+            per_element=_mean([r.per_element for r in rs]),
+        )
+        for t, rs in residuals.items()
+    }
 
     def own(key: str) -> Overhead | None:
         return least([getattr(c, key) for c in cals], lambda o: o.seconds(50, 1 << 20))
@@ -309,8 +349,13 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
         pipe_action=min(c.pipe_action for c in cals),
         lending=lending,
         zb_split=zb_split,
+        tp_residual=residual,
         raw=first.raw,
     )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def default_path(ranks: int) -> Path:
@@ -368,6 +413,11 @@ def format_calibration(cal: Calibration) -> str:
             lines.append(f"{f'{schedule}, pp={g}':<19}{x:>14.2f} lending (0..1) on shared cores")
     for g, x in sorted(cal.zb_split.items()):
         lines.append(f"{f'zb split, pp={g}':<19}{x:>14.2f} x B's work for I + W")
+    for t, res in sorted(cal.tp_residual.items()):
+        lines.append(
+            f"{f'tp residual, n={t}':<19}{res.per_call * 1e6:>14.1f} us per collective"
+            f" + {res.per_element * 1e9:.3f} ns per token x hidden x block"
+        )
     lines.append(f"{'gemm M x K x N':<24}{'GFLOP/s per rank':>18}")
     for m, k, n, r in cal.gemm:
         lines.append(f"{f'{m}x{k}x{n}':<24}{r / 1e9:>18.2f}")
@@ -379,6 +429,7 @@ __all__ = [
     "Calibration",
     "Line",
     "Overhead",
+    "Residual",
     "default_path",
     "fastest",
     "fit_line",

@@ -317,6 +317,19 @@ def local_cpu(
     )
 
 
+def with_compute(base: Cluster, flops: float, seconds: float, blocks: int) -> Cluster:
+    """``base`` whose rank runs ``blocks`` GPT blocks (the embedding and head one more)
+    of ``flops`` in ``seconds`` with every rank busy: the calibration's dispatch cost per
+    block taken out, the efficiency against its matmul rate, or, if the step ran faster
+    than that rate (the matmuls were timed in a busier moment), that speed as the peak."""
+    cal = base.calibration
+    overhead = blocks * cal.block_overhead if cal is not None else 0.0
+    rate = flops / max(seconds - overhead, 0.25 * seconds)
+    if rate <= base.peak_flops:
+        return replace(base, efficiency=rate / base.peak_flops)
+    return replace(base, peak_flops=rate, efficiency=1.0)
+
+
 PRESETS = ("a100", "h100", "cpu")
 
 
@@ -343,4 +356,5 @@ __all__ = [
     "local_cpu",
     "matmul_flops",
     "preset",
+    "with_compute",
 ]

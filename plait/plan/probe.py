@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from plait.plan.calibrate import COLLECTIVES, Calibration, Line, fit_line
@@ -204,7 +205,7 @@ def measure_rank(
 
     import plait
     from plait.comm import ops
-    from plait.plan import probe_pipeline, probe_runtime
+    from plait.plan import probe_pipeline, probe_runtime, probe_tensor
 
     world = plait.world()
     n = world.size
@@ -266,7 +267,7 @@ def measure_rank(
     try:
         own, own_raw = probe_runtime.measure(base, world, iters=max(3, iters // 2))
         if n > cores and n % 2 == 0:  # ranks share cores: how a pipeline runs on them
-            rows = probe_pipeline.measure_rank(iters=max(3, iters // 2))
+            rows = probe_pipeline.measure_rank(iters=iters)
             own["lending"], own["zb_split"] = probe_pipeline.fit(
                 rows,
                 cores=cores,
@@ -275,6 +276,8 @@ def measure_rank(
                 pipe_action=own.get("pipe_action", 0.0),
             )
             own_raw += [{"probe": "pipeline_sharing", **r} for r in rows]
+        tp_rows = probe_tensor.measure_rank(iters=iters) if n > cores else []
+        own_raw += [{"probe": "tensor_sharing", **r} for r in tp_rows]
     finally:
         torch.set_num_threads(threads)
     cal = Calibration(
@@ -289,6 +292,8 @@ def measure_rank(
         block_overhead=overhead,
         raw=raw + own_raw,
     )
+    if tp_rows:  # against the planner with everything above (local_cpu reads the gemm rates)
+        cal = replace(cal, tp_residual=probe_tensor.fit(tp_rows, cal=cal, ranks=n))
     return cal.to_dict()
 
 
