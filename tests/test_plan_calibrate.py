@@ -488,6 +488,9 @@ def test_tensor_parallel_residual_is_charged_per_call_and_element() -> None:
     elements = 4 * JOB.seq * SMALL.hidden * SMALL.layers
     want = res.seconds(plain.tp_calls_per_mb, elements)
     assert charged.tp_per_mb - plain.tp_per_mb == pytest.approx(want)
+    # a negative residual (the planner over-charged per call) never takes the term below 0
+    over = step_time(SMALL, JOB, lay, cpu(cal(tp_residual={4: Residual(-1.0, 0.0)})))
+    assert over.tp_per_mb == 0.0
     assert cal(tp_residual={2: res}).residual(8) == res  # the nearest measured size
     assert cal(tp_residual={2: res}).residual(1) is None and cal().residual(4) is None
     back = Calibration.from_dict(cal(tp_residual={4: res}).to_dict())
@@ -504,7 +507,7 @@ def test_tensor_probe_fit_recovers_the_residual() -> None:
 
     base = cal(tp_call={2: 1e-4, 4: 2e-4}, block_overhead=1e-4)
     _, layers, _, width, seq = probe_tensor.MODEL
-    want = {2: Residual(2e-4, 3e-8), 4: Residual(1e-4, 5e-8)}
+    want = {2: Residual(-2e-4, 3e-8), 4: Residual(1e-4, 5e-8)}  # per call: either sign
     rows = []
     for t, res in want.items():
         for r in probe_tensor.ROWS:

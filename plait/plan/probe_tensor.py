@@ -18,9 +18,11 @@ backward under ``prepare(strategy="tp")`` and its plain forward and backward on 
 rows with every rank busy, taking turns. :func:`fit` asks the planner
 (:func:`plait.plan.time.step_time`, the calibration so far, the efficiency from the plain
 step as ``benchmarks/plan_local.py`` takes it) for the micro-batch's compute and
-tensor-parallel terms, and splits measured minus predicted at the two sizes into
-``per_call`` and ``per_element`` (:func:`plait.plan.probe_runtime.split_overhead`; a part
-the noise makes negative is 0).
+tensor-parallel terms, and splits measured minus predicted at the two sizes (the same
+collectives) into ``per_element``, the slope (0 if the noise makes it negative), and
+``per_call``, the rest at the small size, of either sign (negative: the planner's per-call
+charges exceed what the ranks paid there). The planner adds the residual to the tp term,
+never below 0.
 
 Communication of the probe: the tensor-parallel layers' all-reduces over ``tp`` (4 per
 block, the embedding's, the head's and the loss's 3); barriers and an all-reduce (max) of
@@ -38,7 +40,7 @@ from plait.plan.calibrate import Residual
 
 # the calibration GPT: vocab, layers, heads, width, sequence (heads and vocab split 2, 4, 8)
 MODEL = (64, 2, 8, 96, 64)
-ROWS = (2, 16)  # micro-batch sequences: the two sizes the residual is split from
+ROWS = (4, 32)  # micro-batch sequences: the two sizes the residual is split from
 
 
 def _config() -> Any:
@@ -141,8 +143,6 @@ def fit(rows: list[dict[str, Any]], *, cal: Any, ranks: int) -> dict[int, Residu
     """:class:`Residual` per tensor-parallel size from :func:`measure_rank`'s rows, against
     the planner with ``cal`` (a :class:`~plait.plan.calibrate.Calibration` without
     residuals) on ``ranks`` ranks."""
-    from plait.plan.probe_runtime import split_overhead
-
     _, layers, _, width, seq = MODEL
     by_t: dict[int, list[tuple[float, float, int]]] = {}  # (elements, residual, calls)
     for r in rows:
@@ -152,8 +152,11 @@ def fit(rows: list[dict[str, Any]], *, cal: Any, ranks: int) -> dict[int, Residu
     out = {}
     for t, pts in by_t.items():
         (e0, s0, calls), (e1, s1, _) = sorted(pts)[:2]
-        ov = split_overhead((e0, s0), (e1, s1), calls)
-        out[t] = Residual(per_call=ov.per_tensor, per_element=ov.per_byte)
+        # the two sizes have the same collectives: the slope is per element (never
+        # negative), the rest at the small size per call, either sign (a negative one:
+        # the planner's per-call charges exceed what the ranks paid)
+        per_element = max(0.0, (s1 - s0) / (e1 - e0))
+        out[t] = Residual(per_call=(s0 - per_element * e0) / calls, per_element=per_element)
     return out
 
 

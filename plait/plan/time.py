@@ -307,7 +307,7 @@ def step_time(
         tp_s += calls * call_s
         residual = cal.residual(lay.tp) if cal is not None and not grid else None
         if residual is not None:  # ranks sharing cores: waits and repeated work (measured)
-            tp_s += residual.seconds(calls, tokens * model.hidden * (dense + moe))
+            tp_s = max(0.0, tp_s + residual.seconds(calls, tokens * model.hidden * (dense + moe)))
         if lay.tp > 1 and first and not grid:  # vocabulary-parallel embedding's all-reduce
             tp_s += collective_seconds(cluster, "all_reduce", lay.tp, act, inter_node=tp_inter)
             tp_b += 2 * (lay.tp - 1) / lay.tp * act
