@@ -490,7 +490,7 @@ def test_tensor_parallel_residual_is_charged_per_call_and_element() -> None:
     assert charged.tp_per_mb - plain.tp_per_mb == pytest.approx(want)
     # a negative residual (the planner over-charged per call) never takes the term below 0
     over = step_time(SMALL, JOB, lay, cpu(cal(tp_residual={4: Residual(-1.0, 0.0)})))
-    assert over.tp_per_mb == 0.0
+    assert 0.0 < over.tp_per_mb < plain.tp_per_mb  # (the embedding's and head's remain)
     assert cal(tp_residual={2: res}).residual(8) == res  # the nearest measured size
     assert cal(tp_residual={2: res}).residual(1) is None and cal().residual(4) is None
     back = Calibration.from_dict(cal(tp_residual={4: res}).to_dict())
