@@ -182,8 +182,8 @@ def own_work(t: Any, cal: Any, tp: int) -> float:
 
 def without_sharing(cluster: Any) -> Any:
     """``cluster`` whose calibration has none of the shared-core figures (the pipelines'
-    lending and ZB split, tensor parallelism's residual): the planner before them."""
-    cal = dataclasses.replace(cluster.calibration, lending={}, zb_split={}, tp_residual={})
+    wake-ups and ZB split, tensor parallelism's residual): the planner before them."""
+    cal = dataclasses.replace(cluster.calibration, wake={}, zb_split={}, tp_residual={})
     return dataclasses.replace(cluster, calibration=cal)
 
 
@@ -341,7 +341,7 @@ def main() -> int:
         "per step, the tensor-parallel layers' per collective (in tp), the pipeline "
         "runtime's per action (in compute)). without own work: predicted / measured with "
         "those terms at 0 (the planner before them). without shared-core figures: "
-        "predicted / measured without the pipelines' measured lending and ZB split and "
+        "predicted / measured without the pipelines' measured wake-ups and ZB split and "
         "tensor parallelism's measured residual (`plait.plan.probe_pipeline`, "
         "`plait.plan.probe_tensor`; the planner before them). gloo links: predicted / measured "
         "with the previous link constants (the ring fit of `plait bench comm`'s gloo rows, "

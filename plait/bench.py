@@ -130,9 +130,7 @@ def measure_rank(
             for a in algos:
                 median = statistics.median(_slowest(times[a]))
                 algbw = real / median / 1e9
-                resolved = (
-                    tuner.choose(collective, real, g.size, shm=shared) if a == "auto" else a
-                )
+                resolved = tuner.choose(collective, real, g.size, shm=shared) if a == "auto" else a
                 row = Row(
                     collective,
                     a,

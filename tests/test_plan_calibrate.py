@@ -348,117 +348,104 @@ def test_fastest_keeps_the_least_disturbed_figures() -> None:
         calibrate.fastest([calm, cal(ranks=8)])
 
 
-def test_a_rank_capped_below_a_core_lends_nothing() -> None:
-    from plait.strategies.pipeline.cores import run_on_cores
-    from plait.strategies.pipeline.schedules import build
-    from plait.strategies.pipeline.simulate import Costs, run
-
-    sched = build("gpipe", p=2, m=4)
-    costs = Costs(f=1.0, b=2.0)
-    own_core = max(s.end for s in run(sched, costs))
-    # two ranks on one core, each never above half of it: every action at half speed
-    assert max(s.end for s in run_on_cores(sched, costs, 1.0, cap=0.5)) == pytest.approx(
-        2 * own_core
-    )
-    # uncapped, the rank alone in the fill and drain runs at a whole core: faster
-    assert max(s.end for s in run_on_cores(sched, costs, 1.0)) < 2 * own_core
-    with pytest.raises(ValueError, match="cap"):
-        run_on_cores(sched, costs, 1.0, cap=0.0)
-
-
-def test_pipeline_probe_fits_recover_lending_and_split() -> None:
+def test_pipeline_probe_fits_recover_wake_and_split() -> None:
     from plait.plan import probe_pipeline as pp
 
     kw: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=2e-4, pipe_action=5e-5)
     for g, m in ((2, 4), (4, 8)):
         for name in ("1f1b", "gpipe", "interleaved"):
-            none = pp.played(name, g, m, lending=0.0, **kw)
-            full = pp.played(name, g, m, lending=1.0, **kw)
-            assert full < none
-            made = pp.played(name, g, m, lending=0.3, **kw)
-            assert pp.fit_lending(name, g, m, makespan=made, **kw) == pytest.approx(0.3, abs=1e-6)
-            assert pp.fit_lending(name, g, m, makespan=2 * none, **kw) == 0.0  # slower
-            assert pp.fit_lending(name, g, m, makespan=full / 2, **kw) == 1.0
-        zb = pp.played("zb-h1", g, m, lending=0.3, split=1.4, **kw)
-        assert pp.fit_split(g, m, makespan=zb, lending=0.3, **kw) == pytest.approx(1.4, abs=1e-6)
-        assert pp.fit_split(g, m, makespan=zb / 3, lending=0.3, **kw) == 1.0
+            none = pp.played(name, g, m, **kw)
+            made = pp.played(name, g, m, wake=1e-3, **kw)
+            assert made > none  # every woken action pays more work
+            assert pp.fit_wake(name, g, m, makespan=made, **kw) == pytest.approx(1e-3, rel=1e-6)
+            assert pp.fit_wake(name, g, m, makespan=none / 2, **kw) == 0.0  # faster than none
+            assert pp.fit_wake(name, g, m, makespan=1e3, **kw) == 0.05  # the most it fits
+        zb = pp.played("zb-h1", g, m, wake=1e-3, split=1.4, **kw)
+        assert pp.fit_split(g, m, makespan=zb, wake=1e-3, **kw) == pytest.approx(1.4, abs=1e-6)
+        assert pp.fit_split(g, m, makespan=zb / 3, wake=1e-3, **kw) == 1.0
     with pytest.raises(ValueError, match="g >= 2"):
-        pp.fit_lending("1f1b", 1, 4, makespan=1.0, **kw)
+        pp.fit_wake("1f1b", 1, 4, makespan=1.0, **kw)
     # fit() from probe rows: each message the p2p line for its bytes
     line = Line(1e-4, 1e9, 2)
     at: dict[str, Any] = dict(
         busy_mb=0.02, cores=2.0, ranks=4, comm=line.seconds(1e4), pipe_action=1e-4
     )
     steps = {
-        "1f1b": pp.played("1f1b", 2, 4, lending=0.5, **at),
-        "gpipe": pp.played("gpipe", 2, 4, lending=0.2, **at),
-        "zb-h1": pp.played("zb-h1", 2, 4, lending=0.5, split=1.2, **at),
+        "1f1b": pp.played("1f1b", 2, 4, wake=2e-3, **at),
+        "gpipe": pp.played("gpipe", 2, 4, wake=5e-4, **at),
+        "zb-h1": pp.played("zb-h1", 2, 4, wake=2e-3, split=1.2, **at),
     }
     rows = [{"g": 2, "m": 4, "busy_mb_s": 0.02, "message_bytes": 1e4, "steps_s": steps}]
-    lending, split = pp.fit(rows, cores=2.0, ranks=4, p2p=line, pipe_action=1e-4)
-    assert set(lending) == {"1f1b", "gpipe"}
-    assert lending["1f1b"][2] == pytest.approx(0.5, abs=1e-6)
-    assert lending["gpipe"][2] == pytest.approx(0.2, abs=1e-6)
+    wake, split = pp.fit(rows, cores=2.0, ranks=4, p2p=line, pipe_action=1e-4)
+    assert set(wake) == {"1f1b", "gpipe"}
+    assert wake["1f1b"][2] == pytest.approx(2e-3, rel=1e-6)
+    assert wake["gpipe"][2] == pytest.approx(5e-4, rel=1e-6)
     assert split[2] == pytest.approx(1.2, abs=1e-6)
 
 
-def test_shared_cores_play_the_schedule_with_the_measured_lending() -> None:
+def test_shared_cores_play_the_schedule_with_the_measured_wake() -> None:
     from plait.plan.costs import shared_cores_path
+    from plait.strategies.pipeline.cores import run_on_cores
+    from plait.strategies.pipeline.schedules import build
+    from plait.strategies.pipeline.simulate import Costs
 
     lay = Layout(pp=4, schedule="1f1b", microbatch=2)
-    lent = {
-        x: step_time(SMALL, JOB, lay, cpu(cal(lending={"1f1b": {2: 1.0, 4: x}}, zb_split={4: 1.0})))
-        for x in (0.0, 0.5, 1.0)
+    woken = {
+        x: step_time(SMALL, JOB, lay, cpu(cal(wake={"1f1b": {2: 0.0, 4: x}}, zb_split={4: 1.0})))
+        for x in (0.0, 1e-3, 2e-3)
     }
-    assert lent[0.0].pipeline > lent[0.5].pipeline > lent[1.0].pipeline
-    t = lent[0.0]
-    m = t.microbatches
-    # no lending: every rank at the shared speed, so never faster than all the work there
-    assert t.pipeline >= m * t.per_microbatch - 1e-12
-    assert t.pipeline == pytest.approx(
+    assert woken[0.0].pipeline < woken[1e-3].pipeline < woken[2e-3].pipeline
+    t = woken[0.0]
+    m, c, pp = t.microbatches, t.compute_per_mb, t.pp_per_mb
+    # no wake: the schedule under processor sharing, 4 ranks on 2 cores, work = busy / 2
+    f, b = c / 3 / 2, 2 * c / 3 / 2
+    plain = run_on_cores(build("1f1b", p=4, m=m), Costs(f=f, b=b, comm=pp / 2), 2.0)
+    assert t.pipeline == pytest.approx(max(s.end for s in plain))
+    # a woken action: each compute action that reads a message (3 of the 4 ranks' F, 3 B)
+    assert woken[1e-3].pipeline == pytest.approx(
         shared_cores_path(
             lay,
             m,
-            t.compute_per_mb,
+            c,
             t.tp_per_mb,
-            t.pp_per_mb / 2,
+            pp / 2,
             runtime=t.runtime_per_mb,
             cores=2.0,
             ranks=4,
-            lending=0.0,
             split=1.0,
+            wake=1e-3,
         )
     )
     # ZB-H1's backward costs what the calibration measured
     zb = Layout(pp=4, schedule="zb-h1", microbatch=2)
     even, heavy = (
-        step_time(SMALL, JOB, zb, cpu(cal(lending={"1f1b": {4: 0.2}}, zb_split={4: s})))
+        step_time(SMALL, JOB, zb, cpu(cal(wake={"1f1b": {4: 1e-4}}, zb_split={4: s})))
         for s in (1.0, 1.5)
     )
     assert heavy.pipeline > even.pipeline
     # a data-parallel layout has no pipeline to play
     dp = Layout(dp=4, microbatch=4)
-    assert step_time(SMALL, JOB, dp, cpu(cal(lending={"1f1b": {4: 0.0}}))).total == pytest.approx(
+    assert step_time(SMALL, JOB, dp, cpu(cal(wake={"1f1b": {4: 1e-3}}))).total == pytest.approx(
         step_time(SMALL, JOB, dp, cpu(cal())).total
     )
 
 
 def test_pipeline_figures_round_trip_and_fastest() -> None:
-    c = cal(lending={"1f1b": {2: 0.1, 4: 0.3}, "gpipe": {2: 0.6}}, zb_split={2: 1.3, 4: 1.2})
+    c = cal(wake={"1f1b": {2: 1e-4, 4: 3e-4}, "gpipe": {2: 6e-4}}, zb_split={2: 1.3, 4: 1.2})
     back = Calibration.from_dict(c.to_dict())
-    assert back.lending == c.lending and back.zb_split == {2: 1.3, 4: 1.2}
-    assert back.pipeline_figures("1f1b", 4) == (0.3, 1.2)
-    assert back.pipeline_figures("1f1b", 8) == (0.3, 1.2)  # the nearest measured size
-    assert back.pipeline_figures("gpipe", 4) == (0.6, 1.2)  # its own lending
-    assert back.pipeline_figures("zbv", 2) == (0.1, 1.3)  # not measured: 1F1B's
+    assert back.wake == c.wake and back.zb_split == {2: 1.3, 4: 1.2}
+    assert back.pipeline_figures("1f1b", 4) == (3e-4, 1.2)
+    assert back.pipeline_figures("1f1b", 8) == (3e-4, 1.2)  # the nearest measured size
+    assert back.pipeline_figures("gpipe", 4) == (6e-4, 1.2)  # its own wake
+    assert back.pipeline_figures("zbv", 2) == (1e-4, 1.3)  # not measured: 1F1B's
     assert cal().pipeline_figures("1f1b", 4) is None
-    other = cal(lending={"1f1b": {2: 0.4, 4: 0.2}}, zb_split={2: 1.5, 4: 1.1})
+    other = cal(wake={"1f1b": {2: 4e-4, 4: 2e-4}}, zb_split={2: 1.5, 4: 1.1})
     best = calibrate.fastest([c, other])
     # fit from two timings: the mean of the calibrations that measured them
-    assert best.lending["1f1b"] == pytest.approx({2: 0.25, 4: 0.25})
-    assert best.lending["gpipe"] == {2: 0.6}
+    assert best.wake["1f1b"] == pytest.approx({2: 2.5e-4, 4: 2.5e-4})
+    assert best.wake["gpipe"] == {2: 6e-4}
     assert best.zb_split == pytest.approx({2: 1.4, 4: 1.15})
-    assert "lending" in calibrate.format_calibration(best)
+    assert "woken action" in calibrate.format_calibration(best)
 
 
 def test_pipeline_probe_on_ranks(ranks: Any) -> None:
@@ -471,11 +458,11 @@ def test_pipeline_probe_on_ranks(ranks: Any) -> None:
     assert (row["g"], row["m"]) == (2, 4)
     assert row["busy_mb_s"] > 0 and set(row["steps_s"]) == set(probe_pipeline.SCHEDULES)
     assert all(s > 0 for s in row["steps_s"].values())
-    lending, split = probe_pipeline.fit(
+    wake, split = probe_pipeline.fit(
         [row], cores=1.0, ranks=2, p2p=Line(1e-4, 1e9, 2), pipe_action=1e-4
     )
-    assert set(lending) == {"1f1b", "gpipe", "interleaved"}
-    assert all(0.0 <= per[2] <= 1.0 for per in lending.values()) and 1.0 <= split[2] <= 3.0
+    assert set(wake) == {"1f1b", "gpipe", "interleaved"}
+    assert all(0.0 <= per[2] <= 0.05 for per in wake.values()) and 1.0 <= split[2] <= 3.0
 
 
 def test_tensor_parallel_residual_is_charged_per_call_and_element() -> None:

@@ -197,7 +197,10 @@ def reduce_scatter(
 
 
 def _copy_in(
-    scratch: torch.Tensor, blocks: Sequence[torch.Tensor], offsets: list[int], start: int,
+    scratch: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    offsets: list[int],
+    start: int,
     length: int,
 ) -> None:
     """Copy elements [start, start+length) of the concatenation of ``blocks``."""

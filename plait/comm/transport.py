@@ -134,8 +134,11 @@ def remove_stale(directory: str | None = None) -> list[str]:
         except OSError:
             pass
     if removed:
-        log.warning("plait: removed %d shared-memory segment(s) left by a killed job: %s",
-                    len(removed), ", ".join(removed))
+        log.warning(
+            "plait: removed %d shared-memory segment(s) left by a killed job: %s",
+            len(removed),
+            ", ".join(removed),
+        )
     return removed
 
 
@@ -193,8 +196,7 @@ def attach(group: Group, mode: str) -> None:
     token = secrets.randbits(62)
     path = os.path.join(
         segment_dir(),
-        f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{zlib.crc32(group.name.encode()):08x}"
-        f"-{gen}",
+        f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{zlib.crc32(group.name.encode()):08x}-{gen}",
     )
     mine: shm.Segment | None = None
     try:
@@ -237,8 +239,11 @@ def attach(group: Group, mode: str) -> None:
         done = _wait_all(
             store, group, [f"{base}mapped/{r}" for r in local], "the mapping of segments"
         )
-        bad = [f"rank {group.ranks[r]}: {d[5:]}" for r, d in zip(local, done, strict=True)
-               if d.startswith("fail")]
+        bad = [
+            f"rank {group.ranks[r]}: {d[5:]}"
+            for r, d in zip(local, done, strict=True)
+            if d.startswith("fail")
+        ]
         if bad:
             for seg, _, _ in opened.values():
                 seg.close()

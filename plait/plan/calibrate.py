@@ -24,8 +24,8 @@ call) and every group of a size busy at once (as a layout runs them):
   tensor-parallel layers' seconds per collective (``tp_call``, per group size), the
   pipeline runtime's seconds per action (``pipe_action``);
 * ranks sharing cores, per pipeline size (:mod:`plait.plan.probe_pipeline`, a calibration
-  GPT through GPipe, 1F1B, interleaved 1F1B and ZB-H1): how much of a waiting rank's core
-  the computing ranks take, per schedule (``lending``), and ZB's split backward's work
+  GPT through GPipe, 1F1B, interleaved 1F1B and ZB-H1): what a compute action woken by a
+  message pays on top of its work, per schedule (``wake``), and ZB's split backward's work
   against B's (``zb_split``); what 1D tensor parallelism costs beyond the planner's other
   terms, per group size (:mod:`plait.plan.probe_tensor`: ``tp_residual``, per collective
   and per token x hidden x block);
@@ -113,10 +113,10 @@ class Calibration:
     fsdp: Overhead | None = None
     tp_call: dict[int, float] = field(default_factory=dict)
     pipe_action: float = 0.0
-    # ranks sharing cores (plait.plan.probe_pipeline): per schedule and pipeline size, how
-    # much of a waiting rank's core the computing ranks take (0..1); per pipeline size,
-    # ZB's backward work as I + W over B's
-    lending: dict[str, dict[int, float]] = field(default_factory=dict)
+    # ranks sharing cores (plait.plan.probe_pipeline): per schedule and pipeline size, the
+    # seconds (every rank busy) a compute action woken by a message pays on top; per
+    # pipeline size, ZB's backward work as I + W over B's
+    wake: dict[str, dict[int, float]] = field(default_factory=dict)
     zb_split: dict[int, float] = field(default_factory=dict)
     # ranks sharing cores: 1D tensor parallelism's residual per group size
     tp_residual: dict[int, Residual] = field(default_factory=dict)
@@ -140,18 +140,16 @@ class Calibration:
         return self.tp_call[min(self.tp_call, key=lambda k: (abs(k - n), k))]
 
     def pipeline_figures(self, schedule: str, g: int) -> tuple[float, float] | None:
-        """``(lending, zb_split)`` for ``schedule`` on a pipeline of ``g`` ranks: the
-        schedule's own lending if measured, else 1F1B's; the nearest measured size. None
-        if the pipeline probe did not run."""
-        per = self.lending.get(schedule) or self.lending.get("1f1b")
+        """``(wake, zb_split)`` for ``schedule`` on a pipeline of ``g`` ranks: the
+        schedule's own wake if measured, else 1F1B's; the nearest measured size. None if
+        the pipeline probe did not run."""
+        per = self.wake.get(schedule) or self.wake.get("1f1b")
         if not per:
             return None
         k = min(per, key=lambda x: (abs(x - g), x))
-        split = (
-            self.zb_split[min(self.zb_split, key=lambda x: (abs(x - g), x))]
-            if self.zb_split
-            else 1.0
-        )
+        split = 1.0
+        if self.zb_split:
+            split = self.zb_split[min(self.zb_split, key=lambda x: (abs(x - g), x))]
         return per[k], split
 
     def residual(self, t: int) -> Residual | None:
@@ -206,9 +204,9 @@ class Calibration:
             fsdp=Overhead(**fsdp) if fsdp else None,
             tp_call={int(g): float(s) for g, s in d.get("tp_call", {}).items()},
             pipe_action=float(d.get("pipe_action", 0.0)),
-            lending={
+            wake={
                 str(name): {int(g): float(x) for g, x in per.items()}
-                for name, per in d.get("lending", {}).items()
+                for name, per in d.get("wake", {}).items()
             },
             zb_split={int(g): float(x) for g, x in d.get("zb_split", {}).items()},
             tp_residual={int(t): Residual(**v) for t, v in d.get("tp_residual", {}).items()},
@@ -273,8 +271,10 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
     size the line that is faster at 1 MiB, the higher rate per matmul shape, Adam's line
     faster at 1M elements, the smaller dispatch, per strategy the own work smaller at 50
     tensors and 1 MiB, per group size the smaller tensor-parallel call, the smaller
-    pipeline action, per schedule and pipeline size the larger lending, per pipeline size
-    the smaller ZB split. Raw rows: the first calibration's."""
+    pipeline action; the figures fit from two timings each (per schedule and pipeline size
+    the wake, per pipeline size the ZB split, per tensor-parallel size the residual) the
+    mean (a disturbed reference moves them one way, a disturbed run the other). Raw rows:
+    the first calibration's."""
     if not cals:
         raise ValueError("fastest: no calibration given")
     first = cals[0]
@@ -309,18 +309,18 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
             tp_call[g] = min(sec, tp_call.get(g, sec))
     # fit from a ratio of two timings (a disturbed reference moves them one way, a
     # disturbed run the other): the mean of the calibrations that measured them
-    lent: dict[str, dict[int, list[float]]] = {}
+    woken: dict[str, dict[int, list[float]]] = {}
     splits: dict[int, list[float]] = {}
     residuals: dict[int, list[Residual]] = {}
     for c in cals:
-        for name, per in c.lending.items():
+        for name, per in c.wake.items():
             for g, x in per.items():
-                lent.setdefault(name, {}).setdefault(g, []).append(x)
+                woken.setdefault(name, {}).setdefault(g, []).append(x)
         for g, x in c.zb_split.items():
             splits.setdefault(g, []).append(x)
         for t, res in c.tp_residual.items():
             residuals.setdefault(t, []).append(res)
-    lending = {name: {g: _mean(xs) for g, xs in per.items()} for name, per in lent.items()}
+    wake = {name: {g: _mean(xs) for g, xs in per.items()} for name, per in woken.items()}
     zb_split = {g: _mean(xs) for g, xs in splits.items()}
     residual = {
         t: Residual(
@@ -347,7 +347,7 @@ def fastest(cals: Sequence[Calibration]) -> Calibration:
         fsdp=own("fsdp"),
         tp_call=tp_call,
         pipe_action=min(c.pipe_action for c in cals),
-        lending=lending,
+        wake=wake,
         zb_split=zb_split,
         tp_residual=residual,
         raw=first.raw,
@@ -408,9 +408,9 @@ def format_calibration(cal: Calibration) -> str:
     for g, sec in sorted(cal.tp_call.items()):
         lines.append(f"{f'tp call, n={g}':<19}{sec * 1e6:>14.1f} us per collective")
     lines.append(f"{'pipeline action':<19}{cal.pipe_action * 1e6:>14.1f} us per action")
-    for schedule, lent in sorted(cal.lending.items()):
-        for g, x in sorted(lent.items()):
-            lines.append(f"{f'{schedule}, pp={g}':<19}{x:>14.2f} lending (0..1) on shared cores")
+    for schedule, by_size in sorted(cal.wake.items()):
+        for g, x in sorted(by_size.items()):
+            lines.append(f"{f'{schedule}, pp={g}':<19}{x * 1e6:>14.1f} us per woken action")
     for g, x in sorted(cal.zb_split.items()):
         lines.append(f"{f'zb split, pp={g}':<19}{x:>14.2f} x B's work for I + W")
     for t, res in sorted(cal.tp_residual.items()):

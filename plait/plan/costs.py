@@ -91,24 +91,26 @@ def shared_cores_path(
     runtime: float,
     cores: float,
     ranks: int,
-    lending: float,
     split: float,
+    wake: float,
 ) -> float | None:
     """Seconds of ``lay``'s schedule when ``ranks`` ranks share ``cores`` cores: played by
-    :func:`plait.strategies.pipeline.cores.run_on_cores` on the pipeline's share of the
-    cores (``cores pp / ranks``: the other pipelines and tensor-parallel ranks run alike),
-    each rank at most ``shared + lending (1 - shared)`` of a core (``shared = cores /
-    ranks``; ``lending`` measured by :mod:`plait.plan.probe_pipeline`). A micro-batch's
-    ``compute`` (with every rank busy, the runtime's ``runtime`` seconds included) and
-    tensor-parallel ``comm`` per rank are cut as in :func:`critical_path`, the zero-bubble
-    schedules' backward times ``split``, the runtime spread over the compute actions; work
-    is that time times ``shared``. None when the schedule is larger than
-    :data:`SIMULATE_ACTIONS`."""
+    :func:`plait.strategies.pipeline.cores.run_on_cores` (processor sharing) on the
+    pipeline's share of the cores (``cores pp / ranks``: the other pipelines and
+    tensor-parallel ranks run alike). A micro-batch's ``compute`` (with every rank busy,
+    the runtime's ``runtime`` seconds included) and tensor-parallel ``comm`` per rank are
+    cut as in :func:`critical_path`, the zero-bubble schedules' backward times ``split``,
+    the runtime spread over the compute actions, and each compute action that reads a
+    message ``wake`` seconds more (``split`` and ``wake`` measured by
+    :mod:`plait.plan.probe_pipeline`); work is that time times ``shared = cores / ranks``.
+    None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
     if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
         return None
+    from dataclasses import replace
+
     from plait.strategies.pipeline.cores import run_on_cores
     from plait.strategies.pipeline.schedules import build
-    from plait.strategies.pipeline.simulate import Costs
+    from plait.strategies.pipeline.simulate import Costs, _needs, _split
 
     shared = min(1.0, cores / ranks)
     v, zb = lay.v, lay.schedule in ("zb-h1", "zbv")
@@ -120,8 +122,16 @@ def shared_cores_path(
     i, w = back / 2 + comm / 2 / v + action, back / 2 + action
     costs = Costs(f=f * shared, b=b * shared, i=i * shared, w=w * shared, comm=message)
     sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
-    cap = shared + lending * (1.0 - shared)
-    slots = run_on_cores(sched, costs, cores * lay.pp / ranks, cap=cap)
+    if wake:
+        halves = _split(sched)
+        woken = {
+            a: costs.of(a) + wake * shared
+            for r, acts in enumerate(sched.ranks)
+            for a in acts
+            if a.kind.is_compute and _needs(sched, r, a, halves)[0] is not None
+        }
+        costs = replace(costs, per_action=woken)
+    slots = run_on_cores(sched, costs, cores * lay.pp / ranks)
     return max(s.end for s in slots)
 
 

@@ -268,7 +268,7 @@ def measure_rank(
         own, own_raw = probe_runtime.measure(base, world, iters=max(3, iters // 2))
         if n > cores and n % 2 == 0:  # ranks share cores: how a pipeline runs on them
             rows = probe_pipeline.measure_rank(iters=iters)
-            own["lending"], own["zb_split"] = probe_pipeline.fit(
+            own["wake"], own["zb_split"] = probe_pipeline.fit(
                 rows,
                 cores=cores,
                 ranks=n,

@@ -1,13 +1,13 @@
 """How a pipeline runs on ranks that share cores, measured for the planner.
 
-When ``n`` ranks share ``c < n`` cores, a rank waiting in a pipeline's bubble frees its
-share of the cores, and the ranks still computing could take it: a rank alone on a core
-runs up to ``n / c`` times faster than with every rank busy (processor sharing, as the
-operating system shares cores among runnable processes). How much of that a pipeline
-really gets depends on how fast a woken rank wins a core back, how long the idle
-stretches are and how the runtime's Python between actions lands on the cores: on this
-two-core machine a 1F1B pipeline of four ranks ran close to *no* lending (each rank at the
-shared speed, bubble and all), and ZB-H1's split backward (I then W) cost more than B.
+When ``n`` ranks share ``c < n`` cores, the operating system shares the cores among the
+runnable ranks (processor sharing): a rank waiting in a pipeline's bubble frees its share,
+and a rank that has a core to itself runs up to ``n / c`` times faster than with every rank
+busy. Played that way alone, a pipeline on this two-core machine came out 15-25% faster
+than it ran: each time a rank wakes for a message it pays more than the transfer (a
+context switch, caches refilled, a core to win back from ranks mid-action), and plait's
+ZB-H1 split backward (I then W) costs more than B. A pipeline with one micro-batch (few
+wake-ups, one rank of each pipeline computing at a time) runs close to the plain play.
 
 Two figures, fit per pipeline size ``g`` on a calibration GPT (not the model being
 planned; :data:`MODEL`) that :func:`measure_rank` runs through
@@ -16,12 +16,13 @@ planned; :data:`MODEL`) that :func:`measure_rank` runs through
 =============  ================================================================  ==========
 figure         probe                                                             charged to
 =============  ================================================================  ==========
-``lending``    1F1B, ``m = 2g``: the ``lending`` in [0, 1] for which             a rank's
-               :func:`played` (the schedule in :func:`~plait.strategies.          top speed
-               pipeline.cores.run_on_cores`, each rank at most ``shared +         while
-               lending (1 - shared)`` of a core, ``shared = c/n``) ends when      others wait
-               the measured step ended (:func:`fit_lending`)
-``zb_split``   ZB-H1, ``m = 2g``, with that lending: the factor on the           B's work,
+``wake``       GPipe, 1F1B, interleaved 1F1B, ``m = 2g`` each: the seconds (at   each
+               the busy speed) for which :func:`played` (the schedule under      compute
+               processor sharing, :func:`~plait.strategies.pipeline.cores.        action that
+               run_on_cores`, with that much more work on every compute action    reads a
+               that reads a message) ends when the measured step ended            message
+               (:func:`fit_wake`), per schedule
+``zb_split``   ZB-H1, ``m = 2g``, with 1F1B's wake: the factor on the            B's work,
                backward's work (I + W against B) for which :func:`played`         as I + W
                ends when the measured step ended (:func:`fit_split`)
 =============  ================================================================  ==========
@@ -32,7 +33,7 @@ forward a third and backward two thirds, plus the pipeline runtime's own seconds
 action (``pipe_action`` of :mod:`plait.plan.probe_runtime`) as the planner charges them,
 all times the shared share of a core; each message the calibration's ``p2p`` line for the
 activation's bytes. The planner plays a layout's schedule the same way
-(:mod:`plait.plan.time`).
+(:func:`plait.plan.costs.shared_cores_path`).
 
 Communication of the probe: per micro-batch and stage boundary an activation forward and
 a gradient backward on the ``pp`` group; the compose step's loss all-reduce; barriers and
@@ -49,7 +50,7 @@ from typing import Any
 # the calibration GPT (vocab, layers, heads, width, sequence) and its micro-batch rows
 MODEL = (64, 8, 4, 96, 32)
 ROWS = 2
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")  # 1F1B first: ZB-H1 uses its wake
 
 
 def layout(schedule: str, g: int) -> Any:
@@ -69,17 +70,18 @@ def played(
     busy_mb: float,
     cores: float,
     ranks: int,
-    lending: float,
     comm: float,
     pipe_action: float = 0.0,
     split: float = 1.0,
+    wake: float = 0.0,
 ) -> float:
     """Seconds ``schedule`` (``g`` stages, ``m`` micro-batches) takes as the planner plays
     it (:func:`plait.plan.costs.shared_cores_path`): a stage's micro-batch ``busy_mb / g``
     (the whole model's forward and backward with every rank busy, over the stages) plus
     ``pipe_action`` per action of the busiest rank, ``split`` the backward's factor when
-    cut into I and W, ``comm`` seconds per message, on the pipeline's share of the cores,
-    a rank at most ``shared + lending (1 - shared)`` of a core."""
+    cut into I and W, ``comm`` seconds per message, ``wake`` seconds more (with every rank
+    busy) on each compute action that reads a message, on the pipeline's share of the
+    cores under processor sharing."""
     from plait.plan.costs import pipeline_actions, shared_cores_path
 
     lay = layout(schedule, g)
@@ -93,8 +95,8 @@ def played(
         runtime=runtime,
         cores=cores,
         ranks=ranks,
-        lending=lending,
         split=split,
+        wake=wake,
     )
     if out is None:
         raise ValueError(f"probe_pipeline: {schedule} with p={g}, m={m} is too large to play")
@@ -125,7 +127,7 @@ def _check(g: int, m: int, busy_mb: float, makespan: float, cores: float, ranks:
         )
 
 
-def fit_lending(
+def fit_wake(
     schedule: str,
     g: int,
     m: int,
@@ -136,13 +138,14 @@ def fit_lending(
     ranks: int,
     comm: float,
     pipe_action: float = 0.0,
+    most: float = 0.05,
 ) -> float:
-    """The ``lending`` in [0, 1] for which ``schedule``'s :func:`played` ends at
-    ``makespan`` (the makespan falls as lending grows): 0 when even no lending is faster
-    than measured, 1 when full lending is slower."""
+    """The ``wake`` in [0, ``most``] seconds for which ``schedule``'s :func:`played` ends
+    at ``makespan`` (the makespan grows with it): 0 when even none is slower than
+    measured, ``most`` when that much is still faster."""
     _check(g, m, busy_mb, makespan, cores, ranks)
 
-    def slower(x: float) -> float:  # increasing in x = 1 - lending
+    def at(wake: float) -> float:
         return played(
             schedule,
             g,
@@ -150,12 +153,12 @@ def fit_lending(
             busy_mb=busy_mb,
             cores=cores,
             ranks=ranks,
-            lending=1.0 - x,
             comm=comm,
             pipe_action=pipe_action,
+            wake=wake,
         )
 
-    return 1.0 - _bisect(slower, 0.0, 1.0, makespan)
+    return _bisect(at, 0.0, most, makespan)
 
 
 def fit_split(
@@ -167,11 +170,12 @@ def fit_split(
     cores: float,
     ranks: int,
     comm: float,
-    lending: float,
+    wake: float,
     pipe_action: float = 0.0,
 ) -> float:
-    """The factor in [1, 3] on the backward's work for which ZB-H1's :func:`played` ends
-    at ``makespan`` (1 when ZB-H1 ran as fast as an even split predicts, or faster)."""
+    """The factor in [1, 3] on the backward's work for which ZB-H1's :func:`played` (with
+    ``wake``) ends at ``makespan`` (1 when ZB-H1 ran as fast as an even split predicts,
+    or faster)."""
     _check(g, m, busy_mb, makespan, cores, ranks)
 
     def at(split: float) -> float:
@@ -182,10 +186,10 @@ def fit_split(
             busy_mb=busy_mb,
             cores=cores,
             ranks=ranks,
-            lending=lending,
             comm=comm,
             pipe_action=pipe_action,
             split=split,
+            wake=wake,
         )
 
     return _bisect(at, 1.0, 3.0, makespan)
@@ -194,11 +198,11 @@ def fit_split(
 def fit(
     rows: list[dict[str, Any]], *, cores: float, ranks: int, p2p: Any, pipe_action: float
 ) -> tuple[dict[str, dict[int, float]], dict[int, float]]:
-    """``(lending, zb_split)`` from :func:`measure_rank`'s rows: lending per schedule
+    """``(wake, zb_split)`` from :func:`measure_rank`'s rows: the wake per schedule
     measured (ZB-H1 aside) and pipeline size, ZB's split per pipeline size (with 1F1B's
-    lending); each message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for
-    its bytes."""
-    lending: dict[str, dict[int, float]] = {}
+    wake); each message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for its
+    bytes."""
+    wake: dict[str, dict[int, float]] = {}
     split: dict[int, float] = {}
     for r in rows:
         g, m = r["g"], r["m"]
@@ -211,12 +215,10 @@ def fit(
         )
         for name, makespan in r["steps_s"].items():
             if name != "zb-h1":
-                lending.setdefault(name, {})[g] = fit_lending(name, g, m, makespan=makespan, **kw)
+                wake.setdefault(name, {})[g] = fit_wake(name, g, m, makespan=makespan, **kw)
         if "zb-h1" in r["steps_s"] and "1f1b" in r["steps_s"]:
-            split[g] = fit_split(
-                g, m, makespan=r["steps_s"]["zb-h1"], lending=lending["1f1b"][g], **kw
-            )
-    return lending, split
+            split[g] = fit_split(g, m, makespan=r["steps_s"]["zb-h1"], wake=wake["1f1b"][g], **kw)
+    return wake, split
 
 
 def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> list[dict[str, Any]]:
@@ -299,7 +301,7 @@ __all__ = [
     "SCHEDULES",
     "layout",
     "fit",
-    "fit_lending",
+    "fit_wake",
     "fit_split",
     "measure_rank",
     "played",

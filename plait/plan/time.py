@@ -63,12 +63,12 @@ parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
                                             G its gradient bytes
 
 On ranks that share cores (``Cluster.shared_cores``) a rank idle in the bubble frees its
-share of the cores, and the busy ranks may take it. With a calibration that measured how
-much they do (:mod:`plait.plan.probe_pipeline`: ``lending`` per pipeline size, and ZB's
-split backward's work against B's), the schedule is played under processor sharing
-(:func:`~plait.plan.costs.shared_cores_path`): the pipeline's share of the cores
-``c pp / n``, each rank at most ``c/n + lending (1 - c/n)`` of a core, every action's
-work its time with every rank busy times ``c/n``, each message the p2p line. Without one:
+share of the cores for the busy ones. With a calibration that measured what that costs
+(:mod:`plait.plan.probe_pipeline`: per schedule and pipeline size the ``wake`` a compute
+action pays when a message woke it, and ZB's split backward's work against B's), the
+schedule is played under processor sharing (:func:`~plait.plan.costs.shared_cores_path`):
+the pipeline's share of the cores ``c pp / n``, every action's work its time with every
+rank busy times ``c/n``, each message the p2p line. Without one:
 ``max(m t_mb, m t_mb' / (1 - beta))``, ``t_mb'`` with the compute at up to a whole core
 (``Cluster.alone_speedup``): all the work at the shared speed, or the schedule's critical
 path, whichever is longer.
@@ -365,7 +365,7 @@ def step_time(
         one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
         figures = cal.pipeline_figures(lay.schedule, lay.pp) if cal is not None else None
         played = None
-        if figures is not None:  # measured: how much of a waiting rank's core is lent
+        if figures is not None:  # measured: the wake-ups and ZB's split backward
             played = shared_cores_path(
                 lay,
                 m,
@@ -375,7 +375,7 @@ def step_time(
                 runtime=runtime_mb,
                 cores=cluster.shared_cores,
                 ranks=cluster.devices_per_node,
-                lending=figures[0],
+                wake=figures[0],
                 split=figures[1],
             )
         if played is not None:

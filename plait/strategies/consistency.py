@@ -74,8 +74,7 @@ def verify_same_parameters(
     list_keys = [f"{prefix}/list/{r}" for r in group.ranks]
     _wait(store, list_keys, group, who)
     lists = {
-        r: json.loads(store.get(k).decode())
-        for r, k in zip(group.ranks, list_keys, strict=True)
+        r: json.loads(store.get(k).decode()) for r, k in zip(group.ranks, list_keys, strict=True)
     }
     reference = group.ranks[0]
     problems = []
@@ -100,8 +99,7 @@ def _wait(store: object, keys: list[str], group: Group, who: str) -> None:
     try:
         store.wait(keys, datetime.timedelta(seconds=group.timeout))  # type: ignore[attr-defined]
     except Exception as exc:  # the store raises its own timeout type
-        missing = [r for r, k in zip(group.ranks, keys, strict=True)
-                   if not store.check([k])]  # type: ignore[attr-defined]
+        missing = [r for r, k in zip(group.ranks, keys, strict=True) if not store.check([k])]  # type: ignore[attr-defined]
         raise CollectiveTimeout(
             f"{who}: rank {group.global_rank} waited {group.timeout:g}s for the other ranks of "
             f"group {group.name!r} to wrap their model; ranks {missing} never did. Every rank "

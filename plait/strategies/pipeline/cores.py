@@ -6,9 +6,7 @@ cores (four pipeline ranks on a two-core machine), an action is slower while mor
 the cores among the runnable processes (a rank waiting on a message sleeps, it does not
 spin for long). :func:`run_on_cores` models that as processor sharing: while ``n`` ranks
 compute, each progresses at ``min(1, c / n)`` of its cost per second, so a cost is the
-*work* of an action, the time it takes on a core of its own. ``cap`` bounds a rank's share
-below a whole core: ``cap = c / p`` is a machine where a waiting rank's core is lost
-rather than lent (what the planner calibrates, :mod:`plait.plan.probe_pipeline`).
+*work* of an action, the time it takes on a core of its own.
 
 :func:`work_of` goes the other way for a measured step: each action's work is the time it
 ran, weighted at every moment by the share of a core it had, ``min(1, c / n(t))`` with
@@ -28,15 +26,11 @@ from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.simulate import Costs, Slot, Stuck, _needs, _split
 
 
-def run_on_cores(sched: Schedule, costs: Costs, cores: float, *, cap: float = 1.0) -> list[Slot]:
+def run_on_cores(sched: Schedule, costs: Costs, cores: float) -> list[Slot]:
     """Execute ``sched`` with ``cores`` cores shared by the computing ranks (module
-    docstring), no rank faster than ``cap`` of a core (1: a rank alone has a whole core;
-    ``cores / p``: a rank never gains from the others waiting); raises
-    :class:`~.simulate.Stuck` on a deadlock."""
+    docstring); raises :class:`~.simulate.Stuck` on a deadlock."""
     if cores <= 0:
         raise ValueError(f"cores={cores}; need a positive number of cores")
-    if not 0 < cap <= 1:
-        raise ValueError(f"cap={cap}; need 0 < cap <= 1 (a share of one core)")
     p, split = sched.p, _split(sched)
     pos = [0] * p
     free = [0.0] * p  # when the rank may start its next compute action
@@ -86,7 +80,7 @@ def run_on_cores(sched: Schedule, costs: Costs, cores: float, *, cap: float = 1.
                 running[r] = (pos[r], costs.of(sched.ranks[r][pos[r]]), t)
         if not running and all(pos[r] == len(sched.ranks[r]) for r in range(p)):
             return slots
-        rate = min(cap, cores / len(running)) if running else cap
+        rate = min(1.0, cores / len(running)) if running else 1.0
         events = [t + left / rate for _, left, _ in running.values()]
         events += [at for r, at in starts.items() if r not in running]
         if not events:

@@ -216,8 +216,7 @@ class Link:
         text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else repr(exc)
         return self._lost(
             verb,
-            f"its connection failed ({text}). The peer probably crashed or exited; "
-            f"look at its log",
+            f"its connection failed ({text}). The peer probably crashed or exited; look at its log",
         )
 
     def _wait(self, work: Any, verb: str, nbytes: int, sent: bool) -> None:

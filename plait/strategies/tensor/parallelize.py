@@ -362,9 +362,7 @@ def prepare_tp(
             raise ValueError(f"strategy 'tp': mode={mode!r}; use '1d' or one of {ND_KINDS}")
         if sequence_parallel:
             raise ValueError(f"strategy 'tp': sequence_parallel is 1D only (mode {mode!r})")
-        return prepare_nd(
-            model, optimizer, mesh=mesh, mode=mode, plan=plan, algorithm=algorithm
-        )
+        return prepare_nd(model, optimizer, mesh=mesh, mode=mode, plan=plan, algorithm=algorithm)
     if plan is None:
         from plait.models.gpt import GPT, tp_plan
 
