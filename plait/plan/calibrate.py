@@ -118,7 +118,7 @@ class Calibration:
     # pipeline size, ZB's backward work as I + W over B's
     wake: dict[str, dict[int, float]] = field(default_factory=dict)
     zb_split: dict[int, float] = field(default_factory=dict)
-    # ranks sharing cores: 1D tensor parallelism's residual per group size
+    # 1D tensor parallelism's residual per group size (plait.plan.probe_tensor)
     tp_residual: dict[int, Residual] = field(default_factory=dict)
     raw: list[dict[str, Any]] = field(default_factory=list)
 

@@ -276,7 +276,7 @@ def measure_rank(
                 pipe_action=own.get("pipe_action", 0.0),
             )
             own_raw += [{"probe": "pipeline_sharing", **r} for r in rows]
-        tp_rows = probe_tensor.measure_rank(iters=iters) if n > cores else []
+        tp_rows = probe_tensor.measure_rank(iters=iters)  # whether or not cores are shared
         own_raw += [{"probe": "tensor_sharing", **r} for r in tp_rows]
     finally:
         torch.set_num_threads(threads)

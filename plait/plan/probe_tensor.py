@@ -1,13 +1,13 @@
-"""What 1D tensor parallelism costs beyond the planner's terms on ranks that share cores.
+"""What 1D tensor parallelism costs beyond the planner's other terms.
 
 The planner charges a tensor-parallel rank its share of the FLOPs, each collective's
 measured line and the layers' own work per collective (``tp_call``,
-:mod:`plait.plan.probe_runtime`). On ranks that share cores a real tensor-parallel step
-costs more: every collective waits for the group's last rank, which may be waiting for a
-core, and the work each rank repeats in full (LayerNorms, residual adds, the embedding's
-lookup, the loss's softmax bookkeeping) is not divided by ``t``. This module measures the
-difference on a calibration GPT (:data:`MODEL`, not the model being planned) and splits it
-the way it grows:
+:mod:`plait.plan.probe_runtime`). A real tensor-parallel step costs more: the work each
+rank repeats in full (LayerNorms, residual adds, the embedding's lookup, the loss's
+softmax bookkeeping) is not divided by ``t``, and on ranks that share cores every
+collective waits for the group's last rank, which may be waiting for a core. This module
+measures the difference on a calibration GPT (:data:`MODEL`, not the model being
+planned) and splits it the way it grows:
 
     residual(micro-batch) = per_call * calls + per_element * tokens * hidden * blocks
 

@@ -306,7 +306,7 @@ def step_time(
         calls = 0 if grid or lay.tp == 1 else tp_calls(lay, dense, moe, first, last)
         tp_s += calls * call_s
         residual = cal.residual(lay.tp) if cal is not None and not grid else None
-        if residual is not None:  # ranks sharing cores: waits and repeated work (measured)
+        if residual is not None:  # repeated work, waits for the last rank (measured)
             tp_s = max(0.0, tp_s + residual.seconds(calls, tokens * model.hidden * (dense + moe)))
         if lay.tp > 1 and first and not grid:  # vocabulary-parallel embedding's all-reduce
             tp_s += collective_seconds(cluster, "all_reduce", lay.tp, act, inter_node=tp_inter)
