@@ -60,13 +60,31 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # name -> plait.plan Layout fields
     "dp2xpp2 gpipe": dict(pp=2, dp=2, schedule="gpipe", microbatch=2),
     "dp2xpp2 interleaved": dict(pp=2, dp=2, schedule="interleaved", v=2, microbatch=2),
     "pp2xtp2 1f1b": dict(pp=2, tp=2, schedule="1f1b", microbatch=4),
+    "pp4 zbv": dict(pp=4, schedule="zbv", v=2, microbatch=2),
+    # the same GPT with MoE blocks (every second block, 4 experts, top-2): expert parallel
+    "ep4 moe": dict(ep=4, microbatch=4, model="moe"),
 }
+EXPERTS = 4  # the MoE model's experts
 
 
-def config() -> Any:
+def model_of(fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The GPT config a layout row trains (dense, or ``model="moe"``) and its Layout fields."""
+    rest = dict(fields)
+    return config(moe=rest.pop("model", "dense") == "moe"), rest
+
+
+def config(*, moe: bool = False) -> Any:
     from plait.models import GPTConfig
+    from plait.models.gpt import MoEConfig
 
-    return GPTConfig(vocab=VOCAB, layers=LAYERS, heads=HEADS, width=WIDTH, seq_len=SEQ)
+    return GPTConfig(
+        vocab=VOCAB,
+        layers=LAYERS,
+        heads=HEADS,
+        width=WIDTH,
+        seq_len=SEQ,
+        moe=MoEConfig(num_experts=EXPERTS) if moe else None,
+    )
 
 
 def batch(cfg: Any, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +248,8 @@ def main() -> int:
         for _ in range(ROUNDS):
             shares.append(pool.run(busy_share_step, cfg, share, timeout=300)[0])
             for name, fields in LAYOUTS.items():
-                runs[name].append(pool.run(measure, cfg, fields, BATCH, timeout=300)[0])
+                row_cfg, lay_fields = model_of(fields)
+                runs[name].append(pool.run(measure, row_cfg, lay_fields, BATCH, timeout=300)[0])
         # the calibration, like the layouts, keeps its least disturbed measurement: run
         # again after the rounds, figure by figure the faster of the two
         if args.reuse:
@@ -257,11 +276,13 @@ def main() -> int:
             flush=True,
         )
         for name, fields in LAYOUTS.items():
-            layout = Layout(**fields)
-            plan = evaluate(spec, job, layout, cluster)
-            before = evaluate(spec, job, layout, old).time.total if old is not None else None
-            no_own = evaluate(spec, job, layout, bare).time.total
-            no_sharing = evaluate(spec, job, layout, unshared).time.total
+            row_cfg, lay_fields = model_of(fields)
+            row_spec = from_gpt_config(row_cfg)
+            layout = Layout(**lay_fields)
+            plan = evaluate(row_spec, job, layout, cluster)
+            before = evaluate(row_spec, job, layout, old).time.total if old is not None else None
+            no_own = evaluate(row_spec, job, layout, bare).time.total
+            no_sharing = evaluate(row_spec, job, layout, unshared).time.total
             measured = min(runs[name])
             t = plan.time
             rows.append(
