@@ -163,13 +163,6 @@ def calibrated(ranks: int, reuse: bool, pool: Any, *, keep: str | None = None) -
     return cal
 
 
-def with_compute(base: Any, flops: float, seconds: float, blocks: int) -> Any:
-    """:func:`plait.plan.hardware.with_compute` (the efficiency from a measured step)."""
-    from plait.plan.hardware import with_compute as measured
-
-    return measured(base, flops, seconds, blocks)
-
-
 def own_text(cal: Any) -> str:
     """The calibration's own-work figures in a sentence."""
     parts = []
@@ -227,7 +220,7 @@ def gloo_links(cluster: Any) -> Any:
 def main() -> int:
     from plait.launch import RankPool
     from plait.plan import calibrate
-    from plait.plan.hardware import local_cpu
+    from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
     from plait.plan.model import from_gpt_config
     from plait.plan.search import evaluate

@@ -150,11 +150,11 @@ def measure(kind: str) -> float:
 
 
 def two_by_two() -> int:
-    from plan_local import busy_share_step, calibrated, own_work, with_compute, without_own_work
+    from plan_local import busy_share_step, calibrated, own_work, without_own_work
 
     from plait.launch import RankPool
     from plait.plan import calibrate
-    from plait.plan.hardware import local_cpu
+    from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
     from plait.plan.model import from_gpt_config
     from plait.plan.search import evaluate
@@ -317,12 +317,12 @@ def config8() -> Any:
 def eight() -> int:
     import dataclasses
 
-    from plan_local import busy_share_step, calibrated, with_compute
+    from plan_local import busy_share_step, calibrated
     from plan_local import measure as run_layout
 
     from plait.launch import RankPool
     from plait.plan import calibrate, execute
-    from plait.plan.hardware import local_cpu
+    from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
     from plait.plan.model import from_gpt_config
     from plait.plan.search import SearchSpace, evaluate, search
