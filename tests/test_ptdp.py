@@ -46,6 +46,11 @@ FOUR = [
     # zbv puts the first and last stage on one rank: the tied weight is counted once there
     Case(tp=2, pp=2, tied=True, clip=0.05, schedule="zbv"),
     Case(dp=2, pp=2, tied=True, clip=0.05, schedule="gpipe", via_prepare=True),
+    # the split backward's W accumulates into ZeRO-1's guarded local gradient
+    Case(dp=2, pp=2, zero=1, schedule="zb-h1"),
+    # DualPipeV: the V placement with F&B pairs, m >= 2p
+    Case(tp=2, pp=2, tied=True, clip=0.05, schedule="dualpipev", microbatches=4),
+    Case(dp=2, pp=2, zero=1, schedule="dualpipev", microbatches=4, batch=8),
 ]
 
 

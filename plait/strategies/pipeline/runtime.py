@@ -366,8 +366,10 @@ class Runtime:
                     continue
                 if p.grad is None:
                     p.grad = gp
-                else:
-                    p.grad.add_(gp)
+                else:  # accumulate as autograd does: unrecorded, and a .grad subclass
+                    # (ZeRO-1's guard over its flat buffer's view) sees no call
+                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                        p.grad.add_(gp)
         c.captured, c.dys, c.y = [], [], None
         return None
 
