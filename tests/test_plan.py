@@ -104,7 +104,15 @@ def test_korthikanti_table_2() -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "v"),
-    [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2)],
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("zb-h1", 1),
+        ("interleaved", 2),
+        ("interleaved", 3),
+        ("zbv", 2),
+        ("dualpipev", 2),
+    ],
 )
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12)])
 def test_in_flight_matches_the_simulator(schedule: str, v: int, p: int, m: int) -> None:
@@ -112,12 +120,13 @@ def test_in_flight_matches_the_simulator(schedule: str, v: int, p: int, m: int) 
         pytest.skip("interleaved needs m % p == 0")
     peaks = peak_per_rank(build(schedule, p=p, m=m, v=v))
     assert in_flight(schedule, p=p, m=m, v=v) == peaks[0]
-    if schedule != "zbv":  # the V puts the last stage on rank 0
+    if schedule not in ("zbv", "dualpipev"):  # the V puts the last stage on rank 0
         assert in_flight(schedule, p=p, m=m, v=v, last=True) == peaks[-1]
 
 
 @pytest.mark.parametrize(
-    ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]
+    ("schedule", "v"),
+    [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16)])
 def test_bubble_formulas_match_the_simulator(schedule: str, v: int, p: int, m: int) -> None:
@@ -225,6 +234,8 @@ def test_step_time_terms() -> None:
         (Layout(sp=True), "sp=True needs tp >= 2"),
         (Layout(tp=2, tp_mode="2d"), "tp=2 with tp_mode='2d'"),
         (Layout(v=2), "pp=1 runs no pipeline"),
+        (Layout(pp=2, schedule="dualpipev", v=1), "runs v=2 chunks per rank"),
+        (Layout(pp=2, schedule="dualpipev", v=2, microbatch=4), r"m >= 2\*pp = 4, got m=2"),
     ],
 )
 def test_refusals_name_the_constraint(layout: Layout, message: str) -> None:

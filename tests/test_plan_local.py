@@ -34,6 +34,7 @@ FOUR: dict[str, dict[str, Any]] = {
     "pp4 zbv": dict(pp=4, schedule="zbv", v=2, microbatch=2),
     "dp2xpp2 interleaved": dict(dp=2, pp=2, schedule="interleaved", v=2, microbatch=2),
     "dp2xpp2 zero1": dict(dp=2, pp=2, schedule="1f1b", microbatch=2, zero=1),
+    "dp2xpp2 dualpipev zero1": dict(dp=2, pp=2, schedule="dualpipev", v=2, microbatch=1, zero=1),
     "pp2xtp2": dict(pp=2, tp=2, schedule="1f1b", microbatch=2),
     "ep4": dict(ep=4, microbatch=2),
     "dp2xep2": dict(dp=2, ep=2, microbatch=2),

@@ -33,7 +33,7 @@ done, backward not), at most (in chunk-micro-batches, the first rank being the w
 
     gpipe        m v               1f1b, zb-h1   min(p, m)
     interleaved  min(v p + p - 1, m v)   (Korthikanti: L (1 + (p-1)/(p v)) layers' worth)
-    zbv          min(2 p, 2 m)
+    zbv          min(2 p, 2 m)     dualpipev    2 p + 1 (m >= 2 p: DualPipe's PP + 1)
 
 (checked against :func:`plait.strategies.pipeline.simulate.peak_per_rank` in the tests).
 The first rank also keeps the embedding's dropout mask ``k s b h`` per micro-batch in
@@ -109,6 +109,8 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, last: bool = False) -> i
         return min((v - 1) * p + 1 if last else v * p + p - 1, m * v)
     if schedule == "zbv":
         return min(2 * p, 2 * m)
+    if schedule == "dualpipev":
+        return 2 * p + 1
     raise ValueError(f"in_flight: unknown schedule {schedule!r}")
 
 
@@ -138,7 +140,7 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     head = 2 * e * s * b * h / shard + (e + 4) * s * b * model.vocab / lay.tp
     first_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v)
     embedding = k * s * b * h / shard * min(first_flying, m)
-    head_on_first = lay.pp == 1 or lay.schedule == "zbv"
+    head_on_first = lay.pp == 1 or lay.schedule in ("zbv", "dualpipev")
     first = (per * chunk_layers * first_flying, embedding, head if head_on_first else 0.0)
     last_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v, last=True)
     last = (per * chunk_layers * last_flying, 0.0, head)

@@ -99,7 +99,7 @@ def shared_cores_path(
     pipeline's share of the cores (``cores pp / ranks``: the other pipelines and
     tensor-parallel ranks run alike). A micro-batch's ``compute`` (with every rank busy,
     the runtime's ``runtime`` seconds included) and tensor-parallel ``comm`` per rank are
-    cut as in :func:`critical_path`, the zero-bubble schedules' backward times ``split``,
+    cut as in :func:`critical_path`, a backward cut into I and W times ``split``,
     the runtime spread over the compute actions, and each compute action that reads a
     message ``wake`` seconds more (``split`` and ``wake`` measured by
     :mod:`plait.plan.probe_pipeline`); work is that time times ``shared = cores / ranks``.
@@ -113,13 +113,13 @@ def shared_cores_path(
     from plait.strategies.pipeline.simulate import Costs, _needs, _split
 
     shared = min(1.0, cores / ranks)
-    v, zb = lay.v, lay.schedule in ("zb-h1", "zbv")
+    v, zb = lay.v, lay.schedule in ("zb-h1", "zbv", "dualpipev")
     action = runtime / ((3 if zb else 2) * v)
     base = compute - runtime
     f = (base / 3 + comm / 2) / v + action
-    back = 2 * base / 3 / v * (split if zb else 1.0)
-    b = back + comm / 2 / v + action
-    i, w = back / 2 + comm / 2 / v + action, back / 2 + action
+    back = 2 * base / 3 / v
+    b = back + comm / 2 / v + action  # a whole B (DualPipeV mixes them with I and W)
+    i, w = back * split / 2 + comm / 2 / v + action, back * split / 2 + action
     costs = Costs(f=f * shared, b=b * shared, i=i * shared, w=w * shared, comm=message)
     sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
     if wake:
@@ -183,7 +183,7 @@ def pipeline_actions(lay: Layout, m: int) -> float:
 
         sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
         return max(len(actions) for actions in sched.ranks) / m
-    compute = 3 if lay.schedule in ("zb-h1", "zbv") else 2
+    compute = 3 if lay.schedule in ("zb-h1", "zbv", "dualpipev") else 2
     return lay.v * (compute + 4.0)
 
 

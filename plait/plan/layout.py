@@ -19,7 +19,7 @@ from typing import Any
 
 from plait.plan.model import RECOMPUTE, ModelSpec
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 PRECISIONS = ("mixed", "fp32")
 
@@ -71,7 +71,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    v: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zbv: 2)
+    v: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zbv, dualpipev: 2)
     schedule: str = "none"  # "none" when pp == 1
     microbatch: int = 1  # sequences per micro-batch
     zero: int = 0  # ZeRO stage over the data-parallel group: 0, 1, 2, 3 (3 = FSDP)
@@ -181,8 +181,10 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         raise LayoutError(f"schedule {lay.schedule!r} runs one chunk per rank; v={lay.v}, use v=1")
     elif lay.schedule == "interleaved" and lay.v < 2:
         raise LayoutError(f"schedule 'interleaved' needs v >= 2 chunks per rank, got v={lay.v}")
-    elif lay.schedule == "zbv" and lay.v != 2:
-        raise LayoutError(f"schedule 'zbv' runs v=2 chunks per rank (the V), got v={lay.v}")
+    elif lay.schedule in ("zbv", "dualpipev") and lay.v != 2:
+        raise LayoutError(
+            f"schedule {lay.schedule!r} runs v=2 chunks per rank (the V), got v={lay.v}"
+        )
     if model.layers % (lay.pp * lay.v):
         raise LayoutError(
             f"pp*v = {lay.pp}*{lay.v} = {lay.pp * lay.v} does not divide layers={model.layers}; "
@@ -195,6 +197,10 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
             f"{lay.dp}*{lay.ep}*{lay.microbatch} = {per_step}"
         )
     m = lay.microbatches(job)
+    if lay.schedule == "dualpipev" and m < 2 * lay.pp:
+        raise LayoutError(
+            f"schedule 'dualpipev' needs microbatches m >= 2*pp = {2 * lay.pp}, got m={m}"
+        )
     if lay.schedule == "interleaved" and m % lay.pp:
         raise LayoutError(
             f"schedule 'interleaved' needs microbatches m={m} to be a multiple of pp={lay.pp}"

@@ -36,7 +36,7 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     microbatch: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
-    chunks: tuple[int, ...] = (2, 3, 4)  # v for "interleaved" ("zbv" always 2)
+    chunks: tuple[int, ...] = (2, 3, 4)  # v for "interleaved" ("zbv", "dualpipev" always 2)
     zero: tuple[int, ...] = (0, 1)
     recompute: tuple[str, ...] = RECOMPUTE
     sp: tuple[bool, ...] = (False, True)
@@ -157,7 +157,7 @@ def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
     for s in space.schedules:
         if s == "interleaved":
             out.extend((s, v) for v in space.chunks if v >= 2)
-        elif s == "zbv":
+        elif s in ("zbv", "dualpipev"):
             out.append((s, 2))
         else:
             out.append((s, 1))

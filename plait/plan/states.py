@@ -81,12 +81,13 @@ def _tp_divisor(model: ModelSpec, layout: Layout) -> int:
 
 def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool, bool]]:
     """Per pipeline rank: ``(dense blocks, MoE blocks, holds stage 0, holds the last
-    stage)``. Stage ``c p + r`` sits on rank ``r`` (chunk ``c``); under ``zbv`` rank ``r``
-    holds stages ``r`` and ``2p - 1 - r``; a stage holds ``layers / (pp v)`` blocks."""
+    stage)``. Stage ``c p + r`` sits on rank ``r`` (chunk ``c``); under ``zbv`` and
+    ``dualpipev`` (the V) rank ``r`` holds stages ``r`` and ``2p - 1 - r``; a stage holds
+    ``layers / (pp v)`` blocks."""
     p, v = layout.pp, layout.v
     stages = p * v
     per_stage = model.layers // stages
-    if layout.schedule == "zbv":
+    if layout.schedule in ("zbv", "dualpipev"):  # the V
         placement = [s if s < p else 2 * p - 1 - s for s in range(stages)]
     else:
         placement = [s % p for s in range(stages)]

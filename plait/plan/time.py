@@ -45,6 +45,8 @@ ZB-H1 ``(p-1)/(3m+p-1)`` (:func:`plait.strategies.pipeline.simulate.formula_bubb
 ``(p-1)/(6m+p-1)`` (its fill, which the simulator measures; :func:`bubble` can run the
 simulator instead for small pipelines, and does for ZB-H1 and ZBV with ``m < p``, where
 the formulas undercount: at p = 8, m = 1 ZB-H1's is 0.70 and the simulated 0.82).
+DualPipeV (``m >= 2p``, F&B pairs) is played by the simulator whenever it has at most
+:data:`~plait.plan.costs.SIMULATE_ACTIONS` compute actions, else given ZBV's formula.
 
 With a calibration (:mod:`plait.plan.calibrate`, the CPU preset), every collective above is
 its measured line for the group size instead of the ring formula; each block costs a
@@ -86,6 +88,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from plait.plan.costs import (
+    SIMULATE_ACTIONS,
     collective_seconds,
     critical_path,
     dp_seconds,
@@ -172,12 +175,13 @@ def bubble(schedule: str, *, p: int, m: int, v: int = 1, simulate: bool = False)
         return 0.0
     # the zero-bubble formulas hold once the pipeline fills (m >= p); below, the
     # simulator's (unit costs) is larger, and cheap at that size
-    if simulate or (schedule in ("zb-h1", "zbv") and m < p):
+    small = p * m * v * 3 <= SIMULATE_ACTIONS
+    if simulate or (schedule in ("zb-h1", "zbv") and m < p) or (schedule == "dualpipev" and small):
         from plait.strategies.pipeline.schedules import build
         from plait.strategies.pipeline.simulate import simulate as play
 
         return play(build(schedule, p=p, m=m, v=v)).bubble
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):  # DualPipeV too large to play: ZBV's fill
         return (p - 1) / (6 * m + p - 1)
     from plait.strategies.pipeline.simulate import formula_bubble
 
