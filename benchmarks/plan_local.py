@@ -61,6 +61,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # name -> plait.plan Layout fields
     "dp2xpp2 interleaved": dict(pp=2, dp=2, schedule="interleaved", v=2, microbatch=2),
     "pp2xtp2 1f1b": dict(pp=2, tp=2, schedule="1f1b", microbatch=4),
     "dp2xpp2 zbv": dict(pp=2, dp=2, schedule="zbv", v=2, microbatch=2),
+    "dp2xpp2 dualpipev": dict(pp=2, dp=2, schedule="dualpipev", v=2, microbatch=2),
     # the same GPT with MoE blocks (every second block, 4 experts, top-2): expert parallel
     "ep4 moe": dict(ep=4, microbatch=4, model="moe"),
 }

@@ -333,7 +333,7 @@ def eight() -> int:
     share = B8 // 8
     space = SearchSpace(
         microbatch=(1, 2, 4, 8, 16, 32),
-        schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
+        schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
         chunks=(2,),
         zero=(0, 1, 2, 3),
         recompute=("none",),
