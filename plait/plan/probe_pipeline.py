@@ -42,8 +42,6 @@ an all-reduce (max) of the times on the world.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -230,8 +228,8 @@ def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> l
     import torch
 
     import plait
-    from plait import comm
     from plait.models import GPT, GPTConfig
+    from plait.plan.probe_runtime import paired
     from plait.strategies.compose import compose
     from plait.strategies.pipeline.schedules import default_chunks
 
@@ -271,18 +269,8 @@ def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> l
                 ptdp.step(ids, ids)
 
             runs[name] = step
-        for fn in runs.values():
-            fn()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(iters):
-            for k, fn in runs.items():
-                comm.barrier(group=world)
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-        t = torch.tensor([times[k] for k in runs], dtype=torch.float64)
-        comm.all_reduce(t, op="max", group=world)
-        med = dict(zip(runs, (statistics.median(row) for row in t.tolist()), strict=True))
+        seconds = paired(list(runs.values()), world, iters=iters, block=1)
+        med = dict(zip(runs, seconds, strict=True))
         out.append(
             {
                 "g": g,

@@ -81,7 +81,7 @@ def _gpt(width: int, layers: int = LAYERS, heads: int = 4, vocab: int = 8) -> An
     return GPT(GPTConfig(vocab=vocab, layers=layers, heads=heads, width=width, seq_len=4))
 
 
-def _paired(
+def paired(
     fns: list[Callable[[], object]], world: Any, *, iters: int, block: int = 2
 ) -> list[float]:
     """Seconds per call of each of ``fns``, taking turns block by block (a noisy moment
@@ -178,7 +178,7 @@ def data_parallel(
                 comm.reduce_scatter(part, full, group=world)
                 comm.all_gather(full, part, group=world)
 
-        t_plain, t_wrapped = _paired(
+        t_plain, t_wrapped = paired(
             [
                 _plain_step(plain_model, ids, collectives),
                 _wrapped_step(strategy, model, ids, world),
@@ -254,7 +254,7 @@ def tensor_call(world: Any, raw: list[dict[str, Any]], *, iters: int) -> dict[in
             loss(wrapped(ids), targets).backward()
             opt.step()
 
-        t_plain, t_tp = _paired([plain, tp], world, iters=iters)
+        t_plain, t_tp = paired([plain, tp], world, iters=iters)
         out[g] = max(0.0, (t_tp - t_plain) / calls)
         raw.append(
             {"probe": "tp", "n": g, "calls": calls, "reference_s": t_plain, "strategy_s": t_tp}
@@ -304,7 +304,7 @@ def pipeline_action(
             ptdp.step(ids, ids)
 
         steps.append(step)
-    t_mb, t1, t2 = _paired([plain, *steps], world, iters=iters, block=1)
+    t_mb, t1, t2 = paired([plain, *steps], world, iters=iters, block=1)
     slope = (t2 - t1) / (PIPE_MB[1] - PIPE_MB[0])
     message = 4.0 * 4 * 8  # one row of 4 tokens of width 8
     p2p = links["p2p"][2].seconds(message)
@@ -346,6 +346,7 @@ __all__ = [
     "WIDTHS",
     "data_parallel",
     "measure",
+    "paired",
     "pipeline_action",
     "split_overhead",
     "tensor_call",

@@ -31,9 +31,6 @@ the times on the world.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from plait.plan.calibrate import Residual
@@ -67,6 +64,7 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
 
     import plait
     from plait.models import GPT
+    from plait.plan.probe_runtime import paired
     from plait.strategies.tensor import loss_fn
 
     world = plait.world()
@@ -95,28 +93,9 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
                 wrapped.zero_grad()
                 loss(wrapped(ids), ids).backward()
 
-            plain_s, tp_s = _paired([plain_step, tp_step], world, iters=iters)
+            plain_s, tp_s = paired([plain_step, tp_step], world, iters=iters, block=1)
             out.append({"t": t, "rows": rows, "plain_s": plain_s, "tp_s": tp_s})
     return out
-
-
-def _paired(fns: list[Callable[[], None]], world: Any, *, iters: int) -> list[float]:
-    import torch
-
-    from plait import comm
-
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(iters):
-        for i, fn in enumerate(fns):
-            comm.barrier(group=world)
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
-    comm.all_reduce(t, op="max", group=world)
-    return [statistics.median(row) for row in t.tolist()]
 
 
 def predicted(cal: Any, ranks: int, t: int, rows: int, plain_s: float) -> tuple[float, int]:
