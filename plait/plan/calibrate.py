@@ -7,10 +7,10 @@ collective, while ranks of one host talk through shared memory (``PLAIT_TRANSPOR
 world of ``n`` ranks and measures, with the algorithm ``"auto"`` picks (what the strategies
 call) and every group of a size busy at once (as a layout runs them):
 
-* ``all_reduce``, ``all_gather``, ``reduce_scatter`` over groups of each size ``g`` dividing
-  ``n`` (``Mesh(dp=n/g, tp=g)``'s tp groups): the slowest rank's time, median of calls, at
-  a few sizes; ``S`` the full tensor (the input of all-reduce and reduce-scatter, the
-  gathered output of all-gather);
+* ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` over groups of each
+  size ``g`` dividing ``n`` (``Mesh(dp=n/g, tp=g)``'s tp groups): the slowest rank's time,
+  median of calls, at a few sizes; ``S`` the full tensor (the input of all-reduce,
+  reduce-scatter and all-to-all (equal blocks), the gathered output of all-gather);
 * ``p2p``: a send one way between the two ranks of each pair (``Mesh(pp=2, dp=n/2)``'s
   pp groups, every pair at once), half a round trip;
 * ``adam``: ``torch.optim.Adam``'s step over a few sizes of parameters, every rank at once
@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True)

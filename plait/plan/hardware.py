@@ -247,7 +247,8 @@ def local_cpu(
     ``plait bench calibrate -n <ranks>`` wrote one; :mod:`plait.plan.calibrate`): every
     collective the planner times comes from that file's measured line for its group size,
     on the transport the ranks use (shared memory by default); the alpha-beta link, used
-    for what was not measured (all-to-all, 2D/3D), is its point-to-point fit; a rank's
+    for what was not measured (2D/3D, older files without all-to-all), is its point-to-point
+    fit; a rank's
     speed while all compute is the file's best matmul rate per rank.
 
     Without one: each rank gets ``cores / ranks`` of the cores' matmul speed

@@ -74,6 +74,9 @@ def _collective(collective: str, numel: int, group: Any) -> Callable[[], object]
         return lambda: comm.all_reduce(full, group=group)
     if collective == "all_gather":
         return lambda: comm.all_gather(full, part, group=group)
+    if collective == "all_to_all":  # equal blocks: each rank keeps 1/g of its input
+        received = torch.empty(numel)
+        return lambda: comm.all_to_all(received, full, group=group)
     return lambda: comm.reduce_scatter(part, full, group=group)
 
 
@@ -222,7 +225,7 @@ def measure_rank(
         cases: list[tuple[str, int, Any, float]] = []  # collective, n, call, bytes
         for g in (d for d in range(2, n + 1) if n % d == 0):
             group = plait.Mesh(dp=n // g, tp=g).group("tp")
-            for collective in COLLECTIVES[:3]:
+            for collective in COLLECTIVES[:4]:
                 for nbytes in sizes:
                     numel = max(g, nbytes // 4 // g * g)
                     call = _collective(collective, numel, group)
