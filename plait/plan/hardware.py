@@ -248,8 +248,7 @@ def local_cpu(
     collective the planner times comes from that file's measured line for its group size,
     on the transport the ranks use (shared memory by default); the alpha-beta link, used
     for what was not measured (2D/3D, older files without all-to-all), is its point-to-point
-    fit; a rank's
-    speed while all compute is the file's best matmul rate per rank.
+    fit; a rank's speed while all compute is the file's best matmul rate per rank.
 
     Without one: each rank gets ``cores / ranks`` of the cores' matmul speed
     (``flops_per_core``, timed here with one thread when not given) and both links are the
