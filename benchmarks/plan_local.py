@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/plan_local.py --reuse    # the saved calibration
 
 Calibration, before the rounds and again after them, figure by figure the faster of the
-two (``plait.plan.calibrate.fastest``; each is what ``plait bench calibrate -n 4`` runs):
+two (``plait.plan.measure.calibrate.fastest``; each is what ``plait bench calibrate -n 4`` runs):
 every collective over groups of 2 and 4 ranks and the point-to-point latency and bandwidth
 on the transport the ranks use (shared memory by default), and matmul rates with every rank
 busy; saved to ``runs/plan_calibration_n4.json`` (``local_cpu(ranks=4)`` reads it) and to
@@ -14,10 +14,10 @@ communication (model FLOPs / (time x the calibrated matmul rate)), taking its tu
 every round with the layouts below; the optimizer step is the calibration's Adam rate;
 the strategies' own work (DDP's and ZeRO's per step, the tensor-parallel layers' per
 collective, the pipeline runtime's per action) the calibration's probes
-(``plait.plan.probe_runtime``), charged by what each layout has of them.
+(``plait.plan.measure.probe_runtime``), charged by what each layout has of them.
 
 Then every layout is predicted with ``local_cpu(ranks=4)`` and built by
-``plait.plan.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
+``plait.plan.measure.execute.build`` (plait's strategies; PTD-P layouts through ``compose``) and
 measured: median of the slowest rank's step (zero_grad, forward and backward of every
 micro-batch, optimizer step) after a barrier, over several steps after warm-up; the
 layouts (and the compute calibration) take turns for a few rounds and the table keeps each
@@ -130,8 +130,8 @@ def measure(
     """On every rank: build ``Layout(**fields)``, run steps; the slowest rank's median."""
     import plait
     from plait.models import GPT
-    from plait.plan import execute
     from plait.plan.layout import Job, Layout
+    from plait.plan.measure import execute
 
     torch.set_num_threads(1)
     job = Job(global_batch=global_batch, seq=cfg.seq_len, precision="fp32", dropout=False)
@@ -152,7 +152,7 @@ def measure(
 def calibrated(ranks: int, reuse: bool, pool: Any, *, keep: str | None = None) -> Any:
     """The calibration of ``ranks`` ranks: measured now on ``pool`` (or the saved file);
     saved to runs/ and, named ``keep``, to benchmarks/results/."""
-    from plait.plan import calibrate
+    from plait.plan.measure import calibrate
 
     path = calibrate.default_path(ranks)
     if reuse and path.exists():
@@ -219,10 +219,10 @@ def gloo_links(cluster: Any) -> Any:
 
 
 def main() -> int:
-    from plait.launch import RankPool
-    from plait.plan import calibrate
+    from plait.launch.pool import RankPool
     from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
+    from plait.plan.measure import calibrate
     from plait.plan.model import from_gpt_config
     from plait.plan.search import evaluate
 
@@ -319,7 +319,7 @@ def main() -> int:
         f"`.venv/bin/python benchmarks/plan_local.py`: GPT L={LAYERS} h={WIDTH} a={HEADS} "
         f"s={SEQ} V={VOCAB}, global batch {BATCH}, fp32 Adam, 4 ranks on 2 shared cores "
         f"(noisy: other jobs ran), transport {cal.transport}. Calibration "
-        f"(`plait.plan.calibrate`, measured in this run before and after the rounds, "
+        f"(`plait.plan.measure.calibrate`, measured in this run before and after the rounds, "
         f"figure by figure the faster: `calibrate.fastest`): collectives per group size, p2p, "
         f"matmul {base.peak_flops / 1e9:.1f} GFLOP/s per rank with every rank busy, "
         f"{cal.block_overhead * 1e3:.2f} ms per block of dispatch; the strategies' own work "
@@ -352,13 +352,15 @@ def main() -> int:
         "",
         "compute, tp, pp, dp, optimizer: the planner's terms in ms (tp and pp summed over the "
         "micro-batches of the slowest pipeline rank; the bubble on top as shown). own work: "
-        "the strategies' own work inside them (`plait.plan.probe_runtime`: DDP's, ZeRO's or FSDP's "
+        "the strategies' own work inside them (`plait.plan.measure.probe_runtime`: DDP's, ZeRO's "
+        "or FSDP's "
         "per step, the tensor-parallel layers' per collective (in tp), the pipeline "
         "runtime's per action (in compute)). without own work: predicted / measured with "
         "those terms at 0 (the planner before them). without shared-core figures: "
         "predicted / measured without the pipelines' measured wake-ups and ZB split and "
-        "tensor parallelism's measured residual (`plait.plan.probe_pipeline`, "
-        "`plait.plan.probe_tensor`; the planner before them). gloo links: predicted / measured "
+        "tensor parallelism's measured residual (`plait.plan.measure.probe_pipeline`, "
+        "`plait.plan.measure.probe_tensor`; the planner before them). gloo links: predicted / "
+        "measured "
         "with the previous link constants (the ring fit of `plait bench comm`'s gloo rows, "
         "no calibration).",
     ]

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ps_modes.py                      # 9 runs, about 3 min
     .venv/bin/python benchmarks/ps_modes.py --epochs 2 --out /tmp/ps   # smoke test
 
-Trains ``plait demo``'s CNN on the scikit-learn digits (``plait.demo.run``, SGD lr 0.05
+Trains ``plait demo``'s CNN on the scikit-learn digits (``plait.demo.digits.run``, SGD lr 0.05
 momentum 0.9, global batch 63, ``--epochs`` epochs, test accuracy measured 4 times per
 epoch on the lead worker's current parameters) with 1 server + 3 workers under
 
@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from plait.demo import DemoConfig, run
+from plait.demo.digits import DemoConfig, run
 
 TARGET = 0.95
 

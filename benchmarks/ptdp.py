@@ -14,12 +14,12 @@ the pipeline alone on 2 ranks (``PipelineParallel``) and through ``compose`` (Me
 dp=1, tp=1)), and ``compose`` on Mesh(pp=2, dp=1, tp=2) over 4 ranks.
 
 Predicted: ``plait.plan.evaluate`` of each layout on ``local_cpu(ranks=n)`` (the cores
-shared by n ranks) calibrated as benchmarks/plan_local.py does (``plait.plan.calibrate`` on
+shared by n ranks) calibrated as benchmarks/plan_local.py does (``plait.plan.measure.calibrate`` on
 n ranks, the transport in use; the efficiency from the plain GPT's forward and backward on
 1/n of the batch with the n ranks busy; the one-process row from the one-thread step); its
 attribution of the step to compute, tensor-parallel communication, pipeline transfers and
 the bubble is printed beside each, with the strategies' own work it charges
-(``plait.plan.probe_runtime``: per tensor-parallel collective, per pipeline action) and
+(``plait.plan.measure.probe_runtime``: per tensor-parallel collective, per pipeline action) and
 the ratio without those terms. The runs take turns for a few rounds; each keeps its
 fastest (other jobs' load only slows a round).
 
@@ -30,10 +30,10 @@ ratio would exceed theirs). Writes benchmarks/results/ptdp.md and .json. The mac
 shared by other jobs and noisy.
 
 Part "8": at 8 ranks, the planner's best layout against what a newcomer picks (pure DDP,
-pure FSDP), measured. The machine is calibrated on 8 ranks (``plait.plan.calibrate``, as
+pure FSDP), measured. The machine is calibrated on 8 ranks (``plait.plan.measure.calibrate``, as
 ``plait bench calibrate -n 8``; 8 ranks on 2 cores), the compute efficiency from the plain
 GPT's forward and backward on each rank's share with the 8 ranks busy at once; then
-``plait.plan.search`` ranks every layout that ``plait.plan.execute`` can build (no
+``plait.plan.search`` ranks every layout that ``plait.plan.measure.execute`` can build (no
 recomputation, 1D tensor parallelism, every schedule, ZeRO 0-3) and the best, the
 runners-up of other shapes, DDP and FSDP are run on the same model and global batch,
 taking turns for a few rounds (each one's fastest round: other jobs' load only slows).
@@ -152,10 +152,10 @@ def measure(kind: str) -> float:
 def two_by_two() -> int:
     from plan_local import busy_share_step, calibrated, own_work, without_own_work
 
-    from plait.launch import RankPool
-    from plait.plan import calibrate
+    from plait.launch.pool import RankPool
     from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
+    from plait.plan.measure import calibrate
     from plait.plan.model import from_gpt_config
     from plait.plan.search import evaluate
     from plait.plan.time import Overlap
@@ -262,7 +262,7 @@ def two_by_two() -> int:
         f"Adam, 2 shared cores (noisy, other jobs running). Medians of the "
         f"slowest rank over {STEPS} steps, the fastest of {ROUNDS} rounds taken in turns. "
         f"Planner: `plait.plan.evaluate` on "
-        f"`local_cpu(ranks=n)` calibrated on n ranks in this run (`plait.plan.calibrate`, "
+        f"`local_cpu(ranks=n)` calibrated on n ranks in this run (`plait.plan.measure.calibrate`, "
         f"the transport in use, before and after the rounds, figure by figure the faster; "
         f"efficiency from forward and backward on 1/n of the batch "
         f"with n ranks busy); one process: efficiency {efficiency:.3f} from its step "
@@ -288,7 +288,8 @@ def two_by_two() -> int:
         f"{verdict['tp2xpp2_over_predicted_without_own_work']:.2f}",
         f"- the parts' measured / predicted (geometric mean of ptdp tp2 and ptdp pp2): "
         f"{parts:.2f}; the 2x2's over the parts': {verdict['composition_overhead']:.2f}",
-        "- own work: the strategies' own work in the prediction (`plait.plan.probe_runtime`:"
+        "- own work: the strategies' own work in the prediction "
+        "(`plait.plan.measure.probe_runtime`:"
         " the tensor-parallel layers' per collective, the pipeline runtime's per action, "
         "DDP's or ZeRO's per step); without own work: measured / predicted with those "
         "terms at 0 (the planner before them)",
@@ -320,10 +321,10 @@ def eight() -> int:
     from plan_local import busy_share_step, calibrated
     from plan_local import measure as run_layout
 
-    from plait.launch import RankPool
-    from plait.plan import calibrate, execute
+    from plait.launch.pool import RankPool
     from plait.plan.hardware import local_cpu, with_compute
     from plait.plan.layout import Job, Layout
+    from plait.plan.measure import calibrate, execute
     from plait.plan.model import from_gpt_config
     from plait.plan.search import SearchSpace, evaluate, search
 
@@ -404,7 +405,7 @@ def eight() -> int:
         f"noisy, other jobs ran), transport {cal.transport}. Calibrated in this run on 8 "
         f"ranks; efficiency {efficiency:.3f} (forward and backward on {share} sequences, 8 "
         f"ranks busy: {t_share * ms:.1f} ms). Search: {len(result.plans)} layouts fit, "
-        f"{len(plans)} buildable by `plait.plan.execute`. Medians of the slowest rank over "
+        f"{len(plans)} buildable by `plait.plan.measure.execute`. Medians of the slowest rank over "
         f"6 steps, the fastest of {ROUNDS8} rounds taken in turns.",
         "",
         "| run | layout | planner's rank | predicted | measured | predicted / measured | "

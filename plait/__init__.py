@@ -2,7 +2,7 @@
 
 from plait import amp, comm, models, moe
 from plait.clip import clip_grad_norm_
-from plait.launch import RankError, RankPool, RankTimeout, spawn
+from plait.launch.pool import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
 from plait.prepare import prepare
 from plait.runtime import init, is_initialized, new_group, shutdown, world

@@ -240,10 +240,10 @@ def parse_size(text: str) -> int:
 def calibrate(nproc: int, *, out: str | None = None, iters: int = 8) -> int:
     """``plait bench calibrate -n N``: measure what the planner's CPU preset reads (the
     collectives per group size, point-to-point, matmul and Adam rates, on the transport
-    the ranks use: :mod:`plait.plan.calibrate`) on ``nproc`` local ranks, print the table
+    the ranks use: :mod:`plait.plan.measure.calibrate`) on ``nproc`` local ranks, print the table
     and write ``out`` (default ``runs/plan_calibration_n<N>.json``, which
     ``plait plan layouts --cluster cpu --ranks N`` reads)."""
-    from plait.plan import calibrate as cal
+    from plait.plan.measure import calibrate as cal
 
     result = cal.run(nproc, iters=iters)
     print(cal.format_calibration(result), flush=True)

@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 2
         return _run_multinode(args)
-    from plait.elastic import check_elastic
+    from plait.launch.job import check_elastic
 
     try:
         check_elastic(nproc=args.nproc, min_nproc=args.min_nproc, max_restarts=args.max_restarts)
@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_multinode(args: argparse.Namespace) -> int:
     """Several machines: hand over to torchrun's own launcher (same environment contract)."""
-    from plait.elastic import run_torchrun
+    from plait.launch.job import run_torchrun
 
     return run_torchrun(
         args.script,
@@ -91,9 +91,9 @@ def _run_multinode(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    """N local ranks (plait.elastic.run_job): the launcher hosts the store, watches exits
+    """N local ranks (plait.launch.job.run_job): the launcher hosts the store, watches exits
     and heartbeats, reports the root cause, restarts up to --max-restarts times."""
-    from plait.elastic import run_job
+    from plait.launch.job import run_job
 
     return run_job(
         args.script,
@@ -119,7 +119,7 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 def _bench_comm(args: argparse.Namespace) -> int:
     from plait import bench
     from plait.comm import ALGORITHMS, SUPPORTED, tuner
-    from plait.launch import RankPool
+    from plait.launch.pool import RankPool
 
     collectives = args.collectives.split(",")
     for c in collectives:
@@ -234,7 +234,7 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
         rank, factor = text.split(":")
         return int(rank), float(factor)
     except ValueError:
-        from plait.demo import DemoOptionError
+        from plait.demo.digits import DemoOptionError
 
         raise DemoOptionError(
             f"--slow-worker must be RANK:FACTOR, e.g. 3:3 (rank 3 takes 3x as long per step), "
@@ -244,12 +244,12 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.tour:
-        from plait import demo_tour
+        from plait.demo import tour as demo_tour
 
         return demo_tour.main(args)
     if args.model == "gpt":
         return _demo_gpt(args)
-    from plait.demo import DemoOptionError, check_passed, run, validate
+    from plait.demo.digits import DemoOptionError, check_passed, run, validate
 
     gpt_only = [
         flag
@@ -291,7 +291,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_gpt(args: argparse.Namespace) -> int:
-    from plait.demo_gpt import GPTDemoConfig, GPTDemoOptionError, check_passed, run, validate
+    from plait.demo.gpt import GPTDemoConfig, GPTDemoOptionError, check_passed, run, validate
 
     cnn_only = [
         flag
@@ -352,7 +352,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
 
 
 def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
-    from plait.demo import DemoConfig
+    from plait.demo.digits import DemoConfig
 
     nproc = args.nproc if args.nproc is not None else (1 if args.strategy == "none" else 4)
     return DemoConfig(
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from plait import doctor
+    from plait.launch import doctor
 
     print(doctor.report(args.directory))
     return 0

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait import lifeline
 from plait.comm import progress, recorder, watchdog
 from plait.comm import transport as transport_mod
 from plait.comm.group import Group
+from plait.launch import lifeline
 
 DEFAULT_TIMEOUT_S = 600.0
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

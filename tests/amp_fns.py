@@ -29,7 +29,7 @@ def fsdp_fp16_overflow() -> tuple[bool, float, bool, bool]:
     """fully_shard computing in float16 with a loss scale whose gradients overflow: the
     step is skipped (shards unchanged) and the scale halved; a sane scale then steps."""
     from plait.strategies.fsdp import fully_shard
-    from plait.strategies.policies import MixedPrecisionPolicy
+    from plait.strategies.fsdp.policies import MixedPrecisionPolicy
 
     model = fully_shard(
         ddp_fns.make_model(), mixed_precision=MixedPrecisionPolicy(param_dtype=torch.float16)

@@ -32,7 +32,7 @@ from torch import nn
 
 import plait
 from plait import comm
-from plait.strategies import comm_hooks
+from plait.strategies.data_parallel import hooks as comm_hooks
 
 FAULT_STEP = 2
 STEPS = 4

@@ -1,5 +1,5 @@
 """Rank functions for tests/test_plan_local.py: the reference GPT trained one Adam step
-under a planner layout on real ranks (:func:`plait.plan.execute.build`), and the
+under a planner layout on real ranks (:func:`plait.plan.measure.execute.build`), and the
 model-state bytes ``plait.plan.memory.measure`` reads there, with the rank's pipeline
 coordinate (to pick the planner's matching rank)."""
 
@@ -11,8 +11,9 @@ import torch
 
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import MoEConfig
-from plait.plan import execute, memory
+from plait.plan import memory
 from plait.plan.layout import Job, Layout
+from plait.plan.measure import execute
 
 BATCH = 8
 
@@ -56,11 +57,11 @@ def measured(fields: dict[str, Any], layers: int, experts: int = 0) -> dict[str,
 
 
 def runtime_probes() -> dict[str, Any]:
-    """On every rank: the strategies' own-work probes (plait.plan.probe_runtime) with
+    """On every rank: the strategies' own-work probes (plait.plan.measure.probe_runtime) with
     made-up collective lines (only the pipeline probe reads the p2p line)."""
     import plait
-    from plait.plan import probe_runtime
-    from plait.plan.calibrate import Calibration, Line
+    from plait.plan.measure import probe_runtime
+    from plait.plan.measure.calibrate import Calibration, Line
 
     torch.set_num_threads(1)
     line = Line(1e-4, 1e9, 2)
@@ -77,15 +78,15 @@ def runtime_probes() -> dict[str, Any]:
 
 def pipeline_probe() -> list[dict[str, Any]]:
     """On every rank: the calibration GPT through 1F1B and ZB-H1 and its plain step
-    (plait.plan.probe_pipeline), three rounds."""
-    from plait.plan import probe_pipeline
+    (plait.plan.measure.probe_pipeline), three rounds."""
+    from plait.plan.measure import probe_pipeline
 
     return probe_pipeline.measure_rank(iters=3)
 
 
 def tensor_probe() -> list[dict[str, Any]]:
     """On every rank: the calibration GPT's plain and tensor-parallel forward and backward
-    (plait.plan.probe_tensor), three rounds."""
-    from plait.plan import probe_tensor
+    (plait.plan.measure.probe_tensor), three rounds."""
+    from plait.plan.measure import probe_tensor
 
     return probe_tensor.measure_rank(iters=3)

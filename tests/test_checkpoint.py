@@ -18,7 +18,7 @@ import torch
 import plait
 from plait import RankPool, checkpoint
 from plait.checkpoint import blocks, transaction
-from plait.launch import RankExited
+from plait.launch.pool import RankExited
 from tests import checkpoint_fns, faultlog
 
 

@@ -115,7 +115,7 @@ def test_prepare_refuses_unknown_strategies_and_options():
 
 
 def test_buckets_close_after_their_limit_and_start_small():
-    from plait.strategies.buckets import build_buckets
+    from plait.strategies.data_parallel.buckets import build_buckets
 
     mib = 1 << 20
     params = [

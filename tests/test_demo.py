@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.demo import (
+from plait.demo.digits import (
     STRATEGIES,
     TRAIN_SAMPLES,
     DemoConfig,
@@ -83,7 +83,7 @@ def test_demo_ps_with_a_straggler_in_ssp_mode_waits_within_the_bound(tmp_path: P
 
 
 # --- options, uneven batches, progress output, the communication line ----------------------
-# (helpers: plait.demo.validate runs before any rank starts; train_rank runs on kept pools)
+# (helpers: plait.demo.digits.validate runs before any rank starts; train_rank runs on kept pools)
 
 BAD_OPTIONS = [
     (["--epochs", "0"], "--epochs must be at least 1"),

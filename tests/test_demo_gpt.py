@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.demo_gpt import GPTDemoConfig, GPTDemoOptionError, run, validate
+from plait.demo.gpt import GPTDemoConfig, GPTDemoOptionError, run, validate
 
 SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4}
 
@@ -124,7 +124,8 @@ def test_a_non_square_2d_grid_is_refused_naming_valid_sizes():
 
 def test_a_failed_check_exits_1(monkeypatch):
     """--check farther from one process than rounding explains is an error, not exit 0."""
-    from plait import cli, demo_gpt
+    from plait import cli
+    from plait.demo import gpt as demo_gpt
 
     def fake_run(config, *, check, out_dir):
         return demo_gpt.GPTDemoReport(

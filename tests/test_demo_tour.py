@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.demo_gpt import validate
-from plait.demo_tour import stops, tour
+from plait.demo.gpt import validate
+from plait.demo.tour import stops, tour
 
 
 def test_every_stop_is_a_valid_four_rank_layout():

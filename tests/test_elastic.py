@@ -248,7 +248,7 @@ def test_elastic_never_goes_below_min_nproc(tmp_path: Path) -> None:
 
 def test_elastic_configuration_is_refused_up_front() -> None:
     from plait.cli import main
-    from plait.elastic import check_elastic
+    from plait.launch.job import check_elastic
 
     check_elastic(nproc=4, min_nproc=2, max_restarts=1)
     check_elastic(nproc=4, min_nproc=None, max_restarts=0)

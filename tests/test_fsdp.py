@@ -15,7 +15,7 @@ from torch import nn
 
 from plait import UngatheredParameterError
 from plait.strategies.fsdp import FSDPModule, full_state_dict, fully_shard
-from plait.strategies.policies import MixedPrecisionPolicy, OffloadPolicy
+from plait.strategies.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from tests import fsdp_fns
 
 STEPS = 4

@@ -146,7 +146,7 @@ def test_state_dict_and_module_say_what_to_use():
 
 
 def test_policies_by_pytorch_names_and_strings():
-    from plait.strategies.policies import MixedPrecisionPolicy
+    from plait.strategies.fsdp.policies import MixedPrecisionPolicy
 
     model = fully_shard(make_deep(), mp_policy="bf16")
     (unit,) = model.sharded_units()

@@ -154,7 +154,7 @@ def test_kill9_of_torchrun_takes_plait_ranks_along(tmp_path: Path, jobs: list[Jo
     import plait.runtime
 
     if "lifeline" not in Path(plait.runtime.__file__).read_text():
-        pytest.skip("plait.runtime.init does not call plait.lifeline.arm_from_env() yet")
+        pytest.skip("plait.runtime.init does not call plait.launch.lifeline.arm_from_env() yet")
     script = tmp_path / "init_then_sleep.py"
     script.write_text(
         "import os, sys, time, plait\n"
@@ -273,7 +273,7 @@ def test_a_port_in_use_is_named_with_its_owner(tmp_path: Path, jobs: list[Job]) 
 def rank_entry(env: dict[str, str], script: Path) -> subprocess.Popen[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PLAIT_", "TORCHELASTIC"))}
     return subprocess.Popen(
-        [sys.executable, "-m", "plait.rank_entry", str(script)],
+        [sys.executable, "-m", "plait.launch.rank_entry", str(script)],
         env=dict(base, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

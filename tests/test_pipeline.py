@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from plait.launch import RankExited
+from plait.launch.pool import RankExited
 from plait.strategies.pipeline import bubble_report, build
 from plait.strategies.pipeline.schedules import default_chunks
 from tests import pipeline_fns as fns

@@ -1,7 +1,7 @@
 """plait.plan's calibration of this machine and what the step time does with it: the
 measured lines replace the ring formula, the optimizer step is added, ranks sharing cores
 lend a pipeline bubble's share; Adam's step counters in the model states;
-``plait.plan.execute.supported``. Pure, in one process (the rank-side measurement runs in
+``plait.plan.measure.execute.supported``. Pure, in one process (the rank-side measurement runs in
 benchmarks/plan_local.py and the memory test of tests/test_plan_local.py)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from plait.plan import calibrate, execute
-from plait.plan.calibrate import Calibration, Line, Overhead, fit_line
 from plait.plan.costs import param_tensors, pipeline_actions, tp_calls
 from plait.plan.hardware import Cluster, local_cpu
 from plait.plan.layout import Job, Layout
+from plait.plan.measure import calibrate, execute
+from plait.plan.measure.calibrate import Calibration, Line, Overhead, fit_line
+from plait.plan.measure.probe_runtime import split_overhead
 from plait.plan.model import ModelSpec
-from plait.plan.probe_runtime import split_overhead
 from plait.plan.states import rank_states, step_counters
 from plait.plan.time import bubble, collective_seconds, ring_seconds, step_time
 
@@ -349,7 +349,7 @@ def test_fastest_keeps_the_least_disturbed_figures() -> None:
 
 
 def test_pipeline_probe_fits_recover_wake_and_split() -> None:
-    from plait.plan import probe_pipeline as pp
+    from plait.plan.measure import probe_pipeline as pp
 
     kw: dict[str, Any] = dict(busy_mb=0.02, cores=2.0, ranks=4, comm=2e-4, pipe_action=5e-5)
     for g, m in ((2, 4), (4, 8)):
@@ -449,7 +449,7 @@ def test_pipeline_figures_round_trip_and_fastest() -> None:
 
 
 def test_pipeline_probe_on_ranks(ranks: Any) -> None:
-    from plait.plan import probe_pipeline
+    from plait.plan.measure import probe_pipeline
     from tests import plan_fns
 
     out = ranks(2, plan_fns.pipeline_probe, timeout=180)
@@ -466,7 +466,7 @@ def test_pipeline_probe_on_ranks(ranks: Any) -> None:
 
 
 def test_tensor_parallel_residual_is_charged_per_call_and_element() -> None:
-    from plait.plan.calibrate import Residual
+    from plait.plan.measure.calibrate import Residual
 
     lay = Layout(tp=4, microbatch=4)
     res = Residual(per_call=1e-4, per_element=1e-8)
@@ -489,8 +489,8 @@ def test_tensor_parallel_residual_is_charged_per_call_and_element() -> None:
 
 
 def test_tensor_probe_fit_recovers_the_residual() -> None:
-    from plait.plan import probe_tensor
-    from plait.plan.calibrate import Residual
+    from plait.plan.measure import probe_tensor
+    from plait.plan.measure.calibrate import Residual
 
     base = cal(tp_call={2: 1e-4, 4: 2e-4}, block_overhead=1e-4)
     _, layers, _, width, seq = probe_tensor.MODEL
@@ -510,7 +510,7 @@ def test_tensor_probe_fit_recovers_the_residual() -> None:
 
 
 def test_tensor_probe_on_ranks(ranks: Any) -> None:
-    from plait.plan import probe_tensor
+    from plait.plan.measure import probe_tensor
     from tests import plan_fns
 
     out = ranks(2, plan_fns.tensor_probe, timeout=180)

@@ -1,6 +1,6 @@
 """The planner's per-rank model-state bytes against what ``plait.plan.memory.measure``
 reads on real ranks after one Adam step of the reference GPT (fp32), every layout built by
-:func:`plait.plan.execute.build` (plait's strategies; PTD-P through ``compose``).
+:func:`plait.plan.measure.execute.build` (plait's strategies; PTD-P through ``compose``).
 
 Both count every parameter, its gradient and Adam's two moments (ZeRO's flat shard, which
 shares storage with the moments' parameters, once) and Adam's 4-byte ``step`` counters

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from plait.launch import RankExited
+from plait.launch.pool import RankExited
 from plait.strategies.ps import Header, Kind, Liveness, MalformedMessage, Server, decode
 from plait.strategies.ps.liveness import last_beat
 from plait.strategies.zero import partition

@@ -14,7 +14,7 @@ import torch
 
 from plait import RankPool
 from plait.comm import shm, transport, tuner
-from plait.launch import RankExited
+from plait.launch.pool import RankExited
 from tests import shm_fns
 
 pytestmark = pytest.mark.skipif(

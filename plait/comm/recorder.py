@@ -8,7 +8,7 @@ leaves the process until a collective fails with a :class:`CollectiveError` (a t
 a mismatch, a stopped or dead peer): then the rank writes the buffer as JSON to
 ``<PLAIT_RECORDER_DIR>/rank<global rank>.json`` (default directory: ``plait-recorder-
 <MASTER_PORT>`` under the system temporary directory). The error message names the file.
-``plait doctor DIR`` (``plait/doctor.py``) reads every rank's file and names the first
+``plait doctor DIR`` (``plait/launch/doctor.py``) reads every rank's file and names the first
 collective the ranks disagree on, or the ranks that never reached it.
 """
 

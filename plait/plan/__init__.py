@@ -4,7 +4,7 @@
   and ``measure``, which counts the tensors a rank really holds, to check it against;
 - :mod:`plait.plan.model`: a GPT's shape, parameters and FLOPs (Narayanan et al. 2021);
 - :mod:`plait.plan.hardware`: clusters (A100, H100, this CPU from ``plait bench calibrate``);
-- :mod:`plait.plan.calibrate` (and :mod:`plait.plan.probe`, run on the ranks): this
+- :mod:`plait.plan.measure.calibrate` (and :mod:`plait.plan.measure.probe`, run on the ranks): this
   machine's collectives per group size on the transport in use, matmul, Adam and dispatch;
 - :mod:`plait.plan.layout`: a job and a layout (dp, tp, pp, ep, v, schedule, micro-batch,
   ZeRO, recomputation, SP) and the rules that refuse one, naming the constraint;
@@ -15,7 +15,7 @@
 - :mod:`plait.plan.search`: every layout, filtered by memory, ranked by time;
 - :mod:`plait.plan.report`: table, ``explain``, JSON; :mod:`plait.plan.cli`: ``plait plan``;
 - :mod:`plait.plan.tensor_costs`: the bytes of 1D/2D/2.5D/3D tensor parallelism;
-- :mod:`plait.plan.execute`: a layout built on real ranks with plait's strategies.
+- :mod:`plait.plan.measure.execute`: a layout built on real ranks with plait's strategies.
 """
 
 from plait.plan.activations import ActivationMemory, activation_memory

@@ -3,13 +3,13 @@ cost on a :class:`~plait.plan.hardware.Cluster`: the pieces :mod:`plait.plan.tim
 
 - :func:`ring_seconds`: the alpha-beta time of a ring collective (the GPU presets);
 - :func:`collective_seconds`: the cluster's measured line for that collective and group size
-  when it has a calibration (:mod:`plait.plan.calibrate`), else :func:`ring_seconds`;
+  when it has a calibration (:mod:`plait.plan.measure.calibrate`), else :func:`ring_seconds`;
 - :func:`gemm_slowdown`: how much slower tensor-parallel shards' matmuls run (measured);
 - :func:`dp_seconds`: the data-parallel group's collectives per ZeRO stage;
 - :func:`critical_path`: a pipeline schedule played by the pipeline simulator with
   per-action costs (used on ranks that share cores);
 - :func:`tp_calls`, :func:`pipeline_actions`, :func:`param_tensors`: what a rank has of the
-  things whose own cost the calibration measures (:mod:`plait.plan.probe_runtime`): its
+  things whose own cost the calibration measures (:mod:`plait.plan.measure.probe_runtime`): its
   tensor-parallel collectives, its pipeline actions, its parameter tensors.
 """
 
@@ -102,7 +102,7 @@ def shared_cores_path(
     cut as in :func:`critical_path`, a backward cut into I and W times ``split``,
     the runtime spread over the compute actions, and each compute action that reads a
     message ``wake`` seconds more (``split`` and ``wake`` measured by
-    :mod:`plait.plan.probe_pipeline`); work is that time times ``shared = cores / ranks``.
+    :mod:`plait.plan.measure.probe_pipeline`); work is that time times ``shared = cores / ranks``.
     None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
     if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
         return None

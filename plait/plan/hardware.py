@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plait.plan.calibrate import Calibration
+    from plait.plan.measure.calibrate import Calibration
 
 # Efficiency of the A100 preset: fit once, on Korthikanti et al.'s 175B run (see
 # benchmarks/plan_validate.py, which then checks the other seven published times with it).
@@ -63,7 +63,8 @@ class Cluster:
     memory_reserve: float = 0.0
     # the devices of a node share this many cores (CPU ranks); 0: each device computes alone
     shared_cores: float = 0.0
-    # measured collectives of this machine (plait.plan.calibrate); None: the alpha-beta links
+    # measured collectives of this machine (plait.plan.measure.calibrate);
+    # None: the alpha-beta links
     calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
@@ -244,7 +245,7 @@ def local_cpu(
     """This machine as ``ranks`` devices on one node, sharing its cores.
 
     With a calibration (``calibration``, else ``runs/plan_calibration_n<ranks>.json`` if
-    ``plait bench calibrate -n <ranks>`` wrote one; :mod:`plait.plan.calibrate`): every
+    ``plait bench calibrate -n <ranks>`` wrote one; :mod:`plait.plan.measure.calibrate`): every
     collective the planner times comes from that file's measured line for its group size,
     on the transport the ranks use (shared memory by default); the alpha-beta link, used
     for what was not measured (2D/3D, older files without all-to-all), is its point-to-point
@@ -261,7 +262,7 @@ def local_cpu(
     share to the others (:attr:`Cluster.alone_speedup`)."""
     import torch
 
-    from plait.plan import calibrate
+    from plait.plan.measure import calibrate
 
     cores = os.cpu_count() or 1
     cal: Calibration | None

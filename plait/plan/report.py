@@ -120,7 +120,8 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
 
 
 def _own_work(t: Any, cluster: Cluster) -> list[str]:
-    """The strategies' own work in ``t`` (calibrated clusters only: plait.plan.probe_runtime)."""
+    """The strategies' own work in ``t`` (calibrated clusters only:
+    plait.plan.measure.probe_runtime)."""
     cal = cluster.calibration
     if cal is None:
         return []

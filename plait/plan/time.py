@@ -48,13 +48,13 @@ the formulas undercount: at p = 8, m = 1 ZB-H1's is 0.70 and the simulated 0.82)
 DualPipeV (``m >= 2p``, F&B pairs) is played by the simulator whenever it has at most
 :data:`~plait.plan.costs.SIMULATE_ACTIONS` compute actions, else given ZBV's formula.
 
-With a calibration (:mod:`plait.plan.calibrate`, the CPU preset), every collective above is
+With a calibration (:mod:`plait.plan.measure.calibrate`, the CPU preset), every collective above is
 its measured line for the group size instead of the ring formula; each block costs a
 measured ``block_overhead`` per micro-batch on top of its FLOPs (operator dispatch: every
 tensor-parallel rank and every micro-batch pays it whole); and the optimizer step
 is added: ``torch.optim.Adam``'s measured seconds for the elements this rank updates (its
 parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
-:mod:`plait.plan.probe_runtime` and charged by what the layout does::
+:mod:`plait.plan.measure.probe_runtime` and charged by what the layout does::
 
     t_tp    += calls * tp_call(t)           calls: :func:`~plait.plan.costs.tp_calls`
     t_comp  += actions * pipe_action        actions per micro-batch of the busiest rank
@@ -66,7 +66,7 @@ parameters, over ``dp`` under ZeRO). The strategies' own work, measured by
 
 On ranks that share cores (``Cluster.shared_cores``) a rank idle in the bubble frees its
 share of the cores for the busy ones. With a calibration that measured what that costs
-(:mod:`plait.plan.probe_pipeline`: per schedule and pipeline size the ``wake`` a compute
+(:mod:`plait.plan.measure.probe_pipeline`: per schedule and pipeline size the ``wake`` a compute
 action pays when a message woke it, and ZB's split backward's work against B's), the
 schedule is played under processor sharing (:func:`~plait.plan.costs.shared_cores_path`):
 the pipeline's share of the cores ``c pp / n``, every action's work its time with every

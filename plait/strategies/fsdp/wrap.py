@@ -17,8 +17,14 @@ from torch import nn
 from plait import runtime
 from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
-from plait.strategies.ddp import broadcast_tensors
+from plait.strategies.data_parallel.ddp import broadcast_tensors
 from plait.strategies.fsdp.module import FSDPModule
+from plait.strategies.fsdp.policies import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    resolve_mixed_precision,
+    resolve_offload,
+)
 from plait.strategies.fsdp.schedule import _RootState
 from plait.strategies.fsdp.unit import (
     NAMES_ATTR,
@@ -27,12 +33,6 @@ from plait.strategies.fsdp.unit import (
     UNITS_ATTR,
     ShardedUnit,
     _Config,
-)
-from plait.strategies.policies import (
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    resolve_mixed_precision,
-    resolve_offload,
 )
 from plait.trace import Tracer
 

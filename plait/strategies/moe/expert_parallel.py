@@ -45,7 +45,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
-from plait.strategies import grad_sync
+from plait.strategies.data_parallel import grad_sync
 from plait.strategies.moe.layer import moe_layers, update_expert_bias
 
 WHO = "expert_parallel"

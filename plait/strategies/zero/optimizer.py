@@ -14,7 +14,7 @@ from torch import nn
 from plait import comm
 from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
-from plait.strategies.ddp import MIB, broadcast_tensors
+from plait.strategies.data_parallel.ddp import MIB, broadcast_tensors
 from plait.strategies.zero import state as zstate
 from plait.strategies.zero.gradients import ShardGradients, join, trace_span
 from plait.strategies.zero.groups import ParamGroups, check_elementwise, parse_param_groups

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from plait.comm.chunks import even_counts
-from plait.strategies.buckets import FIRST_BUCKET_BYTES
+from plait.strategies.data_parallel.buckets import FIRST_BUCKET_BYTES
 
 
 class Piece(NamedTuple):
@@ -97,7 +97,8 @@ def reduction_buckets(
     model's registration order, the order whose reverse backward produces gradients in); a
     bucket closes once it holds at least its limit, the first one at
     ``min(first_bucket_bytes, bucket_bytes)`` so communication starts early (as in
-    :func:`plait.strategies.buckets.build_buckets`). Each bucket lists its parameters in
+    :func:`plait.strategies.data_parallel.buckets.build_buckets`). Each bucket lists its
+    parameters in
     flat order; with the default order every bucket is a contiguous run of the flat space.
     """
     sequence = list(range(len(numels))) if order is None else list(order)

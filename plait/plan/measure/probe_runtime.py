@@ -1,4 +1,4 @@
-"""The strategies' own per-step work, measured for :mod:`plait.plan.calibrate`.
+"""The strategies' own per-step work, measured for :mod:`plait.plan.measure.calibrate`.
 
 A layout's step costs more than its FLOPs, its collectives and Adam: plait's strategies
 run Python per parameter, per collective and per pipeline action (hooks, bucket copies,
@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plait.plan.calibrate import Calibration, Line, Overhead
+from plait.plan.measure.calibrate import Calibration, Line, Overhead
 
 WIDTHS = (8, 128)  # the ddp and zero probes' two GPTs: same tensors, 7.5 KB and 1.6 MB
 LAYERS = 2
@@ -325,7 +325,7 @@ def measure(
     cal: Calibration, world: Any, *, iters: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The four probes of the module doc on ``world``: the fields
-    :class:`~plait.plan.calibrate.Calibration` keeps them in, and the raw rows."""
+    :class:`~plait.plan.measure.calibrate.Calibration` keeps them in, and the raw rows."""
     adam = cal.adam or Line(latency=0.0, bandwidth=float("inf"), points=0)
     raw: list[dict[str, Any]] = []
     out: dict[str, Any] = {

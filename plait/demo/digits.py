@@ -105,7 +105,7 @@ def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     if len(train) != TRAIN_SAMPLES:
         raise RuntimeError(
             f"scikit-learn's digits gave {len(train)} training samples, the demo validates "
-            f"options against {TRAIN_SAMPLES}: update plait.demo.TRAIN_SAMPLES"
+            f"options against {TRAIN_SAMPLES}: update plait.demo.digits.TRAIN_SAMPLES"
         )
     return x[train], y[train], x[test], y[test]
 

@@ -30,7 +30,7 @@ figure         probe                                                            
 Each action's work in :func:`played`: the plain calibration GPT's forward and backward of
 one micro-batch with every rank busy (measured in the same rounds), over ``g`` stages,
 forward a third and backward two thirds, plus the pipeline runtime's own seconds per
-action (``pipe_action`` of :mod:`plait.plan.probe_runtime`) as the planner charges them,
+action (``pipe_action`` of :mod:`plait.plan.measure.probe_runtime`) as the planner charges them,
 all times the shared share of a core; each message the calibration's ``p2p`` line for the
 activation's bytes. The planner plays a layout's schedule the same way
 (:func:`plait.plan.costs.shared_cores_path`).
@@ -198,7 +198,7 @@ def fit(
 ) -> tuple[dict[str, dict[int, float]], dict[int, float]]:
     """``(wake, zb_split)`` from :func:`measure_rank`'s rows: the wake per schedule
     measured (ZB-H1 aside) and pipeline size, ZB's split per pipeline size (with 1F1B's
-    wake); each message the ``p2p`` line (a :class:`~plait.plan.calibrate.Line`) for its
+    wake); each message the ``p2p`` line (a :class:`~plait.plan.measure.calibrate.Line`) for its
     bytes."""
     wake: dict[str, dict[int, float]] = {}
     split: dict[int, float] = {}
@@ -229,7 +229,7 @@ def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> l
 
     import plait
     from plait.models import GPT, GPTConfig
-    from plait.plan.probe_runtime import paired
+    from plait.plan.measure.probe_runtime import paired
     from plait.strategies.compose import compose
     from plait.strategies.pipeline.schedules import default_chunks
 

@@ -1,10 +1,10 @@
-"""How ``plait run`` starts a rank: ``python -m plait.rank_entry script.py args...``.
+"""How ``plait run`` starts a rank: ``python -m plait.launch.rank_entry script.py args...``.
 
 Before the script runs, the rank
 
-1. dies with its launcher (:mod:`plait.lifeline`; also armed between fork and exec);
+1. dies with its launcher (:mod:`plait.launch.lifeline`; also armed between fork and exec);
 2. checks it reached its own job's store, claims its rank and waits for the world to fill
-   (:func:`plait.rendezvous.preflight`; bounded by ``PLAIT_RENDEZVOUS_TIMEOUT``, default
+   (:func:`plait.launch.rendezvous.preflight`; bounded by ``PLAIT_RENDEZVOUS_TIMEOUT``, default
    300 s, and ``PLAIT_CONNECT_TIMEOUT``, default 30 s, for reaching the store).
 
 Then the script runs as ``__main__``, exactly as ``python script.py args`` would run it. If it
@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from plait import lifeline
+from plait.launch import lifeline
 
 # Exceptions a rank raises because *another* rank failed (a closed connection, a collective
 # that timed out waiting for a peer): consequences, never the root cause.
@@ -77,7 +77,7 @@ def write_error(path: str, exc: BaseException) -> None:
 
 def _preflight() -> Any:
     """The store client (kept for :func:`_beat_done`) after the rendezvous checks."""
-    from plait import rendezvous
+    from plait.launch import rendezvous
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -109,7 +109,7 @@ def _beat_done(store: Any) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m plait.rank_entry script.py [args...]", file=sys.stderr)
+        print("usage: python -m plait.launch.rank_entry script.py [args...]", file=sys.stderr)
         return 2
     lifeline.arm_from_env()
     script = argv[0]

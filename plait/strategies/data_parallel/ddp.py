@@ -32,7 +32,8 @@ average over all ranks.
 Failures. Every error of a bucket's all-reduce (a peer that crashed, raised, was killed or
 stopped early with uneven data, a timeout) is raised by ``backward()`` as a
 :class:`~plait.comm.CollectiveError` that names the bucket, the collective and the ranks
-that never reached it (:func:`plait.strategies.grad_sync.collective_failure`), whatever
+that never reached it (:func:`~plait.strategies.data_parallel.grad_sync.collective_failure`),
+whatever
 the path: the backend's all-reduce, plait's algorithms, the built-in communication hooks,
 or a user hook whose future carries the error (a ``.then`` callback must read its parent's
 value, ``fut.value()``). A hook whose callback ignores it is still caught when its
@@ -47,7 +48,8 @@ ranks take the same decision without an extra collective or a second pass. Only 
 the ranks run one small all-reduce to name which rank(s) and parameter(s) produced it
 (an average that overflows to inf although every rank's gradients were finite is not
 caught here: the next step's gradients are); then ``"raise"`` (default) raises
-:class:`~plait.strategies.grad_sync.NonFiniteGradientError` on every rank, ``"skip"`` sets
+:class:`~plait.strategies.data_parallel.grad_sync.NonFiniteGradientError` on every rank,
+``"skip"`` sets
 every gradient to None on every rank (``optimizer.step()`` leaves the parameters
 bit-identical; ``skipped_steps`` counts them) and warns, ``None`` lets the NaN through
 (what a loss scaler such as ``torch.amp.GradScaler`` wants: it then skips on every rank).
@@ -65,10 +67,10 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
-from plait.strategies import ddp_args, grad_sync
-from plait.strategies.buckets import Bucket, build_buckets
-from plait.strategies.comm_hooks import CommHook, GradBucket
 from plait.strategies.consistency import verify_same_parameters
+from plait.strategies.data_parallel import ddp_args, grad_sync
+from plait.strategies.data_parallel.buckets import Bucket, build_buckets
+from plait.strategies.data_parallel.hooks import CommHook, GradBucket
 from plait.trace import Tracer
 
 MIB = 1 << 20
@@ -188,7 +190,7 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``
-        (see :mod:`plait.strategies.comm_hooks`). Call before the first backward. The
+        (see :mod:`plait.strategies.data_parallel.hooks`). Call before the first backward. The
         future must fail when the communication fails: in ``.then`` callbacks, read the
         parent's value (``fut.value()``) before using the buffer."""
         if self._comm_hook is not None:

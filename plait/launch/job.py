@@ -1,6 +1,6 @@
 """A ``plait run`` job: attempts, restarts, stop signals and the failure report.
 
-:func:`run_job` starts an :class:`~plait.launcher.Attempt` and watches it. When a rank
+:func:`run_job` starts an :class:`~plait.launch.attempt.Attempt` and watches it. When a rank
 fails (exits non-zero, dies by a signal, or stops beating) every rank is stopped; with
 ``max_restarts`` left the job starts again from scratch against a fresh store (a new port,
 so no key of the failed attempt is ever read), and the script learns which attempt it is
@@ -21,7 +21,7 @@ signal's number.
 
 The report names the *root cause* once, at the top, with its traceback: among the ranks
 that failed on their own, the earliest failure that is not a reaction to another rank
-(a closed connection or a collective timeout; see :mod:`plait.rank_entry`). Every other
+(a closed connection or a collective timeout; see :mod:`plait.launch.rank_entry`). Every other
 rank's error follows as one line labelled as a consequence.
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from plait.launcher import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
+from plait.launch.attempt import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
 
 DEFAULT_GRACE_S = 5.0
 SETTLE_S = 1.0  # after a failure, how long the others get to fail on their own
@@ -305,7 +305,7 @@ def run_torchrun(
     import os
     import subprocess
 
-    from plait import lifeline
+    from plait.launch import lifeline
 
     env = dict(os.environ)
     env.pop("PLAIT_LAUNCHER_PID", None)

@@ -27,7 +27,7 @@ from plait.strategies.tensor import loss_fn
 from plait.trace import Tracer
 
 if TYPE_CHECKING:
-    from plait.demo_gpt import GPTDemoConfig
+    from plait.demo.gpt import GPTDemoConfig
 
 
 @dataclass

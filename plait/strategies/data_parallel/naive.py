@@ -30,9 +30,9 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
-from plait.strategies import grad_sync
 from plait.strategies.consistency import verify_same_parameters
-from plait.strategies.ddp import broadcast_tensors
+from plait.strategies.data_parallel import grad_sync
+from plait.strategies.data_parallel.ddp import broadcast_tensors
 from plait.trace import Tracer
 
 WHO = "NaiveDataParallel"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.strategies import grad_sync
+from plait.strategies.data_parallel import grad_sync
 
 Device = int | str | torch.device
 

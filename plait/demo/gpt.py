@@ -44,7 +44,7 @@ import torch
 
 import plait
 from plait import comm
-from plait import demo_gpt_layouts as layouts
+from plait.demo import layouts
 from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
 from plait.trace import Tracer, write_chrome
 

@@ -2,7 +2,7 @@
 
 The planner charges a tensor-parallel rank its share of the FLOPs, each collective's
 measured line and the layers' own work per collective (``tp_call``,
-:mod:`plait.plan.probe_runtime`). A real tensor-parallel step costs more: the work each
+:mod:`plait.plan.measure.probe_runtime`). A real tensor-parallel step costs more: the work each
 rank repeats in full (LayerNorms, residual adds, the embedding's lookup, the loss's
 softmax bookkeeping) is not divided by ``t``, and on ranks that share cores every
 collective waits for the group's last rank, which may be waiting for a core. This module
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.plan.calibrate import Residual
+from plait.plan.measure.calibrate import Residual
 
 # the calibration GPT: vocab, layers, heads, width, sequence (heads and vocab split 2, 4, 8)
 MODEL = (64, 2, 8, 96, 64)
@@ -64,7 +64,7 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
 
     import plait
     from plait.models import GPT
-    from plait.plan.probe_runtime import paired
+    from plait.plan.measure.probe_runtime import paired
     from plait.strategies.tensor import loss_fn
 
     world = plait.world()
@@ -120,7 +120,7 @@ def predicted(cal: Any, ranks: int, t: int, rows: int, plain_s: float) -> tuple[
 
 def fit(rows: list[dict[str, Any]], *, cal: Any, ranks: int) -> dict[int, Residual]:
     """:class:`Residual` per tensor-parallel size from :func:`measure_rank`'s rows, against
-    the planner with ``cal`` (a :class:`~plait.plan.calibrate.Calibration` without
+    the planner with ``cal`` (a :class:`~plait.plan.measure.calibrate.Calibration` without
     residuals) on ``ranks`` ranks."""
     _, layers, _, width, seq = MODEL
     by_t: dict[int, list[tuple[float, float, int]]] = {}  # (elements, residual, calls)

@@ -18,16 +18,16 @@ call) and every group of a size busy at once (as a layout runs them):
 * ``block_overhead``: a tiny GPT block's forward and backward (almost no FLOPs): what a
   block costs per micro-batch whatever its size (operator dispatch), which small
   micro-batches and tensor-parallel shards pay in full;
-* the strategies' own work (:mod:`plait.plan.probe_runtime`, a tiny GPT under each
+* the strategies' own work (:mod:`plait.plan.measure.probe_runtime`, a tiny GPT under each
   strategy against its plain step with the same collectives): DDP's, ZeRO-1/2's and FSDP's
   seconds per step per parameter tensor and per gradient byte (:class:`Overhead`), the 1D
   tensor-parallel layers' seconds per collective (``tp_call``, per group size), the
   pipeline runtime's seconds per action (``pipe_action``);
-* ranks sharing cores, per pipeline size (:mod:`plait.plan.probe_pipeline`, a calibration
+* ranks sharing cores, per pipeline size (:mod:`plait.plan.measure.probe_pipeline`, a calibration
   GPT through GPipe, 1F1B, interleaved 1F1B and ZB-H1): what a compute action woken by a
   message pays on top of its work, per schedule (``wake``), and ZB's split backward's work
   against B's (``zb_split``); what 1D tensor parallelism costs beyond the planner's other
-  terms, per group size (:mod:`plait.plan.probe_tensor`: ``tp_residual``, per collective
+  terms, per group size (:mod:`plait.plan.measure.probe_tensor`: ``tp_residual``, per collective
   and per token x hidden x block);
 * ``gemm``: ``M x K @ K x N`` float32 matmuls (one thread) at the shapes a GPT block's
   linears take when split over ``t`` ranks, repeated for ~20 ms on every rank at once (the
@@ -68,7 +68,7 @@ class Line:
 @dataclass(frozen=True)
 class Overhead:
     """A strategy's own seconds per step: ``per_tensor`` per parameter tensor the rank
-    holds and ``per_byte`` per byte of its gradients (:mod:`plait.plan.probe_runtime`)."""
+    holds and ``per_byte`` per byte of its gradients (:mod:`plait.plan.measure.probe_runtime`)."""
 
     per_tensor: float
     per_byte: float
@@ -80,7 +80,7 @@ class Overhead:
 @dataclass(frozen=True)
 class Residual:
     """A 1D tensor-parallel micro-batch's seconds beyond the planner's other terms on ranks
-    that share cores (:mod:`plait.plan.probe_tensor`): ``per_call`` per collective (the
+    that share cores (:mod:`plait.plan.measure.probe_tensor`): ``per_call`` per collective (the
     group waiting for its last rank) and ``per_element`` per token x hidden x block (the
     work every rank repeats in full)."""
 
@@ -106,19 +106,19 @@ class Calibration:
     # seconds of a GPT block's forward and backward that do not grow with its FLOPs
     # (operator dispatch): a tiny block's, every rank busy
     block_overhead: float = 0.0
-    # the strategies' own work (plait.plan.probe_runtime): DDP's and ZeRO-1/2's per step,
+    # the strategies' own work (plait.plan.measure.probe_runtime): DDP's and ZeRO-1/2's per step,
     # per tensor-parallel collective (by group size), per pipeline action
     ddp: Overhead | None = None
     zero: Overhead | None = None
     fsdp: Overhead | None = None
     tp_call: dict[int, float] = field(default_factory=dict)
     pipe_action: float = 0.0
-    # ranks sharing cores (plait.plan.probe_pipeline): per schedule and pipeline size, the
+    # ranks sharing cores (plait.plan.measure.probe_pipeline): per schedule and pipeline size, the
     # seconds (every rank busy) a compute action woken by a message pays on top; per
     # pipeline size, ZB's backward work as I + W over B's
     wake: dict[str, dict[int, float]] = field(default_factory=dict)
     zb_split: dict[int, float] = field(default_factory=dict)
-    # 1D tensor parallelism's residual per group size (plait.plan.probe_tensor)
+    # 1D tensor parallelism's residual per group size (plait.plan.measure.probe_tensor)
     tp_residual: dict[int, Residual] = field(default_factory=dict)
     raw: list[dict[str, Any]] = field(default_factory=list)
 
@@ -246,8 +246,8 @@ def fit_line(points: Sequence[tuple[float, float]]) -> Line:
 
 
 def measure_rank(**options: Any) -> dict[str, Any]:
-    """Runs on every rank of the world: :func:`plait.plan.probe.measure_rank`."""
-    from plait.plan import probe
+    """Runs on every rank of the world: :func:`plait.plan.measure.probe.measure_rank`."""
+    from plait.plan.measure import probe
 
     return probe.measure_rank(**options)
 
@@ -255,8 +255,8 @@ def measure_rank(**options: Any) -> dict[str, Any]:
 def run(ranks: int, *, iters: int = 8, timeout: float = 600) -> Calibration:
     """Start ``ranks`` local ranks (the transport ``PLAIT_TRANSPORT`` selects, default
     shared memory) and measure (:func:`measure_rank`)."""
-    from plait.launch import RankPool
-    from plait.plan import probe
+    from plait.launch.pool import RankPool
+    from plait.plan.measure import probe
 
     if ranks < 2:
         raise ValueError(f"calibrate: ranks={ranks}; measure links with 2 or more ranks")

@@ -1,9 +1,9 @@
 """One attempt of a ``plait run`` job: start N local ranks, watch them, stop them.
 
 The launcher hosts a fresh rendezvous store for every attempt (a free loopback port, or
-``--master-port``), writes the job's nonce into it (:mod:`plait.rendezvous`), and starts
-each rank as ``python -m plait.rank_entry script.py args`` in its own process group, armed
-to die with the launcher (:mod:`plait.lifeline`). It then polls, every 50 ms:
+``--master-port``), writes the job's nonce into it (:mod:`plait.launch.rendezvous`), and starts
+each rank as ``python -m plait.launch.rank_entry script.py args`` in its own process group, armed
+to die with the launcher (:mod:`plait.launch.lifeline`). It then polls, every 50 ms:
 
 - exits: a rank that exits non-zero, or dies by a signal, fails the attempt; unless it set
   store key ``plait/launch/may_exit/<rank>`` to ``"1"`` first (a parameter-server worker
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait import lifeline, rendezvous
+from plait.launch import lifeline, rendezvous
 
 POLL_S = 0.05
 HEARTBEAT_POLL_S = 0.5
@@ -215,7 +215,7 @@ class Attempt:
                 PLAIT_ERROR_FILE=str(error_file),
             )
             proc = subprocess.Popen(
-                [sys.executable, "-m", "plait.rank_entry", script, *script_args],
+                [sys.executable, "-m", "plait.launch.rank_entry", script, *script_args],
                 env=rank_env,
                 preexec_fn=lambda: lifeline.preexec(me),
             )

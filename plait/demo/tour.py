@@ -1,6 +1,6 @@
 """``plait demo --tour``: the reference GPT trained on 4 local ranks under five layouts.
 
-One after the other, each a real multi-process run of :mod:`plait.demo_gpt` on the same
+One after the other, each a real multi-process run of :mod:`plait.demo.gpt` on the same
 text, the same global batches and the same seed, checked against the dense GPT trained in
 one process:
 
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plait.demo_gpt import CHECK_BOUND, GPTDemoConfig, GPTDemoReport, run
+from plait.demo.gpt import CHECK_BOUND, GPTDemoConfig, GPTDemoReport, run
 
 
 @dataclass(frozen=True)

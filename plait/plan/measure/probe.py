@@ -1,9 +1,9 @@
-"""The measurements :mod:`plait.plan.calibrate` runs on every rank of a local world.
+"""The measurements :mod:`plait.plan.measure.calibrate` runs on every rank of a local world.
 
 Each function here is collective over the world (it blocks on the other ranks through
 barriers and the collectives it times, at most the groups' timeout) and returns the
 slowest rank's figures, so every rank gets the same answer. :func:`measure_rank` is the
-whole calibration (the list in :mod:`plait.plan.calibrate`'s docstring).
+whole calibration (the list in :mod:`plait.plan.measure.calibrate`'s docstring).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from plait.plan.calibrate import COLLECTIVES, Calibration, Line, fit_line
+from plait.plan.measure.calibrate import COLLECTIVES, Calibration, Line, fit_line
 
 BLOCK = 5  # calls timed back to back
 BURST_S = 2e-3  # compute between two calls when measuring them as a step interleaves them
@@ -208,7 +208,7 @@ def measure_rank(
 
     import plait
     from plait.comm import ops
-    from plait.plan import probe_pipeline, probe_runtime, probe_tensor
+    from plait.plan.measure import probe_pipeline, probe_runtime, probe_tensor
 
     world = plait.world()
     n = world.size

@@ -85,7 +85,7 @@ def _worker(
     init_kwargs: dict[str, Any],
     env: dict[str, str],
 ) -> None:
-    from plait import lifeline
+    from plait.launch import lifeline
 
     lifeline.arm()  # a rank never outlives its parent (even after kill -9)
     os.environ.update(env)
