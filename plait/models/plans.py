@@ -1,0 +1,62 @@
+"""Model plans: what a strategy needs to know about a model, looked up by its family.
+
+Strategies know no model (DESIGN decision 7). What tensor, pipeline and expert parallelism,
+FSDP and activation checkpointing need from a model (which linears are column- or
+row-parallel and which attributes hold head counts, the layer sequence and what runs around
+it, the MoE blocks and their router, the units) comes from a *plan* that lives with the
+model's family, one file per family under ``plait/models/``. Each family module defines
+``<kind>_plan(model, **options)`` for the kinds it supports (``tp``, ``pipeline``, ``moe``,
+``fsdp``); each returns the plan type of the strategy that reads it (for example
+:class:`plait.strategies.tensor.TensorPlan`).
+
+:func:`plan_for` finds the family by the model's class name (walking its base classes), so
+Hugging Face models are recognised without importing ``transformers``. A model can also
+carry its own: a method ``plait_plan(kind, **options)`` on the model wins over the
+registry, and :func:`register` adds a family for a class name at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+# class name -> module under plait.models that holds the family's plans
+FAMILIES: dict[str, str] = {
+    "GPT": "plait.models.gpt",
+}
+
+_registered: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def register(class_name: str, kind: str, plan: Callable[..., Any]) -> None:
+    """Use ``plan(model, **options)`` as the ``kind`` plan of models of class ``class_name``
+    (or a subclass)."""
+    _registered[(class_name, kind)] = plan
+
+
+def family(model: nn.Module) -> str | None:
+    """The plait.models module holding the plans of ``model``'s family, or None."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
+    return None
+
+
+def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
+    """The ``kind`` plan of ``model`` (``"tp"``, ``"pipeline"``, ``"moe"``, ``"fsdp"``), or
+    None when neither the model, the run-time registry nor its family module has one."""
+    own = getattr(model, "plait_plan", None)
+    if callable(own):
+        return own(kind, **options)
+    for cls in type(model).__mro__:
+        fn = _registered.get((cls.__name__, kind))
+        if fn is not None:
+            return fn(model, **options)
+    name = family(model)
+    if name is None:
+        return None
+    fn = getattr(importlib.import_module(name), f"{kind}_plan", None)
+    return None if fn is None else fn(model, **options)
