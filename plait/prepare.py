@@ -38,7 +38,7 @@ from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
-from plait.strategies.tensor import prepare_tp
+from plait.strategies.tensor import prepare_tp as _prepare_tp
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -135,6 +135,21 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
     return wrap
 
 
+def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """Tensor parallelism with the plan of the model's family when none is given."""
+    if options.get("plan") is None:
+        from plait.models.plans import plan_for
+
+        mode = options.get("mode", "1d")
+        extra: dict[str, Any] = {"mode": mode} if mode != "1d" else {}
+        if mode == "1d" and options.pop("sequence_parallel", False):
+            extra["sequence_parallel"] = True
+        options["plan"] = plan_for(model, "tp", **extra)
+    elif options.get("sequence_parallel"):
+        raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")
+    return _prepare_tp(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -158,7 +173,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "zero3": _fsdp("zero3"),
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
-    "tp": prepare_tp,
+    "tp": _tp,
     "ep": prepare_ep,
     "pipeline": prepare_pipeline,
     "ptdp": prepare_ptdp,

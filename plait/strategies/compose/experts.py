@@ -49,15 +49,9 @@ from plait.strategies.moe.layer import MoE, moe_layers
 def tp_plan_without_experts(cfg: Any, *, sequence_parallel: bool) -> dict[str, Any]:
     """The GPT's tensor-parallel plan, without the MLP entries of its MoE blocks (their
     experts are replicated over tp)."""
-    from plait.models.gpt import is_moe_block
     from plait.models.gpt import tp_plan as gpt_plan
 
-    plan = gpt_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
-    for i in range(cfg.layers):
-        if is_moe_block(cfg, i):
-            plan.pop(f"blocks.{i}.mlp.fc1")
-            plan.pop(f"blocks.{i}.mlp.fc2")
-    return plan
+    return gpt_plan(cfg, sequence_parallel=sequence_parallel)  # MoE blocks' MLPs left out
 
 
 def shard_experts(model: nn.Module, *, ep_group: Group | None) -> set[int]:

@@ -37,6 +37,7 @@ must call ``parallelize`` with the same model and plan.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +46,17 @@ import torch
 from torch import nn
 
 from plait.comm.group import Group
+from plait.strategies.placement import place
 from plait.strategies.tensor import mappings as M
+from plait.strategies.tensor.agreement import check_agreement
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
+    HeadSelectLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
+from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
 
 # the 2D / 2.5D / 3D styles, handled by parallelize_nd
 ND_KINDS = ("2d", "2.5d", "3d")
@@ -61,6 +66,7 @@ PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    HeadSelectLinear,
     *ND_LAYERS,
 )
 
@@ -148,9 +154,10 @@ def _check_dropout(model: nn.Module) -> None:
     across ranks, unlike the dense model's); plait has no per-rank RNG streams yet."""
     for name, module in model.named_modules():
         p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else None
-        rate = getattr(module, "dropout", None)
-        if isinstance(rate, float) and not isinstance(module, nn.MultiheadAttention):
-            p = max(p or 0.0, rate)
+        for attr in ("dropout", "attention_dropout"):
+            rate = getattr(module, attr, None)
+            if isinstance(rate, float) and not isinstance(module, nn.MultiheadAttention):
+                p = max(p or 0.0, rate)
         if p:
             raise ValueError(
                 f"module {name or type(model).__name__!r} has dropout {p}: under tensor "
@@ -159,16 +166,49 @@ def _check_dropout(model: nn.Module) -> None:
             )
 
 
-def _convert(
-    name: str, module: nn.Module, style: Style, *, group: Group, sp: bool, algorithm: str
-) -> nn.Module | None:
-    """The parallel replacement of ``module`` (None: keep it, perhaps with hooks)."""
-    kind = style.kind
-    seq_or_rep = "sequence" if sp else "replicate"
-    if kind in ("colwise", "rowwise") and type(module) is not nn.Linear:
+def _plain(name: str, module: nn.Module, base: type[nn.Module], kind: str) -> None:
+    """Refuse ``module`` unless it computes what ``base`` computes: ``base`` itself or a
+    subclass that keeps ``base.forward`` (torchtitan's and others' own Linear/Embedding
+    classes that only change initialisation)."""
+    if not isinstance(module, base):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}; style {kind!r} applies to "
-            f"nn.Linear only"
+            f"nn.{base.__name__} (or a subclass of it)"
+        )
+    if type(module).forward is not base.forward:
+        raise TypeError(
+            f"module {name!r} is a {type(module).__name__}, a subclass of nn.{base.__name__} "
+            f"with its own forward; style {kind!r} would replace that forward by "
+            f"nn.{base.__name__}'s. Give it the style 'replicate', or split it yourself"
+        )
+
+
+def _convert(
+    name: str,
+    module: nn.Module,
+    style: Style,
+    *,
+    group: Group,
+    sp: bool,
+    algorithm: str,
+    kv_replicas: tuple[int, int] | None = None,
+) -> nn.Module | None:
+    """The parallel replacement of ``module`` (None: keep it, perhaps with hooks).
+    ``kv_replicas``: ``(head_dim, replicas)`` for a key/value projection whose heads are
+    fewer than the ranks (kept whole, each rank computing one head)."""
+    kind = style.kind
+    seq_or_rep = "sequence" if sp else "replicate"
+    if kind in ("colwise", "rowwise"):
+        _plain(name, module, nn.Linear, kind)
+    if kind == "colwise" and kv_replicas is not None:
+        head_dim, replicas = kv_replicas
+        return HeadSelectLinear.from_dense(
+            module,  # type: ignore[arg-type]
+            group=group,
+            head_dim=head_dim,
+            replicas=replicas,
+            input=style.input or seq_or_rep,
+            algorithm=algorithm,
         )
     if kind == "colwise":
         return ColumnParallelLinear.from_dense(
@@ -187,13 +227,20 @@ def _convert(
             algorithm=algorithm,
         )
     if kind == "vocab":
-        if type(module) is nn.Embedding:
+        if isinstance(module, nn.Embedding):
+            _plain(name, module, nn.Embedding, kind)
             return VocabParallelEmbedding.from_dense(
                 module, group=group, output=style.output or seq_or_rep, algorithm=algorithm
             )
-        if type(module) is nn.Linear:
+        if isinstance(module, nn.Linear):
+            _plain(name, module, nn.Linear, kind)
             return ColumnParallelLinear.from_dense(
-                module, group=group, input=style.input or seq_or_rep, pad=True, algorithm=algorithm
+                module,
+                group=group,
+                input=style.input or seq_or_rep,
+                pad=True,
+                gather_output=style.output == "replicate",
+                algorithm=algorithm,
             )
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}; style 'vocab' applies to "
@@ -224,31 +271,87 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
+def _attention(
+    model: nn.Module, plan: TensorPlan, styles: dict[str, Style], t: int
+) -> tuple[dict[str, tuple[int, int]], list[tuple[nn.Module, dict[str, int], AttentionHeads]]]:
+    """Check every :class:`AttentionHeads` entry against ``t`` (naming the module); return
+    the key/value projections to keep whole (path -> ``(head_dim, replicas)``) and the
+    attention modules whose head-count attributes become this rank's."""
+    keep_whole: dict[str, tuple[int, int]] = {}
+    counted: list[tuple[nn.Module, dict[str, int], AttentionHeads]] = []
+    names = [n for n, _ in model.named_modules() if n]
+    for heads in plan.attention:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, heads.modules)]
+        if not hits:
+            raise ValueError(
+                f"AttentionHeads pattern {heads.modules!r} matches no module of "
+                f"{type(model).__name__}; module paths look like {names[:6]}"
+            )
+        local = heads.local(t)
+        for n in hits:
+            module = model.get_submodule(n)
+            counted.append((module, local, heads))
+            if local["replicas"] == 1:
+                continue
+            for child in heads.key_value:
+                path = f"{n}.{child}"
+                proj = module.get_submodule(child)
+                if styles.get(path, Style("replicate")).kind != "colwise":
+                    raise ValueError(
+                        f"attention {n!r}: key/value projection {path!r} must have the style "
+                        f"'colwise' (it is kept whole and each rank computes its own head)"
+                    )
+                kv = heads.kv_heads or heads.heads
+                out = getattr(proj, "out_features", 0)
+                if out % kv:
+                    raise ValueError(
+                        f"attention {n!r}: {path!r} has {out} outputs, not {kv} heads"
+                    )
+                keep_whole[path] = (out // kv, local["replicas"])
+    return keep_whole, counted
+
+
 def parallelize(
     model: nn.Module,
     mesh: Any,
-    plan: Mapping[str, str | Style],
+    plan: TensorPlan | Mapping[str, str | Style],
     *,
     algorithm: str = "auto",
+    check: bool = True,
 ) -> nn.Module:
     """Turn ``model`` into its tensor-parallel form over ``mesh.group("tp")`` (or a Group).
 
-    Returns ``model`` itself, changed in place (see the module doc for the styles and the
-    communication each adds). Raises ``ValueError``/``TypeError`` naming the module for a
-    plan entry that matches nothing, a style that does not fit the module, a width, vocab
-    or head count the tensor-parallel size does not divide, dropout (no per-rank RNG streams
-    yet), and, under sequence parallelism, a parameter no plan entry covers. Collective over
-    the group.
+    ``plan``: a :class:`~plait.strategies.tensor.plan.TensorPlan` (styles and attention
+    heads) or a plain ``{pattern: style}`` mapping. Returns ``model`` itself, changed in
+    place (see the module doc for the styles and the communication each adds). Every
+    parameter left on a rank is placed (:func:`plait.strategies.placement.place`): split
+    weights shard over the group, the rest replicate over it, so
+    ``plait.clip_grad_norm_(model.parameters(), ...)`` is global.
+
+    Raises ``ValueError``/``TypeError`` naming the module for a plan entry that matches
+    nothing, a style that does not fit the module, a width, vocab or head count the
+    tensor-parallel size does not divide, dropout (no per-rank RNG streams yet), and, under
+    sequence parallelism, a parameter no plan entry covers. With ``check`` (the default),
+    first verifies that every rank holds the same parameters, values and plan
+    (:func:`~plait.strategies.tensor.agreement.check_agreement`: one all-gather). Collective
+    over the group.
     """
-    if any(getattr(v, "kind", v) in ND_KINDS for v in plan.values()):
+    if not isinstance(plan, TensorPlan) and any(
+        getattr(v, "kind", v) in ND_KINDS for v in plan.values()
+    ):
         from plait.strategies.tensor.parallelize_nd import parallelize_nd
 
         return parallelize_nd(model, mesh, plan, algorithm=algorithm)
+    tplan = as_plan(plan)
     group = _group_of(mesh)
-    styles = _resolve(model, plan)
+    styles = _resolve(model, tplan.styles)
     sp = any(s.kind == "sequence" for s in styles.values())
     _check_heads(model, styles, group.size)
+    keep_whole, counted = _attention(model, tplan, styles, group.size)
     _check_dropout(model)
+    if check:
+        lines = [f"{n}: {s}" for n, s in styles.items()] + [repr(h) for h in tplan.attention]
+        check_agreement(list(model.named_parameters()), lines, group)
     modules = dict(model.named_modules())
     if sp:
         covered = [n for n in styles]
@@ -269,22 +372,54 @@ def parallelize(
     for name in sorted(styles, key=list(modules).index):
         style = styles[name]
         try:
-            new = _convert(name, modules[name], style, group=group, sp=sp, algorithm=algorithm)
+            new = _convert(
+                name,
+                modules[name],
+                style,
+                group=group,
+                sp=sp,
+                algorithm=algorithm,
+                kv_replicas=keep_whole.get(name),
+            )
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}") from exc
         if new is not None:
             _set(model, name, new)
             replaced[name] = new
     _retie(modules, replaced, owners)
+    for module, local, heads in counted:
+        for attr, what in heads.attributes.items():
+            if hasattr(module, attr):
+                setattr(module, attr, local[what])
+    _place(model, group)
     vocab = [
         m.out_features
         for n, m in replaced.items()
-        if styles[n].kind == "vocab" and isinstance(m, ColumnParallelLinear)
+        if styles[n].kind == "vocab" and isinstance(m, ColumnParallelLinear) and not m.gather_output
     ]
     info = TensorParallelInfo(group, sp, styles, vocab[0] if vocab else None, algorithm)
     object.__setattr__(model, "plait_tensor_parallel", info)
     object.__setattr__(model, "plait_full_state_dict", lambda: full_state_dict(model))
     return model
+
+
+# (layer type, parameter name) whose elements differ across the group's ranks
+_SPLIT = {
+    (ColumnParallelLinear, "weight"),
+    (ColumnParallelLinear, "bias"),
+    (RowParallelLinear, "weight"),
+    (VocabParallelEmbedding, "weight"),
+}
+
+
+def _place(model: nn.Module, group: Group) -> None:
+    """Record every parameter's placement: slices of a split weight shard over ``group``,
+    everything else (LayerNorms, row-parallel biases, whole key/value projections,
+    modules the plan leaves alone) is a copy on every rank, replicated over it."""
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            split = any(isinstance(module, cls) and pname == n for cls, n in _SPLIT)
+            place(p, shard=(group,) if split else (), replicate=() if split else (group,))
 
 
 def _retie(
@@ -327,15 +462,63 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters over the parallelized parameters."""
-    if len(optimizer.param_groups) != 1 or optimizer.state:
+def group_of_names(
+    optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, int]:
+    """Parameter name (every name a shared parameter has) -> its optimizer group's index,
+    read before the model is parallelized. Refuses an optimizer that has stepped (its
+    state is per dense parameter) or that holds a tensor that is not the model's."""
+    if optimizer.state:
         raise ValueError(
-            "strategy 'tp' re-creates the optimizer on the parameter shards: pass an optimizer "
-            "with one parameter group that has not stepped yet"
+            "tensor parallelism re-creates the optimizer on the parameter shards: pass an "
+            "optimizer that has not stepped yet (load its state after prepare)"
         )
-    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
-    return type(optimizer)(model.parameters(), **hyper)
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out: dict[str, int] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"tensor parallelism: parameter group {i} of the optimizer holds a tensor "
+                    f"of shape {tuple(p.shape)} that is not a parameter of the "
+                    f"{type(model).__name__}; build the optimizer on model.parameters()"
+                )
+            for n in names[id(p)]:
+                out[n] = i
+    return out
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    groups: Mapping[str, int] | None = None,
+) -> torch.optim.Optimizer:
+    """The same optimizer class over the parallelized parameters: one group per original
+    group, every group entry kept (per-group ``lr``, ``weight_decay``, ...), each new
+    parameter in the group its dense parameter was in (``groups``: name -> group index,
+    from :func:`group_of_names` before parallelizing; None: every parameter in the one
+    group of ``optimizer``). Parameters the optimizer did not hold stay out of it."""
+    if groups is None:
+        if len(optimizer.param_groups) != 1:
+            raise ValueError(
+                "rebuild_optimizer: an optimizer with several parameter groups needs "
+                "groups= (group_of_names(optimizer, model) before parallelizing)"
+            )
+        groups = {n: 0 for n, _ in model.named_parameters(remove_duplicate=False)}
+    params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    for name, p in model.named_parameters():
+        if name in groups:
+            params[groups[name]].append(p)
+    cls = type(optimizer)
+    taken = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    rebuilt = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+        for g, ps in zip(optimizer.param_groups, params, strict=True)
+    ]
+    return cls(rebuilt, **defaults)
 
 
 def prepare_tp(
@@ -343,17 +526,21 @@ def prepare_tp(
     optimizer: torch.optim.Optimizer | None,
     *,
     mesh: Any,
-    plan: Mapping[str, str | Style] | None = None,
+    plan: TensorPlan | Mapping[str, str | Style] | None = None,
     sequence_parallel: bool = False,
     mode: str = "1d",
     algorithm: str = "auto",
+    check: bool = True,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(model, optimizer, strategy="tp", mesh=..., plan=..., mode=...)``.
 
-    Without a plan, a :class:`plait.models.GPT` gets its own (``tp_plan``, with
-    ``sequence_parallel``); other models must pass one. ``mode`` ``"2d"``, ``"2.5d"`` or
-    ``"3d"`` runs :func:`~plait.strategies.tensor.parallelize_nd.prepare_nd` on the mesh's
-    ``row`` x ``col`` (x ``depth``) grid (``grid_mesh(mode, n)`` builds one).
+    ``plan``: the model's :class:`~plait.strategies.tensor.plan.TensorPlan` (``prepare``
+    looks it up from the model's family with ``sequence_parallel``) or a mapping. The
+    optimizer is rebuilt over the shards with its parameter groups and their
+    hyper-parameters (:func:`rebuild_optimizer`). ``mode`` ``"2d"``, ``"2.5d"`` or ``"3d"``
+    runs :func:`~plait.strategies.tensor.parallelize_nd.prepare_nd` on the mesh's ``row`` x
+    ``col`` (x ``depth``) grid (``grid_mesh(mode, n)`` builds one). Collective over the
+    mesh.
     """
     if mode != "1d":
         from plait.strategies.tensor.parallelize_nd import prepare_nd
@@ -362,21 +549,26 @@ def prepare_tp(
             raise ValueError(f"strategy 'tp': mode={mode!r}; use '1d' or one of {ND_KINDS}")
         if sequence_parallel:
             raise ValueError(f"strategy 'tp': sequence_parallel is 1D only (mode {mode!r})")
+        if isinstance(plan, TensorPlan):
+            raise ValueError(f"strategy 'tp': mode {mode!r} takes a mapping plan, not a TensorPlan")
         return prepare_nd(model, optimizer, mesh=mesh, mode=mode, plan=plan, algorithm=algorithm)
     if plan is None:
-        from plait.models.gpt import GPT, tp_plan
-
-        if not isinstance(model, GPT):
-            raise ValueError(
-                f"strategy 'tp' needs plan= for a {type(model).__name__} (module path -> "
-                f"'colwise' / 'rowwise' / 'vocab' / 'sequence'); only plait.models.GPT has a "
-                f"default plan"
-            )
-        plan = tp_plan(layers=model.config.layers, sequence_parallel=sequence_parallel)
-    elif sequence_parallel:
-        raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")
-    parallelize(model, mesh, plan, algorithm=algorithm)
-    return model, None if optimizer is None else rebuild_optimizer(optimizer, model)
+        raise ValueError(
+            f"strategy 'tp' needs plan= for a {type(model).__name__}: no plan is known for "
+            f"its family. Pass a mapping of module paths to 'colwise' / 'rowwise' / 'vocab' "
+            f"/ 'sequence', e.g. plan={{'layers.*.fc1': 'colwise', 'layers.*.fc2': "
+            f"'rowwise'}}, or a plait.strategies.tensor.TensorPlan with the attention heads"
+        )
+    if sequence_parallel:
+        raise ValueError(
+            "strategy 'tp': with an explicit plan, mark sequence regions in it (a family's "
+            "plan takes the option: plan_for(model, 'tp', sequence_parallel=True))"
+        )
+    groups = None if optimizer is None else group_of_names(optimizer, model)
+    parallelize(model, mesh, plan, algorithm=algorithm, check=check)
+    if optimizer is None:
+        return model, None
+    return model, rebuild_optimizer(optimizer, model, groups)
 
 
 def loss_fn(model: nn.Module) -> Any:

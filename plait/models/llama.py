@@ -1,0 +1,89 @@
+"""Plans for Hugging Face Llama and the families that share its layout (Mistral, Qwen2).
+
+Recognised by class name (``plait.models.plans.FAMILIES``), so ``transformers`` is never
+imported here. The layout read::
+
+    model.embed_tokens                      nn.Embedding (padding_idx = pad_token_id)
+    model.layers.<i>.self_attn.{q,k,v}_proj nn.Linear (k, v: num_key_value_heads heads)
+    model.layers.<i>.self_attn.o_proj       nn.Linear
+    model.layers.<i>.mlp.{gate,up}_proj     nn.Linear
+    model.layers.<i>.mlp.down_proj          nn.Linear
+    model.layers.<i>.{input,post_attention}_layernorm, model.norm    RMSNorm
+    lm_head                                 nn.Linear (may share embed_tokens' weight)
+
+The attention reshapes its projections with ``view(*shape, -1, head_dim)`` (the local head
+count follows from the width it receives) and reads ``num_key_value_groups`` (query heads
+per key/value head) for grouped-query attention; the plan names it (and the
+``num_heads``/``num_key_value_heads`` attributes older versions read) so each rank's counts
+are set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from plait.strategies.tensor.parallelize import Style
+from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
+
+# attention attributes holding head counts, in the transformers versions that have them
+HEAD_ATTRIBUTES = {
+    "num_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "num_key_value_groups": "groups",
+}
+
+
+def _config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        raise ValueError(
+            f"{type(model).__name__}: a Llama-family plan reads the model's config "
+            f"(num_attention_heads, num_key_value_heads); this model has none"
+        )
+    return config
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
+    """The 1D tensor-parallel plan of a Llama-layout model (``...ForCausalLM`` or the bare
+    ``...Model``).
+
+    Attention: ``q/k/v_proj`` column-wise (each rank computes ``heads/t`` query heads and
+    ``kv_heads/t`` key/value heads; with fewer key/value heads than ranks, ``k/v_proj`` stay
+    whole and each rank computes the one its queries read), ``o_proj`` row-wise. MLP:
+    ``gate/up_proj`` column-wise, ``down_proj`` row-wise. The token embedding is split by
+    vocabulary (``padding_idx`` kept); ``lm_head`` by vocabulary with its output gathered,
+    so the model's forward returns the full logits and Hugging Face's ``labels=`` loss works
+    unchanged (one all-gather of ``b * s * V`` per call). RMSNorms and the rotary embedding
+    stay whole on every rank.
+    """
+    if sequence_parallel:
+        raise ValueError(
+            f"{type(model).__name__}: sequence parallelism is not available for the "
+            f"Hugging Face Llama layout yet (its rotary embedding and causal mask are built "
+            f"from the embedding's output length); use sequence_parallel=False"
+        )
+    config = _config(model)
+    prefix = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
+    layers = f"{prefix}layers.*"
+    styles: dict[str, Any] = {
+        f"{prefix}embed_tokens": "vocab",
+        f"{layers}.self_attn.q_proj": "colwise",
+        f"{layers}.self_attn.k_proj": "colwise",
+        f"{layers}.self_attn.v_proj": "colwise",
+        f"{layers}.self_attn.o_proj": "rowwise",
+        f"{layers}.mlp.gate_proj": "colwise",
+        f"{layers}.mlp.up_proj": "colwise",
+        f"{layers}.mlp.down_proj": "rowwise",
+    }
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        styles["lm_head"] = Style("vocab", output="replicate")
+    heads = AttentionHeads(
+        f"{layers}.self_attn",
+        heads=config.num_attention_heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        key_value=("k_proj", "v_proj"),
+        attributes=HEAD_ATTRIBUTES,
+    )
+    return TensorPlan(styles=styles, attention=(heads,))
