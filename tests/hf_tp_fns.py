@@ -1,0 +1,157 @@
+"""Rank functions for tests/test_hf_tp.py: a Hugging Face LlamaForCausalLM handed whole to
+``plait.prepare(strategy="tp")`` against the one-process oracle on the same global batch.
+
+Each run: float64, eager attention, dropout off, 3 AdamW steps with two parameter groups
+(decay: matrices; no decay: norms and biases), 2 accumulation micro-steps, the loss from the
+model's own ``labels=``, ``plait.clip_grad_norm_(model.parameters(), MAX_NORM)`` active."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait import checkpoint
+
+STEPS, MICRO, BATCH, SEQ = 3, 2, 2, 8
+MAX_NORM = 0.5  # the gradients' norms are ~2..5: clipping acts on every step
+VOCAB = 99  # not a multiple of 2 or 4: the vocabulary is padded on the split ranks
+
+
+def llama(*, tied: bool, kv_heads: int, seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=SEQ,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}],
+        lr=1e-2,
+    )
+
+
+def batch(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, clip: Any) -> dict[str, Any]:
+    losses, norms = [], []
+    logits0 = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(MICRO):
+            ids = batch(step, micro)
+            out = model(input_ids=ids, labels=ids)
+            if logits0 is None:
+                logits0 = out.logits.detach().clone()
+            (out.loss / MICRO).backward()
+            total += out.loss.item() / MICRO
+        norms.append(float(clip(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "logits0": logits0}
+
+
+def oracle(*, tied: bool, kv_heads: int) -> dict[str, Any]:
+    """One process, the dense model, the same batches."""
+    model = llama(tied=tied, kv_heads=kv_heads)
+    out = _train(model, optimizer(model), torch.nn.utils.clip_grad_norm_)
+    out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def train(*, tied: bool, kv_heads: int) -> dict[str, Any]:
+    """Every rank of the world is one tensor-parallel rank; the model handed over whole."""
+    model = llama(tied=tied, kv_heads=kv_heads)
+    dense = {n: p.numel() for n, p in model.named_parameters()}
+    model, opt = plait.prepare(
+        model, optimizer(model), strategy="tp", mesh=plait.Mesh(tp=plait.world().size)
+    )
+    assert opt is not None
+    groups = [len(g["params"]) for g in opt.param_groups]
+    hyper = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    out = _train(model, opt, plait.clip_grad_norm_)
+    attn = model.model.layers[0].self_attn
+    out |= {
+        "state": checkpoint.full_state_dict(model),
+        "dense_numel": dense,
+        "local_numel": {n: p.numel() for n, p in model.named_parameters()},
+        "groups": groups,
+        "hyper": hyper,
+        "kv_groups": attn.num_key_value_groups,
+        "k_proj": type(attn.k_proj).__name__,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+    return out
+
+
+def seeded_apart() -> str:
+    """Rank 1 builds its model from another seed: prepare must refuse, naming both."""
+    rank = plait.world().rank
+    model = llama(tied=False, kv_heads=2, seed=rank)
+    try:
+        plait.prepare(model, optimizer(model), strategy="tp", mesh=plait.Mesh(tp=2))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _six_heads_three_kv() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def refusals() -> dict[str, str]:
+    """3 key/value heads over 2 ranks (2 divides neither 3 nor 3 divides 2), and a model
+    family with no plan: each refused before any collective, naming what to change."""
+    out = {}
+    for name, build in {"kv": _six_heads_three_kv, "no_plan": _neox}.items():
+        try:
+            plait.prepare(build(), None, strategy="tp", mesh=plait.Mesh(tp=2))
+            out[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+    return out

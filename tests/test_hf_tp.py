@@ -1,0 +1,66 @@
+"""Tensor parallelism on a Hugging Face LlamaForCausalLM handed over whole to
+``plait.prepare(model, opt, strategy="tp", mesh=Mesh(tp=t))``: the plan comes from the
+model's family, the model's own forward returns the full logits and its ``labels=`` loss,
+the AdamW optimizer keeps its two parameter groups, ``plait.clip_grad_norm_`` is global.
+
+Compared with one process on the same global batch in float64 after 3 steps of 2
+accumulation micro-steps with clipping active: the ranks sum partial products in another
+order than the dense matmuls (observed differences ~1e-16..1e-14); we allow 1e-8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests import hf_tp_fns as fns  # noqa: E402
+
+TOL = {"rtol": 1e-8, "atol": 1e-8}
+
+
+def _same(got: dict, want: dict) -> None:
+    torch.testing.assert_close(got["losses"], want["losses"], **TOL)
+    torch.testing.assert_close(got["norms"], want["norms"], **TOL)
+    assert all(n > fns.MAX_NORM for n in want["norms"])  # clipping acted on every step
+    assert got["logits0"].shape[-1] == fns.VOCAB  # the full logits, padding cut off
+    torch.testing.assert_close(got["logits0"], want["logits0"], **TOL)
+    assert list(got["state"]) == list(want["state"])
+    for key, value in want["state"].items():
+        assert got["state"][key].shape == value.shape, key
+        torch.testing.assert_close(got["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize(("world", "tied", "kv_heads"), [(2, False, 2), (2, True, 2), (4, False, 2)])
+def test_llama_tp_matches_one_process(ranks, world, tied, kv_heads):
+    want = fns.oracle(tied=tied, kv_heads=kv_heads)
+    for res in ranks(world, fns.train, tied=tied, kv_heads=kv_heads, timeout=300):
+        _same(res, want)
+        assert res["groups"][1] == 2 * 2 + 1  # two RMSNorms per layer and the final norm
+        assert res["hyper"] == [(1e-2, 0.1), (3e-3, 0.0)]
+        assert res["tied"] == tied
+        # 4 query heads and 2 key/value heads: split at t = 2; at t = 4 each rank keeps the
+        # key/value projections whole and computes the one head its query head reads
+        assert res["kv_groups"] == (2 if world == 2 else 1)
+        assert res["k_proj"] == ("ColumnParallelLinear" if world == 2 else "HeadSelectLinear")
+        local, dense = res["local_numel"], res["dense_numel"]
+        assert local["model.layers.0.mlp.up_proj.weight"] * world == dense[
+            "model.layers.0.mlp.up_proj.weight"
+        ]
+        assert local["model.embed_tokens.weight"] == -(-fns.VOCAB // world) * 32
+
+
+def test_ranks_seeded_apart_are_refused_by_name(ranks):
+    for text in ranks(2, fns.seeded_apart, timeout=120):
+        assert "parameter 'model.embed_tokens.weight' differs across the tensor-parallel" in text
+        assert "rank 0 has sum" in text and "rank 1 has sum" in text
+        assert "seed it identically" in text
+
+
+def test_refusals_name_what_to_change(ranks):
+    for out in ranks(2, fns.refusals, timeout=120):
+        assert "has 3 key/value heads and the tensor-parallel size is 2" in out["kv"]
+        assert "model.layers.*.self_attn" in out["kv"]
+        assert "needs plan= for a GPTNeoXForCausalLM" in out["no_plan"]
+        assert "'colwise'" in out["no_plan"]
