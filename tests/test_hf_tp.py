@@ -29,10 +29,14 @@ def _same(got: dict, want: dict) -> None:
     assert list(got["state"]) == list(want["state"])
     for key, value in want["state"].items():
         assert got["state"][key].shape == value.shape, key
-        torch.testing.assert_close(got["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            got["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
-@pytest.mark.parametrize(("world", "tied", "kv_heads"), [(2, False, 2), (2, True, 2), (4, False, 2)])
+@pytest.mark.parametrize(
+    ("world", "tied", "kv_heads"), [(2, False, 2), (2, True, 2), (4, False, 2)]
+)
 def test_llama_tp_matches_one_process(ranks, world, tied, kv_heads):
     want = fns.oracle(tied=tied, kv_heads=kv_heads)
     for res in ranks(world, fns.train, tied=tied, kv_heads=kv_heads, timeout=300):
@@ -45,9 +49,10 @@ def test_llama_tp_matches_one_process(ranks, world, tied, kv_heads):
         assert res["kv_groups"] == (2 if world == 2 else 1)
         assert res["k_proj"] == ("ColumnParallelLinear" if world == 2 else "HeadSelectLinear")
         local, dense = res["local_numel"], res["dense_numel"]
-        assert local["model.layers.0.mlp.up_proj.weight"] * world == dense[
-            "model.layers.0.mlp.up_proj.weight"
-        ]
+        assert (
+            local["model.layers.0.mlp.up_proj.weight"] * world
+            == dense["model.layers.0.mlp.up_proj.weight"]
+        )
         assert local["model.embed_tokens.weight"] == -(-fns.VOCAB // world) * 32
 
 

@@ -61,9 +61,7 @@ def check_agreement(
         return
     plan_entries = [(f"plan {line}", torch.empty(0)) for line in plan_lines]
     verify_same_parameters([*named, *plan_entries], group, who=who)
-    mine = torch.tensor(
-        [fingerprint(p) for _, p in named] or [(0.0, 0.0)], dtype=torch.float64
-    )
+    mine = torch.tensor([fingerprint(p) for _, p in named] or [(0.0, 0.0)], dtype=torch.float64)
     every = torch.empty((group.size, *mine.shape), dtype=torch.float64)
     ops.all_gather(every, mine, group=group)
     for i, (name, p) in enumerate(named):

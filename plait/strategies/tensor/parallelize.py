@@ -304,9 +304,7 @@ def _attention(
                 kv = heads.kv_heads or heads.heads
                 out = getattr(proj, "out_features", 0)
                 if out % kv:
-                    raise ValueError(
-                        f"attention {n!r}: {path!r} has {out} outputs, not {kv} heads"
-                    )
+                    raise ValueError(f"attention {n!r}: {path!r} has {out} outputs, not {kv} heads")
                 keep_whole[path] = (out // kv, local["replicas"])
     return keep_whole, counted
 
@@ -462,9 +460,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def group_of_names(
-    optimizer: torch.optim.Optimizer, model: nn.Module
-) -> dict[str, int]:
+def group_of_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
     """Parameter name (every name a shared parameter has) -> its optimizer group's index,
     read before the model is parallelized. Refuses an optimizer that has stepped (its
     state is per dense parameter) or that holds a tensor that is not the model's."""

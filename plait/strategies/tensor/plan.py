@@ -95,8 +95,12 @@ class AttentionHeads:
                 f"size is {t}: {t} does not divide {kv}; {how}"
             )
         heads = self.heads // t
-        return {"heads": heads, "kv_heads": local_kv, "groups": heads // local_kv,
-                "replicas": replicas}
+        return {
+            "heads": heads,
+            "kv_heads": local_kv,
+            "groups": heads // local_kv,
+            "replicas": replicas,
+        }
 
 
 @dataclass(frozen=True)
