@@ -155,3 +155,23 @@ def refusals() -> dict[str, str]:
         except (ValueError, TypeError) as exc:
             out[name] = str(exc)
     return out
+
+
+def nonfinite(policy: str) -> dict[str, Any]:
+    """Rank 1 puts a NaN into its slice of one split weight's gradient before the step."""
+    model = llama(tied=False, kv_heads=2)
+    model, opt = plait.prepare(
+        model, optimizer(model), strategy="tp", mesh=plait.Mesh(tp=2), check_finite=policy
+    )
+    assert opt is not None
+    ids = batch(0, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if plait.world().rank == 1:
+        model.model.layers[1].mlp.up_proj.weight.grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except FloatingPointError as exc:
+        return {"error": str(exc)}
+    same = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return {"unchanged": same, "skipped": opt.plait_finite_check.skipped_steps}  # type: ignore[attr-defined]

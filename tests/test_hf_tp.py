@@ -69,3 +69,11 @@ def test_refusals_name_what_to_change(ranks):
         assert "model.layers.*.self_attn" in out["kv"]
         assert "needs plan= for a GPTNeoXForCausalLM" in out["no_plan"]
         assert "'colwise'" in out["no_plan"]
+
+
+def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank(ranks):
+    for out in ranks(2, fns.nonfinite, "raise", timeout=120):
+        assert "rank 1 in parameter 'model.layers.1.mlp.up_proj.weight'" in out["error"]
+        assert "every rank raises" in out["error"]
+    for out in ranks(2, fns.nonfinite, "skip", timeout=120):
+        assert out == {"unchanged": True, "skipped": 1}

@@ -46,9 +46,11 @@ import torch
 from torch import nn
 
 from plait.comm.group import Group
+from plait.strategies.data_parallel.grad_sync import check_policy
 from plait.strategies.placement import place
 from plait.strategies.tensor import mappings as M
 from plait.strategies.tensor.agreement import check_agreement
+from plait.strategies.tensor.finite import watch_finite
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
     HeadSelectLinear,
@@ -527,6 +529,7 @@ def prepare_tp(
     mode: str = "1d",
     algorithm: str = "auto",
     check: bool = True,
+    check_finite: str | None = "raise",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(model, optimizer, strategy="tp", mesh=..., plan=..., mode=...)``.
 
@@ -535,8 +538,11 @@ def prepare_tp(
     optimizer is rebuilt over the shards with its parameter groups and their
     hyper-parameters (:func:`rebuild_optimizer`). ``mode`` ``"2d"``, ``"2.5d"`` or ``"3d"``
     runs :func:`~plait.strategies.tensor.parallelize_nd.prepare_nd` on the mesh's ``row`` x
-    ``col`` (x ``depth``) grid (``grid_mesh(mode, n)`` builds one). Collective over the
-    mesh.
+    ``col`` (x ``depth``) grid (``grid_mesh(mode, n)`` builds one). ``check``: the
+    wrap-time agreement check of :func:`parallelize`. ``check_finite`` (1D): ``"raise"``
+    (default), ``"skip"`` or None, what every rank does before ``optimizer.step()`` when a
+    rank's gradient holds inf or NaN (:mod:`~plait.strategies.tensor.finite`: one
+    all-reduce of ``t`` integers per step). Collective over the mesh.
     """
     if mode != "1d":
         from plait.strategies.tensor.parallelize_nd import prepare_nd
@@ -555,6 +561,7 @@ def prepare_tp(
             f"/ 'sequence', e.g. plan={{'layers.*.fc1': 'colwise', 'layers.*.fc2': "
             f"'rowwise'}}, or a plait.strategies.tensor.TensorPlan with the attention heads"
         )
+    check_policy(check_finite)
     if sequence_parallel:
         raise ValueError(
             "strategy 'tp': with an explicit plan, mark sequence regions in it (a family's "
@@ -564,7 +571,9 @@ def prepare_tp(
     parallelize(model, mesh, plan, algorithm=algorithm, check=check)
     if optimizer is None:
         return model, None
-    return model, rebuild_optimizer(optimizer, model, groups)
+    rebuilt = rebuild_optimizer(optimizer, model, groups)
+    watch_finite(rebuilt, model, _group_of(mesh), check_finite)
+    return model, rebuilt
 
 
 def loss_fn(model: nn.Module) -> Any:
