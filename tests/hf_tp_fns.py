@@ -40,6 +40,31 @@ def llama(*, tied: bool, kv_heads: int, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).to(torch.float64)
 
 
+def gpt2(*, tied: bool, seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).to(torch.float64)
+
+
+def build(family: str, *, tied: bool, kv_heads: int) -> nn.Module:
+    return gpt2(tied=tied) if family == "gpt2" else llama(tied=tied, kv_heads=kv_heads)
+
+
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -73,17 +98,17 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, clip: Any) -> dict[str,
     return {"losses": losses, "norms": norms, "logits0": logits0}
 
 
-def oracle(*, tied: bool, kv_heads: int) -> dict[str, Any]:
+def oracle(*, family: str = "llama", tied: bool, kv_heads: int = 2) -> dict[str, Any]:
     """One process, the dense model, the same batches."""
-    model = llama(tied=tied, kv_heads=kv_heads)
+    model = build(family, tied=tied, kv_heads=kv_heads)
     out = _train(model, optimizer(model), torch.nn.utils.clip_grad_norm_)
     out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
 
 
-def train(*, tied: bool, kv_heads: int) -> dict[str, Any]:
+def train(*, family: str = "llama", tied: bool, kv_heads: int = 2) -> dict[str, Any]:
     """Every rank of the world is one tensor-parallel rank; the model handed over whole."""
-    model = llama(tied=tied, kv_heads=kv_heads)
+    model = build(family, tied=tied, kv_heads=kv_heads)
     dense = {n: p.numel() for n, p in model.named_parameters()}
     model, opt = plait.prepare(
         model, optimizer(model), strategy="tp", mesh=plait.Mesh(tp=plait.world().size)
@@ -92,13 +117,22 @@ def train(*, tied: bool, kv_heads: int) -> dict[str, Any]:
     groups = [len(g["params"]) for g in opt.param_groups]
     hyper = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
     out = _train(model, opt, plait.clip_grad_norm_)
-    attn = model.model.layers[0].self_attn
     out |= {
         "state": checkpoint.full_state_dict(model),
         "dense_numel": dense,
         "local_numel": {n: p.numel() for n, p in model.named_parameters()},
         "groups": groups,
         "hyper": hyper,
+    }
+    if family == "gpt2":
+        attn = model.transformer.h[0].attn
+        out |= {
+            "split_size": attn.split_size,
+            "tied": model.lm_head.weight is model.transformer.wte.weight,
+        }
+        return out
+    attn = model.model.layers[0].self_attn
+    out |= {
         "kv_groups": attn.num_key_value_groups,
         "k_proj": type(attn.k_proj).__name__,
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,

@@ -56,6 +56,20 @@ def test_llama_tp_matches_one_process(ranks, world, tied, kv_heads):
         assert local["model.embed_tokens.weight"] == -(-fns.VOCAB // world) * 32
 
 
+def test_gpt2_tp_matches_one_process(ranks):
+    """GPT-2's Conv1D layers split as the transposed linears they are, the fused c_attn
+    per query / key / value part; the state comes back in Conv1D's own layout."""
+    want = fns.oracle(family="gpt2", tied=True)
+    for res in ranks(2, fns.train, family="gpt2", tied=True, timeout=300):
+        _same(res, want)
+        assert res["tied"] and res["split_size"] == 16  # this rank's query width
+        assert res["hyper"] == [(1e-2, 0.1), (3e-3, 0.0)]
+        local, dense = res["local_numel"], res["dense_numel"]
+        for name in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.bias"):
+            key = f"transformer.h.1.{name}"
+            assert local[key] * 2 == dense[key], key
+
+
 def test_ranks_seeded_apart_are_refused_by_name(ranks):
     for text in ranks(2, fns.seeded_apart, timeout=120):
         assert "parameter 'model.embed_tokens.weight' differs across the tensor-parallel" in text

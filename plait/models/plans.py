@@ -30,6 +30,8 @@ FAMILIES: dict[str, str] = {
     "LlamaModel": "plait.models.llama",
     "MistralForCausalLM": "plait.models.llama",
     "Qwen2ForCausalLM": "plait.models.llama",
+    "GPT2LMHeadModel": "plait.models.gpt2",
+    "GPT2Model": "plait.models.gpt2",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}

@@ -94,6 +94,8 @@ class ColumnParallelLinear(nn.Module):
         input: str = "replicate",
         gather_output: bool = False,
         pad: bool = False,
+        blocks: int = 1,
+        transposed: bool = False,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -102,7 +104,15 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.algorithm = group, algorithm
         self.input = _choice("ColumnParallelLinear", "input", input, INPUTS_COL)
         self.gather_output = gather_output
-        self.part = _part("ColumnParallelLinear", "out_features", out_features, group, pad=pad)
+        self.blocks, self.transposed = blocks, transposed
+        if out_features % blocks or (blocks > 1 and (pad or gather_output)):
+            raise ValueError(
+                f"ColumnParallelLinear: {out_features} outputs in {blocks} fused parts: the "
+                f"parts must be equal, and a fused projection is neither padded nor gathered"
+            )
+        self.part = blocks * _part(
+            "ColumnParallelLinear", "out_features per part", out_features // blocks, group, pad=pad
+        )
         self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.part, dtype=dtype)) if bias else None
 
@@ -121,10 +131,13 @@ class ColumnParallelLinear(nn.Module):
             dtype=dense.weight.dtype,
             **options,
         )
+        k = layer.blocks
         with torch.no_grad():
-            layer.weight.copy_(_rows(dense.weight, layer.part, group.rank))
-            if dense.bias is not None and layer.bias is not None:
-                layer.bias.copy_(_rows(dense.bias, layer.part, group.rank))
+            for mine, full in ((layer.weight, dense.weight), (layer.bias, dense.bias)):
+                if mine is None or full is None:
+                    continue
+                parts = full.chunk(k)  # each fused part split on its own
+                mine.copy_(torch.cat([_rows(p, layer.part // k, group.rank) for p in parts]))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,10 +154,18 @@ class ColumnParallelLinear(nn.Module):
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The dense ``weight`` (and ``bias``), padding dropped. Collective."""
-        out = {"weight": _gather_rows(self.weight, self.out_features, self.group)}
-        if self.bias is not None:
-            out["bias"] = _gather_rows(self.bias, self.out_features, self.group)
+        """The dense ``weight`` (and ``bias``), padding dropped, fused parts put back in
+        order, a transposed weight in its own ``[in, out]`` layout. Collective."""
+        out = {}
+        for key, local in (("weight", self.weight), ("bias", self.bias)):
+            if local is None:
+                continue
+            k, t = self.blocks, self.group.size
+            every = _gather_rows(local, t * self.part, self.group)  # [t * k * p, ...]
+            if k > 1:  # [t, k, p, ...] -> [k, t, p, ...]
+                every = every.unflatten(0, (t, k, -1)).transpose(0, 1).flatten(0, 2)
+            full = every[: self.out_features].clone()
+            out[key] = full.t().contiguous() if key == "weight" and self.transposed else full
         return out
 
     def extra_repr(self) -> str:
@@ -172,12 +193,14 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input: str = "sharded",
         output: str = "replicate",
+        transposed: bool = False,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.algorithm = group, algorithm
+        self.transposed = transposed
         self.input = _choice("RowParallelLinear", "input", input, INPUTS_ROW)
         self.output = _choice("RowParallelLinear", "output", output, OUTPUTS)
         self.part = _part("RowParallelLinear", "in_features", in_features, group, pad=False)
@@ -217,7 +240,7 @@ class RowParallelLinear(nn.Module):
     def full_state(self) -> dict[str, torch.Tensor]:
         """The dense ``weight`` (and ``bias``). Collective."""
         w = _gather_rows(self.weight.t().contiguous(), self.in_features, self.group)
-        out = {"weight": w.t().contiguous()}
+        out = {"weight": w if self.transposed else w.t().contiguous()}
         if self.bias is not None:
             out["bias"] = self.bias.detach().clone()
         return out

@@ -78,15 +78,31 @@ class Style:
     """A plan entry. ``kind`` is one of :data:`KINDS`; ``input``/``output`` override the
     layouts the mode implies (``"replicate"``, ``"sequence"``, or for a row-parallel
     input ``"sharded"``). ``Style("sequence", input="replicate")`` slices a whole input
-    along the sequence on entry (the position embedding's ids)."""
+    along the sequence on entry (the position embedding's ids).
+
+    ``transposed``: the module stores its weight as ``[in, out]`` and computes
+    ``x @ weight + bias`` (Hugging Face's ``Conv1D`` in GPT-2); it is split as the linear it
+    is and ``full_state_dict`` gives its weight back in its own layout. ``blocks``: a fused
+    column-parallel projection whose output is ``blocks`` equal parts (GPT-2's ``c_attn``:
+    queries, keys, values): each part is split separately, so every rank holds its slice
+    of each."""
 
     kind: str
     input: str | None = None
     output: str | None = None
+    transposed: bool = False
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown tensor-parallel style {self.kind!r}; use one of {KINDS}")
+        if self.blocks < 1 or (self.blocks > 1 and self.kind != "colwise"):
+            raise ValueError(
+                f"Style({self.kind!r}, blocks={self.blocks}): blocks (a fused projection's "
+                f"parts) is for 'colwise' only, at least 1"
+            )
+        if self.transposed and self.kind not in ("colwise", "rowwise"):
+            raise ValueError(f"Style({self.kind!r}, transposed=True): for linears only")
 
 
 @dataclass
@@ -185,6 +201,24 @@ def _plain(name: str, module: nn.Module, base: type[nn.Module], kind: str) -> No
         )
 
 
+def _as_linear(name: str, module: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` a transposed linear (weight ``[in, out]``, ``x @ weight + bias``)
+    computes, sharing nothing with it (its slices are copied out)."""
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"module {name!r} is a {type(module).__name__} without a 2-D weight; "
+            f"Style(transposed=True) is for linears storing their weight as [in, out]"
+        )
+    n_in, n_out = weight.shape
+    linear = nn.Linear(n_in, n_out, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach().t(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
 def _convert(
     name: str,
     module: nn.Module,
@@ -200,7 +234,9 @@ def _convert(
     fewer than the ranks (kept whole, each rank computing one head)."""
     kind = style.kind
     seq_or_rep = "sequence" if sp else "replicate"
-    if kind in ("colwise", "rowwise"):
+    if style.transposed:
+        module = _as_linear(name, module)
+    elif kind in ("colwise", "rowwise"):
         _plain(name, module, nn.Linear, kind)
     if kind == "colwise" and kv_replicas is not None:
         head_dim, replicas = kv_replicas
@@ -218,6 +254,8 @@ def _convert(
             group=group,
             input=style.input or seq_or_rep,
             gather_output=style.output == "replicate",
+            blocks=style.blocks,
+            transposed=style.transposed,
             algorithm=algorithm,
         )
     if kind == "rowwise":
@@ -226,6 +264,7 @@ def _convert(
             group=group,
             input=style.input or "sharded",
             output=style.output or seq_or_rep,
+            transposed=style.transposed,
             algorithm=algorithm,
         )
     if kind == "vocab":

@@ -32,9 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# what an AttentionHeads attribute may hold: this rank's query heads, key/value heads, or
-# query heads per key/value head
-HEAD_COUNTS = ("heads", "kv_heads", "groups")
+# what an AttentionHeads attribute may hold: this rank's query heads, key/value heads,
+# query heads per key/value head, or query width (heads * head_dim)
+HEAD_COUNTS = ("heads", "kv_heads", "groups", "width")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class AttentionHeads:
     refused naming the module. ``attributes`` maps attribute names of the attention module
     to :data:`HEAD_COUNTS` (``"heads"``, ``"kv_heads"``, ``"groups"``); each attribute the
     module has is set to this rank's count (an attribute it lacks is skipped, so one plan
-    serves several versions of a library).
+    serves several versions of a library); ``"width"`` is this rank's ``heads * head_dim``
+    (GPT-2's ``split_size``).
     """
 
     modules: str
@@ -59,8 +60,13 @@ class AttentionHeads:
     kv_heads: int | None = None
     key_value: tuple[str, ...] = ()
     attributes: Mapping[str, str] = field(default_factory=dict)
+    head_dim: int | None = None  # needed by a "width" attribute
 
     def __post_init__(self) -> None:
+        if "width" in self.attributes.values() and self.head_dim is None:
+            raise ValueError(
+                f"AttentionHeads({self.modules!r}): a 'width' attribute needs head_dim="
+            )
         bad = {k: v for k, v in self.attributes.items() if v not in HEAD_COUNTS}
         if bad:
             raise ValueError(
@@ -99,6 +105,7 @@ class AttentionHeads:
             "heads": heads,
             "kv_heads": local_kv,
             "groups": heads // local_kv,
+            "width": heads * (self.head_dim or 0),
             "replicas": replicas,
         }
 
