@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import plait
 from plait import checkpoint
@@ -18,6 +19,15 @@ from plait import checkpoint
 STEPS, MICRO, BATCH, SEQ = 3, 2, 2, 8
 MAX_NORM = 0.5  # the gradients' norms are ~2..5: clipping acts on every step
 VOCAB = 99  # not a multiple of 2 or 4: the vocabulary is padded on the split ranks
+
+
+def _lm_types() -> tuple[type, ...]:
+    from transformers import PreTrainedModel
+
+    return (PreTrainedModel,)
+
+
+LM_TYPES = _lm_types()
 
 
 def llama(*, tied: bool, kv_heads: int, seed: int = 0) -> nn.Module:
@@ -61,8 +71,47 @@ def gpt2(*, tied: bool, seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(config).to(torch.float64)
 
 
+def qwen3(*, tied: bool, kv_heads: int, seed: int = 0) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        max_position_embeddings=SEQ,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config).to(torch.float64)
+
+
+def titan(*, kv_heads: int, seed: int = 0) -> nn.Module:
+    from tests.titan_model import Transformer
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # .to(float64) would drop the RoPE's imaginary part
+    try:
+        return Transformer(vocab=VOCAB, dim=32, layers=2, n_heads=4, n_kv_heads=kv_heads, seq=SEQ)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def build(family: str, *, tied: bool, kv_heads: int) -> nn.Module:
-    return gpt2(tied=tied) if family == "gpt2" else llama(tied=tied, kv_heads=kv_heads)
+    if family == "gpt2":
+        return gpt2(tied=tied)
+    if family == "qwen3":
+        return qwen3(tied=tied, kv_heads=kv_heads)
+    if family == "titan":
+        return titan(kv_heads=kv_heads)
+    return llama(tied=tied, kv_heads=kv_heads)
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -87,11 +136,16 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, clip: Any) -> dict[str,
         total = 0.0
         for micro in range(MICRO):
             ids = batch(step, micro)
-            out = model(input_ids=ids, labels=ids)
+            if isinstance(model, LM_TYPES):  # the model's own labels= loss
+                out = model(input_ids=ids, labels=ids)
+                logits, loss = out.logits, out.loss
+            else:  # a model returning logits: next-token cross-entropy
+                logits = model(ids)
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
             if logits0 is None:
-                logits0 = out.logits.detach().clone()
-            (out.loss / MICRO).backward()
-            total += out.loss.item() / MICRO
+                logits0 = logits.detach().clone()
+            (loss / MICRO).backward()
+            total += loss.item() / MICRO
         norms.append(float(clip(model.parameters(), MAX_NORM)))
         opt.step()
         losses.append(total)
@@ -131,6 +185,9 @@ def train(*, family: str = "llama", tied: bool, kv_heads: int = 2) -> dict[str, 
             "tied": model.lm_head.weight is model.transformer.wte.weight,
         }
         return out
+    if family == "titan":
+        attn = model.layers["0"].attention
+        return out | {"kv_groups": attn.n_rep, "k_proj": type(attn.wk).__name__}
     attn = model.model.layers[0].self_attn
     out |= {
         "kv_groups": attn.num_key_value_groups,

@@ -1,4 +1,5 @@
-"""Plans for Hugging Face Llama and the families that share its layout (Mistral, Qwen2).
+"""Plans for Hugging Face Llama and the families that share its layout (Mistral, Qwen2,
+Qwen3).
 
 Recognised by class name (``plait.models.plans.FAMILIES``), so ``transformers`` is never
 imported here. The layout read::
@@ -6,6 +7,7 @@ imported here. The layout read::
     model.embed_tokens                      nn.Embedding (padding_idx = pad_token_id)
     model.layers.<i>.self_attn.{q,k,v}_proj nn.Linear (k, v: num_key_value_heads heads)
     model.layers.<i>.self_attn.o_proj       nn.Linear
+    model.layers.<i>.self_attn.{q,k}_norm   RMSNorm over each head (Qwen3 only)
     model.layers.<i>.mlp.{gate,up}_proj     nn.Linear
     model.layers.<i>.mlp.down_proj          nn.Linear
     model.layers.<i>.{input,post_attention}_layernorm, model.norm    RMSNorm
@@ -56,7 +58,8 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     vocabulary (``padding_idx`` kept); ``lm_head`` by vocabulary with its output gathered,
     so the model's forward returns the full logits and Hugging Face's ``labels=`` loss works
     unchanged (one all-gather of ``b * s * V`` per call). RMSNorms and the rotary embedding
-    stay whole on every rank.
+    stay whole on every rank; Qwen3's per-head ``q_norm``/``k_norm`` too, their gradients
+    summed over the group (``"per_head"``: each rank's covers its heads only).
     """
     if sequence_parallel:
         raise ValueError(
@@ -77,6 +80,10 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
         f"{layers}.mlp.up_proj": "colwise",
         f"{layers}.mlp.down_proj": "rowwise",
     }
+    names = {n for n, _ in model.named_modules()}
+    for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head's vector
+        if f"{prefix}layers.0.self_attn.{norm}" in names:
+            styles[f"{layers}.self_attn.{norm}"] = "per_head"
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         styles["lm_head"] = Style("vocab", output="replicate")
     heads = AttentionHeads(

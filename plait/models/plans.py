@@ -30,8 +30,10 @@ FAMILIES: dict[str, str] = {
     "LlamaModel": "plait.models.llama",
     "MistralForCausalLM": "plait.models.llama",
     "Qwen2ForCausalLM": "plait.models.llama",
+    "Qwen3ForCausalLM": "plait.models.llama",
     "GPT2LMHeadModel": "plait.models.gpt2",
     "GPT2Model": "plait.models.gpt2",
+    "Transformer": "plait.models.torchtitan_llama",  # torchtitan's Llama 3 (layout checked)
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}

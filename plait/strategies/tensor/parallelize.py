@@ -13,6 +13,9 @@ style          module              becomes
 "sequence"     any                 runs on this rank's slice of the sequence; its parameters
                                    stay replicated and their gradients are summed over the
                                    group (the sequence-parallel LayerNorm)
+"per_head"     any                 applied to this rank's heads only (a per-head norm:
+                                   Qwen3's ``q_norm``/``k_norm``): its parameters stay whole
+                                   and each backward's gradient is summed over the group
 "replicate"    any                 unchanged (its input and output are whole)
 "2d", "2.5d",  ``nn.Linear``,      the 2D / 2.5D / 3D layers of ``layers_nd`` on the mesh's
 "3d"           ``nn.LayerNorm``,   ``row`` x ``col`` (x ``depth``) grid; a plan uses one of
@@ -63,7 +66,7 @@ from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
 # the 2D / 2.5D / 3D styles, handled by parallelize_nd
 ND_KINDS = ("2d", "2.5d", "3d")
 
-KINDS = ("colwise", "rowwise", "vocab", "sequence", "replicate", *ND_KINDS)
+KINDS = ("colwise", "rowwise", "vocab", "sequence", "per_head", "replicate", *ND_KINDS)
 PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -287,6 +290,11 @@ def _convert(
             f"module {name!r} is a {type(module).__name__}; style 'vocab' applies to "
             f"nn.Embedding (input side) or nn.Linear (output head)"
         )
+    if kind == "per_head":
+        # each rank's gradient covers its heads only; the dense gradient is their sum
+        for p in module.parameters(recurse=True):
+            M.sum_gradient_across(p, group=group, algorithm=algorithm)
+        return None
     if kind == "sequence":
         if not sp:
             raise AssertionError("a 'sequence' entry turns sequence parallelism on")
