@@ -160,18 +160,25 @@ def oracle(*, family: str = "llama", tied: bool, kv_heads: int = 2) -> dict[str,
     return out
 
 
-def train(*, family: str = "llama", tied: bool, kv_heads: int = 2) -> dict[str, Any]:
+def train(
+    *, family: str = "llama", tied: bool, kv_heads: int = 2, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """Every rank of the world is one tensor-parallel rank; the model handed over whole."""
     model = build(family, tied=tied, kv_heads=kv_heads)
     dense = {n: p.numel() for n, p in model.named_parameters()}
     model, opt = plait.prepare(
-        model, optimizer(model), strategy="tp", mesh=plait.Mesh(tp=plait.world().size)
+        model,
+        optimizer(model),
+        strategy="tp",
+        mesh=plait.Mesh(tp=plait.world().size),
+        sequence_parallel=sequence_parallel,
     )
     assert opt is not None
     groups = [len(g["params"]) for g in opt.param_groups]
     hyper = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
     out = _train(model, opt, plait.clip_grad_norm_)
     out |= {
+        "sequence_parallel": model.plait_tensor_parallel.sequence_parallel,  # type: ignore[union-attr]
         "state": checkpoint.full_state_dict(model),
         "dense_numel": dense,
         "local_numel": {n: p.numel() for n, p in model.named_parameters()},

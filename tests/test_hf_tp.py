@@ -55,6 +55,17 @@ def test_llama_tp_matches_one_process(ranks, world, tied, kv_heads):
         assert local["model.embed_tokens.weight"] == -(-fns.VOCAB // world) * 32
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sequence_parallel_matches_one_process(ranks, family):
+    """tp + sp: the RMSNorms on 1/t of the sequence (their gradients summed), each attention
+    gathering the whole sequence for its own reshape, full logits out."""
+    want = fns.oracle(family=family, tied=False)
+    results = ranks(2, fns.train, family=family, tied=False, sequence_parallel=True, timeout=300)
+    for res in results:
+        _same(res, want)
+        assert res["sequence_parallel"]
+
+
 def test_gpt2_tp_matches_one_process(ranks):
     """GPT-2's Conv1D layers split as the transposed linears they are, the fused c_attn
     per query / key / value part; the state comes back in Conv1D's own layout."""

@@ -60,13 +60,15 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     unchanged (one all-gather of ``b * s * V`` per call). RMSNorms and the rotary embedding
     stay whole on every rank; Qwen3's per-head ``q_norm``/``k_norm`` too, their gradients
     summed over the group (``"per_head"``: each rank's covers its heads only).
+
+    ``sequence_parallel``: between the attention and MLP blocks each rank holds ``1/t`` of
+    the sequence (the RMSNorms run on it, their gradients summed over the group). The
+    embedding's output stays whole (the rotary embedding and the causal mask are built
+    from it) and the first decoder layer slices it; each attention all-gathers its input
+    (its reshape reads the input's length), ``o_proj``/``down_proj`` reduce-scatter, the
+    MLP's ``gate``/``up_proj`` all-gather, ``lm_head`` all-gathers the sequence and its
+    logits (full logits returned, as without it).
     """
-    if sequence_parallel:
-        raise ValueError(
-            f"{type(model).__name__}: sequence parallelism is not available for the "
-            f"Hugging Face Llama layout yet (its rotary embedding and causal mask are built "
-            f"from the embedding's output length); use sequence_parallel=False"
-        )
     config = _config(model)
     prefix = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
     layers = f"{prefix}layers.*"
@@ -86,6 +88,22 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
             styles[f"{layers}.self_attn.{norm}"] = "per_head"
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         styles["lm_head"] = Style("vocab", output="replicate")
+    if sequence_parallel:
+        gathered = Style("colwise", input="gathered")
+        styles |= {
+            # the rotary embedding and the causal mask are built from the embedding's
+            # output, so it stays whole; the first layer slices it
+            f"{prefix}embed_tokens": Style("vocab", output="replicate"),
+            f"{prefix}layers.0": "scatter",
+            f"{layers}.input_layernorm": "sequence",
+            f"{layers}.post_attention_layernorm": "sequence",
+            # the attention reshapes by its input's length: it gets the whole sequence
+            f"{layers}.self_attn": "gather",
+            f"{layers}.self_attn.q_proj": gathered,
+            f"{layers}.self_attn.k_proj": gathered,
+            f"{layers}.self_attn.v_proj": gathered,
+            f"{prefix}norm": "sequence",
+        }
     heads = AttentionHeads(
         f"{layers}.self_attn",
         heads=config.num_attention_heads,

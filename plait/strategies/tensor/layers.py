@@ -38,7 +38,9 @@ from torch.nn import functional as F
 from plait.comm.group import Group
 from plait.strategies.tensor import mappings as M
 
-INPUTS_COL = ("replicate", "sequence")
+# "gathered": the input is whole already, gathered from the sequence by an enclosing
+# module (whose reduce-scatter sums the partial dX in backward): no mapping here
+INPUTS_COL = ("replicate", "sequence", "gathered")
 INPUTS_ROW = ("sharded", "replicate")
 OUTPUTS = ("replicate", "sequence")
 
@@ -144,7 +146,7 @@ class ColumnParallelLinear(nn.Module):
         g, a = self.group, self.algorithm
         if self.input == "sequence":
             x = M.gather_from_sequence(x, group=g, algorithm=a)
-        else:
+        elif self.input == "replicate":
             x = M.copy_to_tp(x, group=g, algorithm=a)
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
@@ -405,7 +407,7 @@ class HeadSelectLinear(nn.Module):
         g, a = self.group, self.algorithm
         if self.input == "sequence":
             x = M.gather_from_sequence(x, group=g, algorithm=a)
-        else:
+        elif self.input == "replicate":
             x = M.copy_to_tp(x, group=g, algorithm=a)
         rows = slice(self.start, self.start + self.head_dim)
         return F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])

@@ -16,6 +16,14 @@ style          module              becomes
 "per_head"     any                 applied to this rank's heads only (a per-head norm:
                                    Qwen3's ``q_norm``/``k_norm``): its parameters stay whole
                                    and each backward's gradient is summed over the group
+"scatter"      any                 sequence parallelism: its first input is whole and is
+                                   sliced along the sequence on entry (backward: all-gather)
+"gather"       any                 sequence parallelism: its first input (or its
+                                   ``hidden_states``) is all-gathered along the sequence on
+                                   entry (backward: reduce-scatter), for a module that needs
+                                   the whole sequence (attention reshaping by its input's
+                                   length); its column-parallel layers take
+                                   ``Style("colwise", input="gathered")``
 "replicate"    any                 unchanged (its input and output are whole)
 "2d", "2.5d",  ``nn.Linear``,      the 2D / 2.5D / 3D layers of ``layers_nd`` on the mesh's
 "3d"           ``nn.LayerNorm``,   ``row`` x ``col`` (x ``depth``) grid; a plan uses one of
@@ -66,7 +74,19 @@ from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
 # the 2D / 2.5D / 3D styles, handled by parallelize_nd
 ND_KINDS = ("2d", "2.5d", "3d")
 
-KINDS = ("colwise", "rowwise", "vocab", "sequence", "per_head", "replicate", *ND_KINDS)
+KINDS = (
+    "colwise",
+    "rowwise",
+    "vocab",
+    "sequence",
+    "per_head",
+    "scatter",
+    "gather",
+    "replicate",
+    *ND_KINDS,
+)
+# styles that only move activations at a module's entry: they split no parameter
+HOOKS = ("scatter", "gather")
 PARALLEL_LAYERS = (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -290,6 +310,26 @@ def _convert(
             f"module {name!r} is a {type(module).__name__}; style 'vocab' applies to "
             f"nn.Embedding (input side) or nn.Linear (output head)"
         )
+    if kind in HOOKS:
+        if not sp:
+            raise ValueError(f"module {name!r}: style {kind!r} is for sequence parallelism")
+        move = M.scatter_to_sequence if kind == "scatter" else M.gather_from_sequence
+
+        def enter(
+            _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args:
+                return (move(args[0], group=group, algorithm=algorithm), *args[1:]), kwargs
+            if "hidden_states" not in kwargs:
+                raise TypeError(
+                    f"module {name!r} (style {kind!r}) was called without a positional input "
+                    f"or hidden_states="
+                )
+            moved = move(kwargs["hidden_states"], group=group, algorithm=algorithm)
+            return args, {**kwargs, "hidden_states": moved}
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        return None
     if kind == "per_head":
         # each rank's gradient covers its heads only; the dense gradient is their sum
         for p in module.parameters(recurse=True):
@@ -392,7 +432,7 @@ def parallelize(
     tplan = as_plan(plan)
     group = _group_of(mesh)
     styles = _resolve(model, tplan.styles)
-    sp = any(s.kind == "sequence" for s in styles.values())
+    sp = any(s.kind in ("sequence", *HOOKS) for s in styles.values())
     _check_heads(model, styles, group.size)
     keep_whole, counted = _attention(model, tplan, styles, group.size)
     _check_dropout(model)
@@ -401,7 +441,7 @@ def parallelize(
         check_agreement(list(model.named_parameters()), lines, group)
     modules = dict(model.named_modules())
     if sp:
-        covered = [n for n in styles]
+        covered = [n for n, s in styles.items() if s.kind not in HOOKS]
         for name, module in model.named_modules():
             own = list(module.parameters(recurse=False))
             if own and not any(name == c or name.startswith(f"{c}.") for c in covered):
