@@ -51,7 +51,9 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     """The 1D tensor-parallel plan of a Llama-layout model (``...ForCausalLM`` or the bare
     ``...Model``).
 
-    Attention: ``q/k/v_proj`` column-wise (each rank computes ``heads/t`` query heads and
+    Each attention and MLP block enters the tensor-parallel region once (``"gather"``: one
+    backward all-reduce for its column-parallel layers together). Attention: ``q/k/v_proj``
+    column-wise (each rank computes ``heads/t`` query heads and
     ``kv_heads/t`` key/value heads; with fewer key/value heads than ranks, ``k/v_proj`` stay
     whole and each rank computes the one its queries read), ``o_proj`` row-wise. MLP:
     ``gate/up_proj`` column-wise, ``down_proj`` row-wise. The token embedding is split by
@@ -65,21 +67,26 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     the sequence (the RMSNorms run on it, their gradients summed over the group). The
     embedding's output stays whole (the rotary embedding and the causal mask are built
     from it) and the first decoder layer slices it; each attention all-gathers its input
-    (its reshape reads the input's length), ``o_proj``/``down_proj`` reduce-scatter, the
-    MLP's ``gate``/``up_proj`` all-gather, ``lm_head`` all-gathers the sequence and its
+    (its reshape reads the input's length), as does each MLP, ``o_proj``/``down_proj``
+    reduce-scatter, ``lm_head`` all-gathers the sequence and its
     logits (full logits returned, as without it).
     """
     config = _config(model)
     prefix = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
     layers = f"{prefix}layers.*"
+    gathered = Style("colwise", input="gathered")
     styles: dict[str, Any] = {
         f"{prefix}embed_tokens": "vocab",
-        f"{layers}.self_attn.q_proj": "colwise",
-        f"{layers}.self_attn.k_proj": "colwise",
-        f"{layers}.self_attn.v_proj": "colwise",
+        # one entry into the tensor-parallel region per block: one backward all-reduce
+        # (or, with sequence parallelism, one all-gather) for q, k and v together
+        f"{layers}.self_attn": "gather",
+        f"{layers}.self_attn.q_proj": gathered,
+        f"{layers}.self_attn.k_proj": gathered,
+        f"{layers}.self_attn.v_proj": gathered,
         f"{layers}.self_attn.o_proj": "rowwise",
-        f"{layers}.mlp.gate_proj": "colwise",
-        f"{layers}.mlp.up_proj": "colwise",
+        f"{layers}.mlp": "gather",
+        f"{layers}.mlp.gate_proj": gathered,
+        f"{layers}.mlp.up_proj": gathered,
         f"{layers}.mlp.down_proj": "rowwise",
     }
     names = {n for n, _ in model.named_modules()}
@@ -89,7 +96,6 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         styles["lm_head"] = Style("vocab", output="replicate")
     if sequence_parallel:
-        gathered = Style("colwise", input="gathered")
         styles |= {
             # the rotary embedding and the causal mask are built from the embedding's
             # output, so it stays whole; the first layer slices it
@@ -97,11 +103,6 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
             f"{prefix}layers.0": "scatter",
             f"{layers}.input_layernorm": "sequence",
             f"{layers}.post_attention_layernorm": "sequence",
-            # the attention reshapes by its input's length: it gets the whole sequence
-            f"{layers}.self_attn": "gather",
-            f"{layers}.self_attn.q_proj": gathered,
-            f"{layers}.self_attn.k_proj": gathered,
-            f"{layers}.self_attn.v_proj": gathered,
             f"{prefix}norm": "sequence",
         }
     heads = AttentionHeads(

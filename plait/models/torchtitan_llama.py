@@ -49,12 +49,15 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     attention: Any = next(m for n, m in model.named_modules() if n.endswith(".attention"))
     styles: dict[str, Any] = {
         "tok_embeddings": "vocab",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
+        # one entry into the tensor-parallel region per block (one backward all-reduce)
+        "layers.*.attention": "gather",
+        "layers.*.attention.wq": Style("colwise", input="gathered"),
+        "layers.*.attention.wk": Style("colwise", input="gathered"),
+        "layers.*.attention.wv": Style("colwise", input="gathered"),
         "layers.*.attention.wo": "rowwise",
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward": "gather",
+        "layers.*.feed_forward.w1": Style("colwise", input="gathered"),
+        "layers.*.feed_forward.w3": Style("colwise", input="gathered"),
         "layers.*.feed_forward.w2": "rowwise",
         "output": Style("vocab", output="replicate"),
     }

@@ -18,12 +18,15 @@ style          module              becomes
                                    and each backward's gradient is summed over the group
 "scatter"      any                 sequence parallelism: its first input is whole and is
                                    sliced along the sequence on entry (backward: all-gather)
-"gather"       any                 sequence parallelism: its first input (or its
-                                   ``hidden_states``) is all-gathered along the sequence on
-                                   entry (backward: reduce-scatter), for a module that needs
-                                   the whole sequence (attention reshaping by its input's
-                                   length); its column-parallel layers take
-                                   ``Style("colwise", input="gathered")``
+"gather"       any                 its first input (or its ``hidden_states``) enters the
+                                   tensor-parallel region once for all its column-parallel
+                                   layers, which take ``Style("colwise", input="gathered")``:
+                                   "f" (backward: one all-reduce of ``dX`` instead of one
+                                   per layer) or, under sequence parallelism, an all-gather
+                                   of the sequence (backward: reduce-scatter), for a module
+                                   that needs the whole sequence (attention reshaping by its
+                                   input's length). Exact only when every use of that input
+                                   inside the module is column-parallel
 "replicate"    any                 unchanged (its input and output are whole)
 "2d", "2.5d",  ``nn.Linear``,      the 2D / 2.5D / 3D layers of ``layers_nd`` on the mesh's
 "3d"           ``nn.LayerNorm``,   ``row`` x ``col`` (x ``depth``) grid; a plan uses one of
@@ -224,6 +227,10 @@ def _plain(name: str, module: nn.Module, base: type[nn.Module], kind: str) -> No
         )
 
 
+def _copy(x: torch.Tensor, *, group: Group, algorithm: str) -> torch.Tensor:
+    return M.copy_to_tp(x, group=group, algorithm=algorithm)
+
+
 def _as_linear(name: str, module: nn.Module) -> nn.Linear:
     """The ``nn.Linear`` a transposed linear (weight ``[in, out]``, ``x @ weight + bias``)
     computes, sharing nothing with it (its slices are copied out)."""
@@ -311,9 +318,15 @@ def _convert(
             f"nn.Embedding (input side) or nn.Linear (output head)"
         )
     if kind in HOOKS:
-        if not sp:
-            raise ValueError(f"module {name!r}: style {kind!r} is for sequence parallelism")
-        move = M.scatter_to_sequence if kind == "scatter" else M.gather_from_sequence
+        if kind == "scatter" and not sp:
+            raise AssertionError("a 'scatter' entry turns sequence parallelism on")
+        move = (
+            M.scatter_to_sequence
+            if kind == "scatter"
+            else M.gather_from_sequence
+            if sp
+            else _copy
+        )
 
         def enter(
             _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -432,7 +445,7 @@ def parallelize(
     tplan = as_plan(plan)
     group = _group_of(mesh)
     styles = _resolve(model, tplan.styles)
-    sp = any(s.kind in ("sequence", *HOOKS) for s in styles.values())
+    sp = any(s.kind in ("sequence", "scatter") for s in styles.values())
     _check_heads(model, styles, group.size)
     keep_whole, counted = _attention(model, tplan, styles, group.size)
     _check_dropout(model)
