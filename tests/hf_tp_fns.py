@@ -242,11 +242,26 @@ def _neox() -> nn.Module:
     return GPTNeoXForCausalLM(config)
 
 
+class _ScaledLinear(nn.Linear):
+    """A subclass with its own forward: splitting it as an nn.Linear would drop that."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+def _own_forward() -> nn.Module:
+    model = titan(kv_heads=2)
+    model.layers["0"].feed_forward.w1 = _ScaledLinear(32, 64, bias=False, dtype=torch.float64)
+    return model
+
+
 def refusals() -> dict[str, str]:
-    """3 key/value heads over 2 ranks (2 divides neither 3 nor 3 divides 2), and a model
-    family with no plan: each refused before any collective, naming what to change."""
+    """3 key/value heads over 2 ranks (2 divides neither 3 nor 3 divides 2), a model family
+    with no plan, a Linear subclass with its own forward: each refused naming what to
+    change."""
     out = {}
-    for name, build in {"kv": _six_heads_three_kv, "no_plan": _neox}.items():
+    cases = {"kv": _six_heads_three_kv, "no_plan": _neox, "own_forward": _own_forward}
+    for name, build in cases.items():
         try:
             plait.prepare(build(), None, strategy="tp", mesh=plait.Mesh(tp=2))
             out[name] = "no error"

@@ -113,6 +113,10 @@ def test_refusals_name_what_to_change(ranks):
         assert "model.layers.*.self_attn" in out["kv"]
         assert "needs plan= for a GPTNeoXForCausalLM" in out["no_plan"]
         assert "'colwise'" in out["no_plan"]
+        assert (
+            "'layers.0.feed_forward.w1' is a _ScaledLinear, a subclass of nn.Linear with its "
+            "own forward" in out["own_forward"]
+        )
 
 
 def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank(ranks):
