@@ -10,6 +10,8 @@
 - ``parallelize``: :func:`parallelize` turns a dense model into its tensor-parallel form.
 - ``agreement``: :func:`check_agreement`, the wrap-time check that every rank holds the
   same dense model and plan.
+- ``finite``: the ``check_finite`` policy (``"raise"``/``"skip"``/None) run before every
+  optimizer step, agreed across the group.
 - 2D / 2.5D / 3D (Colossal-AI's Optimus, Tesseract, 3D): ``grid`` (the grid from a mesh),
   ``summa``, ``tesseract``, ``three_d`` (the matmuls), ``layers_nd``, ``cross_entropy_nd``,
   ``parallelize_nd`` (styles ``"2d"``, ``"2.5d"``, ``"3d"``; :func:`gpt_plan`,

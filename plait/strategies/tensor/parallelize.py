@@ -5,11 +5,16 @@ The plan maps module paths (``fnmatch`` patterns: ``"blocks.*.mlp.fc1"``) to sty
 =============  ==================  ==========================================================
 style          module              becomes
 =============  ==================  ==========================================================
-"colwise"      ``nn.Linear``       :class:`ColumnParallelLinear` (output rows split)
+"colwise"      ``nn.Linear``       :class:`ColumnParallelLinear` (output rows split); a
+                                   key/value projection with fewer heads than ranks:
+                                   :class:`HeadSelectLinear` (see ``plan.AttentionHeads``)
 "rowwise"      ``nn.Linear``       :class:`RowParallelLinear` (input columns split)
-"vocab"        ``nn.Embedding``    :class:`VocabParallelEmbedding` (vocabulary rows split)
+"vocab"        ``nn.Embedding``    :class:`VocabParallelEmbedding` (vocabulary rows split,
+                                   ``padding_idx`` kept)
 "vocab"        ``nn.Linear``       an output head split by vocabulary (padded), whose
-                                   logits feed :func:`vocab_parallel_cross_entropy`
+                                   logits feed :func:`vocab_parallel_cross_entropy`, or with
+                                   ``Style("vocab", output="replicate")`` are all-gathered
+                                   (the full logits, for a model's own loss)
 "sequence"     any                 runs on this rank's slice of the sequence; its parameters
                                    stay replicated and their gradients are summed over the
                                    group (the sequence-parallel LayerNorm)
@@ -33,7 +38,14 @@ style          module              becomes
                ``nn.Embedding``    them for every entry (see ``parallelize_nd``)
 =============  ==================  ==========================================================
 
-A plan with any ``"sequence"`` entry turns on sequence parallelism for the whole model:
+``nn.Linear``/``nn.Embedding`` include subclasses that keep the base class's ``forward``
+(a subclass with its own forward is refused by name); ``Style(transposed=True)`` splits a
+linear storing its weight as ``[in, out]`` (GPT-2's ``Conv1D``), ``Style(blocks=k)`` a fused
+projection part by part. A :class:`~plait.strategies.tensor.plan.TensorPlan` adds the
+attention heads: their counts are checked against ``t`` by name and the attributes that
+hold them set to this rank's.
+
+A plan with any ``"sequence"`` (or ``"scatter"``) entry turns on sequence parallelism for the whole model:
 activations between the tensor-parallel regions are then sliced along the sequence (dim 1),
 column-parallel layers all-gather their input instead of "f", row-parallel layers and the
 vocab embedding reduce-scatter their output instead of "g". Under sequence parallelism
@@ -45,7 +57,12 @@ every rank of the group becomes exactly its sharded form. Shared weights (an out
 tied to the embedding) stay shared when both modules are split the same way. The model is
 changed in place and returned; ``plait.checkpoint.full_state_dict(model)`` gathers the
 dense state dict (keys and shapes of the dense model). Collective: every rank of the group
-must call ``parallelize`` with the same model and plan.
+must call ``parallelize`` with the same model and plan; before slicing,
+:func:`~plait.strategies.tensor.agreement.check_agreement` verifies that they did (one
+all-gather of two numbers per parameter), naming the ranks and the first parameter that
+differs. Every parameter left on a rank is placed
+(:mod:`plait.strategies.placement`: split ones shard over the group, the others replicate
+over it), so ``plait.clip_grad_norm_(model.parameters(), max_norm)`` is the global norm.
 """
 
 from __future__ import annotations
