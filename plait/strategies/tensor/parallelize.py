@@ -47,9 +47,9 @@ hold them set to this rank's.
 
 A plan with any ``"sequence"`` (or ``"scatter"``) entry turns on sequence parallelism for
 the whole model: activations between the tensor-parallel regions are then sliced along the
-sequence (dim 1), column-parallel layers all-gather their input instead of "f", row-parallel layers and the
-vocab embedding reduce-scatter their output instead of "g". Under sequence parallelism
-every parameter must be covered by the plan, so a LayerNorm whose gradient would silently
+sequence (dim 1), column-parallel layers all-gather their input instead of "f",
+row-parallel layers and the vocab embedding reduce-scatter their output instead of "g".
+Under sequence parallelism every parameter must be covered by the plan, so a LayerNorm whose gradient would silently
 stay partial (Megatron-LM #1446, gpt-neox #1257) is refused by name instead.
 
 The dense weights are sliced, not re-initialised: a model built and seeded the same on
