@@ -49,8 +49,9 @@ A plan with any ``"sequence"`` (or ``"scatter"``) entry turns on sequence parall
 the whole model: activations between the tensor-parallel regions are then sliced along the
 sequence (dim 1), column-parallel layers all-gather their input instead of "f",
 row-parallel layers and the vocab embedding reduce-scatter their output instead of "g".
-Under sequence parallelism every parameter must be covered by the plan, so a LayerNorm whose gradient would silently
-stay partial (Megatron-LM #1446, gpt-neox #1257) is refused by name instead.
+Under sequence parallelism every parameter must be covered by the plan, so a LayerNorm
+whose gradient would silently stay partial (Megatron-LM #1446, gpt-neox #1257) is refused
+by name instead.
 
 The dense weights are sliced, not re-initialised: a model built and seeded the same on
 every rank of the group becomes exactly its sharded form. Shared weights (an output head
