@@ -339,11 +339,7 @@ def _convert(
         if kind == "scatter" and not sp:
             raise AssertionError("a 'scatter' entry turns sequence parallelism on")
         move = (
-            M.scatter_to_sequence
-            if kind == "scatter"
-            else M.gather_from_sequence
-            if sp
-            else _copy
+            M.scatter_to_sequence if kind == "scatter" else M.gather_from_sequence if sp else _copy
         )
 
         def enter(
