@@ -12,7 +12,10 @@ Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"n
 (:class:`~plait.strategies.ps.ParameterServer`: on server ranks ``prepare`` serves until
 the workers finish and returns ``(model, None)``; workers call ``optimizer.finish()``
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
-``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
+``mesh=`` and ``plan=``, by default the plan of the model's family from
+:func:`plait.models.plans.plan_for` (plait's GPT, Hugging Face Llama / Mistral / Qwen2 /
+Qwen3 / GPT-2, torchtitan's Llama 3), ``sequence_parallel=``, ``check_finite=``; a new
+optimizer over the shards with the same parameter groups), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
 its experts, a new optimizer over what it keeps), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
