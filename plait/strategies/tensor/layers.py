@@ -112,8 +112,9 @@ class ColumnParallelLinear(nn.Module):
                 f"ColumnParallelLinear: {out_features} outputs in {blocks} fused parts: the "
                 f"parts must be equal, and a fused projection is neither padded nor gathered"
             )
+        what = "out_features" if blocks == 1 else "out_features per part"
         self.part = blocks * _part(
-            "ColumnParallelLinear", "out_features per part", out_features // blocks, group, pad=pad
+            "ColumnParallelLinear", what, out_features // blocks, group, pad=pad
         )
         self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.part, dtype=dtype)) if bias else None
