@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plait.plan.measure.calibrate import Calibration
+    from plait.plan.calibration import Calibration
 
 # Efficiency of the A100 preset: fit once, on Korthikanti et al.'s 175B run (see
 # benchmarks/plan_validate.py, which then checks the other seven published times with it).
@@ -262,7 +262,7 @@ def local_cpu(
     share to the others (:attr:`Cluster.alone_speedup`)."""
     import torch
 
-    from plait.plan.measure import calibrate
+    from plait.plan import calibration as calibrate
 
     cores = os.cpu_count() or 1
     cal: Calibration | None

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plait.plan.measure.calibrate import Calibration, Line, Overhead
+from plait.plan.calibration import Calibration, Line, Overhead
 
 WIDTHS = (8, 128)  # the ddp and zero probes' two GPTs: same tensors, 7.5 KB and 1.6 MB
 LAYERS = 2
