@@ -26,6 +26,7 @@ its optimizer), ``"none"`` (single process, unchanged).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -165,12 +166,80 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
 }
 
 
+# PyTorch's spellings, accepted as they are (a user of DDP, FSDP2 or torch pipelining types them)
+PYTORCH_NAMES = {
+    "process_group": "mesh",
+    "device_mesh": "mesh",
+    "bucket_cap_mb": "bucket_mb",
+    "n_microbatches": "microbatches",
+}
+# plait's earlier names: still accepted for one release, with a DeprecationWarning
+OLD_NAMES = {"group": "mesh", "tp_plan": "plan", "tp_mode": "mode"}
+# strategies that run on one group of ranks (they take the group as ``group=``)
+_ONE_GROUP = ("naive", "ddp", "zero1", "zero2", "zero3", "fsdp", "ps")
+
+
+def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` in plait's one vocabulary, then in the names ``strategy`` takes.
+
+    One name per idea across strategies: where it runs is ``mesh=`` (a :class:`~plait.Mesh`
+    or a group; a data-parallel strategy takes the mesh's only dimension, or its ``dp``), the
+    tensor-parallel plan ``plan=``, its mode ``mode=``, the micro-batch count
+    ``microbatches=``, the bucket size ``bucket_mb=``. PyTorch's spellings
+    (:data:`PYTORCH_NAMES`) are accepted as aliases; plait's earlier names
+    (:data:`OLD_NAMES`) too, with a ``DeprecationWarning`` naming the new one. Giving one
+    idea twice under two names is refused.
+    """
+    out: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, value in options.items():
+        name = PYTORCH_NAMES.get(key) or OLD_NAMES.get(key) or key
+        if key in OLD_NAMES:
+            warnings.warn(
+                f"plait.prepare: {key}= is deprecated; use {name}=",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        if name in out:
+            raise TypeError(
+                f"plait.prepare(strategy={strategy!r}): {source[name]}= and {key}= name the "
+                f"same setting ({name}); pass one"
+            )
+        out[name], source[name] = value, key
+    if "mesh" in out and strategy in _ONE_GROUP:
+        out["group"] = _one_group(out.pop("mesh"), strategy)
+    if strategy == "ptdp":
+        for new, theirs in (("plan", "tp_plan"), ("mode", "tp_mode")):
+            if new in out:
+                out[theirs] = out.pop(new)
+    return out
+
+
+def _one_group(mesh: Any, strategy: str) -> Any:
+    """The group a data-parallel strategy runs on: a group as it is; a mesh's ``dp``
+    dimension, or its only dimension of more than one rank."""
+    shape = getattr(mesh, "shape", None)
+    if not isinstance(shape, dict) or not hasattr(mesh, "group"):
+        return mesh
+    wide = [n for n, size in shape.items() if size > 1]
+    if set(wide) <= {"dp"} and "dp" in shape:
+        return mesh.group("dp")
+    if len(wide) == 1:
+        return mesh.group(wide[0])
+    raise ValueError(
+        f"strategy {strategy!r} runs on one group of ranks; the mesh has dimensions "
+        f"{shape}: pass Mesh(dp=n) or mesh.group(name), or compose dimensions with "
+        f"strategy='ptdp'"
+    )
+
+
 def prepare(
-    model: nn.Module,
+    module: nn.Module | None = None,
     optimizer: Optimizer | None = None,
     *,
     strategy: str = "ddp",
     tracer: Tracer | None = None,
+    model: nn.Module | None = None,
     **options: Any,
 ) -> Prepared:
     """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
@@ -188,7 +257,33 @@ def prepare(
     optimizer of the same class over the parameter shards, one group per original group
     with all its entries (each unit gets one flat shard per group, so per-group
     hyper-parameters apply exactly; any ``torch.optim`` optimizer).
+
+    What comes back, by one rule: ``(runner, optimizer)``. The runner is the module itself
+    (changed in place by tp and ep, wrapped by ddp, naive, fsdp and ps: call it as before,
+    its forward is the model's own) for every strategy whose training loop is
+    ``loss = f(model(x)); loss.backward(); optimizer.step()``; for ``"pipeline"`` and
+    ``"ptdp"``, whose forward and backward interleave across ranks, it is an object
+    trained with ``runner.step(x, y)``. The optimizer is the caller's, or the same class
+    with the same per-group hyper-parameters over what this rank keeps.
+
+    Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
+    runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
+    (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
+    accepted. ``model=`` is the deprecated name of ``module``.
     """
+    if model is not None:
+        if module is not None:
+            raise TypeError("plait.prepare: pass the module once (module=, not model= too)")
+        warnings.warn(
+            "plait.prepare: model= is deprecated; pass the module first (or module=)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        module = model
+    if module is None:
+        raise TypeError("plait.prepare: the module to prepare is missing")
+    model = module
+    options = vocabulary(strategy, options)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
     traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "pipeline")

@@ -129,7 +129,7 @@ def _wrapped_step(strategy: str, model: Any, ids: Any, group: Any) -> Callable[[
 
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     extra: dict[str, Any] = {"wrap": {type(model.blocks[0])}} if strategy == "fsdp" else {}
-    wrapped, opt = plait.prepare(model, adam, strategy=strategy, group=group, **extra)
+    wrapped, opt = plait.prepare(model, adam, strategy=strategy, mesh=group, **extra)
     assert opt is not None
 
     def step() -> None:
