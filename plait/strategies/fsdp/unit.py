@@ -342,6 +342,12 @@ class ShardedUnit:
         state.begin_backward()
         following = state.step(state.backward_order, self, state.backward_recorded, "backward")
         self.unshard()
+        if self.numel:
+            # activation checkpointing re-runs the unit's forward inside its backward, reading
+            # the parameters by attribute: they must be the gathered views again, made with
+            # grad enabled (backward runs without it) so the re-run saves what the first did
+            with torch.enable_grad():
+                self.install_views()
         _prefetch(following, self.backward_prefetch)
 
 
