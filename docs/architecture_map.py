@@ -16,6 +16,7 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "plait"
 
+
 # A room is a folder of plait, or a top-level module; the strategies and plan/measure
 # folders are rooms of their own.
 def room_of(module: str) -> str:
@@ -57,8 +58,8 @@ def imports(tree: ast.Module, module: str, is_pkg: bool) -> list[tuple[str, bool
 
     def visit(node: ast.AST, in_function: bool) -> None:
         if isinstance(node, ast.If) and is_type_checking(node):
-            for child in node.orelse:
-                visit(child, in_function)
+            for stmt in node.orelse:
+                visit(stmt, in_function)
             return
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             in_function = True
@@ -82,6 +83,10 @@ def imports(tree: ast.Module, module: str, is_pkg: bool) -> list[tuple[str, bool
 
     visit(tree, False)
     return found
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names) or "-"
 
 
 def main() -> None:
@@ -108,8 +113,7 @@ def main() -> None:
     for src in sorted({room_of(module_name(p)) for p in files}):
         top = sorted(d for d, (m, f) in edges[src].items() if m)
         late = sorted(d for d, (m, f) in edges[src].items() if f and not m)
-        fmt = lambda names: ", ".join(f"`{n}`" for n in names) or "-"  # noqa: E731
-        out.write(f"| `{src}` | {fmt(top)} | {fmt(late)} |\n")
+        out.write(f"| `{src}` | {_names(top)} | {_names(late)} |\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def _plain(match: re.Match[str]) -> str:
     return f"`{shown}`"
 
 
-class RstRoles(griffe.Extension):
+class RstRoles(griffe.Extension):  # type: ignore[misc]
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = ROLE.sub(_plain, obj.docstring.value)
