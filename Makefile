@@ -23,7 +23,7 @@ test: docs-check
 # The docs (docs/, mkdocs.yml): a broken link, a missing page or a renamed symbol in the
 # API reference fails the strict build, and with it `make test` (CI runs `make test`).
 docs-check: $(STAMP)
-	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d $$d; \
+	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$d; \
 		rc=$$?; rm -rf $$d; exit $$rc
 
 docs: $(STAMP)
