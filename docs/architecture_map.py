@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 from collections import defaultdict
 
@@ -39,8 +40,12 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
+ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):`~?([^`]+)`")
+
+
 def first_line(tree: ast.Module) -> str:
-    doc = ast.get_docstring(tree) or ""
+    doc = ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], ast.get_docstring(tree) or "")
+    doc = doc.replace("``", "")
     line = " ".join(doc.strip().split("\n\n")[0].split())
     return line if len(line) <= 110 else line[:107].rstrip() + "..."
 
