@@ -239,6 +239,64 @@ def gpt_oracle(size: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     return model.state_dict(), loads
 
 
+# --- gradient accumulation: 2 micro-steps of 2 sequences per rank, clipping active -----------
+ACC, MICRO, MAX_NORM = 2, 2, 0.2
+
+
+def _micro(step: int, slices: int, b: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``m`` of batch slice ``b`` of ``step``'s global batch."""
+    x, y = gpt_batch(step, slices * ACC * MICRO)
+    rows = slice((b * ACC + m) * MICRO, (b * ACC + m + 1) * MICRO)
+    return x[rows], y[rows]
+
+
+def _acc_steps(model: nn.Module, opt: torch.optim.Optimizer, micro: Any) -> list[float]:
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in range(ACC):
+            x, y = micro(step, m)
+            (F.cross_entropy(model(x).reshape(-1, 13), y.reshape(-1)) / ACC).backward()
+        norms.append(float(plait.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    return norms
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def gpt_acc_oracle(slices: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, 2 accumulation micro-steps; micro-batch m is the m-th micro-batch of
+    every batch slice, in slice order (what the expert-parallel ranks see together)."""
+    model = GPT(gpt_config())
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2)
+
+    def micro(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [_micro(step, slices, b, m) for b in range(slices)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    norms = _acc_steps(model, opt, micro)
+    return model.state_dict(), norms
+
+
+def gpt_ep_acc(dp: int) -> dict[str, Any]:
+    """The MoE GPT under strategy 'ep', 2 accumulation micro-steps, two AdamW groups."""
+    w = plait.world().size
+    mesh = plait.Mesh(ep=w // dp, dp=dp) if dp > 1 else plait.Mesh(ep=w)
+    model = GPT(gpt_config())
+    model, opt = plait.prepare(
+        model, torch.optim.AdamW(_groups(model), lr=1e-2), strategy="ep", mesh=mesh
+    )
+    assert opt is not None
+    b = model.plait_expert_parallel.batch_rank  # type: ignore[union-attr]
+    norms = _acc_steps(model, opt, lambda step, m: _micro(step, w, b, m))
+    return {"state": copy.deepcopy(model.state_dict()), "norms": norms}
+
+
 def gpt_ep(dp: int) -> dict[str, Any]:
     """Mesh(ep=world/dp, dp=dp), plait.prepare(strategy='ep'), STEPS Adam steps."""
     w = plait.world().size

@@ -83,6 +83,20 @@ def test_moe_gpt_under_ep_matches_oracle(ranks, world, dp):
     assert summed == want_loads
 
 
+@pytest.mark.parametrize(("world", "dp"), [(2, 1), (4, 2)])
+def test_moe_gpt_under_ep_accumulates_as_one_process(ranks, world, dp):
+    """2 accumulation micro-steps (each loss / 2), two AdamW groups, global-norm clipping
+    active: equal to one process accumulating over the same micro-batches."""
+    want, want_norms = fns.gpt_acc_oracle(world)
+    assert all(n > fns.MAX_NORM for n in want_norms)  # clipping was active
+    for res in ranks(world, fns.gpt_ep_acc, dp, timeout=180):
+        torch.testing.assert_close(res["norms"], want_norms, rtol=TOL, atol=0)
+        for key, value in res["state"].items():
+            torch.testing.assert_close(
+                value, want[key], rtol=TOL, atol=TOL, msg=lambda m, k=key: f"{k}: {m}"
+            )
+
+
 def test_refusals_name_what_to_change(ranks):
     for out in ranks(2, fns.refusals, timeout=60):
         assert "num_experts=3, not divisible by the expert-parallel size ep=2" in out["ratio"]
