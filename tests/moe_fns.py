@@ -335,3 +335,39 @@ def refusals() -> dict[str, str]:
         else:
             out[name] = "NOT REFUSED"
     return out
+
+
+def nonfinite(policy: str) -> dict[str, Any]:
+    """Rank 1's own gradient of one dense parameter turns NaN in the second backward: every
+    rank raises naming rank 1 and the parameter ('raise'), or skips the step ('skip')."""
+    w = plait.world().size
+    model = GPT(gpt_config())
+    model, opt = plait.prepare(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        strategy="ep",
+        mesh=plait.Mesh(ep=w),
+        check_finite=policy,
+    )
+    assert opt is not None
+    b = model.plait_expert_parallel.batch_rank  # type: ignore[union-attr]
+    out: dict[str, Any] = {"error": None}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(2):
+        x, y = _micro(step, w, b, 0)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, 13), y.reshape(-1))
+        if step == 1 and plait.world().rank == 1:
+            model.blocks[1].ln1.weight.register_hook(lambda g: g * float("nan"))
+        if step == 1:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            loss.backward()
+        except FloatingPointError as exc:
+            out["error"] = str(exc)
+            return out
+        opt.step()
+    out["unchanged"] = all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items() if v.is_floating_point()
+    )
+    return out

@@ -102,3 +102,13 @@ def test_refusals_name_what_to_change(ranks):
         assert "num_experts=3, not divisible by the expert-parallel size ep=2" in out["ratio"]
         assert "has no plait.moe.MoE layer" in out["no_moe"]
         assert "composes with 'dp' only" in out["tp"]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_gradient_is_named_on_every_rank(ranks, policy):
+    for out in ranks(2, fns.nonfinite, policy, timeout=120):
+        if policy == "raise":
+            assert out["error"] is not None
+            assert "rank 1 in parameter 'blocks.1.ln1.weight'" in out["error"]
+        else:
+            assert out["error"] is None and out["unchanged"]

@@ -47,6 +47,7 @@ pipeline parallelism is not done yet).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class ExpertParallelInfo:
     other_params: list[nn.Parameter]
     algorithm: str
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    check_finite: str | None = "raise"
+    names: dict[int, str] = field(default_factory=dict)
+    backwards: int = 0
     queued: bool = False
 
     @property
@@ -110,6 +114,7 @@ def expert_parallel(
     mesh: Any,
     algorithm: str | None = None,
     plan: MoEPlan | None = None,
+    check_finite: str | None = "raise",
 ) -> nn.Module:
     """Split the experts of ``model``'s MoE layers over ``mesh``'s ``ep`` group, keep the rest
     data parallel (module docstring). In place; returns ``model``. Collective over the mesh.
@@ -120,7 +125,14 @@ def expert_parallel(
     (:mod:`~plait.strategies.moe.stacked`: the model's router decides, plait dispatches).
     ``algorithm``: the all-to-all algorithm of every layer (``plait.comm`` names; None keeps
     each layer's own ``algorithm``) and that of the gradient all-reduces (None: ``"auto"``).
+    ``check_finite``: after every backward's reductions, ``"raise"``
+    (:class:`~plait.strategies.data_parallel.grad_sync.NonFiniteGradientError` on every rank,
+    naming each rank whose own gradient held inf or NaN and its parameter), ``"skip"``
+    (every rank warns and sets the gradients to None, so ``optimizer.step()`` leaves the
+    parameters unchanged) or None (no check: a loss scaler handles overflows). Costs one
+    all-reduce of ``p*d + 1`` int64 per backward.
     """
+    check_finite = grad_sync.check_policy(check_finite)
     ep_group, dp_group, batch_group = _groups(mesh)
     p, r = ep_group.size, ep_group.rank
     layers = moe_layers(model)
@@ -169,6 +181,8 @@ def expert_parallel(
         other_params=others,
         algorithm=algorithm or "auto",
         replaced=replaced,
+        check_finite=check_finite,
+        names={id(q): n for n, q in model.named_parameters()},
     )
     _broadcast(model, info, expert_ids)
     for q in model.parameters():
@@ -205,6 +219,11 @@ def _queue(info: ExpertParallelInfo) -> None:
 
 def _reduce_all(info: ExpertParallelInfo) -> None:
     info.queued = False
+    info.backwards += 1
+    ordered = [*info.other_params, *info.expert_params]
+    before = None
+    if info.check_finite is not None:
+        before = grad_sync.first_nonfinite((i, q.grad) for i, q in enumerate(ordered))
     # Both reductions are averages over the ranks holding copies, so they leave an
     # already-reduced gradient unchanged: accumulating micro-steps (reduced after every
     # backward, the new local part added on top) sums to the one-process gradient.
@@ -213,6 +232,50 @@ def _reduce_all(info: ExpertParallelInfo) -> None:
     )
     d = 1 if info.dp_group is None else info.dp_group.size
     _reduce(info.expert_params, info.dp_group, d, info.algorithm, "expert")
+    if info.check_finite is not None:
+        _check_finite(info, ordered, before)
+
+
+def _check_finite(
+    info: ExpertParallelInfo, ordered: list[nn.Parameter], before: int | None
+) -> None:
+    """Every rank of the batch group raises (or skips) together when any rank's own gradient,
+    or any reduced gradient, holds inf or NaN. Collective: one all-reduce (sum) of ``p*d + 1``
+    int64 over the batch group: each rank's first non-finite parameter (+1) in its slot,
+    and a count of ranks whose reduced gradients are not finite."""
+    group = info.batch_group
+    after = grad_sync.first_nonfinite((i, q.grad) for i, q in enumerate(ordered))
+    flags = torch.zeros(group.size + 1, dtype=torch.int64)
+    if before is not None:
+        flags[group.rank] = before + 1
+    flags[-1] = int(after is not None)
+    if group.size > 1:
+        comm.all_reduce(flags, "sum", group=group)
+    if not bool(flags.any()):
+        return
+    dense = len(info.other_params)
+    culprits = []
+    for r, v in enumerate(flags[:-1].tolist()):
+        if v > 0:
+            i = v - 1
+            name = (
+                info.names.get(id(ordered[i]), str(i))
+                if i < dense
+                else (
+                    f"expert parameter #{i - dense} of that rank (here: "
+                    f"{info.names.get(id(ordered[i]), str(i))})"
+                )
+            )
+            culprits.append((group.ranks[r], name))
+    first_after = "" if after is None else info.names.get(id(ordered[after]), str(after))
+    policy = info.check_finite or "raise"
+    message = grad_sync.nonfinite_message(WHO, info.backwards, culprits, first_after, policy)
+    if policy == "skip":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        for q in ordered:
+            q.grad = None
+        return
+    raise grad_sync.NonFiniteGradientError(message, culprits)
 
 
 def _reduce(
@@ -252,6 +315,7 @@ def prepare_ep(
     mesh: Any,
     algorithm: str | None = None,
     plan: MoEPlan | None = None,
+    check_finite: str | None = "raise",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(model, optimizer, strategy="ep", mesh=Mesh(ep=p, dp=d))``.
 
@@ -267,7 +331,7 @@ def prepare_ep(
             "strategy 'ep' re-creates the optimizer over the experts this rank keeps: pass an "
             "optimizer that has not stepped yet (load its state after prepare)"
         )
-    expert_parallel(model, mesh=mesh, algorithm=algorithm, plan=plan)
+    expert_parallel(model, mesh=mesh, algorithm=algorithm, plan=plan, check_finite=check_finite)
     if optimizer is None:
         return model, None
     info: ExpertParallelInfo = model.plait_expert_parallel  # type: ignore[assignment]
