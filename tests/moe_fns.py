@@ -4,6 +4,7 @@ against the one-process oracle on the global batch, routing proofs and byte coun
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -371,3 +372,35 @@ def nonfinite(policy: str) -> dict[str, Any]:
         torch.equal(v, before[k]) for k, v in model.state_dict().items() if v.is_floating_point()
     )
     return out
+
+
+def gather_uneven() -> dict[str, Any]:
+    """plait.strategies.moe.stacked.gather_rows with r + 1 rows on rank r: every rank gets
+    every rank's rows in rank order; the gradient of each copy comes home and adds up."""
+    from plait.strategies.moe.stacked import gather_rows
+
+    g = comm.world()
+    rows = [torch.full((r + 1, 3), float(r), dtype=torch.float64) for r in range(g.size)]
+    x = rows[g.rank].clone().requires_grad_(True)
+    out = gather_rows(x, g)
+    weight = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)
+    (out * weight).sum().backward()
+    start = sum(r + 1 for r in range(g.rank))
+    assert x.grad is not None
+    return {
+        "equal": torch.equal(out, torch.cat(rows)),
+        "grad": torch.equal(x.grad, g.size * weight[start : start + g.rank + 1]),
+    }
+
+
+def structure_mismatch() -> str:
+    """Rank 1 built a wider model: strategy 'ep' refuses on every rank before any slicing."""
+    config = gpt_config()
+    if plait.world().rank == 1:
+        config = dataclasses.replace(config, width=24)
+    model = GPT(config)
+    try:
+        plait.prepare(model, strategy="ep", mesh=plait.Mesh(ep=plait.world().size))
+    except ValueError as exc:
+        return str(exc)
+    return "NOT REFUSED"

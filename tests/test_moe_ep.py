@@ -112,3 +112,17 @@ def test_nonfinite_gradient_is_named_on_every_rank(ranks, policy):
             assert "rank 1 in parameter 'blocks.1.ln1.weight'" in out["error"]
         else:
             assert out["error"] is None and out["unchanged"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_rows_uneven(ranks, world):
+    for out in ranks(world, fns.gather_uneven, timeout=60):
+        assert out == {"equal": True, "grad": True}
+
+
+def test_different_models_are_refused_at_wrap(ranks):
+    for out in ranks(2, fns.structure_mismatch, timeout=60):
+        assert (
+            out.startswith("expert_parallel: the ranks of group")
+            and "rank 1 differs from rank 0" in out
+        ), out
