@@ -14,7 +14,9 @@ the workers finish and returns ``(model, None)``; workers call ``optimizer.finis
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
 ``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
-its experts, a new optimizer over what it keeps), ``"pipeline"``
+its experts, plait's own MoE layers or the model's own blocks through its family's MoE plan
+(Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE) or ``plan=``; a new optimizer over what it
+keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
