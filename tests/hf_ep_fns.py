@@ -114,12 +114,15 @@ def oracle(family: str, slices: int) -> dict[str, Any]:
     return {"state": dict(model.named_parameters()), "losses": losses, "norms": norms}
 
 
-def run_ep(family: str, dp: int) -> dict[str, Any]:
+def run_ep(family: str, dp: int, checkpointing: bool = False) -> dict[str, Any]:
     """plait.prepare(model, opt, strategy='ep', mesh=Mesh(ep=world/dp[, dp])), the same loop
-    on this rank's batch slice."""
+    on this rank's batch slice; with ``checkpointing``, Hugging Face gradient checkpointing
+    on (every decoder layer recomputed in backward, its all-to-alls with it)."""
     w = plait.world().size
     mesh = plait.Mesh(ep=w // dp, dp=dp) if dp > 1 else plait.Mesh(ep=w)
     model = build(family)
+    if checkpointing:
+        model.gradient_checkpointing_enable()  # type: ignore[operator]
     model, opt = plait.prepare(model, optimizer(model), strategy="ep", mesh=mesh)
     assert opt is not None
     info = model.plait_expert_parallel  # type: ignore[union-attr]

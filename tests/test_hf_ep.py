@@ -55,6 +55,11 @@ def test_hf_moe_under_ep_matches_one_process(ranks, family, world, dp):
     _check(ranks(world, fns.run_ep, family, dp, timeout=240), want)
 
 
+def test_hf_gradient_checkpointing_under_ep_matches_one_process(ranks):
+    want = fns.oracle("mixtral", 2)
+    _check(ranks(2, fns.run_ep, "mixtral", 1, True, timeout=240), want)
+
+
 def test_refusals_name_what_to_change(ranks):
     for out in ranks(2, fns.refusals, timeout=120):
         assert "num_experts=3, not divisible by the expert-parallel size ep=2" in out["odd"]
