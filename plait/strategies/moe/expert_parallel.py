@@ -26,7 +26,10 @@ everything else data parallel.
   gives the gradient of the mean loss: the single-process gradient. Both reductions are
   averages over identical copies, so a gradient reduced in an earlier backward passes
   through unchanged: gradient accumulation (several ``backward`` calls, each on ``loss /
-  micro_steps``, one ``step``) equals one process on the whole batch. One flat buffer per
+  micro_steps``, one ``step``) equals one process accumulating over the same micro-batches
+  (micro-batch ``m`` of the global batch = every rank's ``m``-th; the load-balancing
+  losses are functions of a whole micro-batch, so they are not those of the whole step's
+  batch, in one process either). One flat buffer per
   group and dtype, each followed by one float per parameter
   (1 if this rank has a gradient for it): a parameter no rank has a gradient for keeps
   ``.grad = None`` (so optimizers skip it, as PyTorch DDP does). Bytes per step on the ring:
@@ -34,6 +37,13 @@ everything else data parallel.
 - placement (:mod:`plait.strategies.placement`): experts are split over ``ep`` and copied
   over ``dp``, every other parameter copied over the ``p*d`` ranks, so
   ``plait.clip_grad_norm_(model.parameters(), max_norm)`` returns the global norm;
+- non-finite gradients (``check_finite="raise"``, the default; ``"skip"``; None): after
+  every backward's reductions, one all-reduce of ``p*d + 1`` int64 over the batch group;
+  every rank raises (or skips) together, naming each rank whose own gradient held inf or
+  NaN and its parameter;
+- a model's own MoE blocks (``plan=`` a :class:`~plait.strategies.moe.plan.MoEPlan`:
+  Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE): their stacked expert weights are sliced the
+  same way and their router decides (:mod:`~plait.strategies.moe.stacked`);
 - at wrap: every rank's list of parameters (names, shapes, dtypes) is compared over the
   ``p*d`` ranks (:func:`~plait.strategies.consistency.verify_same_parameters`, refused
   naming the first difference), then the non-expert parameters and buffers are broadcast
