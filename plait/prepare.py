@@ -14,7 +14,9 @@ the workers finish and returns ``(model, None)``; workers call ``optimizer.finis
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
 ``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
-its experts, a new optimizer over what it keeps), ``"pipeline"``
+its experts, plait's own MoE layers or the model's own blocks through its family's MoE plan
+(Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE) or ``plan=``; a new optimizer over what it
+keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
@@ -33,10 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
-from plait.strategies.moe import prepare_ep
+from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
 from plait.strategies.tensor import prepare_tp
@@ -136,6 +139,22 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
     return wrap
 
 
+def _ep(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """Expert parallelism: plait's own MoE layers need no plan; a model with its own MoE
+    blocks (Mixtral, Qwen-MoE) gets its family's MoE-block plan unless ``plan=`` is given."""
+    if "plan" not in options and not moe_layers(model):
+        plan = plan_for(model, "moe")
+        if plan is None:
+            raise ValueError(
+                f"strategy 'ep': {type(model).__name__} has no plait.moe.MoE layer and no "
+                f"known MoE plan; pass plan=plait.moe.MoEPlan(experts=('MyExperts',), "
+                f"stacked=('w1', 'w2'), run_expert=lambda box, e, x: ..., routers=...) "
+                f"describing its sparse blocks"
+            )
+        options["plan"] = plan
+    return prepare_ep(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -160,7 +179,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
     "tp": prepare_tp,
-    "ep": prepare_ep,
+    "ep": _ep,
     "pipeline": prepare_pipeline,
     "ptdp": prepare_ptdp,
 }

@@ -26,6 +26,12 @@ from torch import nn
 # class name -> module under plait.models that holds the family's plans
 FAMILIES: dict[str, str] = {
     "GPT": "plait.models.gpt",
+    "MixtralForCausalLM": "plait.models.mixtral",
+    "MixtralModel": "plait.models.mixtral",
+    "Qwen2MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen2MoeModel": "plait.models.qwen_moe",
+    "Qwen3MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen3MoeModel": "plait.models.qwen_moe",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}
