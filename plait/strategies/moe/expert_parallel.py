@@ -47,6 +47,7 @@ from plait import comm
 from plait.comm.group import Group
 from plait.strategies.data_parallel import grad_sync
 from plait.strategies.moe.layer import moe_layers, update_expert_bias
+from plait.strategies.zero.groups import constructor_kwargs
 
 WHO = "expert_parallel"
 
@@ -215,7 +216,11 @@ def prepare_ep(
     expert_parallel(model, mesh=mesh, algorithm=algorithm)
     if optimizer is None:
         return model, None
-    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+    # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
+    hyper = constructor_kwargs(
+        type(optimizer),
+        {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
+    )
     rebuilt = type(optimizer)(model.parameters(), **hyper)
     if any(m.bias_update_rate > 0 for m in moe_layers(model).values()):
         info: ExpertParallelInfo = model.plait_expert_parallel  # type: ignore[assignment]
