@@ -187,32 +187,36 @@ def _error_data(exc: BaseException) -> dict[str, Any]:
 
 
 # --- sections -------------------------------------------------------------------------------------
+def collect_facts(run: Run) -> None:
+    """What the results file's header says: versions, the device, the command."""
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+        "device": run.device,
+        "ranks": run.world,
+        "quick": run.quick,
+        "command": " ".join(["python benchmarks/gpu.py", *run.args.argv]),
+        "commit": _commit(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts.update(
+            cuda=torch.version.cuda,
+            nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            gpus=torch.cuda.device_count(),
+        )
+    run.facts.update(facts)
+
+
 def environment(run: Run) -> None:
     def body() -> dict[str, Any]:
-        facts: dict[str, Any] = {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "cuda_available": torch.cuda.is_available(),
-            "device": run.device,
-            "ranks": run.world,
-            "quick": run.quick,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "commit": _commit(),
-        }
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            facts.update(
-                cuda=torch.version.cuda,
-                nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
-                gpu=props.name,
-                gpu_memory_bytes=props.total_memory,
-                gpus=torch.cuda.device_count(),
-            )
-        run.facts.update(facts)
         if run.device == "cuda" and not torch.cuda.is_available():
-            raise Outcome("fail", "--device cuda, but torch.cuda.is_available() is False", facts)
-        return facts
+            raise Outcome("fail", "--device cuda, but torch.cuda.is_available() is False")
+        return dict(run.facts)
 
     run.check("environment", "versions and device", body)
 
@@ -383,7 +387,7 @@ def overhead_section(run: Run) -> None:
     def race() -> dict[str, Any]:
         if not chosen.get("microbatch"):
             raise Outcome("skip", "no micro-batch chosen")
-        warmup, steps = (1, 3) if run.quick else (3, 15)
+        warmup, steps = (1, 2) if run.quick else (3, 15)
         res = run.on_ranks(
             1,
             ranks.overhead,
@@ -649,6 +653,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-timeout", type=float, default=600.0, help="seconds per check")
     parser.add_argument("--collective-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
@@ -662,6 +667,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     run = Run(args)
+    collect_facts(run)
     wanted = set(args.sections.split(","))
     try:
         for section in SECTIONS:

@@ -97,6 +97,8 @@ def gather_experts(
     """Fill ``local`` (in place) with the tensors of ``wanted`` held by the other ep ranks.
     ``owner``: key -> ep rank. Collective over ``ep_group``: one broadcast per (ep rank,
     dtype) of its experts' tensors, flattened; every ep rank passes the same keys."""
+    # received tensors land where this rank's own live (NCCL carries CUDA tensors only)
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     for src in range(ep_group.size):
         keys = [k for k in wanted if owner[k] == src]
         for dtype in sorted({wanted[k][1] for k in keys}, key=str):
@@ -105,7 +107,7 @@ def gather_experts(
             if src == ep_group.rank:
                 flat = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in mine])
             else:
-                flat = torch.empty(sum(numels), dtype=dtype)
+                flat = torch.empty(sum(numels), dtype=dtype, device=device)
             ops.broadcast(flat, src, group=ep_group, algorithm=algorithm)
             for k, part in zip(mine, flat.split(numels), strict=True):
                 local[k] = part.view(wanted[k][0]).clone()
