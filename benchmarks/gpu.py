@@ -387,7 +387,7 @@ def overhead_section(run: Run) -> None:
     def race() -> dict[str, Any]:
         if not chosen.get("microbatch"):
             raise Outcome("skip", "no micro-batch chosen")
-        warmup, steps = (1, 2) if run.quick else (3, 15)
+        warmup, steps = (1, 2) if run.quick else (3, 20)
         res = run.on_ranks(
             1,
             ranks.overhead,
@@ -405,11 +405,11 @@ def overhead_section(run: Run) -> None:
 
 
 def judge_overhead(res: dict[str, Any], run: Run) -> dict[str, Any]:
-    from plait.plan import from_gpt_config, h100
+    from plait.plan import from_gpt_config
 
     config = ranks.big_config(run.quick)
     flops = from_gpt_config(config).flops_per_iteration(batch=res["microbatch"], seq=config.seq_len)
-    peak = h100().peak_flops if run.device == "cuda" else None
+    peak = card_peak(str(run.facts.get("gpu", ""))) if run.device == "cuda" else None
     bare = res["median_ms"].get("bare")
     rows = {}
     for name, ms in res["median_ms"].items():
@@ -432,6 +432,18 @@ def judge_overhead(res: dict[str, Any], run: Run) -> dict[str, Any]:
     if res["errors"]:
         raise Outcome("fail", f"variants failed: {sorted(res['errors'])}", data)
     return data
+
+
+def card_peak(gpu_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the card, from plait's cluster presets (H200 has the
+    H100's compute); None for a card without a preset (MFU then not reported)."""
+    from plait.plan import a100, h100
+
+    if "H100" in gpu_name or "H200" in gpu_name:
+        return h100().peak_flops
+    if "A100" in gpu_name:
+        return a100().peak_flops
+    return None
 
 
 def memory_section(run: Run) -> None:
@@ -616,7 +628,7 @@ def _overhead_table(d: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, row in d["rows"].items():
-        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a (no peak for a CPU)"
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a (no peak known)"
         vs = f"{row['vs_bare']:.3f}" if row["vs_bare"] is not None else "-"
         lines.append(
             f"| {name} | {row['median_ms']:.2f} | {vs} | {row['tokens_per_s']:,.0f} | {mfu} |"

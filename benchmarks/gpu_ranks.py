@@ -15,6 +15,7 @@ check that the ranks together covered the whole model.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -537,6 +538,10 @@ def overhead(device: str, quick: bool, mb: int, warmup: int, steps: int) -> dict
             except Exception as exc:
                 errors[runner.name] = f"{type(exc).__name__}: {exc}"[:400]
     params = sum(p.numel() for p in GPT(config).parameters())
+    runners.clear()  # give the GPU memory back to the ranks of the next section
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return {
         "median_ms": {k: statistics.median(v) for k, v in times.items() if v and k not in errors},
         "steps_ms": times,

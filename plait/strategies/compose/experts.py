@@ -177,7 +177,7 @@ def average(params: Sequence[nn.Parameter], group: Group, *, divide: int, algori
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype)
+        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group.size > 1:
             ops.all_reduce(flat, "sum", group=group, algorithm=algorithm)
