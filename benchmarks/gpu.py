@@ -263,8 +263,11 @@ def shared_gpu(run: Run) -> None:
 
     def body() -> dict[str, Any]:
         # a pool of its own: a refused NCCL communicator may leave its ranks unusable
-        with RankPool(run.world, timeout=60) as pool:
-            probe = pool.run(ranks.nccl_shared_probe, timeout=120)
+        try:
+            with RankPool(run.world, timeout=60) as pool:
+                probe = pool.run(ranks.nccl_shared_probe, timeout=120)
+        except (RankError, RankTimeout) as exc:  # a crash or a hang is a refusal too
+            probe = [{"allowed": False, "error": _error_text(exc)}]
         allowed = all(p["allowed"] for p in probe)
         data = {"allowed": allowed, "ranks": probe, "multi_rank_backend": run.multi_backend}
         verdict = "NCCL allowed it" if allowed else f"NCCL refused ({probe[0]['error'][:200]})"
