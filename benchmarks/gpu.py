@@ -390,7 +390,7 @@ def overhead_section(run: Run) -> None:
     def race() -> dict[str, Any]:
         if not chosen.get("microbatch"):
             raise Outcome("skip", "no micro-batch chosen")
-        warmup, steps = (1, 2) if run.quick else (3, 20)
+        warmup, steps = (1, 1) if run.quick else (3, 20)
         res = run.on_ranks(
             1,
             ranks.overhead,

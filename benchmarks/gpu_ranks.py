@@ -407,7 +407,7 @@ def big_config(quick: bool) -> GPTConfig:
     """GPT-2 small's shape (124M parameters, vocabulary padded to 50304, sequence 1024), or
     a toy one with ``quick``."""
     if quick:
-        return GPTConfig(vocab=128, layers=2, heads=4, width=64, seq_len=64)
+        return GPTConfig(vocab=64, layers=1, heads=2, width=32, seq_len=32)
     return GPTConfig(vocab=50304, layers=12, heads=12, width=768, seq_len=1024)
 
 
