@@ -122,3 +122,30 @@ def test_one_failing_check_does_not_stop_the_others_and_fails_the_exit_code(
     results = json.loads(json_path.read_text())["results"]
     assert [(r["name"], r["status"]) for r in results] == [("broken", "fail"), ("after it", "pass")]
     assert results[0]["reason"].startswith("ZeroDivisionError")
+
+
+# --- AdamW through the strategies that rebuild the optimizer (found by the overhead race) -------
+def adamw_rebuilt(strategy: str) -> tuple[str, float, bool]:
+    import torch
+
+    import plait
+    from plait.models import GPT
+
+    n = plait.world().size
+    dense = GPT(gpu_ranks.small_config(n, moe=strategy == "ep", dtype=torch.float32))
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, weight_decay=0.05)
+    meshes = {
+        "tp": {"mesh": plait.Mesh(tp=n)},
+        "ep": {"mesh": plait.Mesh(ep=n, dp=1)},
+        "ptdp": {"mesh": plait.Mesh(pp=2, dp=1, tp=n // 2), "microbatches": 2},
+    }
+    _, rebuilt = plait.prepare(dense, opt, strategy=strategy, **meshes[strategy])
+    assert rebuilt is not None
+    group = rebuilt.param_groups[0]
+    return type(rebuilt).__name__, group["weight_decay"], bool(group["decoupled_weight_decay"])
+
+
+@pytest.mark.parametrize("strategy", ["tp", "ep", "ptdp"])
+def test_strategies_that_rebuild_the_optimizer_take_adamw(ranks: Any, strategy: str) -> None:
+    results = ranks(2, adamw_rebuilt, strategy, timeout=120)
+    assert results == [("AdamW", 0.05, True)] * 2
