@@ -40,6 +40,13 @@ downloaded or installed at run time. Sections, in order (``--sections`` picks so
   memory;
 - ``cuda_tests``: the test suite's CUDA tests (``pytest -k cuda`` on the test files that
   use ``torch.cuda``); skipped tests are reported with their reasons.
+
+The JSON holds ``facts`` (versions, device, cores, command, commit, the multi-rank
+backend), ``date``, ``seconds`` and ``results``: one object per check with ``section``,
+``name``, ``status``, ``reason``, ``seconds`` and ``data`` (the figures, or the failing
+rank and its traceback). The Markdown file is the same as a table, followed by the
+overhead table (step ms, ratio to bare, tokens/s, MFU, goals met or missed) and the
+collective tables.
 """
 
 from __future__ import annotations
