@@ -97,6 +97,7 @@ from plait.strategies.compose.experts import (
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.moe.layer import moe_layers
+from plait.strategies.zero.groups import constructor_kwargs
 
 
 class PTDP:
@@ -230,7 +231,11 @@ class PTDP:
             ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
         params = [c.param for c in self.counted]
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
+        hyper = constructor_kwargs(
+            type(optimizer),
+            {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
+        )
         self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer

@@ -298,7 +298,7 @@ def _reduce(
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype)
+        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group is not None and group.size > 1:
             seq = group.seq + 1

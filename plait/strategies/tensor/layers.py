@@ -90,6 +90,7 @@ class ColumnParallelLinear(nn.Module):
         pad: bool = False,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -97,8 +98,10 @@ class ColumnParallelLinear(nn.Module):
         self.input = _choice("ColumnParallelLinear", "input", input, INPUTS_COL)
         self.gather_output = gather_output
         self.part = _part("ColumnParallelLinear", "out_features", out_features, group, pad=pad)
-        self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(self.part, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(self.part, dtype=dtype, device=device)) if bias else None
+        )
         if gather_output and self.part * group.size != out_features:
             raise ValueError("ColumnParallelLinear: gather_output needs out_features % t == 0")
 
@@ -115,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
             group=group,
             bias=dense.bias is not None,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():
@@ -166,6 +170,7 @@ class RowParallelLinear(nn.Module):
         output: str = "replicate",
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -173,8 +178,10 @@ class RowParallelLinear(nn.Module):
         self.input = _choice("RowParallelLinear", "input", input, INPUTS_ROW)
         self.output = _choice("RowParallelLinear", "output", output, OUTPUTS)
         self.part = _part("RowParallelLinear", "in_features", in_features, group, pad=False)
-        self.weight = nn.Parameter(torch.empty(out_features, self.part, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, self.part, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         if self.bias is not None and self.output == "sequence":
             # added to this rank's sequence slice only: the dense gradient is the sum
             M.sum_gradient_across(self.bias, group=group, algorithm=algorithm)
@@ -187,6 +194,7 @@ class RowParallelLinear(nn.Module):
             group=group,
             bias=dense.bias is not None,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():
@@ -238,13 +246,16 @@ class VocabParallelEmbedding(nn.Module):
         output: str = "replicate",
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, self.algorithm = group, algorithm
         self.output = _choice("VocabParallelEmbedding", "output", output, OUTPUTS)
         self.part = _part("VocabParallelEmbedding", "vocabulary", num_embeddings, group, pad=True)
-        self.weight = nn.Parameter(torch.empty(self.part, embedding_dim, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(self.part, embedding_dim, dtype=dtype, device=device)
+        )
 
     @property
     def start(self) -> int:
@@ -270,6 +281,7 @@ class VocabParallelEmbedding(nn.Module):
             dense.embedding_dim,
             group=group,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():

@@ -52,6 +52,7 @@ from plait.strategies.tensor.layers import (
     VocabParallelEmbedding,
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
+from plait.strategies.zero.groups import constructor_kwargs
 
 # the 2D / 2.5D / 3D styles, handled by parallelize_nd
 ND_KINDS = ("2d", "2.5d", "3d")
@@ -334,7 +335,11 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> tor
             "strategy 'tp' re-creates the optimizer on the parameter shards: pass an optimizer "
             "with one parameter group that has not stepped yet"
         )
-    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+    # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
+    hyper = constructor_kwargs(
+        type(optimizer),
+        {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
+    )
     return type(optimizer)(model.parameters(), **hyper)
 
 
