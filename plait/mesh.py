@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from plait import runtime
 from plait.comm.group import Group
 
 # Innermost (fastest-varying) first: PTD-P's rule, tp adjacent and pp furthest apart.
@@ -203,9 +204,7 @@ class Mesh:
         timeout: float | None = None,
         **dims: int,
     ) -> None:
-        import plait
-
-        w = plait.world()
+        w = runtime.world()
         members = list(range(w.size)) if ranks is None else list(ranks)
         self.layout = layout(len(members), dims, order=order, ranks=members)
         self.global_rank = w.global_rank
@@ -217,13 +216,11 @@ class Mesh:
 
     def _create(self, dims: tuple[str, ...]) -> Group | None:
         """Create the groups along ``dims``; collective over the world."""
-        import plait
-
         mine: Group | None = None
         label = "+".join(dims)
         for i, ranks in enumerate(self.layout.groups(*dims)):
             name = f"mesh{self._id}.{label}{i}{ranks}"
-            g = plait.new_group(ranks, name=name, timeout=self._timeout)
+            g = runtime.new_group(ranks, name=name, timeout=self._timeout)
             if g is not None:
                 mine = g
         return mine

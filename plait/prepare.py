@@ -17,7 +17,9 @@ after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` w
 Qwen3 / GPT-2, torchtitan's Llama 3), ``sequence_parallel=``, ``check_finite=``; a new
 optimizer over the shards with the same parameter groups), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
-its experts, a new optimizer over what it keeps), ``"pipeline"``
+its experts, plait's own MoE layers or the model's own blocks through its family's MoE plan
+(Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE) or ``plan=``; a new optimizer over what it
+keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
@@ -29,16 +31,18 @@ its optimizer), ``"none"`` (single process, unchanged).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
-from plait.strategies.moe import prepare_ep
+from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
 from plait.strategies.tensor import prepare_tp as _prepare_tp
@@ -141,8 +145,6 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
 def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     """Tensor parallelism with the plan of the model's family when none is given."""
     if options.get("plan") is None:
-        from plait.models.plans import plan_for
-
         mode = options.get("mode", "1d")
         extra: dict[str, Any] = {"mode": mode} if mode != "1d" else {}
         if mode == "1d" and options.pop("sequence_parallel", False):
@@ -151,6 +153,22 @@ def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     elif options.get("sequence_parallel"):
         raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")
     return _prepare_tp(model, optimizer, **options)
+
+
+def _ep(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """Expert parallelism: plait's own MoE layers need no plan; a model with its own MoE
+    blocks (Mixtral, Qwen-MoE) gets its family's MoE-block plan unless ``plan=`` is given."""
+    if "plan" not in options and not moe_layers(model):
+        plan = plan_for(model, "moe")
+        if plan is None:
+            raise ValueError(
+                f"strategy 'ep': {type(model).__name__} has no plait.moe.MoE layer and no "
+                f"known MoE plan; pass plan=plait.moe.MoEPlan(experts=('MyExperts',), "
+                f"stacked=('w1', 'w2'), run_expert=lambda box, e, x: ..., routers=...) "
+                f"describing its sparse blocks"
+            )
+        options["plan"] = plan
+    return prepare_ep(model, optimizer, **options)
 
 
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
@@ -177,18 +195,86 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
     "tp": _tp,
-    "ep": prepare_ep,
+    "ep": _ep,
     "pipeline": prepare_pipeline,
     "ptdp": prepare_ptdp,
 }
 
 
+# PyTorch's spellings, accepted as they are (a user of DDP, FSDP2 or torch pipelining types them)
+PYTORCH_NAMES = {
+    "process_group": "mesh",
+    "device_mesh": "mesh",
+    "bucket_cap_mb": "bucket_mb",
+    "n_microbatches": "microbatches",
+}
+# plait's earlier names: still accepted for one release, with a DeprecationWarning
+OLD_NAMES = {"group": "mesh", "tp_plan": "plan", "tp_mode": "mode"}
+# strategies that run on one group of ranks (they take the group as ``group=``)
+_ONE_GROUP = ("naive", "ddp", "zero1", "zero2", "zero3", "fsdp", "ps")
+
+
+def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` in plait's one vocabulary, then in the names ``strategy`` takes.
+
+    One name per idea across strategies: where it runs is ``mesh=`` (a :class:`~plait.Mesh`
+    or a group; a data-parallel strategy takes the mesh's only dimension, or its ``dp``), the
+    tensor-parallel plan ``plan=``, its mode ``mode=``, the micro-batch count
+    ``microbatches=``, the bucket size ``bucket_mb=``. PyTorch's spellings
+    (:data:`PYTORCH_NAMES`) are accepted as aliases; plait's earlier names
+    (:data:`OLD_NAMES`) too, with a ``DeprecationWarning`` naming the new one. Giving one
+    idea twice under two names is refused.
+    """
+    out: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, value in options.items():
+        name = PYTORCH_NAMES.get(key) or OLD_NAMES.get(key) or key
+        if key in OLD_NAMES:
+            warnings.warn(
+                f"plait.prepare: {key}= is deprecated; use {name}=",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        if name in out:
+            raise TypeError(
+                f"plait.prepare(strategy={strategy!r}): {source[name]}= and {key}= name the "
+                f"same setting ({name}); pass one"
+            )
+        out[name], source[name] = value, key
+    if "mesh" in out and strategy in _ONE_GROUP:
+        out["group"] = _one_group(out.pop("mesh"), strategy)
+    if strategy == "ptdp":
+        for new, theirs in (("plan", "tp_plan"), ("mode", "tp_mode")):
+            if new in out:
+                out[theirs] = out.pop(new)
+    return out
+
+
+def _one_group(mesh: Any, strategy: str) -> Any:
+    """The group a data-parallel strategy runs on: a group as it is; a mesh's ``dp``
+    dimension, or its only dimension of more than one rank."""
+    shape = getattr(mesh, "shape", None)
+    if not isinstance(shape, dict) or not hasattr(mesh, "group"):
+        return mesh
+    wide = [n for n, size in shape.items() if size > 1]
+    if set(wide) <= {"dp"} and "dp" in shape:
+        return mesh.group("dp")
+    if len(wide) == 1:
+        return mesh.group(wide[0])
+    raise ValueError(
+        f"strategy {strategy!r} runs on one group of ranks; the mesh has dimensions "
+        f"{shape}: pass Mesh(dp=n) or mesh.group(name), or compose dimensions with "
+        f"strategy='ptdp'"
+    )
+
+
 def prepare(
-    model: nn.Module,
+    module: nn.Module | None = None,
     optimizer: Optimizer | None = None,
     *,
     strategy: str = "ddp",
     tracer: Tracer | None = None,
+    model: nn.Module | None = None,
     **options: Any,
 ) -> Prepared:
     """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
@@ -206,7 +292,33 @@ def prepare(
     optimizer of the same class over the parameter shards, one group per original group
     with all its entries (each unit gets one flat shard per group, so per-group
     hyper-parameters apply exactly; any ``torch.optim`` optimizer).
+
+    What comes back, by one rule: ``(runner, optimizer)``. The runner is the module itself
+    (changed in place by tp and ep, wrapped by ddp, naive, fsdp and ps: call it as before,
+    its forward is the model's own) for every strategy whose training loop is
+    ``loss = f(model(x)); loss.backward(); optimizer.step()``; for ``"pipeline"`` and
+    ``"ptdp"``, whose forward and backward interleave across ranks, it is an object
+    trained with ``runner.step(x, y)``. The optimizer is the caller's, or the same class
+    with the same per-group hyper-parameters over what this rank keeps.
+
+    Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
+    runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
+    (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
+    accepted. ``model=`` is the deprecated name of ``module``.
     """
+    if model is not None:
+        if module is not None:
+            raise TypeError("plait.prepare: pass the module once (module=, not model= too)")
+        warnings.warn(
+            "plait.prepare: model= is deprecated; pass the module first (or module=)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        module = model
+    if module is None:
+        raise TypeError("plait.prepare: the module to prepare is missing")
+    model = module
+    options = vocabulary(strategy, options)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {sorted(STRATEGIES)}")
     traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "pipeline")

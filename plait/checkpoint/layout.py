@@ -71,7 +71,8 @@ def decode_tree(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # --- models ----------------------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DDP or naive data-parallel wrapper; else ``model``."""
-    from plait.strategies import DistributedDataParallel, NaiveDataParallel
+    from plait.strategies.data_parallel.ddp import DistributedDataParallel
+    from plait.strategies.data_parallel.naive import NaiveDataParallel
 
     if isinstance(model, (DistributedDataParallel, NaiveDataParallel)):
         return model.module

@@ -99,7 +99,7 @@ def _worker(
     )
     import torch.distributed as dist
 
-    import plait
+    from plait import runtime
 
     def reply(status: str, payload: Any) -> None:
         try:
@@ -117,7 +117,7 @@ def _worker(
         return f"{type(exc).__name__}: {exc}", traceback.format_exc(), original
 
     try:
-        timeout = init_kwargs.get("timeout") or plait.runtime.DEFAULT_TIMEOUT_S
+        timeout = init_kwargs.get("timeout") or runtime.DEFAULT_TIMEOUT_S
         store = dist.TCPStore(
             "127.0.0.1",
             port,
@@ -125,7 +125,7 @@ def _worker(
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        plait.init(store=store, **init_kwargs)
+        runtime.init(store=store, **init_kwargs)
     except BaseException as exc:
         reply("err", failure(exc))
         return
@@ -143,7 +143,7 @@ def _worker(
         except BaseException as exc:
             reply("err", failure(exc))
     try:
-        plait.shutdown()
+        runtime.shutdown()
     except Exception:
         pass
 
@@ -155,7 +155,9 @@ class RankPool:
     ``fn(*args, **kwargs)`` with the process group joined, and returns the results in rank
     order. After a failure or a timeout the pool is closed: start a new one. ``timeout``
     and ``debug`` left as None follow ``PLAIT_TIMEOUT`` and ``PLAIT_DEBUG`` (the ranks
-    inherit this process's environment, plus ``env``). Ranks die with this process.
+    inherit this process's environment, plus ``env``). ``backend``: the process group's
+    (``"gloo"`` by default; None lets :func:`plait.init` choose: NCCL where every rank owns
+    a GPU). Ranks die with this process.
     """
 
     def __init__(
@@ -164,7 +166,7 @@ class RankPool:
         *,
         timeout: float | None = None,
         debug: bool | None = None,
-        backend: str = "gloo",
+        backend: str | None = "gloo",
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
     ) -> None:

@@ -34,6 +34,12 @@ FAMILIES: dict[str, str] = {
     "GPT2LMHeadModel": "plait.models.gpt2",
     "GPT2Model": "plait.models.gpt2",
     "Transformer": "plait.models.torchtitan_llama",  # torchtitan's Llama 3 (layout checked)
+    "MixtralForCausalLM": "plait.models.mixtral",
+    "MixtralModel": "plait.models.mixtral",
+    "Qwen2MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen2MoeModel": "plait.models.qwen_moe",
+    "Qwen3MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen3MoeModel": "plait.models.qwen_moe",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}

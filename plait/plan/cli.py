@@ -83,7 +83,13 @@ def add_subcommands(plan_sub: Any) -> None:
         description=LAYOUTS_HELP,
     )
     m = lay.add_argument_group("model")
-    m.add_argument("--model", default="gpt", help="gpt, 22B, 175B, 530B or 1T (default gpt)")
+    m.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt, 22B, 175B, 530B, 1T, a Hugging Face config.json (or its directory), or a "
+        "preset: llama3-8b, llama3-70b, llama3-405b, mistral-7b, qwen2-7b, mixtral-8x7b, "
+        "gpt2, gpt2-xl (default gpt)",
+    )
     m.add_argument("--params", type=parameter_count, default=None, help="a GPT of this size")
     m.add_argument("--layers", type=int, default=None)
     m.add_argument("--hidden", type=int, default=None)
@@ -95,7 +101,13 @@ def add_subcommands(plan_sub: Any) -> None:
     m.add_argument("--top-k", type=int, default=2)
     m.add_argument("--moe-every", type=int, default=2)
     c = lay.add_argument_group("cluster")
-    c.add_argument("--cluster", default="a100", help="a100, h100 or cpu")
+    c.add_argument("--cluster", default="a100", help="a100, h100, h200, b200 or cpu")
+    c.add_argument(
+        "--gpus",
+        default=None,
+        metavar="NxKIND",
+        help="e.g. 64xH100: N devices of a preset kind, 8 per node (sets --cluster, --nodes)",
+    )
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--ranks", type=int, default=4, help="cpu: ranks on this machine")
     c.add_argument("--devices-per-node", type=int, default=None)
@@ -173,8 +185,13 @@ def _model(args: argparse.Namespace) -> Any:
     if args.model in spec.PUBLISHED:
         return spec.published(args.model)
     if args.model != "gpt":
+        from plait.plan import hf
+
+        if args.model in hf.PRESETS or args.model.endswith(".json") or "/" in args.model:
+            return hf.load(args.model)
         raise ValueError(
-            f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)} (or --params)"
+            f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)}, a preset "
+            f"({', '.join(hf.PRESETS)}), a config.json path (or --params)"
         )
     from plait.models.gpt import GPTConfig
 
@@ -192,9 +209,25 @@ def _model(args: argparse.Namespace) -> Any:
     )
 
 
+def _gpus(text: str) -> tuple[str, int]:
+    """``"64xH100"`` -> ``("h100", 8)``: a preset kind and its nodes of 8 devices."""
+    from plait.plan import hardware
+
+    count, sep, kind = text.lower().partition("x")
+    kinds = [k for k in hardware.PRESETS if k != "cpu"]
+    if not sep or not count.isdigit() or kind not in kinds:
+        raise ValueError(f"--gpus {text!r}: write N x KIND, e.g. 64xH100 (KIND: {kinds})")
+    n = int(count)
+    if n < 8 or n % 8:
+        raise ValueError(f"--gpus {text!r}: presets are nodes of 8 devices; use a multiple of 8")
+    return kind, n // 8
+
+
 def _cluster(args: argparse.Namespace) -> Any:
     from plait.plan import hardware
 
+    if getattr(args, "gpus", None):
+        args.cluster, args.nodes = _gpus(args.gpus)
     if args.cluster == "cpu":
         cluster = hardware.local_cpu(
             ranks=args.ranks, bench_file=args.bench_file, calibration=args.calibration

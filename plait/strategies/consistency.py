@@ -7,7 +7,7 @@ the first byte moves, :func:`verify_same_parameters` compares every rank's list 
 ``(name, shape, dtype)``.
 
 Communication: each rank writes a SHA-256 digest of its list to the rendezvous store
-(``plait/wrapcheck/<group>/<n>/<rank>``, 64 bytes) and reads the others'; only when the
+(``plait/agree/<group>/<n>/digest/<rank>``, 64 bytes) and reads the others'; only when the
 digests differ does each rank also publish its whole list, so that every rank can name the
 first rank and parameter that differ. No tensor crosses a process boundary and nothing is
 pickled. Cost: two store round trips per rank at wrap time.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,56 +53,108 @@ def verify_same_parameters(
     published their digest, at most the group's timeout. ``who`` names the wrapper in the
     message. A group of one rank, or a run without a rendezvous store, is not checked.
     """
-    lines = describe_parameters(named)
     if group.size == 1:
         return
+    agree(
+        describe_parameters(named),
+        ranks=group.ranks,
+        me=group.global_rank,
+        label=group.name,
+        timeout=group.timeout,
+        who=who,
+        what="parameter",
+        problem=f"the ranks of group {group.name!r} built different models",
+        advice="Every rank must build the same model (same modules, registered in the same "
+        "order, same shapes and dtypes) before wrapping it.",
+    )
+
+
+def fingerprint_lines(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per tensor: its name, shape, dtype and two float64 sums (of the values and
+    of their magnitudes) written exactly (``float.hex``): equal lines on two ranks mean,
+    short of a collision no seed produces, equal tensors."""
+    out = []
+    for name, t in named:
+        x = t.detach().to(torch.float64) if t.is_floating_point() else t.detach().double()
+        out.append(
+            f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "
+            f"sum={float(x.sum()).hex()} abs={float(x.abs().sum()).hex()}"
+        )
+    return out
+
+
+_counts: dict[str, int] = {}
+
+
+def agree(
+    lines: list[str],
+    *,
+    ranks: Sequence[int],
+    me: int,
+    label: str,
+    timeout: float,
+    who: str,
+    what: str,
+    problem: str,
+    advice: str,
+) -> None:
+    """Raise ``ValueError`` on every rank of ``ranks`` unless all hold the same ``lines``.
+
+    The error names, for each rank that differs from the first, the first differing
+    ``what`` (a setting, a parameter, ...) with both ranks' values. Collective over
+    ``ranks``, through the rendezvous store (a digest each, the lists only on a mismatch:
+    no tensor moves, no process group is needed, so it can run before groups are built);
+    every rank must call it with the same ``label`` in the same order. Blocks at most
+    ``timeout`` seconds, then names the ranks that never arrived. Without a store (one
+    process) nothing is checked.
+    """
     store = progress.store()
-    if store is None:
+    if store is None or len(ranks) < 2:
         return
-    count = getattr(group, "_plait_wrap_checks", 0)
-    group._plait_wrap_checks = count + 1  # type: ignore[attr-defined]
-    prefix = f"plait/wrapcheck/{group.name}/{count}"
+    count = _counts.get(label, 0)
+    _counts[label] = count + 1
+    prefix = f"plait/agree/{label}/{count}"
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    me = group.global_rank
     store.set(f"{prefix}/digest/{me}", digest)
-    keys = [f"{prefix}/digest/{r}" for r in group.ranks]
-    _wait(store, keys, group, who)
-    digests = {r: store.get(k).decode() for r, k in zip(group.ranks, keys, strict=True)}
+    keys = [f"{prefix}/digest/{r}" for r in ranks]
+    _wait(store, keys, ranks, me, label, timeout, who)
+    digests = {r: store.get(k).decode() for r, k in zip(ranks, keys, strict=True)}
     if len(set(digests.values())) == 1:
         return
     store.set(f"{prefix}/list/{me}", json.dumps(lines))
-    list_keys = [f"{prefix}/list/{r}" for r in group.ranks]
-    _wait(store, list_keys, group, who)
-    lists = {
-        r: json.loads(store.get(k).decode()) for r, k in zip(group.ranks, list_keys, strict=True)
-    }
-    reference = group.ranks[0]
+    list_keys = [f"{prefix}/list/{r}" for r in ranks]
+    _wait(store, list_keys, ranks, me, label, timeout, who)
+    lists = {r: json.loads(store.get(k).decode()) for r, k in zip(ranks, list_keys, strict=True)}
+    reference = ranks[0]
     problems = []
-    for r in group.ranks[1:]:
+    for r in ranks[1:]:
         if digests[r] == digests[reference]:
             continue
         i, ref_line, their_line = _first_difference(lists[reference], lists[r])
         problems.append(
-            f"rank {r} differs from rank {reference} at parameter #{i}: rank {reference} has "
+            f"rank {r} differs from rank {reference} at {what} #{i}: rank {reference} has "
             f"{ref_line!r}, rank {r} has {their_line!r} ({len(lists[r])} vs "
-            f"{len(lists[reference])} parameters)"
+            f"{len(lists[reference])} {what}s)"
         )
-    raise ValueError(
-        f"{who}: the ranks of group {group.name!r} built different models; "
-        + "; ".join(problems)
-        + ". Every rank must build the same model (same modules, registered in the same "
-        "order, same shapes and dtypes) before wrapping it."
-    )
+    raise ValueError(f"{who}: {problem}; " + "; ".join(problems) + ". " + advice)
 
 
-def _wait(store: object, keys: list[str], group: Group, who: str) -> None:
+def _wait(
+    store: object,
+    keys: list[str],
+    ranks: Sequence[int],
+    me: int,
+    label: str,
+    timeout: float,
+    who: str,
+) -> None:
     try:
-        store.wait(keys, datetime.timedelta(seconds=group.timeout))  # type: ignore[attr-defined]
+        store.wait(keys, datetime.timedelta(seconds=timeout))  # type: ignore[attr-defined]
     except Exception as exc:  # the store raises its own timeout type
-        missing = [r for r, k in zip(group.ranks, keys, strict=True) if not store.check([k])]  # type: ignore[attr-defined]
+        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]  # type: ignore[attr-defined]
         raise CollectiveTimeout(
-            f"{who}: rank {group.global_rank} waited {group.timeout:g}s for the other ranks of "
-            f"group {group.name!r} to wrap their model; ranks {missing} never did. Every rank "
-            f"must wrap the model (it is a collective).",
+            f"{who}: rank {me} waited {timeout:g}s for the other ranks of {label!r} to "
+            f"check that they agree; ranks {missing} never did. Every rank must make the "
+            f"same call (it is a collective).",
             missing,
         ) from exc

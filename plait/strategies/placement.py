@@ -98,6 +98,13 @@ def is_placed(params: Iterable[torch.Tensor]) -> bool:
     return any(placement(p) is not None for p in params)
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: a strategy's guarded gradient (FSDP's shard gradient refuses
+    norms so that a per-rank norm is never taken by mistake) read for the global one."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
 def grad_norm(
     named: Sequence[tuple[str, torch.Tensor]],
     norm_type: float = 2.0,
@@ -131,7 +138,7 @@ def grad_norm(
             )
         if p.grad is None or not where.counted or p.grad.numel() == 0:
             continue
-        g = p.grad.detach().to(dtype)
+        g = plain(p.grad).detach().to(dtype)
         if infinite:
             total = torch.maximum(total, g.abs().max())
         else:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from plait.plan.measure.calibrate import COLLECTIVES, Calibration, Line, fit_line
+from plait.plan.calibration import COLLECTIVES, Calibration, Line, fit_line
 
 BLOCK = 5  # calls timed back to back
 BURST_S = 2e-3  # compute between two calls when measuring them as a step interleaves them

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plait.plan.measure.calibrate import Calibration, Line, Overhead
+from plait.plan.calibration import Calibration, Line, Overhead
 
 WIDTHS = (8, 128)  # the ddp and zero probes' two GPTs: same tensors, 7.5 KB and 1.6 MB
 LAYERS = 2
@@ -129,7 +129,7 @@ def _wrapped_step(strategy: str, model: Any, ids: Any, group: Any) -> Callable[[
 
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     extra: dict[str, Any] = {"wrap": {type(model.blocks[0])}} if strategy == "fsdp" else {}
-    wrapped, opt = plait.prepare(model, adam, strategy=strategy, group=group, **extra)
+    wrapped, opt = plait.prepare(model, adam, strategy=strategy, mesh=group, **extra)
     assert opt is not None
 
     def step() -> None:

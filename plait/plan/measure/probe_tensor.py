@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.plan.measure.calibrate import Residual
+from plait.plan.calibration import Residual
 
 # the calibration GPT: vocab, layers, heads, width, sequence (heads and vocab split 2, 4, 8)
 MODEL = (64, 2, 8, 96, 64)

@@ -95,7 +95,9 @@ from plait.strategies.compose.experts import (
     tp_plan_without_experts,
 )
 from plait.strategies.compose.scaling import Unscaler, install
+from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.moe.layer import moe_layers
+from plait.strategies.zero.groups import constructor_kwargs
 
 
 class PTDP:
@@ -137,6 +139,21 @@ class PTDP:
                 "ptdp re-creates the optimizer on this rank's shards: pass an optimizer with "
                 "one parameter group that has not stepped yet"
             )
+        settings = {
+            "mesh": repr(mesh.shape),
+            "schedule": schedule,
+            "microbatches": microbatches,
+            "chunks": chunks,
+            "zero": zero,
+            "tp_mode": tp_mode,
+            "sequence_parallel": sequence_parallel,
+            "tp_plan": None
+            if tp_plan is None
+            else sorted((k, repr(v)) for k, v in tp_plan.items()),
+            "loss scaling": scaler is not None,
+            "algorithm": algorithm,
+        }
+        check_agreement(model, settings, mesh)
         self.mesh = mesh
         self.algorithm = algorithm
         self.scaler = scaler
@@ -214,7 +231,11 @@ class PTDP:
             ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
         params = [c.param for c in self.counted]
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
+        hyper = constructor_kwargs(
+            type(optimizer),
+            {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
+        )
         self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer
@@ -415,6 +436,44 @@ class PTDP:
             f"schedule={self.pipe.schedule.name!r}, microbatches={s.microbatches}, "
             f"zero={s.zero}, sequence_parallel={s.sequence_parallel})"
         )
+
+
+def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) -> None:
+    """Before any group carries a tensor: every rank of the mesh has the same settings,
+    the same model structure and the same dense weights (replicas must start equal: a
+    rank seeded differently would train a different model silently). One error on every
+    rank naming the ranks, the setting or parameter and both values. Collective over the
+    mesh's ranks, through the rendezvous store (three digests per rank; the lists only on
+    a mismatch)."""
+    ranks = list(mesh.layout.ranks)
+    timeout = mesh.group(mesh.names[0]).timeout
+    common = {"ranks": ranks, "me": mesh.global_rank, "timeout": timeout, "who": "ptdp"}
+    agree(
+        [f"{k}: {v}" for k, v in settings.items()],
+        label=f"ptdp-settings{ranks}",
+        what="setting",
+        problem="the ranks were given different settings",
+        advice="Every rank must call compose / prepare(strategy='ptdp') with the same mesh, "
+        "schedule, micro-batches, chunks, ZeRO stage and plan.",
+        **common,
+    )
+    agree(
+        describe_parameters(model.named_parameters()),
+        label=f"ptdp-structure{ranks}",
+        what="parameter",
+        problem="the ranks built different models",
+        advice="Every rank must build the same model (same modules, order, shapes, dtypes).",
+        **common,
+    )
+    agree(
+        fingerprint_lines(model.state_dict().items()),
+        label=f"ptdp-weights{ranks}",
+        what="tensor",
+        problem="the ranks' models start from different weights",
+        advice="Build the model with the same seed on every rank (torch.manual_seed before "
+        "constructing it), or load the same checkpoint on every rank, before composing.",
+        **common,
+    )
 
 
 def compose(

@@ -143,16 +143,27 @@ def load_state_dict(
     if missing:
         raise ValueError(f"ptdp.load_state_dict: the model state lacks {missing[:5]}")
     rank = ptdp.tp_group.rank
+    wrong = [
+        f"{k} has shape {tuple(model[k].shape)}, the model {tuple(shape)}"
+        for k, (shape, *_) in ptdp.index.shapes.items()
+        if tuple(model[k].shape) != tuple(shape)
+    ]
+    if wrong:  # a slice of the wrong tensor would truncate or pad it silently
+        raise ValueError(
+            f"ptdp.load_state_dict: the state does not fit this model: {'; '.join(wrong[:5])}"
+            f"{f' (and {len(wrong) - 5} more)' if len(wrong) > 5 else ''}; load a state of "
+            f"the same configuration (vocabulary, width, layers)"
+        )
     for c in ptdp.counted:
         dense = model[c.name]
-        if _split_dim(c.param.shape, dense.shape) is None and c.param.shape != dense.shape:
-            raise ValueError(
-                f"ptdp.load_state_dict: {c.name} has shape {tuple(dense.shape)}, expected "
-                f"{tuple(ptdp.index.shapes[c.name][0])}"
-            )
         c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank))
     for stage in ptdp.pipe.stages.values():
         for name, buf in stage.named_buffers():
+            if buf.shape != model[name].shape:
+                raise ValueError(
+                    f"ptdp.load_state_dict: buffer {name} has shape {tuple(model[name].shape)}, "
+                    f"the model {tuple(buf.shape)}"
+                )
             buf.copy_(model[name])
     if optimizer is None:
         return

@@ -76,13 +76,25 @@ from plait.trace import Tracer
 MIB = 1 << 20
 
 
+def _on_the_wire(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` in a dtype every backend carries: complex numbers as their real and
+    imaginary parts (a RoPE table of complex64), booleans as bytes; others as they are."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
 def broadcast_tensors(tensors: list[torch.Tensor], group: Group, algorithm: str) -> None:
-    """Broadcast ``tensors`` from group rank 0, one flat message per dtype."""
+    """Broadcast ``tensors`` from group rank 0, one flat message per dtype (complex and
+    boolean tensors travel as views of real numbers and bytes, then land in place)."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        wire = _on_the_wire(t.detach())
+        by_dtype.setdefault((wire.dtype, wire.device), []).append(wire)
     for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        flat = torch.cat([t.reshape(-1) for t in same])
         comm.broadcast(flat, 0, group=group, algorithm=algorithm)
         with torch.no_grad():
             for t, piece in zip(same, flat.split([t.numel() for t in same]), strict=True):

@@ -59,8 +59,10 @@ original as ``__cause__``).
 A unit's parameters of different dtypes, ``requires_grad`` or optimizer parameter groups
 go into separate flat shards (one ``ShardedUnit`` each, hooked on the same module).
 
-Not supported: a second backward through one graph (``retain_graph``), re-running forward
-inside backward (activation checkpointing), and the units above.
+Activation checkpointing inside a unit (``torch.utils.checkpoint``, Hugging Face's
+``gradient_checkpointing_enable``) works: the unit's backward installs the gathered views
+before the forward is re-run. Not supported: a second backward through one graph
+(``retain_graph``), and the units above.
 
 Package layout: :mod:`.placeholder` (what a parameter is between gathers), :mod:`.unit`
 (one flat shard: gather, free, reduce-scatter), :mod:`.schedule` (orders, prefetch, the

@@ -121,17 +121,19 @@ def clip_units_grad_norm_(
     padding is zero, a tied parameter has one slot): local sums of ``|g|^p`` are
     all-reduced (sum; max for ``inf``) over the units' group. Every gradient is scaled by
     ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does on one
-    process. Collective: every rank of the group must call it. Returns a float32 scalar,
-    equal on every rank.
+    process, in the gradients' precision (float64 when they are float64, else float32).
+    Collective: every rank of the group must call it. Returns a scalar equal on every rank.
     """
     norm_type = float(norm_type)
     grads = [u.shard.grad for u in units if u.numel and u.shard.grad is not None]
     group = next((u.config.group for u in units), None)
     with torch._C.DisableTorchFunctionSubclass():
         plain = [g.as_subclass(torch.Tensor) for g in grads if g is not None]
-        local = torch.zeros(1, dtype=torch.float32)
+        # the gradients' own precision (float64 stays float64), never below float32
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in plain) else torch.float32
+        local = torch.zeros(1, dtype=wide)
         for g in plain:
-            g32 = g.detach().float().cpu()
+            g32 = g.detach().to(wide).cpu()
             if math.isinf(norm_type):
                 local = torch.maximum(local, g32.abs().max().reshape(1)) if g32.numel() else local
             elif norm_type == 0:

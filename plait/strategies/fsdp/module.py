@@ -45,7 +45,8 @@ class FSDPModule(nn.Module):
         """Clip the gradients of every unit in this subtree by their *global* norm (over all
         ranks' shards, each element once) and return it, the same on every rank.
 
-        Collective: one all-reduce of one float32 element on the group; every rank must
+        Collective: one all-reduce of one element (float64 for float64 gradients, else
+        float32) on the group; every rank must
         call it (after backward, after ``GradScaler.unscale_`` if one is used).
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` raises instead: each
         rank would see only its shard."""

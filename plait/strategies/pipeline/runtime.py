@@ -156,10 +156,11 @@ class Runtime:
                             "pp_shape",
                             f"receive the activation shape for stage {s} from rank "
                             f"{self._peer(s - 1)}",
+                            device=first.device,
                         )
                     )
                     incoming = inp[s] = decode_meta(meta)
-                x = torch.zeros(incoming[0], dtype=incoming[1])
+                x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
                 y = self.stages[s](x)
             out[s] = (y.shape, y.dtype)
@@ -167,7 +168,7 @@ class Runtime:
             if s < self.last and self._peer(s + 1) != self.rank:
                 self.link.wait(
                     self.link.isend(
-                        encode_meta(y),
+                        encode_meta(y).to(first.device),  # NCCL carries CUDA tensors only
                         self._peer(s + 1),
                         tag(2, s + 1, 0),
                         "pp_shape",
@@ -193,7 +194,8 @@ class Runtime:
         grad_in: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[Message] = []
         held: dict[int, int] = {}
-        loss = torch.zeros((), dtype=torch.float64)
+        device = inputs[0].device  # the stages', where received tensors must land
+        loss = torch.zeros((), dtype=torch.float64, device=device)
         current: Action | None = None
         try:
             for a in sched.ranks[self.rank]:
@@ -209,6 +211,7 @@ class Runtime:
                         "pp_activation",
                         f"receive the activation of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s - 1)} (stage {s - 1})",
+                        device=device,
                     )
                 elif a.kind is Kind.RECV_B:
                     shape, dtype = out_shapes[s]
@@ -220,6 +223,7 @@ class Runtime:
                         "pp_gradient",
                         f"receive the gradient of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s + 1)} (stage {s + 1})",
+                        device=device,
                     )
                 elif a.kind is Kind.SEND_F:
                     y = ctx[(s, mb)].y

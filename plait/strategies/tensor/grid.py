@@ -153,8 +153,7 @@ def grid_mesh(
     dimensions ``others`` (e.g. ``dp=2``). The grid's dimensions vary fastest (``col``, then
     ``row``, then ``depth``) so a grid row sits on adjacent ranks. Collective (builds groups).
     """
-    import plait
-    from plait.mesh import DEFAULT_ORDER
+    from plait.mesh import DEFAULT_ORDER, Mesh
 
     dims = grid_shape(mode, size, depth=depth)
     clash = set(dims) & set(others)
@@ -163,7 +162,7 @@ def grid_mesh(
     inner = [d for d in ("col", "row", "depth") if d in dims]
     rest = [d for d in DEFAULT_ORDER if d in others] + [d for d in others if d not in DEFAULT_ORDER]
     sizes: dict[str, Any] = {**dims, **others}
-    return plait.Mesh(order=inner + rest, timeout=timeout, **sizes)
+    return Mesh(order=inner + rest, timeout=timeout, **sizes)
 
 
 def _axis(mesh: Any, dim: str, label: str) -> Axis:

@@ -100,6 +100,7 @@ class ColumnParallelLinear(nn.Module):
         transposed: bool = False,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -116,8 +117,10 @@ class ColumnParallelLinear(nn.Module):
         self.part = blocks * _part(
             "ColumnParallelLinear", what, out_features // blocks, group, pad=pad
         )
-        self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(self.part, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.part, in_features, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(self.part, dtype=dtype, device=device)) if bias else None
+        )
 
     @property
     def start(self) -> int:
@@ -132,6 +135,7 @@ class ColumnParallelLinear(nn.Module):
             group=group,
             bias=dense.bias is not None,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         k = layer.blocks
@@ -199,6 +203,7 @@ class RowParallelLinear(nn.Module):
         transposed: bool = False,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -207,8 +212,10 @@ class RowParallelLinear(nn.Module):
         self.input = _choice("RowParallelLinear", "input", input, INPUTS_ROW)
         self.output = _choice("RowParallelLinear", "output", output, OUTPUTS)
         self.part = _part("RowParallelLinear", "in_features", in_features, group, pad=False)
-        self.weight = nn.Parameter(torch.empty(out_features, self.part, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, self.part, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         if self.bias is not None and self.output == "sequence":
             # added to this rank's sequence slice only: the dense gradient is the sum
             M.sum_gradient_across(self.bias, group=group, algorithm=algorithm)
@@ -221,6 +228,7 @@ class RowParallelLinear(nn.Module):
             group=group,
             bias=dense.bias is not None,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():
@@ -273,13 +281,16 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: int | None = None,
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, self.algorithm = group, algorithm
         self.output = _choice("VocabParallelEmbedding", "output", output, OUTPUTS)
         self.part = _part("VocabParallelEmbedding", "vocabulary", num_embeddings, group, pad=True)
-        self.weight = nn.Parameter(torch.empty(self.part, embedding_dim, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(self.part, embedding_dim, dtype=dtype, device=device)
+        )
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
@@ -310,6 +321,7 @@ class VocabParallelEmbedding(nn.Module):
             group=group,
             padding_idx=dense.padding_idx,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():
@@ -367,6 +379,7 @@ class HeadSelectLinear(nn.Module):
         input: str = "replicate",
         algorithm: str = "auto",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -378,8 +391,12 @@ class HeadSelectLinear(nn.Module):
                 f"HeadSelectLinear: {out_features} outputs of {head_dim}-wide heads over "
                 f"{replicas} ranks per head do not fill the group of {group.size} ranks"
             )
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         for p in self.parameters():
             M.sum_gradient_across(p, group=group, algorithm=algorithm)
 
@@ -396,6 +413,7 @@ class HeadSelectLinear(nn.Module):
             group=group,
             bias=dense.bias is not None,
             dtype=dense.weight.dtype,
+            device=dense.weight.device,
             **options,
         )
         with torch.no_grad():

@@ -69,7 +69,6 @@ over it), so ``plait.clip_grad_norm_(model.parameters(), max_norm)`` is the glob
 from __future__ import annotations
 
 import fnmatch
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +90,7 @@ from plait.strategies.tensor.layers import (
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
+from plait.strategies.zero.groups import constructor_kwargs
 
 # the 2D / 2.5D / 3D styles, handled by parallelize_nd
 ND_KINDS = ("2d", "2.5d", "3d")
@@ -624,8 +624,9 @@ def rebuild_optimizer(
         if name in groups:
             params[groups[name]].append(p)
     cls = type(optimizer)
-    taken = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay);
+    # every group keeps all its entries
+    defaults = constructor_kwargs(cls, dict(optimizer.defaults))
     rebuilt = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": ps}
         for g, ps in zip(optimizer.param_groups, params, strict=True)

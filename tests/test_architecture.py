@@ -1,0 +1,122 @@
+"""The house stays as drawn: a lower layer never imports a higher one.
+
+plait's modules sit in layers (docs/architecture.md draws them). Every ``import`` in
+``plait/`` (at module level or inside a function: both are dependencies) may only point to
+the same layer or a lower one (only the applications beside the front door, the demos and
+the machine's measurements, import ``plait`` itself). The known exceptions are listed
+below, each with its reason; the test fails when a new one appears and when a listed one is
+gone (so the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "plait"
+
+# (module prefix, layer): the longest matching prefix decides; higher numbers sit higher.
+LAYERS: list[tuple[str, int]] = [
+    ("plait.launch.lifeline", 0),  # process plumbing: the standard library only
+    ("plait.launch.rendezvous", 0),
+    ("plait.comm", 1),  # groups, transports, collectives
+    ("plait.runtime", 1),
+    ("plait.mesh", 2),  # named groups, data, timeline, loss scaling
+    ("plait.data", 2),
+    ("plait.trace", 2),
+    ("plait.amp", 2),
+    ("plait.strategies.placement", 3),  # what strategies share
+    ("plait.strategies.consistency", 3),
+    ("plait.strategies.data_parallel", 4),  # strategies, data parallel first
+    ("plait.strategies.zero", 5),
+    ("plait.strategies.fsdp", 5),
+    ("plait.strategies", 8),  # the package's front (it re-exports every strategy)
+    ("plait.strategies.tensor", 6),  # model parallelism
+    ("plait.strategies.pipeline", 6),
+    ("plait.strategies.moe", 6),
+    ("plait.checkpoint", 7),  # reads and writes every strategy's state
+    ("plait.strategies.ps", 8),  # strategies that checkpoint or compose the others
+    ("plait.strategies.compose", 8),
+    ("plait.clip", 8),
+    ("plait.models", 9),  # models carry their plans: above the strategies that read them
+    ("plait.plan", 9),  # the planner's arithmetic
+    ("plait.prepare", 10),  # the front door and what runs on top of everything
+    ("plait.launch", 10),
+    ("plait.moe", 10),
+    ("plait", 11),  # the package's front door; what uses plait as a user would sits beside it
+    ("plait.plan.measure", 11),
+    ("plait.demo", 11),
+    ("plait.bench", 11),
+    ("plait.cli", 12),
+]
+
+# (importer, imported): known upward imports, each with its reason. Remove a line when
+# its import is gone; never add one without an issue that removes it.
+_GPT_ONLY = "composes plait's GPT only until it reads model plans (issue: any model)"
+KNOWN: dict[tuple[str, str], str] = {
+    ("plait.strategies.compose.check", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.compose.experts", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.compose.state", "plait.models"): _GPT_ONLY,
+    ("plait.strategies.pipeline.parallel", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.pipeline.split", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.tensor.parallelize", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.tensor.parallelize_nd", "plait.models.gpt"): _GPT_ONLY,
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _layer(module: str) -> int:
+    best = max((p for p, _ in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return dict(LAYERS)[best]
+
+
+def _imports(modules: dict[str, pathlib.Path]) -> set[tuple[str, str]]:
+    def resolve(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = set()
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plait"):
+                assert node.module is not None
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add((name, resolve(full if full in modules else node.module)))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "plait":
+                        edges.add((name, resolve(alias.name)))
+    return edges
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    modules = _modules()
+    return {(a, b) for a, b in _imports(modules) if _layer(b) > _layer(a)}
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    found = upward_imports()
+    new = sorted(found - set(KNOWN))
+    assert not new, "upward imports (a lower layer importing a higher one): " + ", ".join(
+        f"{a} -> {b}" for a, b in new
+    )
+
+
+def test_known_exceptions_still_exist():
+    gone = sorted(set(KNOWN) - upward_imports())
+    assert not gone, f"these exceptions are gone: remove them from KNOWN: {gone}"
+
+
+def test_every_module_has_a_layer():
+    for name in _modules():
+        assert _layer(name) >= 0

@@ -1,0 +1,24 @@
+"""PTD-P refuses, on every rank and before any step, ranks that disagree (issue: trust)."""
+
+from __future__ import annotations
+
+from tests import ptdp_agreement_fns as fns
+
+
+def test_one_rank_on_another_schedule_is_named_before_training(ranks):
+    out = ranks(4, fns.one_rank_on_another_schedule, 1, "gpipe", timeout=120)
+    for msg in out:
+        assert "the ranks were given different settings" in msg
+        assert "rank 1 has 'schedule: gpipe'" in msg and "rank 0 has 'schedule: 1f1b'" in msg
+
+
+def test_one_rank_seeded_differently_is_named_before_training(ranks):
+    out = ranks(4, fns.one_rank_seeded_differently, 3, timeout=120)
+    for msg in out:
+        assert "start from different weights" in msg
+        assert "rank 3 differs from rank 0 at tensor #0" in msg
+
+
+def test_a_dense_state_of_another_vocabulary_is_refused(ranks):
+    for msg in ranks(4, fns.load_another_vocabulary, timeout=120):
+        assert "tok.weight" in msg and "(17, 16)" in msg and "(13, 16)" in msg
