@@ -59,8 +59,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("plait.strategies.compose.state", "plait.models"): _GPT_ONLY,
     ("plait.strategies.pipeline.parallel", "plait.models.gpt"): _GPT_ONLY,
     ("plait.strategies.pipeline.split", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.tensor.parallelize", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.tensor.parallelize_nd", "plait.models.gpt"): _GPT_ONLY,
 }
 
 
