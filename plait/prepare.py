@@ -135,6 +135,18 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
     return wrap
 
 
+def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """The model's pipeline plan (its family's, from :func:`plait.models.plans.plan_for`)
+    unless ``plan=`` is given; an ``nn.Sequential`` or a list of stages needs none."""
+    if "plan" not in options and isinstance(model, nn.Module):
+        from plait.models.plans import plan_for
+
+        plan = plan_for(model, "pipeline")
+        if plan is not None:
+            options["plan"] = plan
+    return prepare_pipeline(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -160,7 +172,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "ps": _ps,
     "tp": prepare_tp,
     "ep": prepare_ep,
-    "pipeline": prepare_pipeline,
+    "pipeline": _pipeline,
     "ptdp": prepare_ptdp,
 }
 

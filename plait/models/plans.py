@@ -26,6 +26,10 @@ from torch import nn
 # class name -> module under plait.models that holds the family's plans
 FAMILIES: dict[str, str] = {
     "GPT": "plait.models.gpt",
+    "LlamaForCausalLM": "plait.models.llama",
+    "MistralForCausalLM": "plait.models.llama",
+    "Qwen2ForCausalLM": "plait.models.llama",
+    "Qwen3ForCausalLM": "plait.models.llama",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}
