@@ -44,6 +44,8 @@ def gpt2(tied: bool) -> nn.Module:
         n_embd=32,
         n_layer=2,
         n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,

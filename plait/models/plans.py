@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "plait.models.llama",
     "Qwen2ForCausalLM": "plait.models.llama",
     "Qwen3ForCausalLM": "plait.models.llama",
+    "GPT2LMHeadModel": "plait.models.gpt2",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}
