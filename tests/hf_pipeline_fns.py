@@ -56,6 +56,35 @@ def gpt2(tied: bool) -> nn.Module:
     return GPT2LMHeadModel(cfg).to(torch.float64)
 
 
+def same_layout(family: str) -> nn.Module:
+    """Mistral (sliding window on every layer), Qwen2 (full and sliding layers by
+    ``layer_types``), Qwen3 (q/k norms): the families read by the Llama plan."""
+    import transformers as hf
+
+    common: dict[str, Any] = {
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "attn_implementation": "eager",
+    }
+    cfg, cls = {
+        "mistral": (hf.MistralConfig(**common, sliding_window=4), hf.MistralForCausalLM),
+        "qwen2": (
+            hf.Qwen2Config(
+                **common, use_sliding_window=True, sliding_window=4, max_window_layers=1
+            ),
+            hf.Qwen2ForCausalLM,
+        ),
+        "qwen3": (hf.Qwen3Config(**common, head_dim=8), hf.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    return cls(cfg).to(torch.float64)  # type: ignore[no-any-return]
+
+
 MODELS = {"llama": llama, "gpt2": gpt2}
 EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
 

@@ -68,6 +68,31 @@ def test_hf_model_whole_matches_one_process(ranks, family, tied, schedule):
         torch.testing.assert_close(got, value, **TOL, msg=lambda s, k=key: f"{k}: {s}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2", "qwen3"])
+def test_plan_stages_reproduce_the_model(family):
+    """The family's plan, cut in two stages that each rebuild rotary embeddings and the
+    (full or sliding-window) causal mask from the positions: the model's own logits in
+    float64 (one process, no ranks; 1e-12 allows a BLAS that blocks another way)."""
+    from plait.models.plans import plan_for
+    from plait.strategies.pipeline import Stage
+
+    model = fns.MODELS[family](True) if family in fns.MODELS else fns.same_layout(family)
+    plan = plan_for(model, "pipeline")
+    layers = list(plan.layers)
+    cut = [layers[:2], layers[2:]]
+    stages = [
+        Stage(c, s, context=plan.context, context_modules=plan.context_modules)
+        for s, c in enumerate(cut)
+    ]
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, model(input_ids=ids).logits, rtol=1e-12, atol=1e-12)
+    keys = {k for stage in stages for k in stage.state_dict()}
+    assert keys == set(model.state_dict())
+
+
 def test_rank_on_another_schedule_is_named_on_every_rank(ranks):
     out = ranks(4, fns.disagree, 2, timeout=60)
     for r, text in enumerate(out):
