@@ -182,6 +182,7 @@ class PTDP:
             chunks=chunks,
             plan=stages_plan,
             loss_fn=scaled_loss,
+            check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
         )
         part = self.pipe.partition
         assert part.placement is not None

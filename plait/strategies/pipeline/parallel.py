@@ -26,7 +26,7 @@ micro-batches, or a plan whose loss counts its items over the whole batch, as Hu
 Face's ``num_items_in_batch``).
 
 Communication on the ``pp`` group: see :mod:`.runtime` for the step's point-to-point
-messages; besides them, per step, one all-reduce of ``3 * p`` int64 (the non-finite check,
+messages; besides them, per step, one all-reduce of ``4 * p`` int64 (the non-finite check,
 with ``check_finite``) and one broadcast of the loss from the last stage's rank; at wrap
 time, one agreement through the rendezvous store (each rank's schedule, micro-batch count,
 chunks, stage cut and model fingerprint: a rank that disagrees is named on every rank
@@ -142,6 +142,9 @@ class PipelineParallel(nn.Module):
                 )
             plan = stage_list_plan(model)
             split = list(range(1, len(model)))
+        own = getattr(model, "plait_plan", None)
+        if plan is None and callable(own):  # a model that carries its own plans
+            plan = own("pipeline")
         assert isinstance(model, nn.Module) or plan is not None
         layers = layers_of(cast(nn.Module, model), plan)
         self.plan = plan
@@ -318,23 +321,25 @@ class PipelineParallel(nn.Module):
         bad_fwd = self.runtime.nonfinite_forward
         if bad_fwd is not None:
             row[0], row[1] = bad_fwd[0] + 1, bad_fwd[1] + 1
-        bad_grad = next(
-            (
-                i
-                for i, prm in self._indexed
-                if prm.grad is not None and not bucket_is_finite(prm.grad.reshape(-1))
-            ),
-            None,
-        )
-        if bad_grad is not None:
-            row[2] = bad_grad + 1
-        if bad_fwd is not None or bad_grad is not None:
-            bad_value = next(
-                (i for i, prm in self._indexed if not bucket_is_finite(prm.detach().reshape(-1))),
+        # read as plain tensors: a .grad may be a guarded view (ZeRO-1's local shard)
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            bad_grad = next(
+                (
+                    i
+                    for i, prm in self._indexed
+                    if prm.grad is not None and not bucket_is_finite(prm.grad.reshape(-1))
+                ),
                 None,
             )
-            if bad_value is not None:
-                row[3] = bad_value + 1
+            if bad_grad is not None:
+                row[2] = bad_grad + 1
+            if bad_fwd is not None or bad_grad is not None:
+                bad_value = next(
+                    (i for i, prm in self._indexed if not bucket_is_finite(prm.reshape(-1))),
+                    None,
+                )
+                if bad_value is not None:
+                    row[3] = bad_value + 1
         if p > 1:
             ops.all_reduce(flags, "sum", group=self.group)
         if not bool(flags.any()):

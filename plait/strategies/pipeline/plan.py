@@ -135,7 +135,10 @@ def refusal(model: nn.Module) -> str:
     """What to write for a model no plan describes."""
     return (
         f"pipeline: no pipeline plan for a {type(model).__name__}: plait cannot tell where "
-        f"its layers are, what runs before and after them, and what its loss is. Pass "
+        f"its layers are, what runs before and after them, and what its loss is. For a "
+        f"family plait knows (plait's GPT, Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-2) "
+        f"use plait.prepare(model, opt, strategy='pipeline', ...) or pass "
+        f"plan=plait.models.plans.plan_for(model, 'pipeline'); otherwise pass "
         f"plan=PipelinePlan(layers=(Layer('embed', (('embed', model.embed),), model.embed), "
         f"Layer('blocks.0', (('blocks.0', model.blocks[0]),), model.blocks[0]), ..., "
         f"Layer('head', (('head', model.head),), model.head)), loss=my_loss) (see "
