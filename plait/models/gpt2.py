@@ -72,9 +72,7 @@ def pipeline_plan(model: Any) -> Any:
             logits=logits, labels=labels, vocab_size=cfg.vocab_size, num_items_in_batch=num_items
         )
 
-    layers = [
-        Layer("embed", (("transformer.wte", base.wte), ("transformer.wpe", base.wpe)), embed)
-    ]
+    layers = [Layer("embed", (("transformer.wte", base.wte), ("transformer.wpe", base.wpe)), embed)]
     for i, layer in enumerate(base.h):
         name = f"transformer.h.{i}"
         layers.append(Layer(name, ((name, layer),), block(layer), contextual=True))
