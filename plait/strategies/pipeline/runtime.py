@@ -11,9 +11,14 @@ SEND_F / RECV_F             activation, stage s -> s+1           b*s*h*dtype (GP
                                                                  boundary)
 SEND_B / RECV_B             its gradient, stage s+1 -> s         same
 end of step, tied weights   gradient exchange first <-> last     the tied tensor, each way
-                            stage ranks, summed on both
+                            stage ranks: this step's parts,
+                            summed on both, added to what
+                            earlier steps left (accumulation)
 end of step                 broadcast of the mean loss           one scalar
 =========================  ==================================  ===========================
+
+Per-stage context (a plan's rotary embeddings and causal mask) is recomputed by each stage
+from its input activation's shape (:mod:`.plan`), never sent.
 
 Sends are started when the schedule says and never waited on until the end of the step
 (so they overlap the following compute); receives are posted where the schedule says (one
