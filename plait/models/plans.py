@@ -32,6 +32,11 @@ FAMILIES: dict[str, str] = {
     "Qwen2MoeModel": "plait.models.qwen_moe",
     "Qwen3MoeForCausalLM": "plait.models.qwen_moe",
     "Qwen3MoeModel": "plait.models.qwen_moe",
+    "LlamaForCausalLM": "plait.models.llama",
+    "MistralForCausalLM": "plait.models.llama",
+    "Qwen2ForCausalLM": "plait.models.llama",
+    "Qwen3ForCausalLM": "plait.models.llama",
+    "GPT2LMHeadModel": "plait.models.gpt2",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}
