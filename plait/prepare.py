@@ -171,6 +171,16 @@ def _ep(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     return prepare_ep(model, optimizer, **options)
 
 
+def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """The model's pipeline plan (its family's, from :func:`plait.models.plans.plan_for`)
+    unless ``plan=`` is given; an ``nn.Sequential`` or a list of stages needs none."""
+    if "plan" not in options and isinstance(model, nn.Module):
+        plan = plan_for(model, "pipeline")
+        if plan is not None:
+            options["plan"] = plan
+    return prepare_pipeline(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -196,7 +206,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "ps": _ps,
     "tp": _tp,
     "ep": _ep,
-    "pipeline": prepare_pipeline,
+    "pipeline": _pipeline,
     "ptdp": prepare_ptdp,
 }
 

@@ -56,9 +56,8 @@ _GPT_ONLY = "composes plait's GPT only until it reads model plans (issue: any mo
 KNOWN: dict[tuple[str, str], str] = {
     ("plait.strategies.compose.check", "plait.models.gpt"): _GPT_ONLY,
     ("plait.strategies.compose.experts", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.compose.ptdp", "plait.models.gpt"): _GPT_ONLY,
     ("plait.strategies.compose.state", "plait.models"): _GPT_ONLY,
-    ("plait.strategies.pipeline.parallel", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.pipeline.split", "plait.models.gpt"): _GPT_ONLY,
 }
 
 

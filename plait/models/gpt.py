@@ -236,3 +236,24 @@ def tp_plan(
     if sequence_parallel:
         plan |= {"ln_f": "sequence", "pos": Style("sequence", input="replicate")}
     return plan
+
+
+def pipeline_plan(model: GPT) -> Any:
+    """The pipeline plan of a :class:`GPT`: the embedding (``tok`` + ``pos``, positions
+    ``0..s-1``), each block, the head (``ln_f`` then ``head``, tied or not); the loss is
+    :func:`loss` (a mean over the micro-batch's tokens). No per-stage context: the
+    positions enter only at the embedding."""
+    from plait.strategies.pipeline import Layer, PipelinePlan
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return model.drop(model.tok(ids) + model.pos(positions))  # type: ignore[no-any-return]
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return model.head(model.ln_f(x))  # type: ignore[no-any-return]
+
+    layers = [Layer("embed", (("tok", model.tok), ("pos", model.pos)), embed)]
+    for i, block in enumerate(model.blocks):
+        layers.append(Layer(f"blocks.{i}", ((f"blocks.{i}", block),), block))
+    layers.append(Layer("head", (("ln_f", model.ln_f), ("head", model.head)), head))
+    return PipelinePlan(layers=tuple(layers), loss=loss, name="GPT")
