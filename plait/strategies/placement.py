@@ -88,6 +88,17 @@ def place(
     return new
 
 
+def copies_of_placed(params: Iterable[torch.Tensor], group: Group) -> None:
+    """A data-parallel wrapper over a model another strategy already placed (tensor or
+    pipeline parallelism inside DDP): its parameters are also copied over ``group``, so a
+    global norm counts them once, not once per replica. A model no strategy placed stays
+    local (its norm needs no communication: every replica holds the averaged gradient)."""
+    params = list(params)
+    if is_placed(params):
+        for p in params:
+            place(p, replicate=(group,))
+
+
 def placement(param: torch.Tensor) -> Placement | None:
     """What :func:`place` recorded on ``param``, or None for a local parameter."""
     return getattr(param, _ATTR, None)
