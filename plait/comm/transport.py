@@ -30,6 +30,7 @@ Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -81,6 +82,19 @@ def _bytes_setting(name: str, default: int) -> int:
 
 def segment_dir() -> str:
     return os.environ.get("PLAIT_SHM_DIR", "/dev/shm")
+
+
+def bad_setting() -> str | None:
+    """Why an explicit ``PLAIT_SHM_DIR`` cannot serve, or None: a directory the user named
+    must exist and be writable (a silent fall back to gloo would hide the typo)."""
+    named = os.environ.get("PLAIT_SHM_DIR", "")
+    if named and not (os.path.isdir(named) and os.access(named, os.W_OK)):
+        what = "does not exist" if not os.path.exists(named) else "is not a writable directory"
+        return (
+            f"PLAIT_SHM_DIR={named!r} {what}; point it at a writable directory on a memory "
+            f"file system (/dev/shm) or unset it"
+        )
+    return None
 
 
 def unsupported(backend: str) -> str | None:
@@ -168,23 +182,37 @@ def attach(group: Group, mode: str) -> None:
     Collective over the group's ranks: every rank must call it, in the same order.
     """
     global _cleaned
-    if mode == "gloo" or group.size == 1:
+    if group.size == 1:
         return
-    why = unsupported(group.backend)
+    fatal = bad_setting() if mode != "gloo" else None
+    why = None if mode == "gloo" else fatal or unsupported(group.backend)
+    mykey = host_key(me_node(group)) if why is None and mode != "gloo" else ""
+    store, me, n = _store(), group.rank, group.size
+    gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
+    base = f"plait/shm/{group.name}/{gen}/"
+    # every rank publishes its mode (gloo included): a rank that alone chose another
+    # transport is named on every rank instead of leaving the others waiting for its key
+    offer = {"mode": mode, "key": mykey, "why": why, "fatal": fatal is not None}
+    store.set(f"{base}host/{me}", json.dumps(offer))
+    offers = [
+        json.loads(o)
+        for o in _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
+    ]
+    _agree_mode(group, offers)
+    if mode == "gloo":
+        return
+    refused = [
+        (r, o["why"]) for r, o in enumerate(offers) if o["why"] and (o["fatal"] or mode == "shm")
+    ]
+    if refused:
+        text = "; ".join(f"rank {group.ranks[r]}: {w}" for r, w in refused)
+        raise ValueError(f"transport={mode!r} for group {group.name!r}: {text}")
     if why is not None:
-        if mode == "shm":
-            raise ValueError(f"transport='shm' for group {group.name!r}: {why}; use 'auto'")
         return
     if not _cleaned:
         remove_stale()
         _cleaned = True
-    store, me, n = _store(), group.rank, group.size
-    gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
-    base = f"plait/shm/{group.name}/{gen}/"
-    node = me // group.node_size if group.node_size else None
-    mykey = host_key(node)
-    store.set(f"{base}host/{me}", mykey)
-    hosts = _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
+    hosts = [o["key"] for o in offers]
     local = [r for r in range(n) if hosts[r] == mykey]
     if len(local) == 1:
         return
@@ -260,6 +288,24 @@ def attach(group: Group, mode: str) -> None:
             pass
         if mine is not None:
             mine.close()
+
+
+def me_node(group: Group) -> int | None:
+    """This rank's simulated host, where the group has ``node_size`` (else None)."""
+    return group.rank // group.node_size if group.node_size else None
+
+
+def _agree_mode(group: Group, offers: list[dict[str, Any]]) -> None:
+    """Raise on every rank when the ranks of ``group`` chose different transports."""
+    modes: dict[str, list[int]] = {}
+    for r, o in enumerate(offers):
+        modes.setdefault(o["mode"], []).append(group.ranks[r])
+    if len(modes) > 1:
+        text = "; ".join(f"ranks {rs} chose {m!r}" for m, rs in modes.items())
+        raise ValueError(
+            f"group {group.name!r}: the ranks disagree on the transport ({text}); set the "
+            f"same PLAIT_TRANSPORT (or plait.init(transport=...)) on every rank"
+        )
 
 
 def _open_peers(
