@@ -52,7 +52,13 @@ _PG_PREFIX = "default_pg/"
 
 
 def heartbeat_timeout_default() -> float:
-    return float(os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S))
+    """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
+    from plait.comm.watchdog import parse_heartbeat_timeout
+
+    raw = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
+    if raw == "":
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
+    return parse_heartbeat_timeout(raw, "PLAIT_HEARTBEAT_TIMEOUT")
 
 
 class PortInUse(RuntimeError):
