@@ -50,7 +50,7 @@ DEFAULT_MODE = "auto"
 PREFIX = "plait-shm-"
 RING_BYTES = 512 << 10
 WINDOW_BYTES = 2 << 20
-_STALE = re.compile(rf"^{PREFIX}(\d+)-")
+STALE_NAME = re.compile(rf"^{PREFIX}(\d+)-")  # the creator's pid
 
 log = logging.getLogger("plait")
 _cleaned = False
@@ -138,7 +138,7 @@ def remove_stale(directory: str | None = None) -> list[str]:
     except OSError:
         return []
     for name in names:
-        m = _STALE.match(name)
+        m = STALE_NAME.match(name)
         if m is None or shm.pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
