@@ -229,7 +229,7 @@ def attach(group: Group, mode: str) -> None:
     mine: shm.Segment | None = None
     try:
         try:
-            mine = shm.Segment(path, size, create=True, reserve=scratch_at)
+            mine = shm.Segment(path, size, create=True)
             mine.q[0], mine.q[1], mine.q[2] = shm.MAGIC, token, os.getpid()
             store.set(f"{base}seg/{me}", f"ok {path} {size} {ring} {window} {token} {os.getpid()}")
         except OSError as exc:
