@@ -27,3 +27,15 @@ def two_meshes() -> dict[str, Any]:
     out["flat"] = (list(sub.group("dp", "tp").ranks), float(t))
     out["text"] = str(a)
     return out
+
+
+def another_mesh_on_rank(odd: int) -> str:
+    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2); the error."""
+    try:
+        if plait.world().rank == odd:
+            plait.Mesh(pp=4)
+        else:
+            plait.Mesh(pp=2, tp=2)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
