@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from plait.comm import progress
 from plait.comm.group import Group
 
 # Innermost (fastest-varying) first: PTD-P's rule, tp adjacent and pp furthest apart.
@@ -210,8 +211,10 @@ def agree_on_mesh(mine: str, timeout: float | None) -> None:
     if w.size == 1:
         return
     store = distributed_c10d._get_default_store()
-    gen = (int(store.add("plait/mesh/built", 1)) - 1) // w.size
-    keys = [f"plait/mesh/{gen}/{r}" for r in range(w.size)]
+    # under torchrun the store outlives an attempt: a restart counts its meshes afresh
+    base = f"{progress.attempt_namespace()}/plait/mesh"
+    gen = (int(store.add(f"{base}/built", 1)) - 1) // w.size
+    keys = [f"{base}/{gen}/{r}" for r in range(w.size)]
     store.set(keys[w.global_rank], mine)
     seconds = w.timeout if timeout is None else timeout
     try:

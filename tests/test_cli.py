@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.faultlog import record
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -171,11 +173,19 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
         (["run", "-n", "2", "--grace", "-1", "x.py"], "argument --grace"),
     ],
 )
+@pytest.mark.faults
 def test_out_of_range_options_are_refused_at_once(argv, named, capsys):
     code, err, took = _refused(argv, capsys)
     assert code == 2, err
     assert named in err, err
     assert took < 10, took
+    record(
+        row=26,
+        fault=f"#8/#12/#16 plait {' '.join(argv[:-1] if argv[0] == 'run' else argv)}",
+        detected_after_s=round(took, 3),
+        named_correctly=True,
+        note="exit 2 from argparse, naming the option and its range",
+    )
 
 
 def test_heartbeat_timeout_zero_in_the_environment_is_refused(monkeypatch):

@@ -267,7 +267,9 @@ def all_reduce(
 ) -> Handle | None:
     """Reduce ``tensor`` over the group, in place, on every rank.
 
-    Every rank ends with bitwise the same result.
+    Every rank ends with bitwise the same result. ``"avg"`` of float16 divides each
+    rank's contribution by the group size before the sum (a sum of finite float16 values
+    overflows long before their mean does); other dtypes divide the sum.
     """
     g = _group(group)
     rop = parse_op(op)

@@ -9,23 +9,31 @@ the rendezvous store (at most the group's timeout). ``mode`` comes from
 * ``"shm"``: peers on this host through shared memory (``shm.py``); refused with a
   ``ValueError`` where shared memory cannot work (not Linux x86-64, NCCL, no segment dir).
 * ``"auto"`` (the default): as ``"shm"`` where it works, else gloo, with a warning when a
-  segment could not be made.
+  segment could not be made (naming the directory, the bytes asked and the bytes free).
+
+An explicit ``PLAIT_SHM_DIR`` that is not a writable directory is refused (``ValueError``
+on every rank, ``auto`` too: falling back to gloo would hide the typo).
 
 Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
 
-1. each rank publishes its *host key*: host name, boot id, the device and inode of the
-   segment directory, its pid and network namespaces (two ranks share memory only if all
-   agree; ranks in two network namespaces are two hosts, as the two-host tests make them),
-   plus the ``node_size`` block when the group has one (simulated hosts talk gloo);
+1. each rank publishes its mode and its *host key*: host name, boot id, the device and
+   inode of the segment directory, its pid and network namespaces (two ranks share memory
+   only if all agree; ranks in two network namespaces are two hosts, as the two-host
+   tests make them), plus the ``node_size`` block when the group has one (simulated hosts
+   talk gloo). Every rank publishes, ``gloo`` ones too: ranks that chose different modes
+   raise ``ValueError`` on every rank naming each rank's mode (one rank alone on
+   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key);
 2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
-   a random nonce: no two jobs or groups collide), ``fallocate``s it and publishes its
+   a random nonce: no two jobs or groups collide), reserves every byte of it
+   (``posix_fallocate``: no SIGBUS later when the directory fills up) and publishes its
    path, size and token; if any local rank failed, all of them fall back to gloo (auto)
    or raise naming it (shm);
 3. each rank maps its peers' segments, checks their tokens, says so, and once every local
    peer has mapped its segment unlinks it: from then on no file exists, so no exit path
    (kill -9 included) can leak one. A rank killed inside these milliseconds leaves its
-   file behind; :func:`remove_stale` deletes files whose creator's pid is gone, at the
-   next group creation on the host.
+   file behind (and the others, stopped while waiting, theirs): ``plait run`` removes the
+   segments named by its ranks' pids when the attempt ends, and :func:`remove_stale`
+   deletes files whose creator's pid is gone at the next group creation on the host.
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ to die with the launcher (:mod:`plait.launch.lifeline`). It then polls, every 50
 
 Stopping is the same for every cause: SIGCONT (a stopped rank cannot act on SIGTERM), then
 SIGTERM to each rank's process group, then SIGKILL to whatever is left after the grace
-period; every pid is reaped before :meth:`Attempt.stop` returns.
+period; every pid is reaped before :meth:`Attempt.stop` returns. When an attempt ends, in
+success or failure, :meth:`Attempt.close` kills whatever the ranks left running (processes
+whose environment carries the job's ``PLAIT_JOB_ID``, in any process group or session),
+removes the shared-memory segments its ranks' pids name and its ``plait-run-*`` work
+directory, and says so on stderr.
 """
 
 from __future__ import annotations
