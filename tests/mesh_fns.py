@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,13 +30,15 @@ def two_meshes() -> dict[str, Any]:
     return out
 
 
-def another_mesh_on_rank(odd: int) -> str:
-    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2); the error."""
+def another_mesh_on_rank(odd: int) -> tuple[str, float]:
+    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2); the error
+    and the seconds until it was raised."""
+    start = time.monotonic()
     try:
         if plait.world().rank == odd:
             plait.Mesh(pp=4)
         else:
             plait.Mesh(pp=2, tp=2)
     except ValueError as exc:
-        return str(exc)
-    return "no error"
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start

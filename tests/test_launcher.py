@@ -442,7 +442,10 @@ def test_children_of_ranks_do_not_outlive_the_job(
         for pid in kids:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert "killed 4 process(es) the ranks left running" in err, err
+    # a failing job's stop signals the ranks' process groups first: there the children in
+    # a session of their own (2) are left to the sweep, and those of ranks not yet exited
+    left = 4 if outcome == "ok" else "[234]"
+    assert re.search(rf"killed {left} process\(es\) the ranks left running", err), err
     assert list(temp.iterdir()) == [], list(temp.iterdir())
     record(
         row=26,

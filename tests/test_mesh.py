@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from plait.mesh import layout
@@ -68,10 +66,9 @@ def test_two_meshes_in_one_process(ranks):
 def test_a_rank_building_another_mesh_is_named_before_any_group(ranks):
     """Issue 26 item 9: one rank building another mesh waited in process-group creation
     until the collective timeout, then a store key timeout that named no mesh."""
-    start = time.monotonic()
     errors = ranks(4, mesh_fns.another_mesh_on_rank, 3, timeout=120)
-    took = time.monotonic() - start
-    for r, text in enumerate(errors):
+    took = max(seconds for _, seconds in errors)  # inside the ranks: pool start-up apart
+    for r, (text, _) in enumerate(errors):
         assert "the ranks disagree on mesh number" in text, (r, text)
         assert "ranks [0, 1, 2] built Mesh(pp=2, tp=2) over ranks [0, 1, 2, 3]" in text, text
         assert "ranks [3] built Mesh(pp=4) over ranks [0, 1, 2, 3]" in text, text
@@ -83,5 +80,5 @@ def test_a_rank_building_another_mesh_is_named_before_any_group(ranks):
         fault="#9 one rank builds another mesh (pp=4 vs pp=2 x tp=2)",
         detected_after_s=round(took, 2),
         named_correctly=True,
-        note="agreed through the store before any process group is created (pool call time)",
+        note="agreed through the store before any process group is created (slowest rank)",
     )
