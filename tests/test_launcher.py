@@ -488,3 +488,22 @@ def test_a_rank_killed_inside_shm_setup_leaves_no_segment(tmp_path: Path, jobs: 
         named_correctly=True,
         note="plait run wall time; the launcher removes the ranks' segments at attempt end",
     )
+
+
+@pytest.mark.faults
+def test_a_rank_killed_by_sigbus_is_explained_with_the_shm_sizes(tmp_path: Path) -> None:
+    """Issue 26 item 16: ranks died "killed by SIGBUS" with no word of /dev/shm."""
+    job = plait_run(tmp_path, "-n", "2", "--grace", "1", str(SCRIPTS / "bus_error.py"))
+    start = time.monotonic()
+    code = job.wait(120)
+    err = job.stderr()
+    assert code == 1, err
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGBUS \(a memory-mapped page", err), err
+    assert re.search(r"most often /\S+ is full, [\d,]+ of [\d,]+ bytes free now", err), err
+    record(
+        row=26,
+        fault="#16 a rank killed by SIGBUS",
+        detected_after_s=round(time.monotonic() - start, 2),
+        named_correctly=True,
+        note="the launcher names the shared-memory directory and its free bytes",
+    )

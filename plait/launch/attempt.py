@@ -162,10 +162,29 @@ def proc_state(pid: int) -> str:
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"was killed by signal {-code}"
+        return f"was killed by {name}" + (bus_hint() if -code == signal.SIGBUS else "")
     return f"exited with code {code}"
+
+
+def bus_hint() -> str:
+    """Why a rank may die of SIGBUS: a page of a memory-mapped file that could not be
+    backed, most often a full shared-memory directory; with its free and total bytes."""
+    from plait.comm import transport
+
+    directory = transport.segment_dir()
+    try:
+        st = os.statvfs(directory)
+        room = f"{st.f_bavail * st.f_frsize:,} of {st.f_blocks * st.f_frsize:,} bytes free now"
+    except OSError:
+        room = "not readable"
+    return (
+        f" (a memory-mapped page could not be backed: most often {directory} is full, "
+        f"{room}; plait's segments are reserved at group creation, so look for another "
+        f"mapping, e.g. DataLoader workers' shared tensors, or enlarge {directory})"
+    )
 
 
 class Attempt:
