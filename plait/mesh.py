@@ -206,9 +206,7 @@ def agree_on_mesh(mine: str, timeout: float | None) -> None:
 
     from torch.distributed import distributed_c10d
 
-    import plait
-
-    w = plait.world()
+    w = runtime.world()
     if w.size == 1:
         return
     store = distributed_c10d._get_default_store()
