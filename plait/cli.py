@@ -342,6 +342,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             seed=args.seed,
             name=args.name or "",
+            dtype=args.dtype,
         )
         validate(config)
     except GPTDemoOptionError as e:
@@ -371,6 +372,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         backup_workers=args.backup_workers,
         slow_worker=_slow_worker(args.slow_worker),
         evals_per_epoch=args.evals_per_epoch,
+        dtype=args.dtype,
     )
 
 
@@ -445,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--name", default=None, help="run folder name under --out")
     demo.add_argument("--out", default="runs")
+    demo.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="of the model; float64 makes --check exact on any CPU",
+    )
     gpt = demo.add_argument_group(
         "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep)"
     )

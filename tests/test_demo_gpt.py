@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from plait.demo.gpt import GPTDemoConfig, GPTDemoOptionError, run, validate
+from plait.demo.gpt import FLOAT64_BOUND, GPTDemoConfig, GPTDemoOptionError, run, validate
 
-SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4}
+# float64: Adam moves a gradient element near zero by about lr whatever its size, so float32
+# rounding differences can show as 1e-3 within a few steps on another CPU
+SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4, "dtype": "float64"}
 
 
 @pytest.mark.timeout(300)
@@ -18,9 +20,7 @@ SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4}
 def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, sp):
     config = GPTDemoConfig(world_size=n, tp=tp, sequence_parallel=sp, name="g", **SMALL)
     report = run(config, check=True, out_dir=tmp_path)
-    # float32, 6 Adam steps: the ranks sum partial products in another order than the dense
-    # matmuls, so parameters agree to rounding (Adam's first steps are ~lr * sign(g))
-    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     saved = json.loads((tmp_path / "g" / "report.json").read_text())
     assert [h["step"] for h in saved["history"]] == [3, 6]
     assert saved["history"][-1]["loss"] < saved["history"][0]["loss"] + 0.5
@@ -42,7 +42,7 @@ def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, 
 def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: Path):
     config = GPTDemoConfig(world_size=2, tp=1, pp=2, schedule="1f1b", name="p", **SMALL)
     report = run(config, check=True, out_dir=tmp_path)
-    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"pp"}
     b = report.bubble
     assert b["formula"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1) with p=2, m=4
@@ -54,7 +54,7 @@ def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: 
 def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path):
     config = GPTDemoConfig(world_size=2, tp=1, moe=True, ep=2, name="m", **SMALL)
     report = run(config, check=True, out_dir=tmp_path)
-    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert len(report.moe) == SMALL["steps"]
     (layer,) = report.moe[-1]
     assert layer == "blocks.1.mlp"
@@ -69,7 +69,7 @@ def test_gpt_demo_ptdp_matches_one_process(tmp_path: Path):
     """pp 2 x tp 2 through plait.strategies.compose (the held-out evaluation steps too)."""
     config = GPTDemoConfig(world_size=4, tp=2, pp=2, name="c", **SMALL)
     report = run(config, check=True, out_dir=tmp_path)
-    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"pp", "tp"}
 
 
@@ -113,7 +113,7 @@ def test_library_users_get_the_same_refusal():
 def test_gpt_demo_on_a_2d_grid_matches_one_process(tmp_path: Path):
     config = GPTDemoConfig(world_size=4, tp=4, tp_mode="2d", name="d", **SMALL)
     report = run(config, check=True, out_dir=tmp_path)
-    assert report.max_param_diff is not None and report.max_param_diff < 1e-4
+    assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"row", "col"}
 
 
@@ -147,7 +147,7 @@ def test_a_failed_check_exits_1(monkeypatch):
         tokens_per_s=1.0,
         train_seconds=1.0,
         layout="",
-        max_param_diff=1e-6,
+        max_param_diff=1e-10,
     )
     monkeypatch.setattr(demo_gpt, "run", fake_ok)
     assert cli.main(["demo", "--model", "gpt", "--check"]) == 0
