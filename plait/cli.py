@@ -291,7 +291,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_gpt(args: argparse.Namespace) -> int:
-    from plait.demo.gpt import GPTDemoConfig, GPTDemoOptionError, check_passed, run, validate
+    from plait.demo.gpt import (
+        GPTDemoConfig,
+        GPTDemoOptionError,
+        check_passed,
+        fit_defaults,
+        run,
+        validate,
+    )
 
     cnn_only = [
         flag
@@ -344,6 +351,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             name=args.name or "",
             dtype=args.dtype,
         )
+        options = ("heads", "width", "seq_len", "experts", "batch_size")
+        config = fit_defaults(config, given={k for k in options if getattr(args, k) is not None})
         validate(config)
     except GPTDemoOptionError as e:
         print(f"plait demo: {e}", file=sys.stderr)
@@ -360,7 +369,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         world_size=nproc,
         strategy=args.strategy,
         epochs=args.epochs if args.epochs is not None else 10,
-        batch_size=args.batch_size if args.batch_size is not None else 64,
+        batch_size=args.batch_size if args.batch_size is not None else max(64, nproc),
         lr=args.lr if args.lr is not None else 0.05,
         algorithm=args.algorithm,
         bucket_mb=args.bucket_mb,

@@ -84,7 +84,7 @@ BAD = [
     (["-n", "4", "--pp", "3"], "--pp 3 x --tp 1 must divide -n 4"),
     (["-n", "4", "--pp", "2", "--batch-size", "12"], "multiple of --microbatches 4 x the 2"),
     (["--pp", "2", "--schedule", "fast"], "--schedule must be one of"),
-    (["--pp", "2", "--microbatches", "3"], "must be a multiple of --microbatches 3"),
+    (["--pp", "2", "--microbatches", "3", "--batch-size", "16"], "multiple of --microbatches 3"),
     (["--moe", "--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),
     (["--moe", "--pp", "2"], "--pp and --moe do not compose"),
     (["--ep", "2"], "--ep applies to --moe only"),
@@ -102,6 +102,49 @@ def test_a_bad_gpt_option_prints_one_line_and_exits_2(capsys, args, needle):
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("plait demo: "), err
     assert needle in lines[0]
+
+
+FITTED = [  # options given -> (defaults they moved, and to what)
+    (["--steps", "6"], {"evals": None, "eval_points": 6}),
+    (["--steps", "6", "--evals", "3"], {"eval_points": 3}),
+    (["-n", "8", "--tp", "8"], {"heads": 8, "width": 64}),
+    (["-n", "6", "--tp", "1"], {"batch_size": 18}),
+    (["-n", "16", "--pp", "2", "--tp", "1"], {"batch_size": 32}),
+    (["-n", "8", "--moe", "--ep", "8"], {"experts": 8}),
+    (["-n", "3", "--tp", "3", "--sp"], {"heads": 12, "width": 72, "seq_len": 66}),
+]
+
+
+@pytest.mark.parametrize("args,want", FITTED, ids=[" ".join(a) for a, _ in FITTED])
+def test_defaults_fit_the_options_given(monkeypatch, args, want):
+    """Issue 26.19: `--steps 6` was refused because the default --evals 10 exceeded it; a
+    default moves to fit what the user gave, only given options can contradict."""
+    from plait import cli
+    from plait.demo import gpt as demo_gpt
+
+    seen = []
+
+    def fake_run(config, *, check, out_dir):
+        validate(config)
+        seen.append(config)
+        return demo_gpt.GPTDemoReport(
+            config=config, final_loss=1.0, held_out_loss=1.0, tokens_per_s=1.0,
+            train_seconds=1.0, layout="",
+        )  # fmt: skip
+
+    monkeypatch.setattr(demo_gpt, "run", fake_run)
+    assert cli.main(["demo", "--model", "gpt", *args]) == 0
+    (config,) = seen
+    assert {k: getattr(config, k) for k in want} == want
+
+
+def test_explicit_contradictory_options_are_still_refused(capsys):
+    from plait import cli
+
+    assert cli.main(["demo", "--model", "gpt", "--steps", "6", "--evals", "10"]) == 2
+    assert "--evals must be in 1..6 (--steps), got 10" in capsys.readouterr().err
+    assert cli.main(["demo", "--model", "gpt", "-n", "8", "--tp", "8", "--heads", "4"]) == 2
+    assert "--heads must be divisible by --tp" in capsys.readouterr().err
 
 
 def test_library_users_get_the_same_refusal():

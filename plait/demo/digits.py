@@ -279,6 +279,17 @@ def _options(config: DemoConfig, tracer: Tracer) -> dict[str, Any]:
     return options
 
 
+def push_lr(config: DemoConfig) -> float:
+    """The learning rate of one update. ``--lr`` is per global batch; an asynchronous
+    parameter server (``async``/``ssp``) applies each worker's push, a 1/W share of the
+    global batch, as its own update, so a push steps with lr / W (the linear scaling rule:
+    W pushes a global batch move as far as one synchronous step). The server divides a
+    stale push further by its staleness (:mod:`plait.strategies.ps.server`)."""
+    if config.strategy == "ps" and config.ps_mode != "sync":
+        return config.lr / config.trainers
+    return config.lr
+
+
 def train_rank(config: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: the training loop a user would write, under ``plait.prepare``."""
     world = plait.world()
@@ -289,7 +300,7 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
     x_train, x_test = x_train.to(dtype), x_test.to(dtype)
     model = _model(config.seed, config.dtype)
     optimizer: torch.optim.Optimizer | None
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=push_lr(config), momentum=0.9)
     tracer = Tracer(rank=rank)
     model_w, optimizer = plait.prepare(
         model, optimizer, strategy=config.strategy, tracer=tracer, **_options(config, tracer)
@@ -483,8 +494,14 @@ def _print_ps(ps: dict[str, Any]) -> None:
         print(
             f"server {s['index']} (rank {s['rank']}): {s['updates']} updates from "
             f"{s['gradients']} gradients, {s['dropped']} dropped, queue max {s['queue_max']}, "
-            f"mean staleness {s['mean_staleness']:.2f} (histogram {hist})"
+            f"mean staleness {s['mean_staleness']:.2f}, max {max(s['staleness'], default=0)} "
+            f"(histogram {hist})"
         )
+        if s["mode"] != "sync":
+            print(
+                f"  asynchronous: {s['scaled']} stale gradients applied divided by their "
+                f"staleness (lr / staleness), {s['refused']} refused as too stale"
+            )
         if s["ssp_waits"]:
             print(f"  ssp: {s['ssp_waits']} waits, {s['ssp_wait_s']:.2f} s in all")
         for rank, why in s["failed_workers"].items():

@@ -38,7 +38,7 @@ import math
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,50 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"--algorithm must be one of {', '.join(algorithms)}, got {c.algorithm!r}")
     if c.name and (c.name in (".", "..") or "/" in c.name or "\\" in c.name):
         raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
+
+
+def fit_defaults(config: GPTDemoConfig, *, given: set[str]) -> GPTDemoConfig:
+    """``config`` with the options the user did not give (fields not in ``given``) moved
+    to the nearest values that fit those given: heads a multiple of the tensor-parallel
+    side, width a multiple of the heads (and of q^2 on a grid), seq_len of tp under
+    sequence parallelism, experts of ep, the global batch of the ranks that take their own
+    rows (and of micro-batches x replicas, and of a grid's blocks). Only options the user
+    gave can contradict each other; :func:`validate` refuses those."""
+    c = config
+    side, parts = c.tp, 1
+    if c.tp_mode != "1d":
+        from plait.strategies.tensor.grid import grid_shape
+
+        try:
+            side = grid_shape(c.tp_mode, c.tp, depth=c.tp_depth if c.tp_mode == "2.5d" else None)[
+                "row"
+            ]
+        except ValueError:  # a tp the grid cannot take: validate names it
+            return c
+        parts = {"2d": side, "2.5d": c.tp_depth * side, "3d": side * side}[c.tp_mode]
+    side = max(1, side)
+
+    def up(value: int, k: int) -> int:
+        return -(-value // k) * k
+
+    changes: dict[str, Any] = {}
+    heads = c.heads if "heads" in given else math.lcm(c.heads, side)
+    changes["heads"] = heads
+    if "width" not in given:
+        changes["width"] = up(c.width, math.lcm(heads, side * side if c.tp_mode != "1d" else 1))
+    if "seq_len" not in given and c.sequence_parallel and c.tp > 1:
+        changes["seq_len"] = up(c.seq_len, c.tp)
+    if "experts" not in given and c.moe and c.ep >= 1:
+        changes["experts"] = up(c.experts, c.ep)
+    ranks = c.tp * c.pp * c.ep
+    if "batch_size" not in given and ranks >= 1 and c.world_size % ranks == 0:
+        k = max(1, c.world_size // (c.tp * c.pp))
+        if c.pp > 1 and c.m >= 1:
+            k = math.lcm(k, c.m * c.dp)
+        if c.tp_mode != "1d":
+            k = math.lcm(k, max(1, c.dp) * parts)
+        changes["batch_size"] = up(c.batch_size, k)
+    return replace(c, **changes)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
