@@ -312,6 +312,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             ("--staleness", args.staleness is not None),
             ("--backup-workers", args.backup_workers != 0),
             ("--slow-worker", args.slow_worker is not None),
+            ("--max-staleness", args.max_staleness is not None),
         )
         if used
     ]
@@ -380,6 +381,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         staleness=staleness,
         backup_workers=args.backup_workers,
         slow_worker=_slow_worker(args.slow_worker),
+        max_staleness=args.max_staleness,
         evals_per_epoch=args.evals_per_epoch,
         dtype=args.dtype,
     )
@@ -496,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--staleness", type=int, default=None, help="ssp bound s (default 2)")
     ps.add_argument("--backup-workers", type=int, default=0, help="sync: proceed after n-b")
     ps.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="a straggler")
+    ps.add_argument(
+        "--max-staleness", type=int, default=None, help="async: refuse staler gradients"
+    )
     demo.add_argument(
         "--evals-per-epoch", type=int, default=1, help="test-accuracy points per epoch"
     )

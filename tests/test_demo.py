@@ -23,6 +23,7 @@ from plait.demo.digits import (
     load_digits,
     oracle,
     oracle_spread,
+    push_lr,
     run,
     summarize,
     train_rank,
@@ -148,6 +149,12 @@ BAD_OPTIONS = [
         "--backup-workers applies to --ps-mode sync only",
     ),
     (["--servers", "2"], "--servers applies to --strategy ps only, not ddp"),
+    (["--strategy", "ps", "--max-staleness", "3"], "--max-staleness applies to --ps-mode async"),
+    (
+        ["--strategy", "ps", "--ps-mode", "async", "--max-staleness", "-1"],
+        "--max-staleness must be an integer >= 0",
+    ),
+    (["--max-staleness", "3"], "--max-staleness applies to --strategy ps only"),
     (["--ps-mode", "async", "--strategy", "zero1"], "--ps-mode applies to --strategy ps only"),
 ]
 
@@ -178,12 +185,23 @@ def test_every_strategy_is_valid_with_default_options(strategy):
         nproc=None, strategy=strategy, epochs=10, batch_size=64, lr=0.05, algorithm="auto",
         bucket_mb=25.0, seed=0, name=None, ps_mode="sync", servers=1, staleness=None,
         backup_workers=0, slow_worker=None, evals_per_epoch=1, dtype="float32",
+        max_staleness=None,
     )  # fmt: skip
     validate(cli._demo_config(parser_args, None))
     if strategy == "ps":  # the README's ps invocations, with their defaults
         for mode in ("sync", "async", "ssp"):
             parser_args.ps_mode = mode
             validate(cli._demo_config(parser_args, 2 if mode == "ssp" else None))
+
+
+def test_an_asynchronous_push_steps_with_its_share_of_the_learning_rate():
+    """Issue 26.18: --lr is per global batch; async/ssp apply each worker's push (a 1/W
+    share of it) as an update of its own, so a push steps with lr / W (the server divides a
+    stale one further by its staleness, tests/test_ps.py)."""
+    assert push_lr(DemoConfig(strategy="ps", ps_mode="sync")) == 0.05
+    assert push_lr(DemoConfig(strategy="ps", ps_mode="async")) == pytest.approx(0.05 / 3)
+    assert push_lr(DemoConfig(strategy="ps", ps_mode="ssp", staleness=2, servers=2)) == 0.025
+    assert push_lr(DemoConfig(strategy="ddp")) == 0.05
 
 
 def test_the_training_set_size_used_for_validation_is_the_real_one():
@@ -258,5 +276,5 @@ def test_a_piped_ps_demo_with_default_options_runs_and_writes_no_carriage_return
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stdout and "\r" not in proc.stderr
     assert "epoch 1/1  loss" in proc.stdout
-    assert "(ok)" in proc.stdout and "Traceback" not in proc.stderr
+    assert "(ok: bound 1.0e-09)" in proc.stdout and "Traceback" not in proc.stderr
     assert (tmp_path / "p" / "report.json").exists()

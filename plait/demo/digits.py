@@ -81,6 +81,8 @@ class DemoConfig:
     staleness: int | None = None
     backup_workers: int = 0
     slow_worker: tuple[int, float] | None = None  # (rank, factor)
+    max_staleness: int | None = None  # async: refuse gradients staler than this
+    staleness_aware: bool = True  # async/ssp: a push of staleness tau > 1 divided by tau
     evals_per_epoch: int = 1
     dtype: str = "float32"  # of the model and the data; "float64" makes --check exact
 
@@ -168,6 +170,16 @@ def validate(config: DemoConfig) -> None:
             )
         if c.ps_mode != "ssp" and c.staleness is not None:
             raise bad(f"--staleness applies to --ps-mode ssp only, not {c.ps_mode}")
+        if c.max_staleness is not None and c.ps_mode != "async":
+            raise bad(
+                f"--max-staleness applies to --ps-mode async only (ssp bounds the clocks "
+                f"with --staleness), not {c.ps_mode}"
+            )
+        if c.max_staleness is not None and c.max_staleness < 0:
+            raise bad(
+                f"--max-staleness must be an integer >= 0 (versions a gradient may lag the "
+                f"server's), got {c.max_staleness}"
+            )
         workers = c.world_size - c.servers
         if c.backup_workers and c.ps_mode != "sync":
             raise bad(f"--backup-workers applies to --ps-mode sync only, not {c.ps_mode}")
@@ -197,6 +209,7 @@ def validate(config: DemoConfig) -> None:
                 ("--staleness", c.staleness is not None),
                 ("--backup-workers", c.backup_workers != 0),
                 ("--slow-worker", c.slow_worker is not None),
+                ("--max-staleness", c.max_staleness is not None),
             )
             if used
         ]
@@ -271,6 +284,8 @@ def _options(config: DemoConfig, tracer: Tracer) -> dict[str, Any]:
             "staleness": config.staleness,
             "backup_workers": config.backup_workers,
             "slow_workers": slow,
+            "max_staleness": config.max_staleness,
+            "staleness_aware": config.staleness_aware,
         }
     if config.strategy != "none":
         options["algorithm"] = config.algorithm
@@ -578,6 +593,17 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
         how = (
             f"mode {config.ps_mode}, {config.servers} server(s) + {config.trainers} workers"
             + (f", staleness {config.staleness}" if config.staleness is not None else "")
+            + (
+                f", lr {config.lr:g} per global batch = {push_lr(config):.3g} per push"
+                + (" / its staleness" if config.staleness_aware else "")
+                if config.ps_mode != "sync"
+                else ""
+            )
+            + (
+                f", max staleness {config.max_staleness}"
+                if config.max_staleness is not None
+                else ""
+            )
             + (f", {config.backup_workers} backup" if config.backup_workers else "")
             + (
                 f", rank {config.slow_worker[0]} slowed {config.slow_worker[1]:g}x"
