@@ -10,8 +10,9 @@ import pytest
 
 from plait.demo.gpt import FLOAT64_BOUND, GPTDemoConfig, GPTDemoOptionError, run, validate
 
-# float64: Adam moves a gradient element near zero by about lr whatever its size, so float32
-# rounding differences can show as 1e-3 within a few steps on another CPU
+# float64: Adam's step m / (sqrt(v) + eps) turns a rounding change in a small gradient
+# element into a sizeable fraction of lr, so float32 runs differ by 1e-4..1e-3 within a few
+# steps (measured here; another CPU rounds differently)
 SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4, "dtype": "float64"}
 
 
