@@ -148,6 +148,18 @@ def test_explicit_contradictory_options_are_still_refused(capsys):
     assert "--heads must be divisible by --tp" in capsys.readouterr().err
 
 
+def test_a_float32_check_bound_is_measured_from_the_oracles_own_spread():
+    """--check in float32 accepts 10x how far the one-process GPT lands from itself with
+    each batch summed in two halves; in float64 a fixed bound."""
+    from plait.demo.gpt import FLOAT32_FLOOR, SPREAD_FACTOR, check_bound, max_diff, oracle
+
+    config = GPTDemoConfig(**{**SMALL, "steps": 3, "dtype": "float32"})
+    bound, spread = check_bound(config)
+    assert spread == max_diff(oracle(config, pieces=2), oracle(config))
+    assert 0 <= spread < 1e-3 and bound == SPREAD_FACTOR * spread + FLOAT32_FLOOR
+    assert check_bound(GPTDemoConfig(**SMALL)) == (FLOAT64_BOUND, None)
+
+
 def test_library_users_get_the_same_refusal():
     with pytest.raises(GPTDemoOptionError, match="--tp must divide -n"):
         validate(GPTDemoConfig(world_size=3, tp=2))
