@@ -8,10 +8,12 @@ momentum 0.9, global batch 63, ``--epochs`` epochs, test accuracy measured 4 tim
 epoch on the lead worker's current parameters) with 1 server + 3 workers under
 
 - ``sync``: every version averages the three workers' gradients (= DDP on the global batch),
-- ``async``: every push applied at once, with lr 0.05/3: each push is the gradient of 21
-  samples and becomes an update of its own, so lr/3 keeps the step per sample of sync
-  (one extra run keeps lr 0.05 and shows what happens without that scaling),
-- ``ssp`` with staleness bound 2 (lr/3 as async),
+- ``async``: every push applied at once; the demo steps a push with lr 0.05/3 (each push is
+  the gradient of 21 samples and becomes an update of its own, so lr/3 keeps the step per
+  sample of sync) and the server divides a push of staleness tau > 1 by tau (one extra run
+  steps every push with lr 0.05, not divided by its staleness, and shows what happens
+  without either),
+- ``ssp`` with staleness bound 2 (scaled as async),
 - ``sync`` with 1 backup worker (a version goes on after 2 of 3 gradients),
 
 each once as is and once with worker rank 3 slowed 3x (``--slow-worker 3:3``: it sleeps
@@ -45,15 +47,22 @@ def configs(epochs: int) -> list[tuple[str, DemoConfig]]:
     base: dict[str, Any] = {"epochs": epochs, "batch_size": 63, "evals_per_epoch": 4, "name": ""}
     runs = [("ddp", DemoConfig(world_size=3, strategy="ddp", **base))]
     base_lr = DemoConfig().lr
-    per_push = {"lr": base_lr / 3}  # async/ssp: every push is an update: the same lr per sample
+    per_push: dict[str, Any] = {}  # the demo steps a push with lr / 3 (plait.demo.digits.push_lr)
     modes: list[tuple[str, dict[str, Any]]] = [
         ("sync", {"ps_mode": "sync"}),
-        ("async lr/3", {"ps_mode": "async", **per_push}),
-        ("ssp s=2 lr/3", {"ps_mode": "ssp", "staleness": 2, **per_push}),
+        ("async lr/3 /tau", {"ps_mode": "async", **per_push}),
+        ("ssp s=2 lr/3 /tau", {"ps_mode": "ssp", "staleness": 2, **per_push}),
         ("sync +1 backup", {"ps_mode": "sync", "backup_workers": 1}),
     ]
-    unscaled = DemoConfig(world_size=4, strategy="ps", ps_mode="async", lr=base_lr, **base)
-    runs.append((f"async lr {base_lr:g} (not scaled)", unscaled))
+    unscaled = DemoConfig(
+        world_size=4,
+        strategy="ps",
+        ps_mode="async",
+        lr=3 * base_lr,
+        staleness_aware=False,
+        **base,
+    )  # fmt: skip  (3 x: lr per push = base_lr)
+    runs.append((f"async lr {base_lr:g} per push (not scaled)", unscaled))
     for slow in (None, (3, 3.0)):
         for label, extra in modes:
             name = label + (" / rank 3 slowed 3x" if slow else "")

@@ -308,7 +308,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_gpt(args: argparse.Namespace) -> int:
-    from plait.demo.gpt import GPTDemoConfig, GPTDemoOptionError, check_passed, run, validate
+    from plait.demo.gpt import (
+        GPTDemoConfig,
+        GPTDemoOptionError,
+        check_passed,
+        fit_defaults,
+        run,
+        validate,
+    )
 
     cnn_only = [
         flag
@@ -322,6 +329,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             ("--staleness", args.staleness is not None),
             ("--backup-workers", args.backup_workers != 0),
             ("--slow-worker", args.slow_worker is not None),
+            ("--max-staleness", args.max_staleness is not None),
         )
         if used
     ]
@@ -359,7 +367,10 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             seed=args.seed,
             name=args.name or "",
+            dtype=args.dtype,
         )
+        options = ("heads", "width", "seq_len", "experts", "batch_size")
+        config = fit_defaults(config, given={k for k in options if getattr(args, k) is not None})
         validate(config)
     except GPTDemoOptionError as e:
         print(f"plait demo: {e}", file=sys.stderr)
@@ -376,7 +387,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         world_size=nproc,
         strategy=args.strategy,
         epochs=args.epochs if args.epochs is not None else 10,
-        batch_size=args.batch_size if args.batch_size is not None else 64,
+        batch_size=args.batch_size if args.batch_size is not None else max(64, nproc),
         lr=args.lr if args.lr is not None else 0.05,
         algorithm=args.algorithm,
         bucket_mb=args.bucket_mb,
@@ -387,7 +398,9 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         staleness=staleness,
         backup_workers=args.backup_workers,
         slow_worker=_slow_worker(args.slow_worker),
+        max_staleness=args.max_staleness,
         evals_per_epoch=args.evals_per_epoch,
+        dtype=args.dtype,
     )
 
 
@@ -470,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--name", default=None, help="run folder name under --out")
     demo.add_argument("--out", default="runs")
+    demo.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="of the model; float64 makes --check exact on any CPU",
+    )
     gpt = demo.add_argument_group(
         "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep)"
     )
@@ -504,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--staleness", type=int, default=None, help="ssp bound s (default 2)")
     ps.add_argument("--backup-workers", type=int, default=0, help="sync: proceed after n-b")
     ps.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="a straggler")
+    ps.add_argument(
+        "--max-staleness", type=int, default=None, help="async: refuse staler gradients"
+    )
     demo.add_argument(
         "--evals-per-epoch", type=int, default=1, help="test-accuracy points per epoch"
     )

@@ -235,6 +235,8 @@ def test_checkpoint_on_request(ranks, tmp_path):
         ({"mode": "hogwild"}, "mode must be one of"),
         ({"resume": True}, "need checkpoint_dir"),
         ({"slow_workers": {0: 3.0}}, "keys must be worker ranks"),
+        ({"mode": "ssp", "staleness": 1, "max_staleness": 3}, "mode='async' only"),
+        ({"mode": "async", "max_staleness": -1}, "integer >= 0"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(ranks, options, needle):
@@ -251,12 +253,14 @@ class _FakeGroup:
     global_rank, rank, size, name, ranks, timeout = 0, 0, 3, "fake", [0, 1, 2], 30.0
 
 
-def _server(mode: str, tmp_path=None, resume: bool = False) -> Server:
+def _server(
+    mode: str, tmp_path=None, resume: bool = False, momentum=0.0, dtype=torch.float32, **extra
+) -> Server:
     return Server(
         group=_FakeGroup(),  # type: ignore[arg-type]
         index=0,
-        shard=torch.zeros(4),
-        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        shard=torch.zeros(4, dtype=dtype),
+        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum),
         workers=[1, 2],
         mode=mode,
         staleness=0,
@@ -265,13 +269,55 @@ def _server(mode: str, tmp_path=None, resume: bool = False) -> Server:
         checkpoint_every=1 if tmp_path is not None else 0,
         resume=resume,
         liveness=Liveness(timeout=5, read=lambda r: None),
+        **extra,
     )
 
 
-def _push(server: Server, worker: int, clock: int) -> None:
+def _push(server: Server, worker: int, clock: int, stale: int = 0, grad=None) -> None:
     server._queued += 1
-    header = Header(Kind.PUSH, server.version, 0, 4, clock=clock, lr=0.1)
-    server._push(worker, header, torch.ones(4))
+    header = Header(Kind.PUSH, server.version - stale, 0, 4, clock=clock, lr=0.1)
+    server._push(worker, header, torch.ones_like(server.param) if grad is None else grad)
+
+
+# --- staleness-aware asynchronous updates (issue 26.18) -------------------------------------
+
+GRADS = [torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64) * (k + 1) for k in range(4)]
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_async_divides_a_stale_gradient_by_its_staleness_momentum_included(aware):
+    """Zhang et al.'s lr / staleness, applied to the gradient so that SGD's momentum buffer
+    takes the stale gradient damped too; against one process in float64."""
+    server = _server("async", momentum=0.9, dtype=torch.float64, staleness_aware=aware)
+    stale = [0, 1, 3, 2]  # versions behind the server's at each push
+    for clock, (k, g) in enumerate(zip(stale, GRADS, strict=True)):
+        _push(server, 1, clock, stale=k, grad=g.clone())
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    oracle = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    for k, g in zip(stale, GRADS, strict=True):
+        param.grad = g / k if aware and k > 1 else g
+        oracle.step()
+    assert torch.equal(server.param.detach(), param.detach())
+    assert server.stats.staleness == {0: 1, 1: 1, 3: 1, 2: 1}
+    assert server.stats.scaled == (2 if aware else 0) and server.stats.refused == 0
+
+
+def test_async_refuses_a_gradient_staler_than_max_staleness_and_says_so():
+    server = _server("async", max_staleness=2)
+    _push(server, 1, 0, stale=2)  # at the bound: applied
+    with pytest.warns(RuntimeWarning, match=r"worker rank 1 with staleness 3 > max_staleness=2"):
+        _push(server, 1, 1, stale=3)
+    before = server.param.detach().clone()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per worker, counted every time
+        _push(server, 1, 2, stale=5)
+    assert torch.equal(server.param.detach(), before)
+    assert (server.stats.updates, server.stats.refused, server.version) == (1, 2, 1)
+    assert server.clocks[1] == 3  # refused stamps are consumed: a retry is a duplicate
+    with pytest.warns(RuntimeWarning, match="worker rank 2"):
+        _push(server, 2, 0, stale=4)
 
 
 def test_a_push_whose_clock_was_applied_is_ignored_and_counted():

@@ -12,9 +12,17 @@ whose length is recorded). The rule is the mode:
   becomes version t+1. A PULL after pushing version t is answered with version t+1. A
   gradient for an older version (a late worker when backups are on) is dropped and
   counted.
-- ``async``: each gradient is applied as it arrives; its staleness (the server version
-  now minus the version it was computed on) goes into a histogram. PULLs are answered
-  at once with the current version.
+- ``async``: each gradient is applied as it arrives; its staleness tau (the server
+  version now minus the version it was computed on) goes into a histogram. PULLs are
+  answered at once with the current version. With ``staleness_aware`` (the default) a
+  gradient of staleness tau > 1 is divided by tau before the optimizer sees it: Zhang et
+  al.'s staleness-aware learning rate lr / tau ("Staleness-aware Async-SGD", IJCAI 2016),
+  applied to the gradient so that with momentum the stale gradient also enters the
+  momentum buffer damped (scaling only the step's lr would let it act at full weight in
+  every later step). An optimizer that normalises the gradient (Adam) undoes a uniform
+  scaling. With ``max_staleness`` k a gradient staler than k is refused: not applied,
+  counted in ``stats.refused`` and warned about once per worker, naming the worker, its
+  staleness and the bound (the worker's next PULL brings it the current version).
 - ``ssp``: as ``async``, but a PULL from a worker whose clock (pushes applied) is more
   than ``staleness`` ahead of the slowest active worker waits until it is not; the wait
   is counted and timed, and the clock gap at every answer is recorded.
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +110,8 @@ class ServerStats:
     failed_at: dict[int, float] = field(default_factory=dict)  # time.time() of the verdict
     finished_workers: list[int] = field(default_factory=list)
     duplicates: int = 0  # pushes whose clock was already applied: ignored
+    refused: int = 0  # async: gradients staler than max_staleness, not applied
+    scaled: int = 0  # async/ssp: gradients divided by their staleness (staleness_aware)
     errors: list[str] = field(default_factory=list)  # unexpected handler-thread errors
     checkpoints: int = 0
     seconds: float = 0.0
@@ -141,9 +152,14 @@ class Server:
         timeout: float | None = None,
         tracer: Tracer | None = None,
         liveness: Liveness | None = None,
+        staleness_aware: bool = True,
+        max_staleness: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.staleness_aware = staleness_aware
+        self.max_staleness = max_staleness
+        self._warned_stale: set[int] = set()
         self.group = group
         self.index = index
         self.param = torch.nn.Parameter(shard, requires_grad=False)
@@ -230,7 +246,27 @@ class Server:
                 stale = self.version - header.version
                 self.stats.staleness[stale] = self.stats.staleness.get(stale, 0) + 1
                 self.clocks[worker] += 1
+                if self.max_staleness is not None and stale > self.max_staleness:
+                    self._refuse(worker, stale)
+                    return
+                if self.staleness_aware and stale > 1:
+                    grad.div_(stale)  # lr / tau, and damped in a momentum buffer too
+                    self.stats.scaled += 1
                 self._apply([grad], header.lr)
+
+    def _refuse(self, worker: int, stale: int) -> None:
+        """A gradient staler than ``max_staleness``: counted, warned about once per worker."""
+        self.stats.refused += 1
+        if worker not in self._warned_stale:
+            self._warned_stale.add(worker)
+            warnings.warn(
+                f"parameter server {self.index} (rank {self.group.global_rank}): refused a "
+                f"gradient of worker rank {worker} with staleness {stale} > max_staleness="
+                f"{self.max_staleness} (not applied; counted in stats.refused). Raise "
+                f"max_staleness, or use mode='ssp' to make fast workers wait instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _maybe_step(self, lr: float | None = None) -> None:
         if self.mode != "sync" or not self.pending or len(self.pending) < self.needed():

@@ -55,6 +55,11 @@ class ParameterServer:
       batch), ``"async"`` (apply each gradient as it arrives) or ``"ssp"`` (async, but no
       worker more than ``staleness`` steps ahead of the slowest);
     - ``staleness``: the ssp bound s >= 0 (only for ``"ssp"``);
+    - ``staleness_aware`` (``async``/``ssp``, default True): a gradient of staleness tau > 1
+      is applied divided by tau (the staleness-aware learning rate lr / tau of Zhang et
+      al. 2016; with momentum the stale gradient enters the buffer damped too);
+    - ``max_staleness`` (``async`` only): a gradient staler than this is refused (not
+      applied, counted in the server's ``stats.refused``, warned about once per worker);
     - ``backup_workers``: sync only; a version is applied once n - b gradients arrived,
       late ones are dropped and counted;
     - ``checkpoint_dir`` / ``checkpoint_every`` / ``resume``: server checkpoints every k
@@ -85,6 +90,8 @@ class ParameterServer:
         timeout: float | None = None,
         group: Group | None = None,
         tracer: Tracer | None = None,
+        staleness_aware: bool = True,
+        max_staleness: int | None = None,
     ) -> None:
         self.group = group if group is not None else runtime.world()
         n = self.group.size
@@ -104,6 +111,16 @@ class ParameterServer:
                 )
         elif staleness is not None:
             raise ValueError(f"staleness applies to mode='ssp' only, not mode={mode!r}")
+        if max_staleness is not None:
+            if mode != "async":
+                raise ValueError(
+                    f"max_staleness applies to mode='async' only (ssp bounds the workers' "
+                    f"clocks with staleness=s), got mode={mode!r}"
+                )
+            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
+                raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+            if max_staleness < 0:
+                raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness}")
         if backup_workers and mode != "sync":
             raise ValueError(
                 f"backup_workers applies to mode='sync' only (async modes never wait for "
@@ -135,6 +152,8 @@ class ParameterServer:
         self.slow_workers = slow
         self.timeout = timeout
         self.tracer = tracer
+        self.staleness_aware = staleness_aware
+        self.max_staleness = max_staleness
         self.server_ranks = list(self.group.ranks[:servers])
         self.worker_ranks = list(self.group.ranks[servers:])
         self.server: Server | None = None
@@ -234,6 +253,8 @@ class ParameterServer:
             resume=self.resume,
             timeout=self.timeout,
             tracer=self.tracer,
+            staleness_aware=self.staleness_aware,
+            max_staleness=self.max_staleness,
         )
         self.server.serve()
         final = self.server.param.detach()
