@@ -47,3 +47,25 @@ def load_another_vocabulary() -> str:
     except ValueError as exc:
         return str(exc)
     return "loaded"
+
+
+def nan_on_one_rank(odd: int, mode: str) -> tuple[str, bool]:
+    """pp2 x tp2: rank ``odd``'s gradient turns NaN after backward; the optimizer step
+    raises (or is skipped) on every rank, naming it."""
+    import warnings
+
+    case = Case(pp=2, tp=2, microbatches=2)
+    ptdp = build(case, check_finite=mode)
+    x, y = ptdp_fns.batch(0, config(case.tied))
+    ptdp.step(x, y)
+    if plait.runtime.world().rank == odd:
+        ptdp.counted[0].param.grad.fill_(float("nan"))
+    before = [c.param.detach().clone() for c in ptdp.counted]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ptdp.optimizer.step()
+    except FloatingPointError as exc:
+        return str(exc), False
+    unchanged = all(torch.equal(b, c.param) for b, c in zip(before, ptdp.counted, strict=True))
+    return "; ".join(str(w.message) for w in caught), unchanged

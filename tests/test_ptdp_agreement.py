@@ -22,3 +22,14 @@ def test_one_rank_seeded_differently_is_named_before_training(ranks):
 def test_a_dense_state_of_another_vocabulary_is_refused(ranks):
     for msg in ranks(4, fns.load_another_vocabulary, timeout=120):
         assert "tok.weight" in msg and "(17, 16)" in msg and "(13, 16)" in msg
+
+
+def test_a_nan_on_one_rank_stops_every_rank(ranks):
+    for msg, _ in ranks(4, fns.nan_on_one_rank, 2, "raise", timeout=120):
+        assert "inf or NaN on ranks [2]" in msg and "no rank stepped" in msg
+
+
+def test_a_nan_on_one_rank_skips_the_step_everywhere(ranks):
+    for msg, unchanged in ranks(4, fns.nan_on_one_rank, 2, "skip", timeout=120):
+        assert "inf or NaN on ranks [2]" in msg and "skipped on every rank" in msg
+        assert unchanged

@@ -67,6 +67,7 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ from plait.strategies.compose.experts import (
 )
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
+from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.zero.groups import constructor_kwargs
 
@@ -118,6 +120,7 @@ class PTDP:
         scaler: DynamicLossScaler | None = None,
         tp_mode: str = "1d",
         algorithm: str = "auto",
+        check_finite: str | None = "raise",
     ) -> None:
         from plait.models.gpt import pipeline_plan  # as check.py: ptdp composes the GPT
         from plait.strategies.pipeline import PipelineParallel
@@ -256,6 +259,13 @@ class PTDP:
         sharded_unscale = self.optimizer.unscale_grads_ if zero else None  # type: ignore[attr-defined]
         self._sharded_unscale = sharded_unscale
         self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
+        if check_finite not in ("raise", "skip", None):
+            raise ValueError(f"ptdp: check_finite={check_finite!r}; use 'raise', 'skip' or None")
+        # with a loss scaler, the scaler decides (every rank skips a step on any inf); under
+        # ZeRO each rank holds only its shard after the optimizer's own reduce-scatter
+        self.check_finite = check_finite if scaler is None and not zero else None
+        if self.check_finite is not None:
+            self.optimizer.register_step_pre_hook(lambda *_: self._check_finite())
         self.unscaler = Unscaler(
             self.parameters,
             groups=self.mesh_groups(),
@@ -275,6 +285,47 @@ class PTDP:
             zero_grad(set_to_none)
 
         self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
+
+    @torch.no_grad()
+    def _check_finite(self) -> None:
+        """Before the optimizer step: a non-finite gradient on any rank of the mesh raises
+        (``"raise"``) or drops every rank's gradients so that the step leaves the parameters
+        unchanged (``"skip"``), on every rank at once, naming the ranks, their pipeline stage
+        and the first parameter. Collective: one all-reduce of ``world`` int64 flags per
+        mesh dimension (tp, pp, ep, dp in turn: a sum over the whole mesh)."""
+        ranks_of_mesh = list(self.mesh.layout.ranks)
+        me = ranks_of_mesh.index(self.mesh.global_rank)
+        bad = None
+        for c in self.counted:
+            if c.param.grad is not None and not bool(torch.isfinite(c.param.grad).all()):
+                bad = c.name
+                break
+        flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64)
+        flags[me] = 0 if bad is None else 1
+        for group in self.mesh_groups():
+            ops.all_reduce(flags, "sum", group=group, algorithm=self.algorithm)
+        if not bool(flags.any()):
+            return
+        ranks = [ranks_of_mesh[i] for i in flags.nonzero().flatten().tolist()]
+        where = (
+            "" if bad is None else f"; on this rank (pipeline rank {self.pp_group.rank}) {bad!r}"
+        )
+        if self.check_finite == "skip":
+            warnings.warn(
+                f"ptdp: a gradient holds inf or NaN on ranks {ranks}{where}; the optimizer "
+                f"step is skipped on every rank (check_finite='skip')",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            for c in self.counted:
+                c.param.grad = None
+            return
+        raise NonFiniteGradientError(
+            f"ptdp: a gradient holds inf or NaN on ranks {ranks}{where}; no rank stepped "
+            f"(check_finite='raise'; 'skip' drops the step on every rank, a loss scaler skips "
+            f"it and lowers the scale)",
+            [(self.mesh.global_rank, bad)] if bad is not None else [],
+        )
 
     def mesh_groups(self) -> list[Group]:
         """The groups of this rank, one per mesh dimension (tp, pp, ep, dp)."""
@@ -493,6 +544,7 @@ def compose(
     scaler: DynamicLossScaler | None = None,
     tp_mode: str = "1d",
     algorithm: str = "auto",
+    check_finite: str | None = "raise",
 ) -> PTDP:
     """``model`` (a :class:`plait.models.GPT`, built with the same seed on every rank)
     trained on ``mesh`` (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
@@ -502,7 +554,10 @@ def compose(
     (``microbatches`` per dp replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
     (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1`` and
     ``microbatches=1``);
-    ``algorithm``: the collectives' algorithm. ``optimizer``: built on
+    ``algorithm``: the collectives' algorithm. ``check_finite``: ``"raise"`` (default),
+    ``"skip"`` or None: a non-finite gradient on any rank, before the optimizer step, stops
+    or skips the step on every rank naming the ranks (not applied with a ``scaler``, which
+    skips on inf itself, nor under ZeRO). ``optimizer``: built on
     ``model.parameters()``, one group, not stepped; it is re-created (same class and
     hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
     constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
@@ -520,6 +575,7 @@ def compose(
         scaler=scaler,
         tp_mode=tp_mode,
         algorithm=algorithm,
+        check_finite=check_finite,
     )
 
 
