@@ -11,7 +11,7 @@ from torch import nn
 import plait
 import plait.amp
 import plait.trace
-from plait.strategies.zero import ShardedGrad, ShardedGradientError, ZeroOptimizer, prepare_zero
+from plait.strategies.zero import GuardedGrad, ShardedGradientError, ZeroOptimizer, prepare_zero
 from tests.ddp_fns import batch, make_model, make_optimizer, shard
 
 
@@ -77,7 +77,7 @@ def stage2_gradients() -> dict[int, Any]:
             "placeholders": [
                 p.grad is not None and 0 in p.grad.stride() for p in model.parameters()
             ],
-            "guarded": [isinstance(p.grad, ShardedGrad) for p in model.parameters()],
+            "guarded": [isinstance(p.grad, GuardedGrad) for p in model.parameters()],
             "shard_grad": None if grad is None else grad.clone(),
             "grad_numel": sum(t.numel() for t in zero.memory_breakdown()["grads"]),
             "lo_hi": (zero.lo, zero.hi),

@@ -65,10 +65,12 @@ each backward as a ``backward`` span from its first parameter gradient to its en
 ``plait.trace.overlap_report`` sees what stage 2 hides).
 """
 
-from plait.strategies.zero.guard import ShardedGrad, ShardedGradientError
+import warnings
+
+from plait.strategies.zero.guard import GuardedGrad, ShardedGradientError
 from plait.strategies.zero.optimizer import ZeroOptimizer
 from plait.strategies.zero.partition import (
-    Bucket,
+    PartitionBucket,
     Piece,
     describe_partition,
     partition,
@@ -79,9 +81,9 @@ from plait.strategies.zero.prepare import ZERO_OPTIONS, prepare_zero
 
 __all__ = [
     "ZERO_OPTIONS",
-    "Bucket",
+    "PartitionBucket",
     "Piece",
-    "ShardedGrad",
+    "GuardedGrad",
     "ShardedGradientError",
     "ZeroOptimizer",
     "describe_partition",
@@ -90,3 +92,18 @@ __all__ = [
     "reduction_buckets",
     "shard_bounds",
 ]
+
+_RENAMED = {"Bucket": "PartitionBucket", "ShardedGrad": "GuardedGrad"}
+
+
+def __getattr__(name: str) -> object:
+    """The earlier names of two classes (they clashed with DDP's ``Bucket`` and FSDP's
+    ``ShardGrad``), kept for one release with a ``DeprecationWarning``."""
+    if name in _RENAMED:
+        warnings.warn(
+            f"plait.strategies.zero.{name} is deprecated; use {_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'plait.strategies.zero' has no attribute {name!r}")

@@ -20,13 +20,13 @@ import torch
 from plait import comm
 from plait.comm.group import Handle
 from plait.strategies.zero.guard import (
-    ShardedGrad,
+    GuardedGrad,
     ShardedGradientError,
     local_guard,
     placeholder_guard,
     real,
 )
-from plait.strategies.zero.partition import Bucket
+from plait.strategies.zero.partition import PartitionBucket
 
 if TYPE_CHECKING:
     from plait.strategies.zero.optimizer import ZeroOptimizer
@@ -92,7 +92,7 @@ class ShardGradients:
     def _trace(self, label: str, nbytes: int, handle: Handle | None) -> Callable[[], None]:
         return trace_span(self.opt, label, nbytes, handle)
 
-    def _launch(self, bucket: Bucket, accumulate: bool) -> None:
+    def _launch(self, bucket: PartitionBucket, accumulate: bool) -> None:
         """Cut the bucket's gradients (zeros where none) into every rank's block and start
         the reduce-scatter."""
         opt = self.opt
@@ -193,7 +193,7 @@ class ShardGradients:
         if opt.stage == 1:
             return
         self.wait()  # a previous backward's, if step() has not run since
-        guarded = [isinstance(p.grad, ShardedGrad) for p in opt._params]
+        guarded = [isinstance(p.grad, GuardedGrad) for p in opt._params]
         if any(guarded) and not all(guarded):
             name = opt._names[guarded.index(False)]
             raise ShardedGradientError(
@@ -233,7 +233,7 @@ class ShardGradients:
         try:
             if opt.stage == 1:
                 for i, p in enumerate(opt._params):
-                    if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                    if p.grad is not None and not isinstance(p.grad, GuardedGrad):
                         p.grad = local_guard(p.grad, opt, i)
                 return
             for i, ready in enumerate(self._ready):
@@ -281,7 +281,7 @@ class ShardGradients:
         grads: list[torch.Tensor] = []
         for p in opt._params:
             g = p.grad
-            if g is not None and (opt.stage == 1 or not isinstance(g, ShardedGrad)):
+            if g is not None and (opt.stage == 1 or not isinstance(g, GuardedGrad)):
                 grads.append(real(g))
         if self.flat is not None:
             grads.append(self.flat)

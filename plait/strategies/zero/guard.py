@@ -6,7 +6,7 @@ ZeRO-2 frees it during backward (only this rank's shard of the averaged gradient
 kept). Code written for DDP that reads ``param.grad`` (``torch.nn.utils.clip_grad_norm_``,
 gradient-norm logging, a hand-written unscale) would silently compute with the wrong
 numbers, or see no gradient at all and clip nothing. So after backward every trainable
-parameter's ``.grad`` is a :class:`ShardedGrad`:
+parameter's ``.grad`` is a :class:`GuardedGrad`:
 
 - metadata works: ``.shape``, ``.dtype``, ``.device``, ``is None`` checks;
 - ``zero_()``, ``requires_grad_()``, ``detach_()`` work (``model.zero_grad(set_to_none=
@@ -69,7 +69,7 @@ def real(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-class ShardedGrad(torch.Tensor):
+class GuardedGrad(torch.Tensor):
     """A parameter's ``.grad`` under ZeRO-1/2; see the module docstring."""
 
     owner: ZeroOptimizer | None = None  # set per instance by the optimizer
@@ -85,7 +85,7 @@ class ShardedGrad(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        guards = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, ShardedGrad)]
+        guards = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, GuardedGrad)]
         name = getattr(func, "__name__", str(func))
         if func is torch._amp_foreach_non_finite_check_and_unscale_:
             owner = guards[0].owner if guards else None
@@ -121,7 +121,7 @@ def _attribute(func: Any) -> str:
     return str(getattr(owner, "__name__", func))
 
 
-def _message(guards: list[ShardedGrad], what: str) -> str:
+def _message(guards: list[GuardedGrad], what: str) -> str:
     first = guards[0] if guards else None
     owner = first.owner if first is not None else None
     stage = owner.stage if owner is not None else "1/2"
@@ -145,21 +145,21 @@ def _message(guards: list[ShardedGrad], what: str) -> str:
     )
 
 
-def local_guard(grad: torch.Tensor, owner: ZeroOptimizer, index: int) -> ShardedGrad:
+def local_guard(grad: torch.Tensor, owner: ZeroOptimizer, index: int) -> GuardedGrad:
     """ZeRO-1: the guard over this rank's local gradient ``grad`` (same data)."""
     with torch._C.DisableTorchFunctionSubclass():
-        guard = grad.as_subclass(ShardedGrad)
-    assert isinstance(guard, ShardedGrad)
+        guard = grad.as_subclass(GuardedGrad)
+    assert isinstance(guard, GuardedGrad)
     guard.owner, guard.param_index = owner, index
     guard.param_name = owner._names[index]
     return guard
 
 
-def placeholder_guard(param: torch.Tensor, owner: ZeroOptimizer, index: int) -> ShardedGrad:
+def placeholder_guard(param: torch.Tensor, owner: ZeroOptimizer, index: int) -> GuardedGrad:
     """ZeRO-2: a guard of ``param``'s shape holding one element (a stride-0 view)."""
     one = torch.zeros((), dtype=param.dtype, device=param.device)
-    guard = one.expand(param.shape).as_subclass(ShardedGrad)
-    assert isinstance(guard, ShardedGrad)
+    guard = one.expand(param.shape).as_subclass(GuardedGrad)
+    assert isinstance(guard, GuardedGrad)
     guard.owner, guard.param_index = owner, index
     guard.param_name = owner._names[index]
     return guard

@@ -18,7 +18,7 @@ from plait.strategies.data_parallel.ddp import MIB, broadcast_tensors
 from plait.strategies.zero import state as zstate
 from plait.strategies.zero.gradients import ShardGradients, join, trace_span
 from plait.strategies.zero.groups import ParamGroups, check_elementwise, parse_param_groups
-from plait.strategies.zero.guard import ShardedGrad
+from plait.strategies.zero.guard import GuardedGrad
 from plait.strategies.zero.partition import (
     Piece,
     make_buckets,
@@ -224,7 +224,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         found = self.unscale_grads_(inv_scale)
         found_inf.copy_(torch.maximum(found_inf, found.to(found_inf)))
 
-    def _user_zeroed_(self, guard: ShardedGrad) -> None:
+    def _user_zeroed_(self, guard: GuardedGrad) -> None:
         self.gradients.user_zeroed(guard.param_index)
 
     # --- step --------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def reduction_buckets(
 
 
 @dataclass
-class Bucket:
+class PartitionBucket:
     """A bucket of parameters ``params`` (flat order). ``pieces[r]``: rank r's part of it,
     as ``(param, flat start, flat stop)`` in that order (possibly none): the rank's block
     of the bucket's reduce-scatter and all-gather is their concatenation, ``sizes[r]``
@@ -147,7 +147,7 @@ def make_buckets(
     bucket_bytes: int,
     bounds: Sequence[tuple[int, int]],
     order: Sequence[int] | None = None,
-) -> list[Bucket]:
+) -> list[PartitionBucket]:
     """The gradient buckets of :func:`reduction_buckets`, with every rank's pieces."""
     offsets = offsets_of(numels)
     buckets = []
@@ -163,5 +163,5 @@ def make_buckets(
                     mine.append((i, a, b))
             pieces.append(mine)
         sizes = [sum(b - a for _, a, b in mine) for mine in pieces]
-        buckets.append(Bucket(index, params, pieces, sizes))
+        buckets.append(PartitionBucket(index, params, pieces, sizes))
     return buckets
