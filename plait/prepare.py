@@ -20,7 +20,10 @@ its experts, a new optimizer over what it keeps), ``"pipeline"``
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
 data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``;
 returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
-its optimizer), ``"none"`` (single process, unchanged).
+its optimizer), ``"cp"`` (:func:`~plait.strategies.context.style.prepare_cp`: context
+parallelism on ``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank
+feeds its chunk of the sequence from ``shard_sequence``), ``"none"`` (single process,
+unchanged).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch import nn
 
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
+from plait.strategies.context.style import prepare_cp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
@@ -148,6 +152,14 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     return wrapped, worker_optimizer
 
 
+def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    from plait.models.gpt import GPT
+
+    if isinstance(model, GPT):  # plait's GPT embeds positions in its module "pos"
+        options.setdefault("positions", "pos")
+    return prepare_cp(model, optimizer, **options)
+
+
 # name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
 # ("ptdp" returns a PTDP object, trained with .step(x, y), not an nn.Module)
 STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
@@ -163,6 +175,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "ep": prepare_ep,
     "pipeline": prepare_pipeline,
     "ptdp": prepare_ptdp,
+    "cp": _cp,
 }
 
 

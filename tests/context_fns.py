@@ -63,3 +63,95 @@ def attention_vs_oracle(
         "kv_bytes": 2 * local[1].numel() * local[1].element_size(),
         "q_bytes": local[0].numel() * local[0].element_size(),
     }
+
+
+# --- models under plait.prepare(strategy="cp") ----------------------------------------------
+STEPS, BATCH, SEQ = 3, 2, 16
+
+
+def _tokens(step: int, vocab: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _gpt() -> Any:
+    from plait.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=23, layers=2, heads=4, width=16, seq_len=SEQ, dtype=torch.float64))
+
+
+def _llama(heads: int = 4, kv_heads: int = 2) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=23,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg).double()
+
+
+def _logits(model: Any, ids: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    if pos is None:
+        return model(ids)
+    out = model(input_ids=ids, position_ids=pos.expand(ids.shape[0], -1))
+    return out.logits
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def model_oracle(family: str, dp: int) -> dict[str, Any]:
+    """One process on the whole sequences of the global batch (dp slices of BATCH rows)."""
+    model = _gpt() if family == "gpt" else _llama()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    hf = family != "gpt"
+    for step in range(STEPS):
+        ids, targets = _tokens(step, 23, BATCH * dp)
+        pos = torch.arange(SEQ).unsqueeze(0) if hf else None
+        opt.zero_grad()
+        loss = _ce(_logits(model, ids, pos), targets)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(float(loss))
+        opt.step()
+    return {"losses": losses, "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def model_under_cp(family: str, context: str, balanced: bool, dp: int) -> dict[str, Any]:
+    """plait.prepare(strategy='cp') on Mesh(cp=world/dp, dp=dp): STEPS Adam steps, each rank
+    on its dp slice of the batch and its chunks of the sequence."""
+    w = plait.world().size
+    mesh = plait.Mesh(cp=w // dp, dp=dp) if dp > 1 else plait.Mesh(cp=w)
+    model = _gpt() if family == "gpt" else _llama()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    runner, opt = plait.prepare(model, opt, strategy="cp", mesh=mesh, context=context, balanced=balanced)
+    assert opt is not None
+    d = mesh.rank("dp") if dp > 1 else 0
+    losses, grads = [], {}
+    hf = family != "gpt"
+    for step in range(STEPS):
+        ids, targets = _tokens(step, 23, BATCH * dp)
+        rows = slice(d * BATCH, (d + 1) * BATCH)
+        ids, pos = shard_sequence(ids[rows], mesh, balanced=balanced)
+        targets, _ = shard_sequence(targets[rows], mesh, balanced=balanced)
+        opt.zero_grad()
+        loss = _ce(_logits(runner, ids, pos if hf else None), targets)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, "avg")  # the mean over all ranks' tokens: the global loss
+        losses.append(float(mean))
+        opt.step()
+    return {"losses": losses, "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
