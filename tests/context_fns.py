@@ -20,7 +20,9 @@ from plait.strategies.context.ring_attention import WORK
 B, H, D = 2, 4, 5
 
 
-def qkv(seq: int, kv_heads: int = H) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv(
+    seq: int, kv_heads: int = H
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The global q, k, v and an upstream gradient, the same on every rank."""
     g = torch.Generator().manual_seed(11)
     q = torch.randn(B, H, seq, D, generator=g, dtype=torch.float64)
@@ -37,9 +39,7 @@ def attention_vs_oracle(
     mesh = plait.Mesh(cp=plait.world().size)
     q, k, v, dy = qkv(seq, kv_heads)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(
-        *leaves, is_causal=causal, enable_gqa=kv_heads != H
-    )
+    want = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != H)
     want.backward(dy)
     mine = [shard_sequence(t, mesh, balanced=balanced, dim=2)[0] for t in (q, k, v, dy)]
     local = [t.clone().requires_grad_(True) for t in mine[:3]]
@@ -123,9 +123,13 @@ def model_oracle(family: str, dp: int) -> dict[str, Any]:
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
-    return {"losses": losses, "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def model_under_cp(family: str, context: str, balanced: bool, dp: int) -> dict[str, Any]:
@@ -135,7 +139,9 @@ def model_under_cp(family: str, context: str, balanced: bool, dp: int) -> dict[s
     mesh = plait.Mesh(cp=w // dp, dp=dp) if dp > 1 else plait.Mesh(cp=w)
     model = _gpt() if family == "gpt" else _llama()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    runner, opt = plait.prepare(model, opt, strategy="cp", mesh=mesh, context=context, balanced=balanced)
+    runner, opt = plait.prepare(
+        model, opt, strategy="cp", mesh=mesh, context=context, balanced=balanced
+    )
     assert opt is not None
     d = mesh.rank("dp") if dp > 1 else 0
     losses, grads = [], {}
@@ -154,4 +160,59 @@ def model_under_cp(family: str, context: str, balanced: bool, dp: int) -> dict[s
         comm.all_reduce(mean, "avg")  # the mean over all ranks' tokens: the global loss
         losses.append(float(mean))
         opt.step()
-    return {"losses": losses, "grads": grads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def refusals() -> dict[str, str]:
+    """Each bad input's error text (every case raises before any attention message)."""
+    from torch import nn
+
+    from plait.models.gpt import GPT, GPTConfig
+
+    mesh = plait.Mesh(cp=plait.world().size)
+    out: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, KeyError) as exc:
+            out[name] = str(exc)
+        else:
+            out[name] = "NOT REFUSED"
+
+    def opt(m: Any) -> Any:
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    odd = GPT(GPTConfig(vocab=23, layers=1, heads=3, width=15, seq_len=SEQ, dtype=torch.float64))
+    llama = _llama()
+    plait.prepare(llama, opt(llama), strategy="cp", mesh=mesh, context="ring")
+    ids = torch.zeros(1, SEQ // 2, dtype=torch.int64)
+    pos = torch.arange(SEQ // 2).unsqueeze(0)
+    cases: dict[str, Any] = {
+        "uneven": lambda: shard_sequence(torch.zeros(1, 10), mesh),
+        "ulysses_heads": lambda: plait.prepare(
+            odd, opt(odd), strategy="cp", mesh=mesh, context="ulysses"
+        ),
+        "no_attention": lambda: plait.prepare(
+            nn.Linear(2, 2), None, strategy="cp", mesh=mesh, positions=False
+        ),
+        "no_positions": lambda: plait.strategies.context.style.context_parallel(_gpt(), mesh=mesh),
+        "context": lambda: plait.prepare(_gpt(), None, strategy="cp", mesh=mesh, context="x"),
+        "no_cp": lambda: plait.prepare(_gpt(), None, strategy="cp", mesh=plait.Mesh(dp=2)),
+        "hf_positions": lambda: llama(input_ids=ids),
+        "hf_padding": lambda: llama(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=torch.tensor([[0] + [1] * (SEQ // 2 - 1)]),
+        ),
+        "odd_tokens": lambda: ring_attention(
+            *[torch.zeros(1, 2, 3, 4, dtype=torch.float64)] * 3, group=mesh.group("cp")
+        ),
+    }
+    for name, fn in cases.items():
+        catch(name, fn)
+    return out

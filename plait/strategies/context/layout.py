@@ -42,7 +42,9 @@ def positions(seq: int, cp: int, rank: int, *, balanced: bool) -> torch.Tensor:
     """Global position ids (int64, ``[S / cp]``) of the tokens cp rank ``rank`` holds."""
     check_length(seq, cp)
     n = seq // (2 * cp)
-    return torch.cat([torch.arange(i * n, (i + 1) * n) for i in chunks_of(rank, cp, balanced=balanced)])
+    return torch.cat(
+        [torch.arange(i * n, (i + 1) * n) for i in chunks_of(rank, cp, balanced=balanced)]
+    )
 
 
 def cp_group(mesh: Any) -> Group:
@@ -103,10 +105,7 @@ def ring_work(cp: int, *, causal: bool, balanced: bool) -> list[list[int]]:
     step waits for the slowest rank's transfer). Local.
     """
     return [
-        [
-            len(pair_kinds(r, (r - j) % cp, cp, causal=causal, balanced=balanced))
-            for j in range(cp)
-        ]
+        [len(pair_kinds(r, (r - j) % cp, cp, causal=causal, balanced=balanced)) for j in range(cp)]
         for r in range(cp)
     ]
 

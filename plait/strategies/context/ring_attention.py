@@ -76,7 +76,9 @@ def _merge(
         return out, lse
     o1, l1 = acc
     lse_new = torch.logaddexp(l1, lse)
-    merged = torch.exp(l1 - lse_new).unsqueeze(-1) * o1 + torch.exp(lse - lse_new).unsqueeze(-1) * out
+    merged = (
+        torch.exp(l1 - lse_new).unsqueeze(-1) * o1 + torch.exp(lse - lse_new).unsqueeze(-1) * out
+    )
     return merged, lse_new
 
 

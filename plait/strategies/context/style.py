@@ -232,8 +232,9 @@ def context_parallel(
             )
         _HF_MODELS[id(config)] = info
         name = _register_hf(context)
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(name)
+        setter = getattr(model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(name)
         else:
             config._attn_implementation = name
         model.register_forward_pre_hook(_check_hf_call, with_kwargs=True)
