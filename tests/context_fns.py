@@ -3,6 +3,7 @@ context parallelism, against one process on the whole sequence (float64)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from plait.strategies.context import (
     ulysses_attention,
 )
 from plait.strategies.context.ring_attention import WORK
+
+ring_module = importlib.import_module("plait.strategies.context.ring_attention")
 
 B, H, D = 2, 4, 5
 
@@ -33,9 +36,11 @@ def qkv(
 
 
 def attention_vs_oracle(
-    kernel: str, seq: int, causal: bool, balanced: bool, kv_heads: int = H
+    kernel: str, seq: int, causal: bool, balanced: bool, kv_heads: int = H, fused: bool = True
 ) -> dict[str, Any]:
-    """This rank's output and q/k/v gradients against its rows of one-process attention."""
+    """This rank's output and q/k/v gradients against its rows of one-process attention
+    (``fused=False``: ring attention's plain arithmetic instead of the fused CPU kernel)."""
+    ring_module.FUSED_CPU_KERNEL = fused
     mesh = plait.Mesh(cp=plait.world().size)
     q, k, v, dy = qkv(seq, kv_heads)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

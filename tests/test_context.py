@@ -42,6 +42,14 @@ def test_attention_matches_one_process(ranks, kernel, cp, causal, balanced):
             assert res["work"] == want_work[r]  # the pairs the kernel computed
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(("causal", "balanced"), CASES)
+def test_ring_reference_arithmetic_matches_one_process(ranks, cp, causal, balanced):
+    """The plain arithmetic the fused CPU kernel replaces (the path off CPU)."""
+    for res in ranks(cp, fns.attention_vs_oracle, "ring", 16, causal, balanced, 2, False):
+        assert res["out"] < TOL and max(res["grads"]) < TOL, res
+
+
 @pytest.mark.parametrize("kernel", ["ring", "ulysses"])
 @pytest.mark.parametrize("cp", [2, 4])  # kv heads 2: split at cp 2, repeated at cp 4 (Ulysses)
 def test_grouped_query_attention_matches_one_process(ranks, kernel, cp):

@@ -11,6 +11,9 @@ posted *before* this step's arithmetic, so both overlap where the transport allo
 chunk pair gives a partial output ``o_i`` and its row-wise log-sum-exp ``l_i``; partials are
 merged by the online-softmax rule ``l = log(e^l1 + e^l2)``, ``o = e^(l1-l) o1 + e^(l2-l) o2``.
 Under a causal mask, chunk pairs above the diagonal are skipped (:func:`.layout.pair_kinds`).
+A chunk pair is computed by PyTorch's fused CPU flash kernel, which returns the log-sum-exp
+and never holds the score matrix (``FUSED_CPU_KERNEL``), or by the plain arithmetic
+(``_block_forward``/``_block_backward``: the reference, used off CPU).
 
 Backward (recomputed blockwise, nothing but ``q, k, v, out, lse`` saved): the keys and
 values go around the ring once more; rank ``r`` first uses its own (step 0, its own
@@ -43,6 +46,8 @@ from plait.comm.group import Group
 from plait.strategies.context.layout import pair_kinds
 from plait.strategies.context.ring import shift
 
+# False: the plain arithmetic on CPU too (the reference the fused kernel is tested against)
+FUSED_CPU_KERNEL = True
 # chunk pairs computed in forward per (cp size, cp rank): read by tests and the benchmark
 WORK: dict[tuple[int, int], int] = {}
 
@@ -66,6 +71,49 @@ def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.
         above = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
     return s
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return FUSED_CPU_KERNEL and q.device.type == "cpu"
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk pair: the partial output and its row-wise log-sum-exp. On CPU, PyTorch's
+    fused flash kernel (it returns the log-sum-exp and never holds the scores); elsewhere
+    the plain arithmetic below, which is the reference."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, kind == "diagonal", scale=scale
+        )
+        return out, lse
+    s = _scores(q, k, kind, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one chunk pair, given the *merged* output and log-sum-exp of the query
+    rows (so ``P = exp(S - lse)`` is this pair's share of the global softmax)."""
+    if _fused(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, kind == "diagonal", scale=scale
+        )
+        return dq, dk, dv
+    p = torch.exp(_scores(q, k, kind, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
 def _merge(
@@ -96,19 +144,17 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         c, r = group.size, group.rank
         heads, n = q.shape[1], q.shape[2] // 2
-        qc = q.split(n, dim=2)
+        qc = [t.contiguous() for t in q.split(n, dim=2)]
         acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         kv = torch.stack([k, v])
         pairs = 0
         for step in range(c):
             nxt = shift(kv, group, kind="cp_kv", what="pass keys/values") if step < c - 1 else None
             src = (r - step) % c
-            ks = _expand(kv[0], heads).split(n, dim=2)
-            vs = _expand(kv[1], heads).split(n, dim=2)
+            ks = [t.contiguous() for t in _expand(kv[0], heads).split(n, dim=2)]
+            vs = [t.contiguous() for t in _expand(kv[1], heads).split(n, dim=2)]
             for a, j, kind in pair_kinds(r, src, c, causal=causal, balanced=balanced):
-                s = _scores(qc[a], ks[j], kind, scale)
-                lse = torch.logsumexp(s, dim=-1)
-                out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vs[j])
+                out, lse = _block_forward(qc[a], ks[j], vs[j], kind, scale)
                 acc[a] = _merge(acc[a], out, lse)
                 pairs += 1
             if nxt is not None:
@@ -127,10 +173,10 @@ class _RingAttention(torch.autograd.Function):
         group, causal, balanced, scale = ctx.group, ctx.causal, ctx.balanced, ctx.scale
         c, r = group.size, group.rank
         heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2] // 2
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)  # D_i = rowsum(dO * O)
-        qc, dos = q.split(n, dim=2), grad_out.split(n, dim=2)
-        lses, deltas = lse.split(n, dim=2), delta.split(n, dim=2)
+        qc = [t.contiguous() for t in q.split(n, dim=2)]
+        dos = [t.contiguous() for t in grad_out.split(n, dim=2)]
+        outs = [t.contiguous() for t in out.split(n, dim=2)]
+        lses = [t.contiguous() for t in lse.split(n, dim=2)]
         dq = torch.zeros_like(q)
         dqc = dq.split(n, dim=2)
         kv = torch.stack([k, v])
@@ -142,16 +188,15 @@ class _RingAttention(torch.autograd.Function):
                 nxt = shift(kv, group, kind="cp_kv_bwd", what="pass keys/values (backward)")
             src = (r - step) % c
             ke, ve = _expand(kv[0], heads), _expand(kv[1], heads)
-            ks, vs = ke.split(n, dim=2), ve.split(n, dim=2)
+            ks = [t.contiguous() for t in ke.split(n, dim=2)]
+            vs = [t.contiguous() for t in ve.split(n, dim=2)]
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             dks, dvs = dk.split(n, dim=2), dv.split(n, dim=2)
             for a, j, kind in pair_kinds(r, src, c, causal=causal, balanced=balanced):
-                p = torch.exp(_scores(qc[a], ks[j], kind, scale) - lses[a].unsqueeze(-1))
-                dvs[j].add_(torch.matmul(p.transpose(-1, -2), dos[a]))
-                dp = torch.matmul(dos[a], vs[j].transpose(-1, -2))
-                ds = p * (dp - deltas[a].unsqueeze(-1))
-                dqc[a].add_(torch.matmul(ds, ks[j]), alpha=scale)
-                dks[j].add_(torch.matmul(ds.transpose(-1, -2), qc[a]), alpha=scale)
+                g = _block_backward(dos[a], qc[a], ks[j], vs[j], outs[a], lses[a], kind, scale)
+                dqc[a].add_(g[0])
+                dks[j].add_(g[1])
+                dvs[j].add_(g[2])
             mine = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
             if step == 0:
                 own = mine
