@@ -29,16 +29,16 @@ class RingError(CollectiveError):
 
 @dataclass
 class Shift:
-    """A posted ring step: wait for it with :meth:`wait`, which returns the received block."""
+    """A posted ring step: wait for it with :meth:`wait`, which returns the received blocks."""
 
     channel: Channel
-    pending: tuple[_Pending | None, _Pending | None]
-    sent: torch.Tensor
-    received: torch.Tensor
+    pending: list[_Pending | None]
+    sent: list[torch.Tensor]
+    received: list[torch.Tensor]
     what: str
 
-    def wait(self) -> torch.Tensor:
-        """Block until both messages are done (at most the group's timeout)."""
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every message is done (at most the group's timeout)."""
         g = self.channel.group
         try:
             self.channel.wait(*self.pending)
@@ -51,9 +51,9 @@ class Shift:
         return self.received
 
 
-def shift(t: torch.Tensor, group: Group, *, kind: str, what: str) -> Shift:
-    """Post: send ``t`` to cp rank ``rank + 1`` and receive the same shape from
-    ``rank - 1`` (mod the group size) into a new buffer. Does not block.
+def shift(tensors: list[torch.Tensor], group: Group, *, kind: str, what: str) -> Shift:
+    """Post: send each of ``tensors`` to cp rank ``rank + 1`` and receive the same shapes
+    from ``rank - 1`` (mod the group size) into new buffers. Does not block.
 
     ``kind`` names the message for the byte counters (``"cp_kv"``, ``"cp_kv_bwd"``,
     ``"cp_dkv"``); the stats entry is ``(group.name, kind, "p2p")``.
@@ -61,9 +61,8 @@ def shift(t: torch.Tensor, group: Group, *, kind: str, what: str) -> Shift:
     call = Call(group, kind, "p2p", seq=group.seq)
     call.tag = TAGS[kind]
     ch = Channel(call)
-    sent = t.detach().contiguous()
-    received = torch.empty_like(sent)
+    sent = [t.detach().contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sent]
     nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
-    r = ch.irecv(received, prev)
-    s = ch.isend(sent, nxt)
-    return Shift(ch, (r, s), sent, received, f"{what} (to cp rank {nxt}, from cp rank {prev})")
+    pending = [ch.irecv(t, prev) for t in received] + [ch.isend(t, nxt) for t in sent]
+    return Shift(ch, pending, sent, received, f"{what} (to cp rank {nxt}, from cp rank {prev})")

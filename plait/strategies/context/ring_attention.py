@@ -144,15 +144,15 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         c, r = group.size, group.rank
         heads, n = q.shape[1], q.shape[2] // 2
-        qc = [t.contiguous() for t in q.split(n, dim=2)]
+        qc = q.split(n, dim=2)
         acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
-        kv = torch.stack([k, v])
+        kv = [k, v]
         pairs = 0
         for step in range(c):
             nxt = shift(kv, group, kind="cp_kv", what="pass keys/values") if step < c - 1 else None
             src = (r - step) % c
-            ks = [t.contiguous() for t in _expand(kv[0], heads).split(n, dim=2)]
-            vs = [t.contiguous() for t in _expand(kv[1], heads).split(n, dim=2)]
+            ks = _expand(kv[0], heads).split(n, dim=2)
+            vs = _expand(kv[1], heads).split(n, dim=2)
             for a, j, kind in pair_kinds(r, src, c, causal=causal, balanced=balanced):
                 out, lse = _block_forward(qc[a], ks[j], vs[j], kind, scale)
                 acc[a] = _merge(acc[a], out, lse)
@@ -173,14 +173,12 @@ class _RingAttention(torch.autograd.Function):
         group, causal, balanced, scale = ctx.group, ctx.causal, ctx.balanced, ctx.scale
         c, r = group.size, group.rank
         heads, kv_heads, n = q.shape[1], k.shape[1], q.shape[2] // 2
-        qc = [t.contiguous() for t in q.split(n, dim=2)]
-        dos = [t.contiguous() for t in grad_out.split(n, dim=2)]
-        outs = [t.contiguous() for t in out.split(n, dim=2)]
-        lses = [t.contiguous() for t in lse.split(n, dim=2)]
+        qc, dos = q.split(n, dim=2), grad_out.split(n, dim=2)
+        outs, lses = out.split(n, dim=2), lse.split(n, dim=2)
         dq = torch.zeros_like(q)
         dqc = dq.split(n, dim=2)
-        kv = torch.stack([k, v])
-        own: torch.Tensor | None = None
+        kv = [k, v]
+        own: list[torch.Tensor] = []
         incoming = None
         for step in range(c):
             nxt = None
@@ -188,8 +186,7 @@ class _RingAttention(torch.autograd.Function):
                 nxt = shift(kv, group, kind="cp_kv_bwd", what="pass keys/values (backward)")
             src = (r - step) % c
             ke, ve = _expand(kv[0], heads), _expand(kv[1], heads)
-            ks = [t.contiguous() for t in ke.split(n, dim=2)]
-            vs = [t.contiguous() for t in ve.split(n, dim=2)]
+            ks, vs = ke.split(n, dim=2), ve.split(n, dim=2)
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             dks, dvs = dk.split(n, dim=2), dv.split(n, dim=2)
             for a, j, kind in pair_kinds(r, src, c, causal=causal, balanced=balanced):
@@ -197,18 +194,19 @@ class _RingAttention(torch.autograd.Function):
                 dqc[a].add_(g[0])
                 dks[j].add_(g[1])
                 dvs[j].add_(g[2])
-            mine = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
+                del g
+            mine = [_fold(dk, kv_heads), _fold(dv, kv_heads)]
             if step == 0:
                 own = mine
             else:
                 if incoming is not None:
-                    mine = incoming.wait() + mine
+                    mine = [a + b for a, b in zip(incoming.wait(), mine, strict=True)]
                 incoming = shift(mine, group, kind="cp_dkv", what="pass dK/dV home")
+            del dk, dv, dks, dvs, mine
             if nxt is not None:
                 kv = nxt.wait()
-        assert own is not None
         if incoming is not None:
-            own = own + incoming.wait()
+            own = [a + b for a, b in zip(own, incoming.wait(), strict=True)]
         return dq, own[0], own[1], None, None, None, None
 
 
