@@ -37,62 +37,65 @@ from plait.comm.group import Group
 from plait.strategies.context.layout import chunks_of
 
 
-def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """``[b, h, s, d]`` (my tokens, all heads) -> ``[b, h/c, c*s, d]`` (my heads, the tokens
-    of rank 0, then rank 1, ...)."""
+def _seq_to_heads(x: torch.Tensor, group: Group, balanced: bool) -> torch.Tensor:
+    """``[b, h, s, d]`` (my tokens, all heads) -> ``[b, h/c, c*s, d]`` (my heads, every
+    rank's tokens put in sequence order: one all-to-all, one copy)."""
     c = group.size
     b, h, s, d = x.shape
     send = x.reshape(b, c, h // c, s, d).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * s, d)
+    n = s // 2
+    where = _where(c, balanced)  # global chunk -> (rank, slot)
+    return torch.cat([recv[i, :, :, j * n : (j + 1) * n] for i, j in where], dim=2)
 
 
-def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, group: Group, balanced: bool) -> torch.Tensor:
     """The inverse of :func:`_seq_to_heads`."""
     c = group.size
     b, hc, cs, d = x.shape
-    send = x.reshape(b, hc, c, cs // c, d).permute(2, 0, 1, 3, 4).contiguous()
+    n = cs // (2 * c)
+    send = x.new_empty(c, b, hc, 2, n, d)
+    for chunk, (i, j) in enumerate(_where(c, balanced)):
+        send[i, :, :, j].copy_(x[:, :, chunk * n : (chunk + 1) * n])
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(b, c * hc, cs // c, d)
+    return recv.transpose(0, 1).reshape(b, c * hc, 2 * n, d)
+
+
+def _where(c: int, balanced: bool) -> list[tuple[int, int]]:
+    """For each global chunk in sequence order, the (cp rank, slot 0|1) that holds it."""
+    where = {}
+    for rank in range(c):
+        for slot, chunk in enumerate(chunks_of(rank, c, balanced=balanced)):
+            where[chunk] = (rank, slot)
+    return [where[i] for i in range(2 * c)]
 
 
 class _SeqToHeads(torch.autograd.Function):
     """Forward: all-to-all sequence-split -> head-split; backward: the reverse."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _seq_to_heads(x.detach(), group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, balanced: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.balanced = group, balanced
+        return _seq_to_heads(x.detach(), group, balanced)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
+        return _heads_to_seq(grad, ctx.group, ctx.balanced), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     """Forward: all-to-all head-split -> sequence-split; backward: the reverse."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _heads_to_seq(x.detach(), group)
+    def forward(ctx: Any, x: torch.Tensor, group: Group, balanced: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.balanced = group, balanced
+        return _heads_to_seq(x.detach(), group, balanced)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
-
-
-def _order(c: int, n: int, balanced: bool, device: torch.device) -> torch.Tensor:
-    """Index into the rank-by-rank token order that gives sequence order (chunks of n)."""
-    where = {}
-    for rank in range(c):
-        for slot, chunk in enumerate(chunks_of(rank, c, balanced=balanced)):
-            where[chunk] = 2 * rank + slot
-    return torch.cat(
-        [torch.arange(where[i] * n, (where[i] + 1) * n, device=device) for i in range(2 * c)]
-    )
+        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.balanced), None, None
 
 
 def ulysses_attention(
@@ -136,12 +139,9 @@ def ulysses_attention(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=s, enable_gqa=k.shape[1] != heads
         )
-    order = _order(c, q.shape[2] // 2, balanced, q.device)
-    qh, kh, vh = (_SeqToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))
+    qh, kh, vh = (_SeqToHeads.apply(t, group, balanced) for t in (q, k, v))
     y = F.scaled_dot_product_attention(
         qh, kh, vh, is_causal=causal, scale=s, enable_gqa=kh.shape[1] != qh.shape[1]
     )
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    out: torch.Tensor = _HeadsToSeq.apply(y.index_select(2, back), group)
+    out: torch.Tensor = _HeadsToSeq.apply(y, group, balanced)
     return out
