@@ -195,6 +195,20 @@ def refusals() -> dict[str, str]:
     odd = GPT(GPTConfig(vocab=23, layers=1, heads=3, width=15, seq_len=SEQ, dtype=torch.float64))
     llama = _llama()
     plait.prepare(llama, opt(llama), strategy="cp", mesh=mesh, context="ring")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=23,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+        )
+    )
+    plait.prepare(mistral, None, strategy="cp", mesh=mesh, context="ring")
     ids = torch.zeros(1, SEQ // 2, dtype=torch.int64)
     pos = torch.arange(SEQ // 2).unsqueeze(0)
     cases: dict[str, Any] = {
@@ -214,6 +228,7 @@ def refusals() -> dict[str, str]:
             position_ids=pos,
             attention_mask=torch.tensor([[0] + [1] * (SEQ // 2 - 1)]),
         ),
+        "sliding_window": lambda: mistral(input_ids=ids, position_ids=pos),
         "odd_tokens": lambda: ring_attention(
             *[torch.zeros(1, 2, 3, 4, dtype=torch.float64)] * 3, group=mesh.group("cp")
         ),

@@ -109,4 +109,5 @@ def test_bad_input_is_refused_by_name(ranks):
         assert "'cp' dimension" in got["no_cp"]
         assert "needs position_ids" in got["hf_positions"]
         assert "padding attention_mask" in got["hf_padding"]
+        assert "sliding_window=4" in got["sliding_window"]
         assert "holds 3 tokens, not two equal chunks" in got["odd_tokens"]

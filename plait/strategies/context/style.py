@@ -157,6 +157,13 @@ def _hf_attention(
             f"{WHO}: attention dropout {dropout} in {type(module).__name__}; the "
             f"{info.context} kernel has none: set attention_dropout=0"
         )
+    for option in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(option) is not None:
+            raise ValueError(
+                f"{WHO}: {type(module).__name__} asks for {option}={kwargs[option]!r}; the "
+                f"{info.context} kernel computes plain causal attention only: use a model "
+                f"without {option} (or config.{option}=None)"
+            )
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     out = info.attend(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
