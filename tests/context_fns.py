@@ -236,3 +236,31 @@ def refusals() -> dict[str, str]:
     for name, fn in cases.items():
         catch(name, fn)
     return out
+
+
+def gpt_cp_tp(context: str) -> dict[str, Any]:
+    """Mesh(tp=2, cp=2): the GPT tensor-parallel over tp (vocab-parallel loss), its attention
+    on each rank's heads context-parallel over cp; STEPS Adam steps."""
+    from plait import checkpoint
+    from plait.strategies.tensor import loss_fn
+
+    mesh = plait.Mesh(tp=2, cp=2)
+    model = _gpt()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    runner, opt = plait.prepare(model, opt, strategy="cp", mesh=mesh, context=context)
+    assert opt is not None
+    loss_of = loss_fn(model)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        ids, targets = _tokens(step, 23)
+        ids, _ = shard_sequence(ids, mesh)
+        targets, _ = shard_sequence(targets, mesh)
+        opt.zero_grad()
+        loss = loss_of(runner(ids), targets)
+        loss.backward()
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, "avg", group=mesh.group("cp"))
+        losses.append(float(mean))
+        opt.step()
+    state = checkpoint.full_state_dict(model)
+    return {"losses": losses, "grads": grads, "state": {k: v.clone() for k, v in state.items()}}

@@ -46,6 +46,7 @@ from plait.strategies.context.layout import WHO, cp_group, positions
 from plait.strategies.context.ring_attention import ring_attention
 from plait.strategies.context.ulysses import ulysses_attention
 from plait.strategies.data_parallel.naive import NaiveDataParallel
+from plait.strategies.tensor.parallelize import prepare_tp
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention,
@@ -265,12 +266,14 @@ def context_parallel(
     if pos_name is not None and pos_name not in modules:
         raise ValueError(f"{WHO}: positions={pos_name!r} is not a module of {type(model).__name__}")
     info = ContextParallelInfo(group, context, balanced, found, pos_name)
+    tp = mesh.size("tp") if "tp" in getattr(mesh, "names", ()) else 1
     heads = [getattr(modules[n], "heads", None) for n in found]
     for name, h in zip(found, heads, strict=True):
-        if context == "ulysses" and isinstance(h, int) and h % group.size:
+        if context == "ulysses" and isinstance(h, int) and (h // tp) % group.size:
+            held = f"{h} attention heads" + (f" ({h // tp} per tp rank)" if tp > 1 else "")
             raise ValueError(
-                f"{WHO}: {name!r} has {h} attention heads, not divisible by cp={group.size}: "
-                f"Ulysses splits heads; use context='ring' or a cp dividing {h}"
+                f"{WHO}: {name!r} has {held}, not divisible by cp={group.size}: "
+                f"Ulysses splits heads; use context='ring' or a cp dividing {h // tp}"
             )
     for name in found:
         m = modules[name]
@@ -283,15 +286,16 @@ def context_parallel(
 
 
 def _gradient_group(mesh: Any) -> Group:
-    """The ranks whose gradients are averaged: cp, or cp x dp (refusing other dimensions)."""
+    """The ranks whose gradients are averaged: cp, or cp x dp (a tp dimension keeps its own
+    reductions; other dimensions are refused)."""
     if isinstance(mesh, Group):
         return mesh
     names = tuple(mesh.names)
-    other = set(names) - {"cp", "dp"}
+    other = set(names) - {"cp", "dp", "tp"}
     if other:
         raise ValueError(
             f"{WHO}: mesh {mesh!r} has dimensions {sorted(other)}; strategy 'cp' composes with "
-            f"'dp' only so far: use Mesh(cp=..., dp=...)"
+            f"'dp' and 'tp' only so far: use Mesh(tp=..., cp=..., dp=...)"
         )
     if "dp" not in names or mesh.size("dp") == 1:
         group: Group = mesh.group("cp")
@@ -309,16 +313,34 @@ def prepare_cp(
     context: str = "ring",
     balanced: bool = True,
     positions: str | bool | None = None,
+    plan: Any = None,
+    sequence_parallel: bool = False,
     algorithm: str = "auto",
     check_finite: str | None = "raise",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """``plait.prepare(strategy="cp")``: :func:`context_parallel`, then gradients averaged
-    over the cp x dp ranks (:class:`~plait.strategies.NaiveDataParallel` on the flattened
-    group; parameters broadcast from its rank 0 at wrap). Collective over the mesh.
-    Returns the wrapper (call it as the model) and the caller's optimizer."""
+    """``plait.prepare(strategy="cp")``: with a ``tp`` dimension, first tensor parallelism
+    over it (:func:`~plait.strategies.tensor.prepare_tp` with ``plan=`` and
+    ``sequence_parallel=``: its collectives on the tp group, the optimizer rebuilt over the
+    shards; attention then runs on this rank's heads); then :func:`context_parallel`; then
+    gradients averaged over the cp x dp ranks that hold the same shards
+    (:class:`~plait.strategies.NaiveDataParallel` on the flattened cp+dp group: one
+    all-reduce (average) at the end of backward; parameters broadcast from its rank 0 at
+    wrap). Collective over the mesh. Returns the wrapper (call it as the model; with tp the
+    loss is :func:`plait.strategies.tensor.loss_fn`'s) and the optimizer."""
     if not isinstance(mesh, Group) and "cp" not in getattr(mesh, "names", ()):
         raise ValueError(f"{WHO}: strategy 'cp' needs a mesh with a 'cp' dimension, got {mesh!r}")
     group = _gradient_group(mesh)
+    if not isinstance(mesh, Group) and "tp" in mesh.names and mesh.size("tp") > 1:
+        model, optimizer = prepare_tp(
+            model,
+            optimizer,
+            mesh=mesh,
+            plan=plan,
+            sequence_parallel=sequence_parallel,
+            algorithm=algorithm,
+        )
+    elif plan is not None or sequence_parallel:
+        raise ValueError(f"{WHO}: plan= and sequence_parallel= need a 'tp' dimension in the mesh")
     context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
     wrapped = NaiveDataParallel(model, group=group, algorithm=algorithm, check_finite=check_finite)
     return wrapped, optimizer
