@@ -10,7 +10,8 @@ attention itself.
   back;
 - ``style``: :func:`context_parallel` / :func:`prepare_cp`, a model's attention kernel
   swapped (plait's GPT, any model calling ``scaled_dot_product_attention``, Hugging Face
-  models through their attention registry), gradients averaged over cp x dp.
+  models through their attention registry), composed with tp (first) and gradients
+  averaged over cp x dp.
 """
 
 from plait.strategies.context.layout import (
@@ -21,12 +22,16 @@ from plait.strategies.context.layout import (
     shard_sequence,
 )
 from plait.strategies.context.ring_attention import ring_attention
+from plait.strategies.context.style import ContextParallelInfo, context_parallel, prepare_cp
 from plait.strategies.context.ulysses import ulysses_attention
 
 __all__ = [
+    "ContextParallelInfo",
     "chunks_of",
+    "context_parallel",
     "imbalance",
     "positions",
+    "prepare_cp",
     "ring_attention",
     "ring_work",
     "shard_sequence",
