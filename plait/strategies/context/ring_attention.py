@@ -200,13 +200,13 @@ class _RingAttention(torch.autograd.Function):
                 own = mine
             else:
                 if incoming is not None:
-                    mine = [a + b for a, b in zip(incoming.wait(), mine, strict=True)]
+                    mine = [a.add_(b) for a, b in zip(incoming.wait(), mine, strict=True)]
                 incoming = shift(mine, group, kind="cp_dkv", what="pass dK/dV home")
             del dk, dv, dks, dvs, mine
             if nxt is not None:
                 kv = nxt.wait()
-        if incoming is not None:
-            own = [a + b for a, b in zip(own, incoming.wait(), strict=True)]
+        if incoming is not None:  # the received buffers are this rank's: add in place
+            own = [b.add_(a) for a, b in zip(own, incoming.wait(), strict=True)]
         return dq, own[0], own[1], None, None, None, None
 
 
