@@ -1,23 +1,33 @@
 # The two set-up commands of the README. Each creates .venv and installs what is missing.
+# `make docs` serves the documentation; `make test` builds it strictly first (docs-check).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test docs docs-check bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
+	$(BIN)/python -m pip install --quiet -e '.[test,demo,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/plait demo --tour
 
-test: $(STAMP)
+test: docs-check
 	$(BIN)/python -m pytest -q
+
+# The docs (docs/, mkdocs.yml): a broken link, a missing page or a renamed symbol in the
+# API reference fails the strict build, and with it `make test` (CI runs `make test`).
+docs-check: $(STAMP)
+	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$d; \
+		rc=$$?; rm -rf $$d; exit $$rc
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/comm.py
@@ -27,4 +37,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis site

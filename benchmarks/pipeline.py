@@ -55,6 +55,7 @@ import plait
 from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import loss as gpt_loss
+from plait.models.gpt import pipeline_plan
 from plait.strategies.pipeline import (
     Costs,
     PipelineParallel,
@@ -98,7 +99,15 @@ def _batch(step: int, cfg: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.T
 
 
 def _plait(cfg: GPTConfig, name: str, group: Any, m: int, tracer: Tracer) -> Any:
-    pipe = PipelineParallel(GPT(cfg), group=group, schedule=name, microbatches=m, tracer=tracer)
+    model = GPT(cfg)
+    pipe = PipelineParallel(
+        model,
+        group=group,
+        schedule=name,
+        microbatches=m,
+        plan=pipeline_plan(model),
+        tracer=tracer,
+    )
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -115,7 +124,8 @@ def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> 
 
     v = 2 if name in ("interleaved", *V_SHAPED) else 1
     placement = v_placement(p) if name in V_SHAPED else loop_placement(p, v)
-    layers = layers_of(GPT(cfg))
+    gpt = GPT(cfg)
+    layers = layers_of(gpt, pipeline_plan(gpt))
     part = partition(layers, p * v)
     mb = batch // m
     ids = torch.zeros(mb, cfg.seq_len, dtype=torch.long)

@@ -103,6 +103,7 @@ def measure(kind: str) -> float:
     """On every rank: build ``kind``, run steps; the median of the slowest rank's steps."""
     import plait
     from plait.models import GPT
+    from plait.models.gpt import pipeline_plan
     from plait.strategies.compose import compose
     from plait.strategies.pipeline import PipelineParallel
     from plait.strategies.tensor import loss_fn
@@ -120,7 +121,12 @@ def measure(kind: str) -> float:
             loss(net(x), y).backward()
 
     elif kind == "plait pp2":
-        pipe = PipelineParallel(model, group=plait.Mesh(pp=2).group("pp"), microbatches=M)
+        pipe = PipelineParallel(
+            model,
+            group=plait.Mesh(pp=2).group("pp"),
+            microbatches=M,
+            plan=pipeline_plan(model),
+        )
         opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
 
         def step() -> None:

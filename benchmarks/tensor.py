@@ -76,9 +76,7 @@ def _batch(step: int, cfg: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.T
 
 def _plait(cfg: GPTConfig, sp: bool, algorithm: str) -> tuple[Any, Any, Any, Any]:
     mesh = plait.Mesh(tp=plait.world().size)
-    model = parallelize(
-        GPT(cfg), mesh, tp_plan(layers=cfg.layers, sequence_parallel=sp), algorithm=algorithm
-    )
+    model = parallelize(GPT(cfg), mesh, tp_plan(cfg, sequence_parallel=sp), algorithm=algorithm)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss = loss_fn(model)
 

@@ -73,7 +73,7 @@ def _batch(step: int, cfg: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.T
 def _build(mode: str, cfg: GPTConfig, algorithm: str) -> tuple[Any, Any]:
     n = plait.world().size
     if mode == "1d":
-        mesh, plan = plait.Mesh(tp=n), tp_plan(layers=cfg.layers)
+        mesh, plan = plait.Mesh(tp=n), tp_plan(cfg)
     else:
         mesh = grid_mesh(mode, n, depth=2 if mode == "2.5d" else None)
         plan = gpt_plan(mode, layers=cfg.layers)

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.cli_args import NONNEGATIVE, POSITIVE, real, whole
+
 # --- plait run ----------------------------------------------------------------------------
 RUN_HELP = """Launch a script on N ranks. Locally, plait run hosts a fresh store per attempt and
 starts the ranks itself; with --nnodes > 1 or --master-addr it hands over to torchrun.
@@ -46,9 +48,24 @@ plait run -n 4 --min-nproc 2 --max-restarts 2 train.py
 """
 
 
+def _heartbeat_timeout(text: str) -> float:
+    """``--heartbeat-timeout``: the same range as ``PLAIT_HEARTBEAT_TIMEOUT`` (>= 1 s; 0
+    would declare every healthy rank frozen at its first look)."""
+    from plait.comm.watchdog import parse_heartbeat_timeout
+
+    try:
+        return parse_heartbeat_timeout(text, "--heartbeat-timeout")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        print(f"plait run: -n must be at least 1, got {args.nproc}", file=sys.stderr)
+    from plait.launch.job import check_nproc
+
+    try:
+        check_nproc(args.nproc, nodes=args.nnodes)
+    except ValueError as exc:
+        print(f"plait run: {exc}", file=sys.stderr)
         return 2
     if not Path(args.script).exists():
         print(f"plait run: no such script: {args.script}", file=sys.stderr)
@@ -384,29 +401,37 @@ def main(argv: list[str] | None = None) -> int:
         description=RUN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("-n", "--nproc", type=int, required=True, help="ranks on this machine")
-    run.add_argument("--nnodes", type=int, default=1, help="machines (hands over to torchrun)")
-    run.add_argument("--node-rank", type=int, default=0)
+    run.add_argument("-n", "--nproc", type=POSITIVE, required=True, help="ranks on this machine")
+    run.add_argument("--nnodes", type=POSITIVE, default=1, help="machines (hands over to torchrun)")
+    run.add_argument("--node-rank", type=NONNEGATIVE, default=0)
     run.add_argument("--master-addr", default=None)
     run.add_argument(
-        "--master-port", type=int, default=None, help="store port (local: a free one; else 29500)"
+        "--master-port",
+        type=whole(1, 65535),
+        default=None,
+        help="store port (local: a free one; else 29500)",
     )
     run.add_argument("--local-addr", default=None, help="this node's address (torchrun)")
-    run.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     run.add_argument(
-        "--max-restarts", type=int, default=0, help="restart every rank after a failure, k times"
+        "--timeout", type=real(0, above=True), default=None, help="stop after this many seconds"
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=NONNEGATIVE,
+        default=0,
+        help="restart every rank after a failure, k times",
     )
     run.add_argument(
         "--min-nproc",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="elastic: after a failure restart with one rank fewer, never below this "
         "(needs --max-restarts; default -n: same size)",
     )
-    run.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
+    run.add_argument("--grace", type=real(0), default=5.0, help="SIGTERM to SIGKILL, seconds")
     run.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=_heartbeat_timeout,
         default=None,
         help="a rank silent this long is frozen (default PLAIT_HEARTBEAT_TIMEOUT or 5)",
     )
@@ -492,20 +517,20 @@ def main(argv: list[str] | None = None) -> int:
     bench_p = sub.add_parser("bench", help="measure")
     bench_sub = bench_p.add_subparsers(dest="what", required=True)
     comm_p = bench_sub.add_parser("comm", help="collectives, nccl-tests style")
-    comm_p.add_argument("-n", "--nproc", type=int, default=4)
+    comm_p.add_argument("-n", "--nproc", type=POSITIVE, default=4)
     comm_p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather,broadcast")
     comm_p.add_argument("--algorithms", default=None, help="comma-separated (default: all)")
     comm_p.add_argument("--min-size", default="4K")
     comm_p.add_argument("--max-size", default="16M")
-    comm_p.add_argument("--iters", type=int, default=20, help="at most this many timed calls")
+    comm_p.add_argument("--iters", type=POSITIVE, default=20, help="at most this many timed calls")
     comm_p.add_argument("--json", default=None, help="default runs/bench_comm_n<N>.json")
     comm_p.add_argument("--tune", action="store_true", help="write the table auto reads")
     comm_p.add_argument("--tune-file", default=None)
     comm_p.set_defaults(func=_bench_comm)
     cal_p = bench_sub.add_parser("calibrate", help="this machine's constants for plait plan (cpu)")
-    cal_p.add_argument("-n", "--nproc", type=int, default=4)
+    cal_p.add_argument("-n", "--nproc", type=POSITIVE, default=4)
     cal_p.add_argument("--json", default=None, help="default runs/plan_calibration_n<N>.json")
-    cal_p.add_argument("--iters", type=int, default=8)
+    cal_p.add_argument("--iters", type=POSITIVE, default=8)
     cal_p.set_defaults(func=_bench_calibrate)
 
     plan_p = sub.add_parser("plan", help="plan before running")
@@ -516,13 +541,15 @@ def main(argv: list[str] | None = None) -> int:
     tensor_p = plan_sub.add_parser(
         "tensor", help="bytes and memory per rank of 1D, 2D, 2.5D and 3D tensor parallelism"
     )
-    tensor_p.add_argument("-n", "--nproc", type=int, required=True, help="tensor-parallel ranks")
-    tensor_p.add_argument("--tokens", type=int, required=True, help="tokens per step (b s)")
-    tensor_p.add_argument("--width", type=int, required=True)
-    tensor_p.add_argument("--layers", type=int, required=True)
-    tensor_p.add_argument("--vocab", type=int, required=True)
-    tensor_p.add_argument("--depth", type=int, default=2, help="2.5d depth (default 2)")
-    tensor_p.add_argument("--bytes", type=int, default=4, help="bytes per element (default 4)")
+    tensor_p.add_argument(
+        "-n", "--nproc", type=POSITIVE, required=True, help="tensor-parallel ranks"
+    )
+    tensor_p.add_argument("--tokens", type=POSITIVE, required=True, help="tokens per step (b s)")
+    tensor_p.add_argument("--width", type=POSITIVE, required=True)
+    tensor_p.add_argument("--layers", type=POSITIVE, required=True)
+    tensor_p.add_argument("--vocab", type=POSITIVE, required=True)
+    tensor_p.add_argument("--depth", type=POSITIVE, default=2, help="2.5d depth (default 2)")
+    tensor_p.add_argument("--bytes", type=POSITIVE, default=4, help="bytes per element (default 4)")
     tensor_p.set_defaults(func=_plan_tensor)
 
     doctor_p = sub.add_parser(

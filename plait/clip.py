@@ -101,5 +101,6 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+            grad = placement_mod.plain(p.grad).detach()
+            grad.mul_(coef.to(grad.dtype))
     return total

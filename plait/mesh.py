@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from plait import runtime
+from plait.comm import progress
 from plait.comm.group import Group
 
 # Innermost (fastest-varying) first: PTD-P's rule, tp adjacent and pp furthest apart.
@@ -183,6 +184,58 @@ def layout(
     return Layout(tuple(names), tuple(sizes[n] for n in names), members)
 
 
+def fingerprint(lay: Layout) -> str:
+    """What every rank must agree on before a mesh creates its groups: dimension names
+    and sizes (outermost first) and the ranks it covers, in order."""
+    dims = ", ".join(f"{n}={v}" for n, v in zip(lay.names, lay.sizes, strict=True))
+    return f"Mesh({dims}) over ranks {list(lay.ranks)}"
+
+
+def agree_on_mesh(mine: str, timeout: float | None) -> None:
+    """Compare this rank's mesh with every world rank's through the rendezvous store,
+    before any group is created; raise ``ValueError`` on every rank naming each distinct
+    mesh and the ranks that built it.
+
+    Collective over the world: the k-th mesh (or flattened submesh) each rank builds is
+    compared with the k-th of every other rank. One store round (a ``set`` and a ``wait``
+    of ``world`` keys); it blocks at most ``timeout`` (default: the world's), then raises
+    naming the ranks that built no mesh. Without it, ranks that disagree wait in process
+    group creation until the collective timeout, and the store's error names no mesh.
+    """
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    w = runtime.world()
+    if w.size == 1:
+        return
+    store = distributed_c10d._get_default_store()
+    # under torchrun the store outlives an attempt: a restart counts its meshes afresh
+    base = f"{progress.attempt_namespace()}/plait/mesh"
+    gen = (int(store.add(f"{base}/built", 1)) - 1) // w.size
+    keys = [f"{base}/{gen}/{r}" for r in range(w.size)]
+    store.set(keys[w.global_rank], mine)
+    seconds = w.timeout if timeout is None else timeout
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception as exc:
+        late = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"rank {w.global_rank} built {mine} (mesh number {gen} of this job) and waited "
+            f"{seconds:g}s for ranks {late} to build theirs: every rank of the world must "
+            f"build the same meshes in the same order ({exc})"
+        ) from exc
+    built: dict[str, list[int]] = {}
+    for r, k in enumerate(keys):
+        built.setdefault(store.get(k).decode(), []).append(r)
+    if len(built) > 1:
+        text = "; ".join(f"ranks {rs} built {m}" for m, rs in built.items())
+        raise ValueError(
+            f"the ranks disagree on mesh number {gen} of this job ({text}); every rank of "
+            f"the world must build the same mesh, in the same order (no group was created)"
+        )
+
+
 class Mesh:
     """The world (or ``ranks`` of it) as a grid of named dimensions with a group per line.
 
@@ -206,7 +259,15 @@ class Mesh:
     ) -> None:
         w = runtime.world()
         members = list(range(w.size)) if ranks is None else list(ranks)
-        self.layout = layout(len(members), dims, order=order, ranks=members)
+        text = ", ".join(f"{n}={v}" for n, v in dims.items())
+        asked = f"Mesh({text}, order={list(order) if order else None}, ranks={members})"
+        try:
+            self.layout = layout(len(members), dims, order=order, ranks=members)
+        except ValueError as exc:
+            agree_on_mesh(f"{asked}: refused ({exc})", timeout)
+            raise
+        self._print = fingerprint(self.layout)
+        agree_on_mesh(self._print, timeout)
         self.global_rank = w.global_rank
         self._timeout = timeout
         self._id = next(_mesh_ids)
@@ -267,6 +328,9 @@ class Mesh:
             self.layout.size(d)  # raises naming the dimension
         order = [d for d in self.names if d in dims]
         flat = tuple(order)
+        if len(flat) > 1:
+            # the root mesh's fingerprint: a submesh's own layout differs across ranks
+            agree_on_mesh(f"{self._print}.submesh{flat}", self._timeout)
         group = self._create(flat) if len(flat) > 1 else self._groups[flat]
         sub = object.__new__(Mesh)
         members = self.layout.group_of(self.global_rank, *order)
@@ -274,6 +338,7 @@ class Mesh:
         sub.global_rank = self.global_rank
         sub._timeout = self._timeout
         sub._id = self._id
+        sub._print = self._print
         sub._groups = {(d,): self._groups[(d,)] for d in flat}
         sub._groups[flat] = group
         return sub

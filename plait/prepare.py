@@ -12,9 +12,14 @@ Strategies: ``"ddp"`` (:class:`~plait.strategies.DistributedDataParallel`), ``"n
 (:class:`~plait.strategies.ps.ParameterServer`: on server ranks ``prepare`` serves until
 the workers finish and returns ``(model, None)``; workers call ``optimizer.finish()``
 after their last step), ``"tp"`` (:func:`~plait.strategies.tensor.parallelize` with
-``mesh=`` and ``plan=``; a new optimizer over the shards), ``"ep"``
+``mesh=`` and ``plan=``, by default the plan of the model's family from
+:func:`plait.models.plans.plan_for` (plait's GPT, Hugging Face Llama / Mistral / Qwen2 /
+Qwen3 / GPT-2, torchtitan's Llama 3), ``sequence_parallel=``, ``check_finite=``; a new
+optimizer over the shards with the same parameter groups), ``"ep"``
 (:func:`~plait.strategies.moe.prepare_ep` with ``mesh=Mesh(ep=..., dp=...)``: each rank keeps
-its experts, a new optimizer over what it keeps), ``"pipeline"``
+its experts, plait's own MoE layers or the model's own blocks through its family's MoE plan
+(Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE) or ``plan=``; a new optimizer over what it
+keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
@@ -36,14 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
 from plait.strategies.context.style import prepare_cp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
-from plait.strategies.moe import prepare_ep
+from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
-from plait.strategies.tensor import prepare_tp
+from plait.strategies.tensor import prepare_tp as _prepare_tp
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -140,6 +146,45 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
     return wrap
 
 
+def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """Tensor parallelism with the plan of the model's family when none is given."""
+    if options.get("plan") is None:
+        mode = options.get("mode", "1d")
+        extra: dict[str, Any] = {"mode": mode} if mode != "1d" else {}
+        if mode == "1d" and options.pop("sequence_parallel", False):
+            extra["sequence_parallel"] = True
+        options["plan"] = plan_for(model, "tp", **extra)
+    elif options.get("sequence_parallel"):
+        raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")
+    return _prepare_tp(model, optimizer, **options)
+
+
+def _ep(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """Expert parallelism: plait's own MoE layers need no plan; a model with its own MoE
+    blocks (Mixtral, Qwen-MoE) gets its family's MoE-block plan unless ``plan=`` is given."""
+    if "plan" not in options and not moe_layers(model):
+        plan = plan_for(model, "moe")
+        if plan is None:
+            raise ValueError(
+                f"strategy 'ep': {type(model).__name__} has no plait.moe.MoE layer and no "
+                f"known MoE plan; pass plan=plait.moe.MoEPlan(experts=('MyExperts',), "
+                f"stacked=('w1', 'w2'), run_expert=lambda box, e, x: ..., routers=...) "
+                f"describing its sparse blocks"
+            )
+        options["plan"] = plan
+    return prepare_ep(model, optimizer, **options)
+
+
+def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """The model's pipeline plan (its family's, from :func:`plait.models.plans.plan_for`)
+    unless ``plan=`` is given; an ``nn.Sequential`` or a list of stages needs none."""
+    if "plan" not in options and isinstance(model, nn.Module):
+        plan = plan_for(model, "pipeline")
+        if plan is not None:
+            options["plan"] = plan
+    return prepare_pipeline(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -171,9 +216,9 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "zero3": _fsdp("zero3"),
     "fsdp": _fsdp("fsdp"),
     "ps": _ps,
-    "tp": prepare_tp,
-    "ep": prepare_ep,
-    "pipeline": prepare_pipeline,
+    "tp": _tp,
+    "ep": _ep,
+    "pipeline": _pipeline,
     "ptdp": prepare_ptdp,
     "cp": _cp,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -27,3 +28,17 @@ def two_meshes() -> dict[str, Any]:
     out["flat"] = (list(sub.group("dp", "tp").ranks), float(t))
     out["text"] = str(a)
     return out
+
+
+def another_mesh_on_rank(odd: int) -> tuple[str, float]:
+    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2); the error
+    and the seconds until it was raised."""
+    start = time.monotonic()
+    try:
+        if plait.world().rank == odd:
+            plait.Mesh(pp=4)
+        else:
+            plait.Mesh(pp=2, tp=2)
+    except ValueError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start

@@ -4,6 +4,7 @@ against the one-process oracle on the global batch, routing proofs and byte coun
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -239,6 +240,64 @@ def gpt_oracle(size: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     return model.state_dict(), loads
 
 
+# --- gradient accumulation: 2 micro-steps of 2 sequences per rank, clipping active -----------
+ACC, MICRO, MAX_NORM = 2, 2, 0.2
+
+
+def _micro(step: int, slices: int, b: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``m`` of batch slice ``b`` of ``step``'s global batch."""
+    x, y = gpt_batch(step, slices * ACC * MICRO)
+    rows = slice((b * ACC + m) * MICRO, (b * ACC + m + 1) * MICRO)
+    return x[rows], y[rows]
+
+
+def _acc_steps(model: nn.Module, opt: torch.optim.Optimizer, micro: Any) -> list[float]:
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in range(ACC):
+            x, y = micro(step, m)
+            (F.cross_entropy(model(x).reshape(-1, 13), y.reshape(-1)) / ACC).backward()
+        norms.append(float(plait.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    return norms
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def gpt_acc_oracle(slices: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, 2 accumulation micro-steps; micro-batch m is the m-th micro-batch of
+    every batch slice, in slice order (what the expert-parallel ranks see together)."""
+    model = GPT(gpt_config())
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2)
+
+    def micro(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [_micro(step, slices, b, m) for b in range(slices)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    norms = _acc_steps(model, opt, micro)
+    return model.state_dict(), norms
+
+
+def gpt_ep_acc(dp: int) -> dict[str, Any]:
+    """The MoE GPT under strategy 'ep', 2 accumulation micro-steps, two AdamW groups."""
+    w = plait.world().size
+    mesh = plait.Mesh(ep=w // dp, dp=dp) if dp > 1 else plait.Mesh(ep=w)
+    model = GPT(gpt_config())
+    model, opt = plait.prepare(
+        model, torch.optim.AdamW(_groups(model), lr=1e-2), strategy="ep", mesh=mesh
+    )
+    assert opt is not None
+    b = model.plait_expert_parallel.batch_rank  # type: ignore[union-attr]
+    norms = _acc_steps(model, opt, lambda step, m: _micro(step, w, b, m))
+    return {"state": copy.deepcopy(model.state_dict()), "norms": norms}
+
+
 def gpt_ep(dp: int) -> dict[str, Any]:
     """Mesh(ep=world/dp, dp=dp), plait.prepare(strategy='ep'), STEPS Adam steps."""
     w = plait.world().size
@@ -277,3 +336,71 @@ def refusals() -> dict[str, str]:
         else:
             out[name] = "NOT REFUSED"
     return out
+
+
+def nonfinite(policy: str) -> dict[str, Any]:
+    """Rank 1's own gradient of one dense parameter turns NaN in the second backward: every
+    rank raises naming rank 1 and the parameter ('raise'), or skips the step ('skip')."""
+    w = plait.world().size
+    model = GPT(gpt_config())
+    model, opt = plait.prepare(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        strategy="ep",
+        mesh=plait.Mesh(ep=w),
+        check_finite=policy,
+    )
+    assert opt is not None
+    b = model.plait_expert_parallel.batch_rank  # type: ignore[union-attr]
+    out: dict[str, Any] = {"error": None}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(2):
+        x, y = _micro(step, w, b, 0)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).reshape(-1, 13), y.reshape(-1))
+        if step == 1 and plait.world().rank == 1:
+            model.blocks[1].ln1.weight.register_hook(lambda g: g * float("nan"))
+        if step == 1:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            loss.backward()
+        except FloatingPointError as exc:
+            out["error"] = str(exc)
+            return out
+        opt.step()
+    out["unchanged"] = all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items() if v.is_floating_point()
+    )
+    return out
+
+
+def gather_uneven() -> dict[str, Any]:
+    """plait.strategies.moe.stacked.gather_rows with r + 1 rows on rank r: every rank gets
+    every rank's rows in rank order; the gradient of each copy comes home and adds up."""
+    from plait.strategies.moe.stacked import gather_rows
+
+    g = comm.world()
+    rows = [torch.full((r + 1, 3), float(r), dtype=torch.float64) for r in range(g.size)]
+    x = rows[g.rank].clone().requires_grad_(True)
+    out = gather_rows(x, g)
+    weight = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)
+    (out * weight).sum().backward()
+    start = sum(r + 1 for r in range(g.rank))
+    assert x.grad is not None
+    return {
+        "equal": torch.equal(out, torch.cat(rows)),
+        "grad": torch.equal(x.grad, g.size * weight[start : start + g.rank + 1]),
+    }
+
+
+def structure_mismatch() -> str:
+    """Rank 1 built a wider model: strategy 'ep' refuses on every rank before any slicing."""
+    config = gpt_config()
+    if plait.world().rank == 1:
+        config = dataclasses.replace(config, width=24)
+    model = GPT(config)
+    try:
+        plait.prepare(model, strategy="ep", mesh=plait.Mesh(ep=plait.world().size))
+    except ValueError as exc:
+        return str(exc)
+    return "NOT REFUSED"

@@ -12,6 +12,7 @@ import plait
 from plait import comm
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import loss as gpt_loss
+from plait.models.gpt import pipeline_plan
 from plait.strategies.pipeline import PipelineParallel
 from plait.trace import Tracer
 
@@ -102,7 +103,15 @@ def traced(schedule: str, m: int, layers: int, steps: int) -> dict[str, Any]:
     cfg = config(False, layers)
     mesh = plait.Mesh(pp=plait.world().size)
     tracer = Tracer(rank=plait.world().rank)
-    pipe = PipelineParallel(GPT(cfg), group=mesh, schedule=schedule, microbatches=m, tracer=tracer)
+    model = GPT(cfg)
+    pipe = PipelineParallel(
+        model,
+        group=mesh,
+        schedule=schedule,
+        microbatches=m,
+        plan=pipeline_plan(model),
+        tracer=tracer,
+    )
     for step in range(steps):
         tracer.clear()
         x, y = batch(step, cfg, 2 * m)
@@ -153,23 +162,25 @@ def refusals() -> dict[str, str]:
     mesh = plait.Mesh(pp=plait.world().size)
     cfg = config(False, 2)
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    gpt = GPT(cfg)
+    plan = pipeline_plan(gpt)
 
     def batch_split() -> None:
-        pipe = PipelineParallel(GPT(cfg), group=mesh, schedule="1f1b", microbatches=3)
+        pipe = PipelineParallel(gpt, group=mesh, schedule="1f1b", microbatches=3, plan=plan)
         pipe.step(*batch(0, cfg, 4))
 
     cases: dict[str, Any] = {
         "interleaved": lambda: PipelineParallel(
-            GPT(cfg), group=mesh, schedule="interleaved", microbatches=3
+            gpt, group=mesh, schedule="interleaved", microbatches=3, plan=plan
         ),
         "zbv_chunks": lambda: PipelineParallel(
-            GPT(cfg), group=mesh, schedule="zbv", microbatches=4, chunks=3
+            gpt, group=mesh, schedule="zbv", microbatches=4, chunks=3, plan=plan
         ),
         "too_many_stages": lambda: PipelineParallel(
             seq, group=mesh, schedule="zbv", microbatches=4, loss_fn=torch.nn.MSELoss()
         ),
         "no_loss": lambda: PipelineParallel(seq, group=mesh, microbatches=2),
-        "no_m": lambda: PipelineParallel(GPT(cfg), group=mesh),
+        "no_m": lambda: PipelineParallel(gpt, group=mesh, plan=plan),
         "batch": batch_split,
         "stage_list": lambda: PipelineParallel(
             [torch.nn.Linear(2, 2)] * 3, group=mesh, microbatches=2, loss_fn=torch.nn.MSELoss()

@@ -16,6 +16,7 @@ def layer_bytes(sequence_parallel: bool) -> dict[str, int]:
     """Forward + backward of one GPT block on the ring; bytes this rank sent per collective."""
     mesh = plait.Mesh(tp=plait.world().size)
     g = mesh.group("tp")
+    torch.manual_seed(0)  # the same dense block on every rank (checked when it is split)
     block = Block(GPTConfig(width=H, heads=4, dtype=torch.float32))
     plan = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise"}
     plan["mlp.fc2"] = "rowwise"
@@ -38,6 +39,7 @@ def bytes_per_group() -> dict[str, dict[str, int]]:
     """On ``Mesh(dp=2, tp=2)``: one block's forward + backward on ``tp``, then one all-reduce
     of its gradients on ``dp``; bytes sent per group name, and this rank's group names."""
     mesh = plait.Mesh(dp=2, tp=2)
+    torch.manual_seed(0)  # the same dense block on every rank (checked when it is split)
     block = Block(GPTConfig(width=H, heads=4, dtype=torch.float32))
     plan = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise"}
     plan["mlp.fc2"] = "rowwise"

@@ -85,9 +85,7 @@ def train_dp_tp(sequence_parallel: bool) -> dict[str, torch.Tensor]:
     DDP on the dp group; each dp rank trains on its half of a global batch of 4."""
     cfg = config(tied=False)
     mesh = plait.Mesh(dp=2, tp=2)
-    model = parallelize(
-        GPT(cfg), mesh, tp_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
-    )
+    model = parallelize(GPT(cfg), mesh, tp_plan(cfg, sequence_parallel=sequence_parallel))
     ddp = plait.DistributedDataParallel(model, group=mesh.group("dp"))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     loss_of = loss_fn(model)
@@ -105,7 +103,9 @@ def refusals() -> dict[str, str]:
     mesh = plait.Mesh(tp=plait.world().size)
     cases: dict[str, Any] = {
         "heads": lambda: parallelize(
-            GPT(GPTConfig(vocab=16, heads=3, width=12, layers=1)), mesh, tp_plan(layers=1)
+            GPT(GPTConfig(vocab=16, heads=3, width=12, layers=1)),
+            mesh,
+            tp_plan(GPTConfig(vocab=16, heads=3, width=12, layers=1)),
         ),
         "width": lambda: parallelize(MLP((4, 5, 2), seed=0), mesh, {"layers.0": "colwise"}),
         "unknown": lambda: parallelize(MLP((4, 6, 2), seed=0), mesh, {"layer.0": "colwise"}),
@@ -115,7 +115,11 @@ def refusals() -> dict[str, str]:
         "uncovered": lambda: parallelize(
             GPT(GPTConfig(vocab=16, heads=2, width=8, layers=1)),
             mesh,
-            {k: v for k, v in tp_plan(layers=1, sequence_parallel=True).items() if k != "ln_f"},
+            {
+                k: v
+                for k, v in tp_plan(GPTConfig(layers=1), sequence_parallel=True).items()
+                if k != "ln_f"
+            },
         ),
         "half_tied": lambda: parallelize(
             GPT(GPTConfig(vocab=16, heads=2, width=8, layers=1, tied=True)), mesh, {"tok": "vocab"}
@@ -125,7 +129,7 @@ def refusals() -> dict[str, str]:
         "dropout": lambda: parallelize(
             GPT(GPTConfig(vocab=16, heads=2, width=8, layers=1, dropout=0.1)),
             mesh,
-            tp_plan(layers=1),
+            tp_plan(GPTConfig(layers=1)),
         ),
     }
     out = {}

@@ -27,7 +27,7 @@ from plait.strategies.tensor.layers_nd import (
     Placement,
     placement,
 )
-from plait.strategies.tensor.parallelize_nd import gpt_plan, prepare_nd
+from plait.strategies.tensor.parallelize_nd import gpt_plan
 from plait.strategies.tensor.summa import matmul_ab, matmul_abt, matmul_atb
 from tests import tensor_gpt_fns
 
@@ -220,8 +220,8 @@ def train_gpt(mode: str, permuted: bool) -> dict[str, Any]:
     model = GPT(cfg)
     dense_numel = sum(p.numel() for p in model.parameters())
     opt: Any = torch.optim.Adam(model.parameters(), lr=1e-2)
-    if mode == "2.5d":  # through prepare_nd: the default plan and the rebuilt optimizer
-        model, opt = prepare_nd(model, opt, mesh=mesh, mode=mode)
+    if mode == "2.5d":  # through prepare: the family's plan and the rebuilt optimizer
+        model, opt = plait.prepare(model, opt, strategy="tp", mesh=mesh, mode=mode)
     else:
         parallelize(model, mesh, gpt_plan(mode, layers=cfg.layers))
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)

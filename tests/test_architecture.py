@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.launch.rendezvous", 0),
     ("plait.comm", 1),  # groups, transports, collectives
     ("plait.runtime", 1),
+    ("plait.cli_args", 0),  # argparse's range types: the standard library only
     ("plait.mesh", 2),  # named groups, data, timeline, loss scaling
     ("plait.data", 2),
     ("plait.trace", 2),
@@ -57,11 +58,8 @@ _GPT_ONLY = "composes plait's GPT only until it reads model plans (issue: any mo
 KNOWN: dict[tuple[str, str], str] = {
     ("plait.strategies.compose.check", "plait.models.gpt"): _GPT_ONLY,
     ("plait.strategies.compose.experts", "plait.models.gpt"): _GPT_ONLY,
+    ("plait.strategies.compose.ptdp", "plait.models.gpt"): _GPT_ONLY,
     ("plait.strategies.compose.state", "plait.models"): _GPT_ONLY,
-    ("plait.strategies.pipeline.parallel", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.pipeline.split", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.tensor.parallelize", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.tensor.parallelize_nd", "plait.models.gpt"): _GPT_ONLY,
 }
 
 

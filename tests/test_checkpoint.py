@@ -31,7 +31,7 @@ def test_simple_form_round_trip_and_full_state_dict_keys(ranks, tmp_path: Path):
     keys = sorted(checkpoint_fns.Net().state_dict())
     for same, full_keys in results:
         assert same and full_keys == keys
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-0"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "owner.json", "step-0"]
     assert sorted(p.name for p in (tmp_path / "ck" / "step-0").iterdir()) == [
         "manifest.json",
         "part-0-of-2.safetensors",
@@ -266,7 +266,7 @@ def test_saving_a_step_again_replaces_it_and_a_stale_latest_falls_back(tmp_path:
     checkpoint.save(tmp_path, {"v": torch.zeros(2)}, step=5, keep_last=None)
     checkpoint.save(tmp_path, {"v": torch.ones(2)}, step=5, keep_last=None)
     assert torch.equal(checkpoint.load(tmp_path)["v"], torch.ones(2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "owner.json", "step-5"]
     checkpoint.save(tmp_path, {"v": torch.full((2,), 7.0)}, step=7, keep_last=None)
     shutil.rmtree(tmp_path / "step-7")  # latest now names a missing checkpoint
     restored = checkpoint.load(tmp_path)
@@ -379,3 +379,55 @@ def test_a_checkpoint_without_block_checksums_is_read_whole(tmp_path: Path):
 def test_block_bytes_is_checked(tmp_path: Path):
     with pytest.raises(ValueError, match="block_bytes must be an int >= 1024"):
         checkpoint.save(tmp_path, {"x": torch.ones(2)}, step=1, block_bytes=100)
+
+
+_SAVE_IN_ANOTHER_JOB = """
+import sys, torch
+from plait import checkpoint
+checkpoint.save(sys.argv[1], step=int(sys.argv[2]), model=torch.nn.Linear(2, 2))
+"""
+
+
+def _other_job(root: Path, step: int, job: str) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", _SAVE_IN_ANOTHER_JOB, str(root), str(step)],
+        env=dict(os.environ, PLAIT_JOB_ID=job),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.faults
+def test_a_second_job_on_one_root_is_refused_naming_both(tmp_path: Path, monkeypatch):
+    """Issue 26 item 16: two jobs sharing one root pruned each other's steps and pointed
+    ``latest`` at each other's weights. The second is refused while the first runs; a
+    job that has ended hands the root over."""
+    monkeypatch.setenv("PLAIT_JOB_ID", "job-first")
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(tmp_path, step=1, model=model, keep_last=1)
+    start = time.monotonic()
+    other = _other_job(tmp_path, 2, "job-second")
+    took = time.monotonic() - start
+    assert other.returncode == 1, other.stderr
+    assert "OwnedByAnotherJob" in other.stderr, other.stderr
+    assert "belongs to job 'job-first'" in other.stderr and "it still runs" in other.stderr
+    assert "this is job 'job-second'" in other.stderr, other.stderr
+    assert checkpoint.committed_steps(tmp_path) == [1]
+    assert checkpoint.read_latest(tmp_path) == 1
+    faultlog.record(
+        row=26,
+        fault="#16 a second job saving into the same checkpoint root",
+        detected_after_s=round(took, 2),
+        named_correctly=True,
+        state_equal=True,
+        note="refused before touching the root (subprocess wall time incl. torch import)",
+    )
+    # a job that ended hands the root over: the next one resumes and saves there
+    ended = tmp_path / "ended"
+    assert _other_job(ended, 1, "job-ended").returncode == 0
+    checkpoint.save(ended, step=2, model=model, keep_last=None)
+    assert checkpoint.committed_steps(ended) == [2, 1]

@@ -7,7 +7,12 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
+
+from tests.faultlog import record
 
 SCRIPT = textwrap.dedent(
     """
@@ -117,3 +122,86 @@ def test_bench_comm_prints_rows_writes_json_and_a_table(tmp_path: Path):
     saved = json.loads(table.read_text())
     assert set(saved["table"]) == {"all_reduce", "all_gather"}
     assert all(rows_[-1][0] >= 1 << 62 for per in saved["table"].values() for rows_ in per.values())
+
+
+# --- out-of-range options are refused before any work (issue 26 items 8, 12, 16) ---------
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, float]:
+    """Run ``plait <argv>`` in this process; (exit code, stderr, seconds)."""
+    from plait.cli import main
+
+    start = time.monotonic()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        # item 8: printed negative byte counts
+        (
+            [
+                "plan",
+                "tensor",
+                "-n",
+                "4",
+                "--tokens",
+                "1024",
+                "--width",
+                "-64",
+                "--layers",
+                "2",
+                "--vocab",
+                "100",
+            ],
+            "argument --width: expected a whole number at least 1, got -64",
+        ),
+        # item 12: spun at 100% CPU
+        (["plan", "layouts", "--params", "1e30", "--batch", "8"], "argument --params: '1e30'"),
+        (["plan", "layouts", "--layers", "100000", "--batch", "8"], "100000 layers, more than"),
+        (["plan", "memory", "--params", "-5", "-n", "4"], "argument --params: '-5' is outside"),
+        # item 12: accepted, then tried to start 100000 processes
+        (["run", "-n", "100000", "x.py"], "-n 100000 starts 100000 ranks on this machine"),
+        (["run", "-n", "0", "x.py"], "argument -n/--nproc: expected a whole number at least 1"),
+        # item 16: killed a healthy job as frozen
+        (
+            ["run", "-n", "2", "--heartbeat-timeout", "0", "x.py"],
+            "--heartbeat-timeout='0': expected a finite number of seconds >= 1",
+        ),
+        (["run", "-n", "2", "--grace", "-1", "x.py"], "argument --grace"),
+    ],
+)
+@pytest.mark.faults
+def test_out_of_range_options_are_refused_at_once(argv, named, capsys):
+    code, err, took = _refused(argv, capsys)
+    assert code == 2, err
+    assert named in err, err
+    assert took < 10, took
+    record(
+        row=26,
+        fault=f"#8/#12/#16 plait {' '.join(argv[:-1] if argv[0] == 'run' else argv)}",
+        detected_after_s=round(took, 3),
+        named_correctly=True,
+        note="exit 2 from argparse, naming the option and its range",
+    )
+
+
+def test_heartbeat_timeout_zero_in_the_environment_is_refused(monkeypatch):
+    from plait.launch.attempt import heartbeat_timeout_default
+
+    monkeypatch.setenv("PLAIT_HEARTBEAT_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="PLAIT_HEARTBEAT_TIMEOUT='0': expected a finite"):
+        heartbeat_timeout_default()
+    monkeypatch.setenv("PLAIT_HEARTBEAT_TIMEOUT", "2.5")
+    assert heartbeat_timeout_default() == 2.5
+
+
+def test_the_local_rank_limit_can_be_raised(monkeypatch):
+    from plait.launch.job import check_nproc
+
+    monkeypatch.setenv("PLAIT_MAX_NPROC", "3")
+    check_nproc(3)
+    with pytest.raises(ValueError, match=r"more than 3 \(set by PLAIT_MAX_NPROC\)"):
+        check_nproc(4)

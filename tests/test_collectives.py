@@ -8,12 +8,15 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plait import RankPool
 from plait.comm import SUPPORTED, transport
 from tests.cases import DTYPES, Case, check, run_many
+from tests.comm_trust_fns import half_avg, half_values
+from tests.faultlog import record
 
 WORLDS = [1, 2, 3, 4, 5, 8]
 OPS = ["sum", "avg", "prod", "max", "min"]
@@ -108,3 +111,44 @@ def test_random_cases(ranks, world, data):
     results = ranks(world, run_many, cases, timeout=300)
     for i, case in enumerate(cases):
         check(case, world, [results[r][i] for r in range(world)])
+
+
+@pytest.mark.faults
+def test_half_avg_does_not_overflow(ranks):
+    """Issue 26 item 7: fp16 "avg" of 60000.0 at three ranks was inf (summed in fp16
+    first); now each contribution is divided before the sum (PreMulSum), by every
+    algorithm, and random values match the float64 mean within two fp16 ulps."""
+    world = 3
+    results = ranks(world, half_avg, timeout=120)
+    big = [k for k in results[0] if k.endswith(" big")]
+    wide = torch.stack([half_values(r).double() for r in range(world)])
+    mean = wide.mean(0)
+    # the rounding bound of a sum: one float16 rounding per term and per partial sum, each
+    # relative to the terms' magnitude (not the mean's: terms may cancel)
+    size = wide.abs().mean(0)
+    assert results[0], "no case ran"
+    for key in results[0]:
+        name = key.split()[-1]
+        collective = key.split()[0]
+        for r in range(world):
+            if collective == "reduce" and r != 0:
+                continue
+            value = torch.tensor(results[r][key], dtype=torch.float64)
+            if name == "big":
+                expect, scale = torch.full_like(value, 60000.0), torch.full_like(value, 60000.0)
+            elif collective == "reduce_scatter":
+                n = value.numel()
+                expect, scale = mean[r * n : (r + 1) * n], size[r * n : (r + 1) * n]
+            else:
+                expect, scale = mean, size
+            bound = 2 * world * torch.finfo(torch.float16).eps * scale
+            assert torch.isfinite(value).all(), f"{key} rank {r}: {value}"
+            assert ((value - expect).abs() <= bound).all(), f"{key} rank {r}: {value} vs {expect}"
+    record(
+        row=26,
+        fault="#7 float16 avg all-reduce of 60000.0 at 3 ranks",
+        detected_after_s=None,
+        named_correctly=None,
+        state_equal=True,
+        note=f"60000.0 on every rank by {len(big)} collective/algorithm pairs (was inf)",
+    )

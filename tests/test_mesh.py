@@ -6,6 +6,7 @@ import pytest
 
 from plait.mesh import layout
 from tests import mesh_fns
+from tests.faultlog import record
 
 
 def test_megatron_16_rank_example():
@@ -59,3 +60,25 @@ def test_two_meshes_in_one_process(ranks):
         assert res["b"]["tp"] == ([0, 1, 2, 3], r, 4, 6.0)
         assert res["flat"] == ([0, 1, 2, 3], 4.0)
         assert "rank   3  dp=1 tp=1" in res["text"]
+
+
+@pytest.mark.faults
+def test_a_rank_building_another_mesh_is_named_before_any_group(ranks):
+    """Issue 26 item 9: one rank building another mesh waited in process-group creation
+    until the collective timeout, then a store key timeout that named no mesh."""
+    errors = ranks(4, mesh_fns.another_mesh_on_rank, 3, timeout=120)
+    took = max(seconds for _, seconds in errors)  # inside the ranks: pool start-up apart
+    for r, (text, _) in enumerate(errors):
+        assert "the ranks disagree on mesh number" in text, (r, text)
+        assert "ranks [0, 1, 2] built Mesh(pp=2, tp=2) over ranks [0, 1, 2, 3]" in text, text
+        assert "ranks [3] built Mesh(pp=4) over ranks [0, 1, 2, 3]" in text, text
+    assert took < 60, took
+    # the world still works: the next meshes agree
+    assert ranks(4, mesh_fns.two_meshes, timeout=120)[0]["b"]["tp"][2] == 4
+    record(
+        row=26,
+        fault="#9 one rank builds another mesh (pp=4 vs pp=2 x tp=2)",
+        detected_after_s=round(took, 2),
+        named_correctly=True,
+        note="agreed through the store before any process group is created (slowest rank)",
+    )

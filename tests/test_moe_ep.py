@@ -83,8 +83,46 @@ def test_moe_gpt_under_ep_matches_oracle(ranks, world, dp):
     assert summed == want_loads
 
 
+@pytest.mark.parametrize(("world", "dp"), [(2, 1), (4, 2)])
+def test_moe_gpt_under_ep_accumulates_as_one_process(ranks, world, dp):
+    """2 accumulation micro-steps (each loss / 2), two AdamW groups, global-norm clipping
+    active: equal to one process accumulating over the same micro-batches."""
+    want, want_norms = fns.gpt_acc_oracle(world)
+    assert all(n > fns.MAX_NORM for n in want_norms)  # clipping was active
+    for res in ranks(world, fns.gpt_ep_acc, dp, timeout=180):
+        torch.testing.assert_close(res["norms"], want_norms, rtol=TOL, atol=0)
+        for key, value in res["state"].items():
+            torch.testing.assert_close(
+                value, want[key], rtol=TOL, atol=TOL, msg=lambda m, k=key: f"{k}: {m}"
+            )
+
+
 def test_refusals_name_what_to_change(ranks):
     for out in ranks(2, fns.refusals, timeout=60):
         assert "num_experts=3, not divisible by the expert-parallel size ep=2" in out["ratio"]
         assert "has no plait.moe.MoE layer" in out["no_moe"]
         assert "composes with 'dp' only" in out["tp"]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_gradient_is_named_on_every_rank(ranks, policy):
+    for out in ranks(2, fns.nonfinite, policy, timeout=120):
+        if policy == "raise":
+            assert out["error"] is not None
+            assert "rank 1 in parameter 'blocks.1.ln1.weight'" in out["error"]
+        else:
+            assert out["error"] is None and out["unchanged"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_rows_uneven(ranks, world):
+    for out in ranks(world, fns.gather_uneven, timeout=60):
+        assert out == {"equal": True, "grad": True}
+
+
+def test_different_models_are_refused_at_wrap(ranks):
+    for out in ranks(2, fns.structure_mismatch, timeout=60):
+        assert (
+            out.startswith("expert_parallel: the ranks of group")
+            and "rank 1 differs from rank 0" in out
+        ), out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from plait.models import GPT, GPTConfig
+from plait.models.gpt import pipeline_plan
 from plait.strategies.pipeline import (
     Action,
     Costs,
@@ -304,7 +305,7 @@ def small_gpt(tied: bool = False, layers: int = 4) -> GPT:
 
 def test_partition_keeps_dense_names_and_function():
     model = small_gpt(tied=True)
-    layers = layers_of(model)
+    layers = layers_of(model, pipeline_plan(model))
     assert [x.name for x in layers] == ["embed", *(f"blocks.{i}" for i in range(4)), "head"]
     for by in ("params", [1, 5]):
         part = partition(layers, 3, by=by)
@@ -322,21 +323,23 @@ def test_partition_keeps_dense_names_and_function():
 
 
 def test_partition_refusals():
-    layers = layers_of(small_gpt(layers=2))
+    model = small_gpt(layers=2)
+    layers = layers_of(model, pipeline_plan(model))
     with pytest.raises(ValueError, match="5 stages from 4 layers"):
         partition(layers, 5)
     with pytest.raises(ValueError, match="split points \\[2, 1\\] must be 2 increasing"):
         partition(layers, 3, by=[2, 1])
     with pytest.raises(ValueError, match="needs sample="):
         partition(layers, 2, by="time")
-    with pytest.raises(TypeError, match="cannot cut a Linear"):
+    with pytest.raises(TypeError, match="no pipeline plan for a Linear"):
         layers_of(torch.nn.Linear(2, 2))
     part = partition(layers, 2, by="time", sample=torch.randint(0, 13, (2, 6)))
     assert part.seconds is not None and "fwd+bwd time" in str(part)
 
 
 def test_tied_stage_runs_backward_whole():
-    layers = layers_of(small_gpt(tied=True, layers=1))
+    tied = small_gpt(tied=True, layers=1)
+    layers = layers_of(tied, pipeline_plan(tied))
     assert not Stage(layers, 0).splittable  # tok and head in one stage
     assert Stage(layers[1:], 1).splittable
 
@@ -357,7 +360,7 @@ def test_split_returns_stages_and_partition():
     from plait.strategies.pipeline import split
 
     model = small_gpt(layers=2)
-    stages, part = split(model, stages=2, by=[2])
+    stages, part = split(model, stages=2, by=[2], plan=pipeline_plan(model))
     assert [s.layer_names for s in stages] == [["embed", "blocks.0"], ["blocks.1", "head"]]
     assert str(part).splitlines()[0].startswith("stage 0: embed, blocks.0 |")
 

@@ -28,3 +28,12 @@ def test_split_and_copied_parameters_clip_like_one_process(ranks, norm_type):
 def test_a_parameter_left_unplaced_is_named(ranks):
     for msg in ranks(2, placement_fns.unplaced_refused):
         assert "parameter '1' was placed by no strategy" in msg
+
+
+def test_tensor_parallel_inside_ddp_clips_by_the_global_norm(ranks):
+    want_norms, want = placement_fns.tp_oracle(0.1)
+    assert min(want_norms) > 0.1
+    for norms, state in ranks(4, placement_fns.tp_inside_ddp, 0.1, timeout=180):
+        assert norms == pytest.approx(want_norms, rel=1e-10)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-12)

@@ -185,3 +185,32 @@ def test_no_segment_outlives_the_pools(shm_pools):
         pool.close()
     shm_pools.clear()
     assert _segments() == []
+
+
+# --- /dev/shm too small or filled later (issue 26 item 16) ---------------------------------
+def test_a_segment_reserves_every_byte_at_creation(tmp_path):
+    """A sparse scratch window ended in SIGBUS when /dev/shm filled up before its first
+    touch; now every block is reserved when the segment is made."""
+    path = str(tmp_path / f"{transport.PREFIX}{os.getpid()}-test")
+    first, stride, scratch_at = shm.layout(2, 1, 4096, 1 << 20)
+    size = scratch_at + 2 * (1 << 20)
+    seg = shm.Segment(path, size, create=True)
+    try:
+        assert os.stat(path).st_blocks * 512 >= size
+    finally:
+        seg.close()
+        os.unlink(path)
+
+
+def test_no_room_for_a_segment_names_the_directory_and_the_sizes(tmp_path, monkeypatch):
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = str(tmp_path / f"{transport.PREFIX}{os.getpid()}-full")
+    with pytest.raises(OSError) as info:
+        shm.Segment(path, 5 << 20, create=True)
+    text = str(info.value)
+    assert f"{tmp_path}: could not reserve 5,242,880 bytes" in text, text
+    assert "bytes free of" in text and "No space left on device" in text, text
+    assert "PLAIT_TRANSPORT=gloo" in text, text

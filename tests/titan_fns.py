@@ -65,7 +65,8 @@ def train(strategy: str) -> tuple[dict[str, torch.Tensor], list[float], bool]:
         x, y = _batch(step)
         part = slice(world.rank * rows, (world.rank + 1) * rows)
         _loss(wrapped(x[part]), y[part]).backward()
-        norms.append(float(plait.clip_grad_norm_(wrapped, CLIP)))
+        # the PyTorch spelling: DDP holds whole averaged gradients, FSDP its placed shards
+        norms.append(float(plait.clip_grad_norm_(wrapped.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
     state = plait.checkpoint.full_state_dict(wrapped)

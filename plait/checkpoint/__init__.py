@@ -9,7 +9,8 @@ every tensor (``blocks.py``). ``load(root, model=..., optimizer=..., ...)`` read
 rank only the blocks holding what that rank keeps (``needs.py``: 1/W' of the tensors under
 FSDP and ZeRO-1/2, all of them under DDP), verifies each, and refuses a damaged checkpoint
 naming the file, rank, tensor and block, or with ``fallback=True`` loads the previous good
-one. Ranks must agree on root and step (checked).
+one. Ranks must agree on root and step (checked). One job per root (``owner.py``): a
+second job saving into a root whose owner still runs is refused naming both jobs.
 
 The content is layout-neutral (``layout.py``): the dense model state and the plain-format
 optimizer state keyed by parameter names, so a checkpoint saved by DDP, ZeRO-1/2 or FSDP at
@@ -42,6 +43,7 @@ from __future__ import annotations
 from plait.checkpoint.agree import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from plait.checkpoint.files import save_atomic, write_bytes_atomic
 from plait.checkpoint.layout import full_state_dict
+from plait.checkpoint.owner import OwnedByAnotherJob
 from plait.checkpoint.reader import Restored, load
 from plait.checkpoint.transaction import committed_steps, read_latest, verify
 from plait.checkpoint.writer import SaveHandle, save
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointMismatch",
+    "OwnedByAnotherJob",
     "Restored",
     "SaveHandle",
     "committed_steps",

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint import layout, transaction
+from plait.checkpoint import layout, owner, transaction
 from plait.checkpoint import rng as rng_streams
 from plait.checkpoint.agree import (
     SAME_ARGS,
@@ -263,6 +263,8 @@ def save(
             rng,
         )
         if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            owner.claim(path)  # before anything in the root is touched
             try:
                 transaction.prepare(path, step)
             except OSError as exc:

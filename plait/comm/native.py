@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.group import Channel, Group
-from plait.comm.reduce_op import TO_TORCH, ReduceOp
+from plait.comm.reduce_op import TO_TORCH, ReduceOp, prescaled
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,14 +71,18 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
 def all_reduce_async(tensor: torch.Tensor, op: ReduceOp, group: Group) -> Any:
     """Start the backend's all-reduce of ``tensor`` in place; a future of ``tensor``.
 
-    ``avg`` is a sum followed by a division, done when the sum completes."""
+    ``avg`` is a sum followed by a division, done when the sum completes (before it
+    starts for float16: see :func:`~plait.comm.reduce_op.prescaled`)."""
     summed = ReduceOp.SUM if op is ReduceOp.AVG else op
+    before = prescaled(op, tensor.dtype)
+    if before:
+        tensor.div_(group.size)
     work = dist.all_reduce(tensor, TO_TORCH[summed], group=group.pg, async_op=True)
     future = work.get_future()
 
     def finish(f: Any) -> torch.Tensor:
         f.value()  # re-raises the backend's error: a failed future must not carry a value
-        return tensor.div_(group.size) if op is ReduceOp.AVG else tensor
+        return tensor.div_(group.size) if op is ReduceOp.AVG and not before else tensor
 
     return future.then(finish)
 

@@ -69,7 +69,7 @@ from plait.comm import (
 )
 from plait.comm.chunks import split
 from plait.comm.group import COLLECTIVE_TAG_BIT, COMPLETED, Channel, Group, Handle
-from plait.comm.reduce_op import ReduceOp, parse_op
+from plait.comm.reduce_op import ReduceOp, parse_op, prescaled
 
 ALGORITHMS: dict[str, ModuleType] = {
     "ring": ring,
@@ -267,7 +267,9 @@ def all_reduce(
 ) -> Handle | None:
     """Reduce ``tensor`` over the group, in place, on every rank.
 
-    Every rank ends with bitwise the same result.
+    Every rank ends with bitwise the same result. ``"avg"`` of float16 divides each
+    rank's contribution by the group size before the sum (a sum of finite float16 values
+    overflows long before their mean does); other dtypes divide the sum.
     """
     g = _group(group)
     rop = parse_op(op)
@@ -286,8 +288,11 @@ def all_reduce(
         if tensor.numel() == 0:
             return
         buf = _Flat(tensor, g)
+        before = prescaled(rop, tensor.dtype)
+        if before:
+            buf.flat.div_(g.size)
         impl(ch, buf.flat, _lowered(rop))
-        if rop is ReduceOp.AVG:
+        if rop is ReduceOp.AVG and not before:
             buf.flat.div_(g.size)
         buf.done()
 
@@ -352,9 +357,14 @@ def reduce(
         if tensor.numel() == 0:
             return
         buf = _Flat(tensor, g)
-        impl(ch, buf.flat, dst, _lowered(rop))
+        before = prescaled(rop, tensor.dtype)
+        # a prescaled contribution is a new tensor: the other ranks' tensor stays unchanged
+        work = buf.flat / g.size if before else buf.flat
+        impl(ch, work, dst, _lowered(rop))
         if ch.rank == dst:
-            if rop is ReduceOp.AVG:
+            if before:
+                buf.flat.copy_(work)
+            elif rop is ReduceOp.AVG:
                 buf.flat.div_(g.size)
             buf.done()
 
@@ -444,8 +454,11 @@ def reduce_scatter(
             inputs = [_Flat(b, g).flat for b in blocks]
         if sum(t.numel() for t in inputs) == 0:
             return
+        before = prescaled(rop, output.dtype)
+        if before:  # new tensors: ``input`` stays unchanged
+            inputs = [t / g.size for t in inputs]
         impl(ch, inputs, out.flat, _lowered(rop))
-        if rop is ReduceOp.AVG:
+        if rop is ReduceOp.AVG and not before:
             out.flat.div_(g.size)
         out.done()
 

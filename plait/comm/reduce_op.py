@@ -1,8 +1,13 @@
 """Reduction operators and the local arithmetic every algorithm shares.
 
 ``avg`` never reaches an algorithm: the public ops turn it into ``sum`` and divide by the
-group size once the sum is complete, so every algorithm only combines with sum, prod, max
-or min.
+group size, so every algorithm only combines with sum, prod, max or min. Where the
+division happens depends on the dtype (:func:`prescaled`): after the sum for every dtype
+but float16, before it for float16, whose range (65504) a sum of finite values overflows
+long before their mean does (three ranks of 60000.0 sum to inf); each rank's
+contribution is divided by the group size (in float32, rounded once) before the sum, as
+NCCL's PreMulSum does for ``avg``, so the bytes on the wire stay float16 and the mean of
+finite values stays finite.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ def parse_op(op: object) -> ReduceOp:
                 continue
     names = ", ".join(repr(o.value) for o in ReduceOp)
     raise ValueError(f"unknown reduce op {op!r}; use one of {names}")
+
+
+def prescaled(op: ReduceOp, dtype: torch.dtype) -> bool:
+    """True when ``avg`` divides each rank's contribution before the sum (float16: a sum
+    of finite values may overflow its range while their mean does not)."""
+    return op is ReduceOp.AVG and dtype == torch.float16
 
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> torch.Tensor:

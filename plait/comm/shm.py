@@ -12,8 +12,11 @@ A segment holds:
   (bytes the sender wrote, written only by the sender), a tail (bytes the receiver
   consumed, written only by the receiver), each on its own cache line, and ``ring_bytes``
   of data;
-* two windows of scratch for the shared-memory collectives (``shm_collectives.py``),
-  left sparse until a collective uses them.
+* two windows of scratch for the shared-memory collectives (``shm_collectives.py``).
+
+Every byte of a segment is reserved (``posix_fallocate``) when it is made, so a
+directory without room fails at group creation naming it and its free bytes, never with
+a SIGBUS at the first touch of a page later.
 
 A message is a 64-byte header (tag, byte count) followed by its bytes, padded to 64. The
 sender copies as much as fits, publishes the new head, and rings the receiver's bell;
@@ -120,21 +123,21 @@ def futex_wake(addr: int) -> None:
 class Segment:
     """One mapped segment file: ``data`` (uint8 tensor) and ``q``/``i`` (int64/int32 views)."""
 
-    def __init__(self, path: str, size: int, *, create: bool, reserve: int = 0) -> None:
+    def __init__(self, path: str, size: int, *, create: bool) -> None:
         self.path = path
         self.size = size
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                # header and rings are reserved now (ENOSPC here, not SIGBUS on first
-                # touch); the scratch windows stay sparse until a collective uses them,
-                # after a check that the directory has room for them
-                os.posix_fallocate(fd, 0, reserve or size)
-                os.ftruncate(fd, size)
-                st = os.statvfs(path)
-                if st.f_bavail * st.f_frsize < size - (reserve or size):
-                    raise OSError(f"{os.path.dirname(path)} has less than {size} bytes free")
+                # every byte is reserved now, scratch windows included: a directory too
+                # small (several ranks, several groups) fails here, naming it, and one
+                # that another process fills later cannot take the pages back, where a
+                # sparse file would end in SIGBUS at the first touch of a missing page
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    raise OSError(exc.errno, no_room(path, size, exc)) from exc
             elif os.fstat(fd).st_size < size:
                 raise RuntimeError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -162,6 +165,23 @@ class Segment:
             self.mm.close()
         except BufferError:  # a tensor view is still alive somewhere: the GC unmaps it
             pass
+
+
+def no_room(path: str, size: int, exc: OSError) -> str:
+    """Why a segment of ``size`` bytes could not be reserved in ``path``'s directory, with
+    the directory's free and total bytes."""
+    directory = os.path.dirname(path)
+    try:
+        st = os.statvfs(directory)
+        room = f"{st.f_bavail * st.f_frsize:,} bytes free of {st.f_blocks * st.f_frsize:,}"
+    except OSError:
+        room = "free space unknown"
+    return (
+        f"{directory}: could not reserve {size:,} bytes for a shared-memory segment "
+        f"({room}; {exc.strerror or exc}); enlarge {directory} (docker: --shm-size), point "
+        f"PLAIT_SHM_DIR elsewhere, shrink PLAIT_SHM_WINDOW_BYTES/PLAIT_SHM_RING_BYTES, or use "
+        f"PLAIT_TRANSPORT=gloo"
+    )
 
 
 def pid_alive(pid: int) -> bool:

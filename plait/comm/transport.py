@@ -9,27 +9,36 @@ the rendezvous store (at most the group's timeout). ``mode`` comes from
 * ``"shm"``: peers on this host through shared memory (``shm.py``); refused with a
   ``ValueError`` where shared memory cannot work (not Linux x86-64, NCCL, no segment dir).
 * ``"auto"`` (the default): as ``"shm"`` where it works, else gloo, with a warning when a
-  segment could not be made.
+  segment could not be made (naming the directory, the bytes asked and the bytes free).
+
+An explicit ``PLAIT_SHM_DIR`` that is not a writable directory is refused (``ValueError``
+on every rank, ``auto`` too: falling back to gloo would hide the typo).
 
 Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
 
-1. each rank publishes its *host key*: host name, boot id, the device and inode of the
-   segment directory, its pid and network namespaces (two ranks share memory only if all
-   agree; ranks in two network namespaces are two hosts, as the two-host tests make them),
-   plus the ``node_size`` block when the group has one (simulated hosts talk gloo);
+1. each rank publishes its mode and its *host key*: host name, boot id, the device and
+   inode of the segment directory, its pid and network namespaces (two ranks share memory
+   only if all agree; ranks in two network namespaces are two hosts, as the two-host
+   tests make them), plus the ``node_size`` block when the group has one (simulated hosts
+   talk gloo). Every rank publishes, ``gloo`` ones too: ranks that chose different modes
+   raise ``ValueError`` on every rank naming each rank's mode (one rank alone on
+   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key);
 2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
-   a random nonce: no two jobs or groups collide), ``fallocate``s it and publishes its
+   a random nonce: no two jobs or groups collide), reserves every byte of it
+   (``posix_fallocate``: no SIGBUS later when the directory fills up) and publishes its
    path, size and token; if any local rank failed, all of them fall back to gloo (auto)
    or raise naming it (shm);
 3. each rank maps its peers' segments, checks their tokens, says so, and once every local
    peer has mapped its segment unlinks it: from then on no file exists, so no exit path
    (kill -9 included) can leak one. A rank killed inside these milliseconds leaves its
-   file behind; :func:`remove_stale` deletes files whose creator's pid is gone, at the
-   next group creation on the host.
+   file behind (and the others, stopped while waiting, theirs): ``plait run`` removes the
+   segments named by its ranks' pids when the attempt ends, and :func:`remove_stale`
+   deletes files whose creator's pid is gone at the next group creation on the host.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -49,7 +58,7 @@ DEFAULT_MODE = "auto"
 PREFIX = "plait-shm-"
 RING_BYTES = 512 << 10
 WINDOW_BYTES = 2 << 20
-_STALE = re.compile(rf"^{PREFIX}(\d+)-")
+STALE_NAME = re.compile(rf"^{PREFIX}(\d+)-")  # the creator's pid
 
 log = logging.getLogger("plait")
 _cleaned = False
@@ -81,6 +90,19 @@ def _bytes_setting(name: str, default: int) -> int:
 
 def segment_dir() -> str:
     return os.environ.get("PLAIT_SHM_DIR", "/dev/shm")
+
+
+def bad_setting() -> str | None:
+    """Why an explicit ``PLAIT_SHM_DIR`` cannot serve, or None: a directory the user named
+    must exist and be writable (a silent fall back to gloo would hide the typo)."""
+    named = os.environ.get("PLAIT_SHM_DIR", "")
+    if named and not (os.path.isdir(named) and os.access(named, os.W_OK)):
+        what = "does not exist" if not os.path.exists(named) else "is not a writable directory"
+        return (
+            f"PLAIT_SHM_DIR={named!r} {what}; point it at a writable directory on a memory "
+            f"file system (/dev/shm) or unset it"
+        )
+    return None
 
 
 def unsupported(backend: str) -> str | None:
@@ -124,7 +146,7 @@ def remove_stale(directory: str | None = None) -> list[str]:
     except OSError:
         return []
     for name in names:
-        m = _STALE.match(name)
+        m = STALE_NAME.match(name)
         if m is None or shm.pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
@@ -168,23 +190,37 @@ def attach(group: Group, mode: str) -> None:
     Collective over the group's ranks: every rank must call it, in the same order.
     """
     global _cleaned
-    if mode == "gloo" or group.size == 1:
+    if group.size == 1:
         return
-    why = unsupported(group.backend)
+    fatal = bad_setting() if mode != "gloo" else None
+    why = None if mode == "gloo" else fatal or unsupported(group.backend)
+    mykey = host_key(me_node(group)) if why is None and mode != "gloo" else ""
+    store, me, n = _store(), group.rank, group.size
+    gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
+    base = f"plait/shm/{group.name}/{gen}/"
+    # every rank publishes its mode (gloo included): a rank that alone chose another
+    # transport is named on every rank instead of leaving the others waiting for its key
+    offer = {"mode": mode, "key": mykey, "why": why, "fatal": fatal is not None}
+    store.set(f"{base}host/{me}", json.dumps(offer))
+    offers = [
+        json.loads(o)
+        for o in _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
+    ]
+    _agree_mode(group, offers)
+    if mode == "gloo":
+        return
+    refused = [
+        (r, o["why"]) for r, o in enumerate(offers) if o["why"] and (o["fatal"] or mode == "shm")
+    ]
+    if refused:
+        text = "; ".join(f"rank {group.ranks[r]}: {w}" for r, w in refused)
+        raise ValueError(f"transport={mode!r} for group {group.name!r}: {text}")
     if why is not None:
-        if mode == "shm":
-            raise ValueError(f"transport='shm' for group {group.name!r}: {why}; use 'auto'")
         return
     if not _cleaned:
         remove_stale()
         _cleaned = True
-    store, me, n = _store(), group.rank, group.size
-    gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
-    base = f"plait/shm/{group.name}/{gen}/"
-    node = me // group.node_size if group.node_size else None
-    mykey = host_key(node)
-    store.set(f"{base}host/{me}", mykey)
-    hosts = _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
+    hosts = [o["key"] for o in offers]
     local = [r for r in range(n) if hosts[r] == mykey]
     if len(local) == 1:
         return
@@ -201,7 +237,7 @@ def attach(group: Group, mode: str) -> None:
     mine: shm.Segment | None = None
     try:
         try:
-            mine = shm.Segment(path, size, create=True, reserve=scratch_at)
+            mine = shm.Segment(path, size, create=True)
             mine.q[0], mine.q[1], mine.q[2] = shm.MAGIC, token, os.getpid()
             store.set(f"{base}seg/{me}", f"ok {path} {size} {ring} {window} {token} {os.getpid()}")
         except OSError as exc:
@@ -260,6 +296,24 @@ def attach(group: Group, mode: str) -> None:
             pass
         if mine is not None:
             mine.close()
+
+
+def me_node(group: Group) -> int | None:
+    """This rank's simulated host, where the group has ``node_size`` (else None)."""
+    return group.rank // group.node_size if group.node_size else None
+
+
+def _agree_mode(group: Group, offers: list[dict[str, Any]]) -> None:
+    """Raise on every rank when the ranks of ``group`` chose different transports."""
+    modes: dict[str, list[int]] = {}
+    for r, o in enumerate(offers):
+        modes.setdefault(o["mode"], []).append(group.ranks[r])
+    if len(modes) > 1:
+        text = "; ".join(f"ranks {rs} chose {m!r}" for m, rs in modes.items())
+        raise ValueError(
+            f"group {group.name!r}: the ranks disagree on the transport ({text}); set the "
+            f"same PLAIT_TRANSPORT (or plait.init(transport=...)) on every rank"
+        )
 
 
 def _open_peers(

@@ -86,11 +86,13 @@ def tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer
 
 
 def pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    from plait.models.gpt import pipeline_plan
     from plait.strategies.pipeline import PipelineParallel
 
     dense = GPT(config.model_config())
     pipe = PipelineParallel(
         dense,
+        plan=pipeline_plan(dense),
         group=mesh.group("pp"),
         schedule=config.schedule,
         microbatches=config.m,

@@ -18,7 +18,11 @@ to die with the launcher (:mod:`plait.launch.lifeline`). It then polls, every 50
 
 Stopping is the same for every cause: SIGCONT (a stopped rank cannot act on SIGTERM), then
 SIGTERM to each rank's process group, then SIGKILL to whatever is left after the grace
-period; every pid is reaped before :meth:`Attempt.stop` returns.
+period; every pid is reaped before :meth:`Attempt.stop` returns. When an attempt ends, in
+success or failure, :meth:`Attempt.close` kills whatever the ranks left running (processes
+whose environment carries the job's ``PLAIT_JOB_ID``, in any process group or session),
+removes the shared-memory segments its ranks' pids name and its ``plait-run-*`` work
+directory, and says so on stderr.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import datetime
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,7 +57,13 @@ _PG_PREFIX = "default_pg/"
 
 
 def heartbeat_timeout_default() -> float:
-    return float(os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S))
+    """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
+    from plait.comm.watchdog import parse_heartbeat_timeout
+
+    raw = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
+    if raw == "":
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
+    return parse_heartbeat_timeout(raw, "PLAIT_HEARTBEAT_TIMEOUT")
 
 
 class PortInUse(RuntimeError):
@@ -151,10 +162,29 @@ def proc_state(pid: int) -> str:
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"was killed by signal {-code}"
+        return f"was killed by {name}" + (bus_hint() if -code == signal.SIGBUS else "")
     return f"exited with code {code}"
+
+
+def bus_hint() -> str:
+    """Why a rank may die of SIGBUS: a page of a memory-mapped file that could not be
+    backed, most often a full shared-memory directory; with its free and total bytes."""
+    from plait.comm import transport
+
+    directory = transport.segment_dir()
+    try:
+        st = os.statvfs(directory)
+        room = f"{st.f_bavail * st.f_frsize:,} of {st.f_blocks * st.f_frsize:,} bytes free now"
+    except OSError:
+        room = "not readable"
+    return (
+        f" (a memory-mapped page could not be backed: most often {directory} is full, "
+        f"{room}; plait's segments are reserved at group creation, so look for another "
+        f"mapping, e.g. DataLoader workers' shared tensors, or enlarge {directory})"
+    )
 
 
 class Attempt:
@@ -183,7 +213,10 @@ class Attempt:
         self.store = host_store(port)
         self.port = int(self.store.port)
         self.store.set(rendezvous.JOB_KEY, job_id)
+        self._own_workdir = workdir is None  # made here: removed by close()
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="plait-run-"))
+        self._shm_dir = (env or {}).get("PLAIT_SHM_DIR") or os.environ.get("PLAIT_SHM_DIR")
+        self._closed = False
         self.ranks: list[RankProc] = []
         self.allowed: list[tuple[int, int]] = []  # (rank, code) of ranks allowed to exit
         self._next_beat_check = 0.0
@@ -343,13 +376,83 @@ class Attempt:
         return out
 
     def close(self) -> None:
+        """After the ranks exited (or :meth:`stop`): kill what they left running, remove
+        the shared-memory segments they left, the error files and the work directory.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sweep()
         for r in self.ranks:
             for p in (r.error_file, Path(f"{r.error_file}.tmp")):
                 try:
                     p.unlink()
                 except OSError:
                     pass
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
         del self.store
+
+    def sweep(self) -> tuple[list[str], list[str]]:
+        """Kill every process the ranks left behind and remove every shared-memory segment
+        a rank of this attempt created; say so on stderr. Returns (processes, segments).
+
+        A rank's descendants carry the job's ``PLAIT_JOB_ID`` in their environment
+        (whatever their process group or session): those still alive once every rank has
+        exited are SIGCONT+SIGKILLed, whether the job failed or succeeded. A segment of
+        ``PLAIT_SHM_DIR`` (``plait-shm-<pid>-...``) named by a rank's pid was left by a rank
+        killed inside the shared-memory set-up (``plait/comm/transport.py``).
+        """
+        from plait.comm import transport
+
+        killed: list[str] = []
+        for _ in range(5):  # a dying process's children appear as it dies
+            found = leftovers(self.job_id, exclude={os.getpid(), *(r.pid for r in self.ranks)})
+            if not found:
+                break
+            for pid, name in found:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                killed.append(f"pid {pid} ({name})")
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and any(
+                proc_state(p) not in ("Z", "X", "?") for p, _ in found
+            ):
+                time.sleep(POLL_S)
+        if killed:
+            print(
+                f"plait run: killed {len(killed)} process(es) the ranks left running (their "
+                f"environment carries PLAIT_JOB_ID={self.job_id}): {', '.join(killed)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        directory = self._shm_dir or transport.segment_dir()
+        removed = []
+        pids = {r.pid for r in self.ranks}
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            names = []
+        for name in names:
+            m = transport.STALE_NAME.match(name)
+            if m is None or int(m.group(1)) not in pids:
+                continue
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(os.path.join(directory, name))
+            except OSError:
+                pass
+        if removed:
+            print(
+                f"plait run: removed {len(removed)} shared-memory segment(s) left by ranks "
+                f"that ended inside the shared-memory set-up: {', '.join(removed)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return killed, removed
 
 
 def _killpg(r: RankProc, sig: int) -> None:
@@ -363,6 +466,30 @@ def _killpg(r: RankProc, sig: int) -> None:
             r.proc.send_signal(sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def leftovers(job_id: str, *, exclude: set[int]) -> list[tuple[int, str]]:
+    """(pid, command name) of every live process whose environment has
+    ``PLAIT_JOB_ID=<job_id>``, except ``exclude`` (Linux ``/proc``; none elsewhere)."""
+    marker = f"PLAIT_JOB_ID={job_id}".encode()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if marker in environ and proc_state(int(entry)) not in ("Z", "X", "?"):
+            found.append((int(entry), name))
+    return found
 
 
 def new_job_id() -> str:

@@ -27,6 +27,7 @@ rank's error follows as one line labelled as a consequence.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch.attempt import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
 
 DEFAULT_GRACE_S = 5.0
@@ -67,7 +69,10 @@ def run_job(
     <= nproc, needs ``max_restarts`` >= 1): restart with one rank fewer after each failure
     (see the module docstring).
     """
+    check_nproc(nproc)
     check_elastic(nproc=nproc, min_nproc=min_nproc, max_restarts=max_restarts)
+    if heartbeat_timeout is not None:
+        parse_heartbeat_timeout(heartbeat_timeout, "heartbeat_timeout (--heartbeat-timeout)")
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -91,6 +96,42 @@ def run_job(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+RANKS_PER_CORE = 16  # each local rank is a Python process with torch (about 300 MB)
+
+
+def check_nproc(nproc: int, *, nodes: int = 1) -> None:
+    """Refuse a local rank count this machine cannot hold: below 1, above
+    ``RANKS_PER_CORE`` per CPU core (``PLAIT_MAX_NPROC`` overrides), or above the user's
+    process limit (``ulimit -u``). Raises ValueError naming the numbers."""
+    import resource
+
+    if nproc < 1:
+        raise ValueError(f"-n (nproc) must be at least 1, got {nproc}")
+    cores = os.cpu_count() or 1
+    raw = os.environ.get("PLAIT_MAX_NPROC", "")
+    limit = int(raw) if raw.isdigit() else RANKS_PER_CORE * cores
+    if nproc > limit:
+        where = (
+            "set by PLAIT_MAX_NPROC"
+            if raw.isdigit()
+            else (
+                f"{RANKS_PER_CORE} per core on this machine of {cores} cores; each rank is a "
+                f"Python process with torch, about 300 MB"
+            )
+        )
+        more = " or spread the job over more machines (--nnodes)" if nodes == 1 else ""
+        raise ValueError(
+            f"-n {nproc} starts {nproc} ranks on this machine, more than {limit} ({where}); "
+            f"pass at most -n {limit}{more}, or raise the limit with PLAIT_MAX_NPROC"
+        )
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and nproc >= soft:
+        raise ValueError(
+            f"-n {nproc} ranks reach this user's process limit ({soft}, ulimit -u); "
+            f"pass fewer ranks or raise the limit"
+        )
 
 
 def check_elastic(*, nproc: int, min_nproc: int | None, max_restarts: int) -> None:

@@ -155,7 +155,9 @@ class RankPool:
     ``fn(*args, **kwargs)`` with the process group joined, and returns the results in rank
     order. After a failure or a timeout the pool is closed: start a new one. ``timeout``
     and ``debug`` left as None follow ``PLAIT_TIMEOUT`` and ``PLAIT_DEBUG`` (the ranks
-    inherit this process's environment, plus ``env``). Ranks die with this process.
+    inherit this process's environment, plus ``env``). ``backend``: the process group's
+    (``"gloo"`` by default; None lets :func:`plait.init` choose: NCCL where every rank owns
+    a GPU). Ranks die with this process.
     """
 
     def __init__(
@@ -164,7 +166,7 @@ class RankPool:
         *,
         timeout: float | None = None,
         debug: bool | None = None,
-        backend: str = "gloo",
+        backend: str | None = "gloo",
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
     ) -> None:

@@ -203,27 +203,57 @@ def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def tp_plan(*, layers: int, sequence_parallel: bool = False) -> dict[str, Any]:
-    """The tensor-parallel plan of a :class:`GPT` with ``layers`` blocks.
+def tp_plan(
+    model: GPT | GPTConfig, *, sequence_parallel: bool = False, mode: str = "1d"
+) -> dict[str, Any]:
+    """The tensor-parallel plan of a :class:`GPT` (or of one built from a ``GPTConfig``).
 
-    Attention heads are split across ranks (``qkv`` column-wise, ``proj`` row-wise), the MLP
-    column-then-row, the token embedding and the head by vocabulary. With
+    Attention heads are split across ranks (``qkv`` column-wise, ``proj`` row-wise), the
+    dense MLPs column-then-row (the MLPs of MoE blocks are left whole: expert parallelism
+    splits those), the token embedding and the head by vocabulary (the loss is then
+    :func:`plait.strategies.tensor.loss_fn`'s vocab-parallel cross-entropy). With
     ``sequence_parallel`` the LayerNorms and the position embedding work on this rank's
     slice of the sequence (``"sequence"``; their gradients are summed over the group).
+    ``mode`` ``"2d"``, ``"2.5d"``, ``"3d"``: the plan of
+    :func:`plait.strategies.tensor.gpt_plan`. Attention infers its local head count from
+    the width it receives, so no attribute needs dividing.
     """
     from plait.strategies.tensor.parallelize import Style
 
+    config = model.config if isinstance(model, GPT) else model
+    if mode != "1d":
+        from plait.strategies.tensor.parallelize_nd import gpt_plan
+
+        return gpt_plan(mode, layers=config.layers)
     plan: dict[str, Any] = {"tok": "vocab", "head": "vocab"}
-    for i in range(layers):
+    for i in range(config.layers):
         b = f"blocks.{i}"
-        plan |= {
-            f"{b}.attn.qkv": "colwise",
-            f"{b}.attn.proj": "rowwise",
-            f"{b}.mlp.fc1": "colwise",
-            f"{b}.mlp.fc2": "rowwise",
-        }
+        plan |= {f"{b}.attn.qkv": "colwise", f"{b}.attn.proj": "rowwise"}
+        if not is_moe_block(config, i):
+            plan |= {f"{b}.mlp.fc1": "colwise", f"{b}.mlp.fc2": "rowwise"}
         if sequence_parallel:
             plan |= {f"{b}.ln1": "sequence", f"{b}.ln2": "sequence"}
     if sequence_parallel:
         plan |= {"ln_f": "sequence", "pos": Style("sequence", input="replicate")}
     return plan
+
+
+def pipeline_plan(model: GPT) -> Any:
+    """The pipeline plan of a :class:`GPT`: the embedding (``tok`` + ``pos``, positions
+    ``0..s-1``), each block, the head (``ln_f`` then ``head``, tied or not); the loss is
+    :func:`loss` (a mean over the micro-batch's tokens). No per-stage context: the
+    positions enter only at the embedding."""
+    from plait.strategies.pipeline import Layer, PipelinePlan
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return model.drop(model.tok(ids) + model.pos(positions))  # type: ignore[no-any-return]
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return model.head(model.ln_f(x))  # type: ignore[no-any-return]
+
+    layers = [Layer("embed", (("tok", model.tok), ("pos", model.pos)), embed)]
+    for i, block in enumerate(model.blocks):
+        layers.append(Layer(f"blocks.{i}", ((f"blocks.{i}", block),), block))
+    layers.append(Layer("head", (("ln_f", model.ln_f), ("head", model.head)), head))
+    return PipelinePlan(layers=tuple(layers), loss=loss, name="GPT")

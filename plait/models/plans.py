@@ -26,6 +26,20 @@ from torch import nn
 # class name -> module under plait.models that holds the family's plans
 FAMILIES: dict[str, str] = {
     "GPT": "plait.models.gpt",
+    "LlamaForCausalLM": "plait.models.llama",
+    "LlamaModel": "plait.models.llama",
+    "MistralForCausalLM": "plait.models.llama",
+    "Qwen2ForCausalLM": "plait.models.llama",
+    "Qwen3ForCausalLM": "plait.models.llama",
+    "GPT2LMHeadModel": "plait.models.gpt2",
+    "GPT2Model": "plait.models.gpt2",
+    "Transformer": "plait.models.torchtitan_llama",  # torchtitan's Llama 3 (layout checked)
+    "MixtralForCausalLM": "plait.models.mixtral",
+    "MixtralModel": "plait.models.mixtral",
+    "Qwen2MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen2MoeModel": "plait.models.qwen_moe",
+    "Qwen3MoeForCausalLM": "plait.models.qwen_moe",
+    "Qwen3MoeModel": "plait.models.qwen_moe",
 }
 
 _registered: dict[tuple[str, str], Callable[..., Any]] = {}

@@ -17,6 +17,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from plait.cli_args import NONNEGATIVE, POSITIVE, real
+
 LAYOUTS_HELP = """\
 Rank every layout (dp x tp x pp x ep, schedule and chunks, micro-batch size, ZeRO stage,
 recomputation, sequence parallelism) of a GPT on a cluster by predicted step time, keeping
@@ -29,6 +31,10 @@ results), each field overridable.
 """
 
 
+MAX_PARAMS = 2e14  # a GPT-3-shaped model of this size has about 1000 layers
+MAX_LAYERS = 1024
+
+
 def parameter_count(text: str) -> float:
     """'7.5e9', '7500000000', '7.5B', '350M', '1.2T' -> a number of parameters."""
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
@@ -39,16 +45,24 @@ def parameter_count(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"not a parameter count: {text!r} (write 7.5e9, 7500000000 or 7.5B)"
         ) from None
+    if not 1 <= value <= MAX_PARAMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is outside 1 to {MAX_PARAMS:.0e} parameters; the layout search "
+            f"grows with the layer count a size implies (a GPT-3 shape of 2e14 has ~1000)"
+        )
     return whole if abs(value - whole) < 1e-6 * max(1.0, value) else value
 
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated whole numbers, got {text!r}"
         ) from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 0, got {text!r}")
+    return values
 
 
 def _words(text: str) -> tuple[str, ...]:
@@ -68,7 +82,7 @@ def add_subcommands(plan_sub: Any) -> None:
     """Add ``memory`` and ``layouts`` (alias ``search``) to the ``plan`` subparsers."""
     mem_p = plan_sub.add_parser("memory", help="model-state memory per rank, per strategy")
     mem_p.add_argument("--params", type=parameter_count, required=True, help="e.g. 7.5e9")
-    mem_p.add_argument("-n", "--nproc", type=int, required=True, help="data-parallel ranks")
+    mem_p.add_argument("-n", "--nproc", type=POSITIVE, required=True, help="data-parallel ranks")
     mem_p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd_momentum")
     mem_p.add_argument("--precision", default="mixed", help="mixed or fp32")
     mem_p.add_argument(
@@ -83,27 +97,45 @@ def add_subcommands(plan_sub: Any) -> None:
         description=LAYOUTS_HELP,
     )
     m = lay.add_argument_group("model")
-    m.add_argument("--model", default="gpt", help="gpt, 22B, 175B, 530B or 1T (default gpt)")
+    m.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt, 22B, 175B, 530B, 1T, a Hugging Face config.json (or its directory), or a "
+        "preset: llama3-8b, llama3-70b, llama3-405b, mistral-7b, qwen2-7b, mixtral-8x7b, "
+        "gpt2, gpt2-xl (default gpt)",
+    )
     m.add_argument("--params", type=parameter_count, default=None, help="a GPT of this size")
-    m.add_argument("--layers", type=int, default=None)
-    m.add_argument("--hidden", type=int, default=None)
-    m.add_argument("--heads", type=int, default=None)
-    m.add_argument("--vocab", type=int, default=None)
-    m.add_argument("--seq-len", type=int, default=None, help="the position table's length")
+    m.add_argument("--layers", type=POSITIVE, default=None)
+    m.add_argument("--hidden", type=POSITIVE, default=None)
+    m.add_argument("--heads", type=POSITIVE, default=None)
+    m.add_argument("--vocab", type=POSITIVE, default=None)
+    m.add_argument("--seq-len", type=POSITIVE, default=None, help="the position table's length")
     m.add_argument("--tied", action="store_true", help="head shares the token embedding")
-    m.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense)")
-    m.add_argument("--top-k", type=int, default=2)
-    m.add_argument("--moe-every", type=int, default=2)
+    m.add_argument("--experts", type=NONNEGATIVE, default=0, help="MoE experts (0: dense)")
+    m.add_argument("--top-k", type=POSITIVE, default=2)
+    m.add_argument("--moe-every", type=POSITIVE, default=2)
     c = lay.add_argument_group("cluster")
-    c.add_argument("--cluster", default="a100", help="a100, h100 or cpu")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--ranks", type=int, default=4, help="cpu: ranks on this machine")
-    c.add_argument("--devices-per-node", type=int, default=None)
-    c.add_argument("--peak-tflops", type=float, default=None)
-    c.add_argument("--memory-gb", type=float, default=None)
-    c.add_argument("--efficiency", type=float, default=None, help="share of peak reached")
-    c.add_argument("--intra-gbps", type=float, default=None, help="GB/s per device, NVLink")
-    c.add_argument("--inter-gbps", type=float, default=None, help="GB/s per device, network")
+    c.add_argument("--cluster", default="a100", help="a100, h100, h200, b200 or cpu")
+    c.add_argument(
+        "--gpus",
+        default=None,
+        metavar="NxKIND",
+        help="e.g. 64xH100: N devices of a preset kind, 8 per node (sets --cluster, --nodes)",
+    )
+    c.add_argument("--nodes", type=POSITIVE, default=1)
+    c.add_argument("--ranks", type=POSITIVE, default=4, help="cpu: ranks on this machine")
+    c.add_argument("--devices-per-node", type=POSITIVE, default=None)
+    c.add_argument("--peak-tflops", type=real(0, above=True), default=None)
+    c.add_argument("--memory-gb", type=real(0, above=True), default=None)
+    c.add_argument(
+        "--efficiency", type=real(0, above=True), default=None, help="share of peak reached"
+    )
+    c.add_argument(
+        "--intra-gbps", type=real(0, above=True), default=None, help="GB/s per device, NVLink"
+    )
+    c.add_argument(
+        "--inter-gbps", type=real(0, above=True), default=None, help="GB/s per device, network"
+    )
     c.add_argument("--bench-file", default=None, help="cpu: a `plait bench comm --json` file")
     c.add_argument(
         "--calibration",
@@ -111,8 +143,10 @@ def add_subcommands(plan_sub: Any) -> None:
         help="cpu: a `plait bench calibrate` file (default runs/plan_calibration_n<ranks>.json)",
     )
     j = lay.add_argument_group("job")
-    j.add_argument("--batch", type=int, required=True, help="global batch in sequences")
-    j.add_argument("--seq", type=int, default=None, help="tokens per sequence (default seq-len)")
+    j.add_argument("--batch", type=POSITIVE, required=True, help="global batch in sequences")
+    j.add_argument(
+        "--seq", type=POSITIVE, default=None, help="tokens per sequence (default seq-len)"
+    )
     j.add_argument("--precision", default="mixed", help="mixed or fp32")
     j.add_argument("--optimizer", default="adam")
     j.add_argument("--no-dropout", action="store_true", help="no dropout masks kept")
@@ -128,9 +162,9 @@ def add_subcommands(plan_sub: Any) -> None:
     s.add_argument("--recompute", type=_words, default=("none", "selective", "full"))
     s.add_argument("--sp", choices=["on", "off", "both"], default="both")
     s.add_argument("--tp-modes", type=_words, default=("1d",), help="1d,2d,2.5d,3d")
-    s.add_argument("--dp-overlap", type=float, default=0.0, help="share of dp comm hidden")
+    s.add_argument("--dp-overlap", type=real(0), default=0.0, help="share of dp comm hidden")
     o = lay.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10)
+    o.add_argument("--top", type=POSITIVE, default=10)
     o.add_argument("--json", default=None, metavar="PATH", help="write JSON ('-': stdout)")
     o.add_argument("--explain", action="store_true", help="every term of the best layout")
     lay.set_defaults(func=plan_layouts)
@@ -173,8 +207,13 @@ def _model(args: argparse.Namespace) -> Any:
     if args.model in spec.PUBLISHED:
         return spec.published(args.model)
     if args.model != "gpt":
+        from plait.plan import hf
+
+        if args.model in hf.PRESETS or args.model.endswith(".json") or "/" in args.model:
+            return hf.load(args.model)
         raise ValueError(
-            f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)} (or --params)"
+            f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)}, a preset "
+            f"({', '.join(hf.PRESETS)}), a config.json path (or --params)"
         )
     from plait.models.gpt import GPTConfig
 
@@ -192,9 +231,25 @@ def _model(args: argparse.Namespace) -> Any:
     )
 
 
+def _gpus(text: str) -> tuple[str, int]:
+    """``"64xH100"`` -> ``("h100", 8)``: a preset kind and its nodes of 8 devices."""
+    from plait.plan import hardware
+
+    count, sep, kind = text.lower().partition("x")
+    kinds = [k for k in hardware.PRESETS if k != "cpu"]
+    if not sep or not count.isdigit() or kind not in kinds:
+        raise ValueError(f"--gpus {text!r}: write N x KIND, e.g. 64xH100 (KIND: {kinds})")
+    n = int(count)
+    if n < 8 or n % 8:
+        raise ValueError(f"--gpus {text!r}: presets are nodes of 8 devices; use a multiple of 8")
+    return kind, n // 8
+
+
 def _cluster(args: argparse.Namespace) -> Any:
     from plait.plan import hardware
 
+    if getattr(args, "gpus", None):
+        args.cluster, args.nodes = _gpus(args.gpus)
     if args.cluster == "cpu":
         cluster = hardware.local_cpu(
             ranks=args.ranks, bench_file=args.bench_file, calibration=args.calibration
@@ -217,6 +272,14 @@ def _cluster(args: argparse.Namespace) -> Any:
     return replace(cluster, **changes) if changes else cluster
 
 
+def _check_size(model: Any) -> None:
+    if model.layers > MAX_LAYERS:
+        raise ValueError(
+            f"the model has {model.layers} layers, more than {MAX_LAYERS} (the layout search "
+            f"grows with the layer count); pass fewer --layers or a smaller --params"
+        )
+
+
 def plan_layouts(args: argparse.Namespace) -> int:
     """``plait plan layouts``: the ranked table, then ``--explain`` and ``--json``."""
     from plait.plan.layout import Job
@@ -226,6 +289,7 @@ def plan_layouts(args: argparse.Namespace) -> int:
 
     try:
         model = _model(args)
+        _check_size(model)
         cluster = _cluster(args)
         job = Job(
             global_batch=args.batch,

@@ -152,6 +152,32 @@ def h100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
     )
 
 
+def h200(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
+    """HGX/DGX H200 nodes: the H100's compute (989 TFLOP/s dense BF16) and NVLink4, with
+    141 GB of HBM3e (NVIDIA H200 Tensor Core GPU datasheet); 8x 400 Gb/s NDR InfiniBand."""
+    return replace(h100(nodes, efficiency=efficiency), name=f"h200x8x{nodes}", memory_bytes=141e9)
+
+
+def b200(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
+    """DGX B200 nodes (NVIDIA DGX B200 datasheet: 8 GPUs, 1,440 GB of HBM3e in all, 72
+    PFLOP/s FP8 training with sparsity, so 2.25 PFLOP/s dense BF16 per GPU; NVLink5 at 1.8
+    TB/s per GPU both ways; 8x 400 Gb/s ConnectX-7). The efficiency is the A100's unless
+    given (no published MFU for it here): optimistic, as for the H100."""
+    return Cluster(
+        name=f"b200x8x{nodes}",
+        nodes=nodes,
+        devices_per_node=8,
+        peak_flops=2250e12,
+        memory_bytes=180e9,
+        intra_bandwidth=900e9,
+        intra_latency=5e-6,
+        inter_bandwidth=50e9,
+        inter_latency=10e-6,
+        efficiency=efficiency,
+        memory_reserve=0.1,
+    )
+
+
 # --- this machine ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinkFit:
@@ -331,15 +357,20 @@ def with_compute(base: Cluster, flops: float, seconds: float, blocks: int) -> Cl
     return replace(base, peak_flops=rate, efficiency=1.0)
 
 
-PRESETS = ("a100", "h100", "cpu")
+PRESETS = ("a100", "h100", "h200", "b200", "cpu")
 
 
 def preset(name: str, *, nodes: int = 1, ranks: int = 4) -> Cluster:
-    """``"a100"`` / ``"h100"`` with ``nodes`` nodes, or ``"cpu"`` with ``ranks`` ranks."""
+    """``"a100"`` / ``"h100"`` / ``"h200"`` / ``"b200"`` with ``nodes`` nodes, or ``"cpu"``
+    with ``ranks`` ranks."""
     if name == "a100":
         return a100(nodes)
     if name == "h100":
         return h100(nodes)
+    if name == "h200":
+        return h200(nodes)
+    if name == "b200":
+        return b200(nodes)
     if name == "cpu":
         return local_cpu(ranks=ranks)
     raise ValueError(f"unknown cluster preset {name!r}; use one of {list(PRESETS)}")
@@ -351,9 +382,11 @@ __all__ = [
     "Cluster",
     "LinkFit",
     "a100",
+    "b200",
     "bench_rows",
     "fit_alpha_beta",
     "h100",
+    "h200",
     "local_cpu",
     "matmul_flops",
     "preset",

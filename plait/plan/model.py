@@ -56,15 +56,29 @@ class ModelSpec:
     top_k: int = 2
     moe_every: int = 2
     name: str = "gpt"
+    # The shape of families other than plait's GPT (Hugging Face configs: from_hf_config).
+    # The defaults are plait's GPT; 0 means "derived" (ffn_mult * hidden, heads, hidden/heads).
+    ffn_hidden: int = 0  # the MLP's inner width (Llama's intermediate_size)
+    kv_heads: int = 0  # key/value heads (grouped-query attention)
+    head_dim: int = 0
+    gated: bool = False  # SwiGLU: gate, up and down projections (three matrices)
+    qkv_bias: bool = True  # biases on the q, k, v projections
+    bias: bool = True  # biases on the other linears (attention output, MLP)
+    norm: str = "layernorm"  # "layernorm" (weight and bias) or "rmsnorm" (weight)
+    qk_norm: bool = False  # RMSNorm of queries and keys per head (Qwen3)
+    positions: str = "learned"  # "learned" (a table of seq_len rows) or "rope" (none)
+    expert_ffn: int = 0  # an expert's inner width (0: ffn_hidden)
+    shared_ffn: int = 0  # a shared expert's inner width beside the routed ones (Qwen-MoE)
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_mult"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec: {field} must be a whole number >= 1, got {value!r}")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and not self.head_dim:
             raise ValueError(
-                f"ModelSpec: hidden={self.hidden} is not a multiple of heads={self.heads}"
+                f"ModelSpec: hidden={self.hidden} is not a multiple of heads={self.heads} "
+                f"(give head_dim)"
             )
         if self.experts < 0 or self.experts == 1:
             raise ValueError(
@@ -76,6 +90,18 @@ class ModelSpec:
             )
         if self.experts and self.moe_every < 1:
             raise ValueError(f"ModelSpec: moe_every={self.moe_every} must be at least 1")
+        for field in ("ffn_hidden", "kv_heads", "head_dim", "expert_ffn", "shared_ffn"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec: {field} must be a whole number >= 0, got {value!r}")
+        if self.heads % self.kv:
+            raise ValueError(
+                f"ModelSpec: heads={self.heads} is not a multiple of kv_heads={self.kv}"
+            )
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"ModelSpec: norm={self.norm!r}; use 'layernorm' or 'rmsnorm'")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"ModelSpec: positions={self.positions!r}; use 'learned' or 'rope'")
 
     # --- structure ------------------------------------------------------------------------
     @property
@@ -87,31 +113,110 @@ class ModelSpec:
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
 
-    def attention_params(self) -> int:
-        """qkv, proj and the two LayerNorms of one block: ``4 h^2 + 8 h``."""
+    # --- derived shape ----------------------------------------------------------------------
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width."""
+        return self.ffn_hidden or self.ffn_mult * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def hd(self) -> int:
+        """One head's width."""
+        return self.head_dim or self.hidden // self.heads
+
+    def norm_params(self) -> int:
+        """One norm over the hidden size: ``2 h`` (LayerNorm) or ``h`` (RMSNorm)."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def attention_weights(self) -> int:
+        """The four projections' weights: ``h (a + 2 k) d + a d h`` (``4 h^2`` without GQA)."""
+        h, q, kv = self.hidden, self.heads * self.hd, self.kv * self.hd
+        return h * (q + 2 * kv) + q * h
+
+    def _mlp_weights(self, inner: int) -> int:
+        return (3 if self.gated else 2) * inner * self.hidden
+
+    def _mlp_biases(self, inner: int) -> tuple[int, int]:
+        """(biases split by tensor parallelism, biases kept whole) of one MLP."""
+        if not self.bias:
+            return 0, 0
+        return (2 if self.gated else 1) * inner, self.hidden
+
+    def block_split(self, moe: bool = False) -> tuple[int, int]:
+        """One block's parameters as (split by 1D tensor parallelism, kept whole): the
+        projections and the q/k/v and up biases are split; the norms, the output biases,
+        the router and the shared expert's gate are whole (experts not included: EP
+        splits them). plait's GPT: ``((4 + 2 f) h^2 + (3 + f) h, 6 h)`` dense."""
         h = self.hidden
-        return 4 * h * h + 8 * h
+        q, kv = self.heads * self.hd, self.kv * self.hd
+        split = self.attention_weights() + ((q + 2 * kv) if self.qkv_bias else 0)
+        whole = 2 * self.norm_params() + (h if self.bias else 0)
+        whole += 2 * self.hd if self.qk_norm else 0
+        if not moe:
+            up, down = self._mlp_biases(self.ffn)
+            return split + self._mlp_weights(self.ffn) + up, whole + down
+        whole += h * self.experts
+        if self.shared_ffn:
+            up, down = self._mlp_biases(self.shared_ffn)
+            split += self._mlp_weights(self.shared_ffn) + up
+            whole += down + h  # the shared expert's gate
+        return split, whole
+
+    def attention_params(self) -> int:
+        """The projections, their biases and the block's norms (``4 h^2 + 8 h`` for plait's
+        GPT)."""
+        split, whole = self.block_split(moe=True)
+        return split + whole - self.hidden * self.experts - self._shared_params()
+
+    def _shared_params(self) -> int:
+        if not self.shared_ffn:
+            return 0
+        return (
+            self._mlp_weights(self.shared_ffn)
+            + sum(self._mlp_biases(self.shared_ffn))
+            + self.hidden
+        )
 
     def mlp_params(self) -> int:
-        """One dense MLP (or one expert): ``2 f h^2 + (f + 1) h``."""
-        h, f = self.hidden, self.ffn_mult
-        return 2 * f * h * h + (f + 1) * h
+        """One routed expert, or the dense MLP when the model has no experts (plait's GPT:
+        ``2 f h^2 + (f + 1) h``)."""
+        inner = (self.expert_ffn or self.ffn) if self.experts else self.ffn
+        return self._mlp_weights(inner) + sum(self._mlp_biases(inner))
 
     def block_params(self, moe: bool = False) -> int:
-        if moe:
-            return (
-                self.attention_params()
-                + self.hidden * self.experts
-                + self.experts * (self.mlp_params())
-            )
-        return self.attention_params() + self.mlp_params()
+        split, whole = self.block_split(moe)
+        if not moe:
+            return split + whole
+        return split + whole + self.experts * self.mlp_params()
+
+    def block_tensors(self, moe: bool = False) -> int:
+        """Parameter tensors of one block, routed experts not included (12 for plait's GPT's
+        dense block, 9 for its MoE block): what per-tensor state (Adam's step) counts."""
+        norm = 2 if self.norm == "layernorm" else 1
+        n = 4 + (3 if self.qkv_bias else 0) + (1 if self.bias else 0) + 2 * norm
+        n += 2 if self.qk_norm else 0
+        if not moe:
+            return n + self.mlp_tensors()
+        return n + 1 + (self.mlp_tensors() + 1 if self.shared_ffn else 0)
+
+    def mlp_tensors(self) -> int:
+        """Tensors of one MLP or routed expert (an expert held as its own module)."""
+        return (3 if self.gated else 2) * (2 if self.bias else 1)
+
+    def embedding_tensors(self) -> int:
+        return 2 if self.positions == "learned" else 1
 
     def embedding_params(self) -> int:
-        return (self.vocab + self.seq_len) * self.hidden
+        table = self.seq_len if self.positions == "learned" else 0
+        return (self.vocab + table) * self.hidden
 
     def head_params(self) -> int:
-        """Final LayerNorm plus the head (the head counts 0 when tied to the embedding)."""
-        return 2 * self.hidden + (0 if self.tied else self.vocab * self.hidden)
+        """Final norm plus the head (the head counts 0 when tied to the embedding)."""
+        return self.norm_params() + (0 if self.tied else self.vocab * self.hidden)
 
     @property
     def num_params(self) -> int:
@@ -137,13 +242,10 @@ class ModelSpec:
         ``recompute`` adds what the hardware runs again (HFU, not MFU)."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; use one of {list(RECOMPUTE)}")
-        h, f = self.hidden, self.ffn_mult
-        attn_linears = 2 * 4 * h * h  # qkv + proj
-        mlp = 2 * 2 * f * h * h
-        mlp_moe = mlp * self.top_k + 2 * h * self.experts  # top_k experts + the gate
-        core = 4 * seq * h  # QK^T and softmax . V
-        blocks_fwd = self.dense_layers * (attn_linears + mlp + core) + self.moe_layers * (
-            attn_linears + mlp_moe + core
+        h = self.hidden
+        core = self.attention_core_flops(seq)
+        blocks_fwd = self.dense_layers * self.block_flops(seq, moe=False) + (
+            self.moe_layers * self.block_flops(seq, moe=True)
         )
         head_fwd = 2 * h * self.vocab
         total = 3.0 * (blocks_fwd + head_fwd)
@@ -152,6 +254,25 @@ class ModelSpec:
         elif recompute == "selective":
             total += self.layers * core
         return total
+
+    def attention_core_flops(self, seq: int) -> float:
+        """Forward FLOPs per token of attention's two ``s x s`` products: ``4 s a d``."""
+        return 4 * seq * self.heads * self.hd
+
+    def block_flops(self, seq: int, *, moe: bool) -> float:
+        """Forward FLOPs per token of one block: ``2`` per weight of its projections and of
+        the MLPs a token passes (``top_k`` experts, a shared one, the router), plus the
+        attention core (``24 h^2 + 4 s h`` for plait's GPT, f = 4)."""
+        h = self.hidden
+        linears = 2 * self.attention_weights()
+        if not moe:
+            mlp = 2 * self._mlp_weights(self.ffn)
+        else:
+            inner = self.expert_ffn or self.ffn
+            mlp = self.top_k * 2 * self._mlp_weights(inner) + 2 * h * self.experts
+            if self.shared_ffn:
+                mlp += 2 * self._mlp_weights(self.shared_ffn) + 2 * h
+        return linears + mlp + self.attention_core_flops(seq)
 
     def flops_per_iteration(self, *, batch: int, seq: int, recompute: str = "none") -> float:
         """``flops_per_token * batch * seq``: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for a
@@ -217,7 +338,7 @@ def from_param_count(
 
 # Published models (the validation runs): Korthikanti et al. 2022, Table 3; PTD-P Table 1.
 # vocab 51200, sequence 2048, tied embeddings (Megatron's GPT).
-PUBLISHED = {
+PUBLISHED: dict[str, dict[str, Any]] = {
     "22B": dict(layers=48, hidden=6144, heads=64),
     "175B": dict(layers=96, hidden=12288, heads=96),
     "530B": dict(layers=105, hidden=20480, heads=128),

@@ -105,7 +105,7 @@ def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool
 
 def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
     """``(dense, expert)`` parameter elements held by each pipeline rank (module doc)."""
-    h, f, t = model.hidden, model.ffn_mult, layout.tp
+    h, t = model.hidden, layout.tp
     grid = layout.tp_mode != "1d"
     div = _tp_divisor(model, layout)
 
@@ -114,13 +114,12 @@ def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
             return math.ceil((sharded + whole) / div)
         return math.ceil(sharded / t) + whole
 
-    dense_block = split((4 + 2 * f) * h * h + (3 + f) * h, 6 * h)
-    moe_block = split(4 * h * h + 3 * h, 5 * h + h * model.experts)
+    dense_block = split(*model.block_split(moe=False))
+    moe_block = split(*model.block_split(moe=True))
     experts = (model.experts // layout.ep) * model.mlp_params() if model.experts else 0
     vocab_rows = math.ceil(model.vocab / t) if not grid else 0
-    embedding = (
-        vocab_rows * h + model.seq_len * h if not grid else split(0, model.embedding_params())
-    )
+    table = model.seq_len * h if model.positions == "learned" else 0
+    embedding = vocab_rows * h + table if not grid else split(0, model.embedding_params())
     head_weight = vocab_rows * h if not grid else split(0, model.vocab * h)
     out = []
     for dense_blocks, moe_blocks, first, last in rank_contents(model, layout):
@@ -129,7 +128,7 @@ def rank_params(model: ModelSpec, layout: Layout) -> list[tuple[int, int]]:
         if first:
             dense += embedding
         if last:
-            dense += split(0, 2 * h) if grid else 2 * h
+            dense += split(0, model.norm_params()) if grid else model.norm_params()
             if not model.tied or not first:
                 dense += head_weight
         out.append((dense, expert))
@@ -148,9 +147,11 @@ def step_counters(model: ModelSpec, layout: Layout) -> list[int]:
         elif layout.zero == 3:
             out.append(dense_blocks + moe_blocks + 1)
         else:
-            n = 12 * dense_blocks + moe_blocks * (9 + 4 * local_experts)
-            n += 2 if first else 0
-            n += (2 + (0 if model.tied and first else 1)) if last else 0
+            n = dense_blocks * model.block_tensors(False)
+            n += moe_blocks * (model.block_tensors(True) + model.mlp_tensors() * local_experts)
+            n += model.embedding_tensors() if first else 0
+            final_norm = 2 if model.norm == "layernorm" else 1
+            n += (final_norm + (0 if model.tied and first else 1)) if last else 0
             out.append(n)
     return out
 

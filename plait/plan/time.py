@@ -190,11 +190,7 @@ def bubble(schedule: str, *, p: int, m: int, v: int = 1, simulate: bool = False)
 
 def _block_flops(model: ModelSpec, seq: int, moe: bool) -> float:
     """Forward FLOPs per token of one block (module doc of plait.plan.model)."""
-    h, f = model.hidden, model.ffn_mult
-    mlp = 2 * 2 * f * h * h
-    if moe:
-        mlp = mlp * model.top_k + 2 * h * model.experts
-    return 2 * 4 * h * h + mlp + 4 * seq * h
+    return model.block_flops(seq, moe=moe)
 
 
 def _tp_block_seconds(

@@ -88,6 +88,17 @@ def place(
     return new
 
 
+def copies_of_placed(params: Iterable[torch.Tensor], group: Group) -> None:
+    """A data-parallel wrapper over a model another strategy already placed (tensor or
+    pipeline parallelism inside DDP): its parameters are also copied over ``group``, so a
+    global norm counts them once, not once per replica. A model no strategy placed stays
+    local (its norm needs no communication: every replica holds the averaged gradient)."""
+    params = list(params)
+    if is_placed(params):
+        for p in params:
+            place(p, replicate=(group,))
+
+
 def placement(param: torch.Tensor) -> Placement | None:
     """What :func:`place` recorded on ``param``, or None for a local parameter."""
     return getattr(param, _ATTR, None)
@@ -96,6 +107,13 @@ def placement(param: torch.Tensor) -> Placement | None:
 def is_placed(params: Iterable[torch.Tensor]) -> bool:
     """Any parameter of ``params`` was placed by a strategy."""
     return any(placement(p) is not None for p in params)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: a strategy's guarded gradient (FSDP's shard gradient refuses
+    norms so that a per-rank norm is never taken by mistake) read for the global one."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
 
 
 def grad_norm(
@@ -131,7 +149,7 @@ def grad_norm(
             )
         if p.grad is None or not where.counted or p.grad.numel() == 0:
             continue
-        g = p.grad.detach().to(dtype)
+        g = plain(p.grad).detach().to(dtype)
         if infinite:
             total = torch.maximum(total, g.abs().max())
         else:

@@ -213,6 +213,8 @@ def broadcast_stages(
     (``owner``: key -> pp rank) from ``local``, one flat tensor per dtype. Keys in the order
     of ``shapes``. Collective over ``pp_group``."""
     out: dict[str, torch.Tensor] = {}
+    # received tensors land where this rank's own live (NCCL carries CUDA tensors only)
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     for src in range(pp_group.size):
         keys = [k for k in shapes if owner[k] == src]
         for dtype in sorted({shapes[k][1] for k in keys}, key=str):
@@ -226,7 +228,7 @@ def broadcast_stages(
                     )
                 flat = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in mine])
             else:
-                flat = torch.empty(sum(numels), dtype=dtype)
+                flat = torch.empty(sum(numels), dtype=dtype, device=device)
             ops.broadcast(flat, src, group=pp_group, algorithm=algorithm)
             for k, part in zip(mine, flat.split(numels), strict=True):
                 out[k] = part.view(shapes[k][0]).clone()

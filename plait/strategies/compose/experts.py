@@ -49,15 +49,9 @@ from plait.strategies.moe.layer import MoE, moe_layers
 def tp_plan_without_experts(cfg: Any, *, sequence_parallel: bool) -> dict[str, Any]:
     """The GPT's tensor-parallel plan, without the MLP entries of its MoE blocks (their
     experts are replicated over tp)."""
-    from plait.models.gpt import is_moe_block
     from plait.models.gpt import tp_plan as gpt_plan
 
-    plan = gpt_plan(layers=cfg.layers, sequence_parallel=sequence_parallel)
-    for i in range(cfg.layers):
-        if is_moe_block(cfg, i):
-            plan.pop(f"blocks.{i}.mlp.fc1")
-            plan.pop(f"blocks.{i}.mlp.fc2")
-    return plan
+    return gpt_plan(cfg, sequence_parallel=sequence_parallel)  # MoE blocks' MLPs left out
 
 
 def shard_experts(model: nn.Module, *, ep_group: Group | None) -> set[int]:
@@ -97,6 +91,8 @@ def gather_experts(
     """Fill ``local`` (in place) with the tensors of ``wanted`` held by the other ep ranks.
     ``owner``: key -> ep rank. Collective over ``ep_group``: one broadcast per (ep rank,
     dtype) of its experts' tensors, flattened; every ep rank passes the same keys."""
+    # received tensors land where this rank's own live (NCCL carries CUDA tensors only)
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     for src in range(ep_group.size):
         keys = [k for k in wanted if owner[k] == src]
         for dtype in sorted({wanted[k][1] for k in keys}, key=str):
@@ -105,7 +101,7 @@ def gather_experts(
             if src == ep_group.rank:
                 flat = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in mine])
             else:
-                flat = torch.empty(sum(numels), dtype=dtype)
+                flat = torch.empty(sum(numels), dtype=dtype, device=device)
             ops.broadcast(flat, src, group=ep_group, algorithm=algorithm)
             for k, part in zip(mine, flat.split(numels), strict=True):
                 local[k] = part.view(wanted[k][0]).clone()
@@ -175,7 +171,7 @@ def average(params: Sequence[nn.Parameter], group: Group, *, divide: int, algori
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype)
+        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group.size > 1:
             ops.all_reduce(flat, "sum", group=group, algorithm=algorithm)

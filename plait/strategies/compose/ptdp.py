@@ -97,6 +97,7 @@ from plait.strategies.compose.experts import (
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.moe.layer import moe_layers
+from plait.strategies.zero.groups import constructor_kwargs
 
 
 class PTDP:
@@ -118,8 +119,8 @@ class PTDP:
         tp_mode: str = "1d",
         algorithm: str = "auto",
     ) -> None:
+        from plait.models.gpt import pipeline_plan  # as check.py: ptdp composes the GPT
         from plait.strategies.pipeline import PipelineParallel
-        from plait.strategies.pipeline.split import layers_of
         from plait.strategies.tensor import loss_fn, parallelize
 
         self.sizes: Sizes = check_layout(
@@ -181,7 +182,8 @@ class PTDP:
         if self.sizes.tp > 1:
             plan = tp_plan or tp_plan_without_experts(cfg, sequence_parallel=sequence_parallel)
             parallelize(model, self.tp_group, plan, algorithm=algorithm)
-        layers = layers_of(model)
+        stages_plan = pipeline_plan(model)  # type: ignore[arg-type]
+        layers = list(stages_plan.layers)
         base_loss = loss_fn(model)
         self._loss_scale = 1.0
 
@@ -195,7 +197,9 @@ class PTDP:
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
+            plan=stages_plan,
             loss_fn=scaled_loss,
+            check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
         )
         part = self.pipe.partition
         assert part.placement is not None
@@ -230,7 +234,11 @@ class PTDP:
             ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
         params = [c.param for c in self.counted]
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults}
+        # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
+        hyper = constructor_kwargs(
+            type(optimizer),
+            {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
+        )
         self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer

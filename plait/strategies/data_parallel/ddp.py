@@ -71,6 +71,7 @@ from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel import ddp_args, grad_sync
 from plait.strategies.data_parallel.buckets import Bucket, build_buckets
 from plait.strategies.data_parallel.hooks import CommHook, GradBucket
+from plait.strategies.placement import copies_of_placed
 from plait.trace import Tracer
 
 MIB = 1 << 20
@@ -178,6 +179,7 @@ class DistributedDataParallel(nn.Module):
         if self.group.size > 1:
             params = [p for _, p in module.named_parameters()]
             broadcast_tensors([*params, *module.buffers()], self.group, "auto")
+        copies_of_placed(module.parameters(), self.group)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         self._index_of = {p: i for i, (_, p) in enumerate(self._named)}
         self._set_buckets(build_buckets(list(reversed(self._named)), self.bucket_bytes))

@@ -33,6 +33,7 @@ from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel import grad_sync
 from plait.strategies.data_parallel.ddp import broadcast_tensors
+from plait.strategies.placement import copies_of_placed
 from plait.trace import Tracer
 
 WHO = "NaiveDataParallel"
@@ -77,6 +78,7 @@ class NaiveDataParallel(nn.Module):
         )
         if self.group.size > 1:
             broadcast_tensors([*module.parameters(), *module.buffers()], self.group, "auto")
+        copies_of_placed(module.parameters(), self.group)
         for i, (_, p) in enumerate(self._named):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 

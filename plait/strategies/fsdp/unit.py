@@ -20,6 +20,7 @@ from plait import comm
 from plait.comm.group import Group, Handle
 from plait.strategies.fsdp.grads import guard_grad
 from plait.strategies.fsdp.placeholder import _Placeholder
+from plait.strategies.placement import place
 from plait.trace import Tracer
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ class ShardedUnit:
         self.remove_views()
         if self.numel:
             module.register_parameter(shard_name, self.shard)
+            # each rank holds a distinct slice: a global norm adds them (padding is zero)
+            place(self.shard, shard=(config.group,))
         self.full_bytes_per_element = torch.empty(0, dtype=self.param_dtype).element_size()
         self.full_data: torch.Tensor | None = None
         self.full: torch.Tensor | None = None

@@ -8,6 +8,8 @@
 - ``layer``: :class:`MoE`, the layer.
 - ``expert_parallel``: :func:`expert_parallel` / :func:`prepare_ep`, experts split over the
   mesh's ``ep`` group, the rest data parallel.
+- ``plan``: :class:`MoEPlan`, how a model's own MoE blocks are laid out; ``stacked``: expert
+  parallelism on them (the model's router decides, plait dispatches).
 - ``stats``: :class:`MoEStats` per step and :func:`plot_tokens_per_expert`.
 """
 
@@ -16,12 +18,14 @@ from plait.strategies.moe.expert_parallel import ExpertParallelInfo, expert_para
 from plait.strategies.moe.gshard_gate import Routing, capacity, combine_tensor, route
 from plait.strategies.moe.layer import Expert, MoE, moe_layers, update_expert_bias
 from plait.strategies.moe.losses import gshard_aux_loss, switch_aux_loss, z_loss
+from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.moe.stats import MoEStats, collect, plot_tokens_per_expert
 
 __all__ = [
     "Expert",
     "ExpertParallelInfo",
     "MoE",
+    "MoEPlan",
     "MoEStats",
     "Routing",
     "all_to_all_rows",

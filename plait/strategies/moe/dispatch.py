@@ -37,6 +37,7 @@ process) nothing is sent and the same code runs all experts locally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,31 @@ def plan(routing: Routing) -> Dispatch:
     order = torch.argsort(key)
     counts = torch.bincount(expert, minlength=routing.num_experts).tolist()
     return Dispatch(token=(g * S + s)[order], weight=routing.weight[g, s, j][order], counts=counts)
+
+
+def plan_top_k(index: torch.Tensor, weight: torch.Tensor, num_experts: int) -> Dispatch:
+    """The dispatch of dropless top-k routing decided elsewhere (a model's own router):
+    ``index [T, k]`` (global expert of each choice) and ``weight [T, k]`` (its combine
+    weight), every choice kept, sorted by (expert, token, choice). Local; refuses an index
+    outside ``0 .. num_experts - 1``, naming it."""
+    if index.shape != weight.shape or index.dim() != 2:
+        raise ValueError(
+            f"expert parallelism: the router returned expert indices of shape "
+            f"{tuple(index.shape)} and weights of shape {tuple(weight.shape)}; both must be "
+            f"[tokens, top_k]"
+        )
+    T, k = index.shape
+    expert = index.reshape(-1).to(torch.int64)
+    if expert.numel() and (int(expert.min()) < 0 or int(expert.max()) >= num_experts):
+        bad = int(expert.max()) if int(expert.max()) >= num_experts else int(expert.min())
+        raise ValueError(
+            f"expert parallelism: the router chose expert {bad}, outside 0..{num_experts - 1}; "
+            f"masked or padded choices are not supported: route every token to real experts"
+        )
+    order = torch.argsort(expert, stable=True)
+    token = torch.arange(T, device=index.device).repeat_interleave(k)
+    counts = torch.bincount(expert, minlength=num_experts).tolist()
+    return Dispatch(token=token[order], weight=weight.reshape(-1)[order], counts=counts)
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -142,7 +168,7 @@ def _expert_major(counts: torch.Tensor, first: int, local: int) -> tuple[torch.T
 def run_experts(
     x: torch.Tensor,
     dispatch: Dispatch,
-    experts: nn.ModuleDict,
+    experts: nn.ModuleDict | Callable[[int, torch.Tensor], torch.Tensor],
     *,
     counts: torch.Tensor,
     group: Group | None,
@@ -167,7 +193,16 @@ def run_experts(
     else:
         sizes = counts[0].tolist()
     # every held expert runs, even on no rows, so each has a gradient on every rank
-    outs = [experts[str(first + e)](chunk) for e, chunk in enumerate(torch.split(rows, sizes))]
+    apply: Callable[[int, torch.Tensor], torch.Tensor]
+    if isinstance(experts, nn.ModuleDict):
+        table = experts
+
+        def apply(e: int, chunk: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = table[str(e)](chunk)
+            return out
+    else:
+        apply = experts
+    outs = [apply(first + e, chunk) for e, chunk in enumerate(torch.split(rows, sizes))]
     out = torch.cat(outs) if outs else rows
     if group is not None and p > 1:
         out = out[torch.argsort(order)]  # back to source-major
@@ -176,4 +211,4 @@ def run_experts(
     return x.new_zeros(x.shape).index_add(0, dispatch.token, weighted)
 
 
-__all__ = ["Dispatch", "all_to_all_rows", "gather_counts", "plan", "run_experts"]
+__all__ = ["Dispatch", "all_to_all_rows", "gather_counts", "plan", "plan_top_k", "run_experts"]

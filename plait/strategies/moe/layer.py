@@ -228,6 +228,9 @@ class MoE(nn.Module):
         G, S, d = grouped.shape
         logits = self.gate(grouped)  # [G, S, E]
         uniform, gumbel = self._draws(G, S, logits.dtype)
+        # drawn on the CPU (the same streams on every device), used where the logits are
+        uniform = None if uniform is None else uniform.to(logits.device)
+        gumbel = None if gumbel is None else gumbel.to(logits.device)
         policy = self.second_expert if self.training else "all"
         use_bias = self.bias_update_rate > 0
         routing = route(

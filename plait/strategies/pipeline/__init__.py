@@ -7,19 +7,31 @@
 - ``simulate``: :func:`simulate` (makespan, idle, bubble, in-flight micro-batches).
 - ``draw``: :func:`table` (text) and :func:`draw_png` (timeline picture).
 - ``split``: layers of a model, a balanced :class:`~.split.Partition`, :class:`~.split.Stage`.
+- ``plan``: :class:`PipelinePlan`, a model as layers, per-stage context and loss (what a
+  model family writes for the pipeline).
+- ``agree``: the wrap-time agreement of every rank's settings over the pp group.
 - ``runtime``: executes this rank's actions; ``messages``: its point-to-point messages.
 - ``parallel``: :class:`PipelineParallel` and :func:`prepare_pipeline` (``plait.prepare``).
 - ``report``: the bubble measured from the tracer beside the simulated one.
 """
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule, ScheduleError
+from plait.strategies.pipeline.agree import PipelineMismatchError
 from plait.strategies.pipeline.draw import draw_png, table
 from plait.strategies.pipeline.messages import PipelineError
 from plait.strategies.pipeline.parallel import PipelineParallel, prepare_pipeline
+from plait.strategies.pipeline.plan import PipelinePlan
 from plait.strategies.pipeline.report import BubbleReport, bubble_report
 from plait.strategies.pipeline.schedules import SCHEDULES, add_comms, build
 from plait.strategies.pipeline.simulate import Costs, Simulation, formula_bubble, simulate
-from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition, split
+from plait.strategies.pipeline.split import (
+    Layer,
+    Partition,
+    Stage,
+    layers_of,
+    partition,
+    split,
+)
 from plait.strategies.pipeline.validate import validate
 
 __all__ = [
@@ -28,7 +40,10 @@ __all__ = [
     "BubbleReport",
     "Costs",
     "Kind",
+    "Layer",
     "PipelineError",
+    "PipelineMismatchError",
+    "PipelinePlan",
     "Partition",
     "PipelineParallel",
     "Schedule",

@@ -78,9 +78,11 @@ class Link:
         message_tag: int,
         verb: str,
         what: str,
+        device: torch.device | None = None,
     ) -> Message:
-        """Post a receive into a new buffer from pp rank ``peer``; does not block."""
-        t = torch.empty(shape, dtype=dtype)
+        """Post a receive into a new buffer (on ``device``, default the CPU) from pp rank
+        ``peer``; does not block."""
+        t = torch.empty(shape, dtype=dtype, device=device)
         ch = self.channel(verb, message_tag)
         return Message(ch, ch.irecv(t, peer), t, what)
 

@@ -3,52 +3,99 @@
 ::
 
     mesh = plait.Mesh(pp=4)
-    pipe = PipelineParallel(GPT(cfg), group=mesh.group("pp"), schedule="1f1b", microbatches=8)
-    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)   # this rank's stages only
-    for ids, targets in batches:
+    model = LlamaForCausalLM(config)                  # or plait.models.GPT, an nn.Sequential
+    pipe, opt = plait.prepare(model, opt, strategy="pipeline", mesh=mesh,
+                              schedule="1f1b", microbatches=8)   # opt: this rank's stages only
+    for ids, labels in batches:
         opt.zero_grad()
-        loss = pipe.step(ids, targets)   # every rank passes the same global batch
+        loss = pipe.step(ids, labels)   # every rank passes the same global batch
+        plait.clip_grad_norm_(pipe.parameters(), 1.0)   # the whole model's norm
         opt.step()
 
 Each rank builds the whole model (same seed), keeps the stages the schedule places on it
-and drops the rest. ``step`` cuts the batch into ``microbatches`` equal micro-batches, runs
-this rank's actions (:mod:`.runtime`), sums tied gradients (a tied embedding and head on
-the first and last stage) and broadcasts the loss from the last stage, so it returns the
-mean loss over the micro-batches on every rank. Gradients equal the dense model's on the
-whole batch when ``loss_fn`` is a mean over equally sized micro-batches (cross-entropy
-over tokens, as the GPT's). Communication: see :mod:`.runtime`; no gradient all-reduce
-inside the pipeline (combine with data parallelism on another mesh dimension for that).
+and drops the rest. What the stages are comes from the model's pipeline plan
+(:class:`~.plan.PipelinePlan`: its layers, the per-stage context such as rotary embeddings
+and the causal mask, recomputed on each stage, and the model's own loss), found by
+:func:`plait.prepare` with the model's family (``plait/models/<family>.py``) and passed as
+``plan=``; an ``nn.Sequential`` or a list of stage modules needs none. ``step`` cuts the
+batch into ``microbatches`` equal micro-batches, runs this rank's actions (:mod:`.runtime`),
+sums tied gradients (a tied embedding and head on the first and last stage) and broadcasts
+the loss from the last stage, so it returns the whole batch's loss on every rank.
+Gradients equal the dense model's on the whole batch (a mean loss over equally sized
+micro-batches, or a plan whose loss counts its items over the whole batch, as Hugging
+Face's ``num_items_in_batch``).
+
+Communication on the ``pp`` group: see :mod:`.runtime` for the step's point-to-point
+messages; besides them, per step, one all-reduce of ``4 * p`` int64 (the non-finite check,
+with ``check_finite``) and one broadcast of the loss from the last stage's rank; at wrap
+time, one agreement through the rendezvous store (each rank's schedule, micro-batch count,
+chunks, stage cut and model fingerprint: a rank that disagrees is named on every rank
+before any message moves, instead of a deadlock). No gradient all-reduce inside the
+pipeline (combine with data parallelism on another mesh dimension for that).
+
+Placement (for :func:`plait.clip_grad_norm_`): every parameter a rank keeps is split over
+``pp`` (stages add up); a tied parameter held by two ranks is also copied over the pair,
+counted once, on the lower pp rank.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.strategies import placement
+from plait.strategies.data_parallel.grad_sync import (
+    NonFiniteGradientError,
+    bucket_is_finite,
+    check_policy,
+)
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
+from plait.strategies.pipeline.agree import agree
+from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
-from plait.strategies.pipeline.split import Layer, Partition, Stage, layers_of, partition
+from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
 from plait.strategies.pipeline.validate import validate
 from plait.trace import Tracer
+
+
+@dataclass(frozen=True)
+class TiedCopies:
+    """The two pp ranks that hold one tied parameter (a tied embedding and head), as a
+    replicating "group" for :func:`~plait.strategies.placement.place`: the copies are
+    identical after the tied-gradient sum, so only the lower rank's is counted. Used for
+    counting only; no collective runs on it."""
+
+    name: str
+    ranks: tuple[int, int]
+    rank: int
+    size: int = 2
 
 
 class PipelineParallel(nn.Module):
     """This rank's stages of ``model`` and the schedule that trains them (module docstring).
 
-    ``model``: an ``nn.Sequential`` or a :class:`plait.models.GPT` (cut by ``split``), or a
-    list of ``p * chunks`` modules, one per stage (their parameters named ``<i>.<name>``).
+    ``model``: the whole model, cut by its ``plan`` (a :class:`~.plan.PipelinePlan`; not
+    needed for an ``nn.Sequential``), or a list of ``p * chunks`` modules, one per stage
+    (their parameters named ``<i>.<name>``).
     ``schedule``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
     ``"zbv"``, ``"dualpipev"``) or a :class:`Schedule` for ``p = group.size``. ``chunks``:
     stages per rank (default: 2 for interleaved, zbv and dualpipev, else 1). ``split``:
     ``"params"``, ``"time"`` (needs ``sample``, one micro-batch of inputs) or the layer
-    indices where stages 1.. start.
-    ``recompute``: keep only each stage's input between forward and backward.
+    indices where stages 1.. start. ``loss_fn``: ``(output, target) -> mean loss`` of a
+    micro-batch; overrides the plan's loss. ``recompute``: keep only each stage's input
+    between forward and backward. ``check_finite``: ``"raise"`` (default, as DDP),
+    ``"skip"`` (every rank drops the step's gradients) or None (a loss scaler handles
+    overflows): a non-finite stage output or gradient is found on every rank after the
+    backward, naming the rank, stage, micro-batch and parameter.
     """
 
     def __init__(
@@ -59,16 +106,19 @@ class PipelineParallel(nn.Module):
         schedule: str | Schedule = "1f1b",
         microbatches: int | None = None,
         chunks: int | None = None,
+        plan: PipelinePlan | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         recompute: bool = False,
         split: str | Sequence[int] = "params",
         sample: torch.Tensor | None = None,
+        check_finite: str | None = "raise",
         tracer: Tracer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(group, Group):
             group = group.group("pp")  # a Mesh
         self.group = group
+        self.check_finite = check_policy(check_finite)
         p = group.size
         if isinstance(schedule, Schedule):
             if schedule.p != p:
@@ -83,16 +133,6 @@ class PipelineParallel(nn.Module):
                 raise ValueError("pipeline: pass microbatches= (micro-batches per step)")
             sched = build(schedule, p=p, m=microbatches, v=chunks)
         self.schedule = sched
-        if loss_fn is None:
-            from plait.models.gpt import GPT
-            from plait.models.gpt import loss as gpt_loss
-
-            if not isinstance(model, GPT):
-                raise ValueError(
-                    f"pipeline: pass loss_fn=(output, target) -> mean loss for a "
-                    f"{type(model).__name__}; only plait.models.GPT has a default"
-                )
-            loss_fn = gpt_loss
         if isinstance(model, (list, tuple)):  # stages cut by the caller: one per stage
             if len(model) != sched.stages:
                 raise ValueError(
@@ -100,29 +140,115 @@ class PipelineParallel(nn.Module):
                     f"{sched.name!r} with p={p} ranks and {sched.v} chunks runs "
                     f"{sched.stages} stages"
                 )
-            layers = [Layer(str(i), ((str(i), mod),), mod) for i, mod in enumerate(model)]
-            split = list(range(1, len(layers)))
-        else:
-            assert isinstance(model, nn.Module)
-            layers = layers_of(model)
-        part = partition(layers, sched.stages, by=split, sample=sample)
+            plan = stage_list_plan(model)
+            split = list(range(1, len(model)))
+        own = getattr(model, "plait_plan", None)
+        if plan is None and callable(own):  # a model that carries its own plans
+            plan = own("pipeline")
+        assert isinstance(model, nn.Module) or plan is not None
+        layers = layers_of(cast(nn.Module, model), plan)
+        self.plan = plan
+        self._num_items: torch.Tensor | None = None
+        self._mean_loss = True
+        if loss_fn is None:
+            if plan is None or plan.loss is None:
+                raise ValueError(
+                    f"pipeline: pass loss_fn=(output, target) -> mean loss for a "
+                    f"{type(model).__name__}; its plan has no loss"
+                )
+            loss_fn = self._plan_loss(plan)
+        part = partition(
+            layers,
+            sched.stages,
+            by=split,
+            sample=sample,
+            context=None if plan is None else plan.context,
+        )
         self.partition = Partition(
             part.bounds, part.names, part.params, part.seconds, sched.placement
         )
+        agree(
+            {
+                "schedule": sched.name,
+                "microbatches": str(sched.m),
+                "chunks": str(sched.v),
+                "stage cut": str([list(b) for b in part.bounds]),
+                "model": fingerprint(layers),
+            },
+            group,
+        )
         rank = group.rank
         mine = sched.stages_of(rank)
+        context = None if plan is None else plan.context
+        extra = () if plan is None else plan.context_modules
         self.stages = nn.ModuleDict(
-            {str(s): Stage(layers[a:b], s) for s, (a, b) in enumerate(part.bounds) if s in mine}
+            {
+                str(s): Stage(layers[a:b], s, context=context, context_modules=extra)
+                for s, (a, b) in enumerate(part.bounds)
+                if s in mine
+            }
         )
+        tied = self._tied(layers, part, sched, rank)
+        self._place(tied)
+        # every parameter of the whole model in forward order, with its stage: names in
+        # the non-finite message are the same on every rank
+        self._names: list[tuple[str, int]] = []
+        seen: set[int] = set()
+        for s, (a, b) in enumerate(part.bounds):
+            for layer in layers[a:b]:
+                for dotted, module in layer.modules:
+                    for n, prm in module.named_parameters():
+                        if id(prm) not in seen:
+                            seen.add(id(prm))
+                            self._names.append((f"{dotted}.{n}", s))
+        index = {name: i for i, (name, _) in enumerate(self._names)}
+        self._indexed = sorted(
+            (index[n], prm)
+            for stage in self.stages.values()
+            for n, prm in stage.named_parameters()
+            if n in index
+        )
+        self.skipped_steps = 0
+        self.steps = 0
+        self.last_nonfinite: str | None = None
         self.runtime = Runtime(
             sched,
             {int(k): v for k, v in self.stages.items()},  # type: ignore[misc]
             group=group,
             loss_fn=loss_fn,
+            mean_loss=self._mean_loss,
             recompute=recompute,
             tracer=tracer,
-            tied=self._tied(layers, part, sched, rank),
+            tied=tied,
+            watch_forward=self.check_finite is not None,
         )
+
+    def _plan_loss(
+        self, plan: PipelinePlan
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        assert plan.loss is not None
+        if plan.reduction == "mean":
+            return plan.loss
+        self._mean_loss = False
+        base = plan.loss
+
+        def items_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return base(y, target, num_items=self._num_items)
+
+        return items_loss
+
+    def _place(self, tied: list[tuple[nn.Parameter, int]]) -> None:
+        """Split over pp: every parameter this rank keeps; a tied one also copied over the
+        pair of ranks holding it (counted on the lower)."""
+        pairs = {id(prm): peer for prm, peer in tied}
+        me = self.group.rank
+        for prm in self.parameters():
+            placement.place(prm, shard=(self.group,))
+            peer = pairs.get(id(prm))
+            if peer is not None:
+                ranks = (min(me, peer), max(me, peer))
+                pair = TiedCopies(f"{self.group.name}.tied{list(ranks)}", ranks, ranks.index(me))
+                placement.place(prm, replicate=(cast(Group, pair),))
 
     @staticmethod
     def _tied(
@@ -164,12 +290,94 @@ class PipelineParallel(nn.Module):
                 f"pipeline: a batch of {inputs.shape[0]} does not split into microbatches={m} "
                 f"equal micro-batches; use a batch size that is a multiple of {m}"
             )
+        if not self._mean_loss:
+            assert self.plan is not None and self.plan.items is not None
+            self._num_items = self.plan.items(targets)
+            if int(self._num_items) == 0:
+                raise ValueError(
+                    f"pipeline: the batch has no loss items (every label is ignored) for "
+                    f"{self.plan.name or 'the model'}'s loss; its mean is undefined"
+                )
         xs = list(inputs.chunk(m))
         ys: list[torch.Tensor | None] = list(targets.chunk(m))
         loss = self.runtime.step(xs, ys)
+        self.steps += 1
+        if self.check_finite is not None:
+            self._check_finite()
         last = self.schedule.placement[self.schedule.stages - 1]
         ops.broadcast(loss, last, group=self.group)
         return loss
+
+    def _check_finite(self) -> None:
+        """Every rank learns where a non-finite value appeared and raises or skips alike.
+
+        Per rank: the first (stage, micro-batch) whose forward output was not finite from a
+        finite input, and the first parameter (forward order) whose gradient is not finite
+        (on that path only, also the first parameter whose value is not finite). Collective:
+        one all-reduce (sum) of ``4 * p`` int64 over the pp group, every step."""
+        p = self.group.size
+        flags = torch.zeros(p, 4, dtype=torch.int64)
+        row = flags[self.group.rank]
+        bad_fwd = self.runtime.nonfinite_forward
+        if bad_fwd is not None:
+            row[0], row[1] = bad_fwd[0] + 1, bad_fwd[1] + 1
+        # read as plain tensors: a .grad may be a guarded view (ZeRO-1's local shard)
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            bad_grad = next(
+                (
+                    i
+                    for i, prm in self._indexed
+                    if prm.grad is not None and not bucket_is_finite(prm.grad.reshape(-1))
+                ),
+                None,
+            )
+            if bad_grad is not None:
+                row[2] = bad_grad + 1
+            if bad_fwd is not None or bad_grad is not None:
+                bad_value = next(
+                    (i for i, prm in self._indexed if not bucket_is_finite(prm.reshape(-1))),
+                    None,
+                )
+                if bad_value is not None:
+                    row[3] = bad_value + 1
+        if p > 1:
+            ops.all_reduce(flags, "sum", group=self.group)
+        if not bool(flags.any()):
+            return
+        ranks = self.group.ranks
+        found = []
+        for r, (fs, fmb, g, v) in enumerate(flags.tolist()):
+            who = f"rank {ranks[r]} (pp rank {r})"
+            if v:
+                name, s = self._names[v - 1]
+                found.append(f"{who} holds a non-finite value in parameter {name!r} (stage {s})")
+            if fs:
+                found.append(
+                    f"{who} stage {fs - 1} produced a non-finite output in micro-batch "
+                    f"{fmb - 1} from a finite input"
+                )
+            if g:
+                name, s = self._names[g - 1]
+                found.append(f"{who} has a non-finite gradient in parameter {name!r} (stage {s})")
+        policy = self.check_finite or "raise"
+        then = (
+            "every rank skipped this step (gradients set to None, so optimizer.step() leaves "
+            "the parameters unchanged)"
+            if policy == "skip"
+            else "every rank raises. Look at the data and that stage's layers, lower the "
+            "learning rate or clip gradients; pass check_finite='skip' to skip such steps on "
+            "every rank, or check_finite=None when a loss scaler handles overflows"
+        )
+        message = f"pipeline: step {self.steps}: " + "; ".join(found) + f"; {then}."
+        self.last_nonfinite = message
+        rows = flags.tolist()
+        culprits = [(ranks[r], self._names[row[2] - 1][0]) for r, row in enumerate(rows) if row[2]]
+        if policy == "raise":
+            raise NonFiniteGradientError(message, culprits)
+        self.skipped_steps += 1
+        for prm in self.parameters():
+            prm.grad = None
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.step(inputs, targets)
@@ -197,9 +405,10 @@ def prepare_pipeline(
     **options: Any,
 ) -> tuple[PipelineParallel, torch.optim.Optimizer | None]:
     """``plait.prepare(model, optimizer, strategy="pipeline", mesh=..., schedule=...,
-    microbatches=m)``: the :class:`PipelineParallel` on ``mesh.group("pp")`` (or a
-    ``Group``) and the optimizer re-created over this rank's stages (same class, same
-    hyper-parameters per group)."""
+    microbatches=m, plan=...)``: the :class:`PipelineParallel` on ``mesh.group("pp")`` (or
+    a ``Group``) and the optimizer re-created over this rank's stages: same class, one
+    group per original group that keeps a parameter here, every group entry kept (per-group
+    ``lr``, ``weight_decay``, ...), the constructor's defaults as the original's."""
     pipe = PipelineParallel(
         model, group=mesh, schedule=schedule, microbatches=microbatches, **options
     )
@@ -216,5 +425,12 @@ def prepare_pipeline(
         kept = [p for p in g["params"] if id(p) in local]
         if kept:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": kept})
+    if not groups:
+        raise ValueError(
+            f"strategy 'pipeline': rank {pipe.group.global_rank} keeps no parameter of the "
+            f"optimizer; build the optimizer on model.parameters() before plait.prepare"
+        )
     cls: Any = type(optimizer)
-    return pipe, cls(groups)
+    taken = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in taken}
+    return pipe, cls(groups, **defaults)

@@ -11,9 +11,14 @@ SEND_F / RECV_F             activation, stage s -> s+1           b*s*h*dtype (GP
                                                                  boundary)
 SEND_B / RECV_B             its gradient, stage s+1 -> s         same
 end of step, tied weights   gradient exchange first <-> last     the tied tensor, each way
-                            stage ranks, summed on both
+                            stage ranks: this step's parts,
+                            summed on both, added to what
+                            earlier steps left (accumulation)
 end of step                 broadcast of the mean loss           one scalar
 =========================  ==================================  ===========================
+
+Per-stage context (a plan's rotary embeddings and causal mask) is recomputed by each stage
+from its input activation's shape (:mod:`.plan`), never sent.
 
 Sends are started when the schedule says and never waited on until the end of the step
 (so they overlap the following compute); receives are posted where the schedule says (one
@@ -74,6 +79,16 @@ class _Ctx:
 
 
 nn_Module = torch.nn.Module
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """One sum (NaN and inf survive it); element-wise only when the sum is not finite."""
+    t = t.detach()
+    if bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 _Shapes = dict[int, tuple[torch.Size, torch.dtype]]
 
 
@@ -88,15 +103,22 @@ class Runtime:
         *,
         group: Group,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        mean_loss: bool = True,
         recompute: bool = False,
         tracer: Tracer | None = None,
         tied: list[tuple[torch.nn.Parameter, int]] | None = None,
+        watch_forward: bool = False,
     ) -> None:
         self.schedule = schedule
         self.stages = stages
         self.group = group
         self.rank = group.rank
         self.loss_fn = loss_fn
+        self.mean_loss = mean_loss  # loss_fn is a micro-batch mean: divide it by m
+        # with watch_forward: the first (stage, micro-batch) of this step whose forward
+        # output is not finite although its input was (one sum per forward)
+        self.watch_forward = watch_forward
+        self.nonfinite_forward: tuple[int, int] | None = None
         self.recompute = recompute
         self.tracer = tracer
         self.link = Link(group, tracer)
@@ -156,10 +178,11 @@ class Runtime:
                             "pp_shape",
                             f"receive the activation shape for stage {s} from rank "
                             f"{self._peer(s - 1)}",
+                            device=first.device,
                         )
                     )
                     incoming = inp[s] = decode_meta(meta)
-                x = torch.zeros(incoming[0], dtype=incoming[1])
+                x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
                 y = self.stages[s](x)
             out[s] = (y.shape, y.dtype)
@@ -167,7 +190,7 @@ class Runtime:
             if s < self.last and self._peer(s + 1) != self.rank:
                 self.link.wait(
                     self.link.isend(
-                        encode_meta(y),
+                        encode_meta(y).to(first.device),  # NCCL carries CUDA tensors only
                         self._peer(s + 1),
                         tag(2, s + 1, 0),
                         "pp_shape",
@@ -180,8 +203,8 @@ class Runtime:
     # --- one step -------------------------------------------------------------------------
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor | None]) -> torch.Tensor:
         """Run this rank's actions for the micro-batches ``inputs`` / ``targets``; returns
-        the sum of the per-micro-batch losses divided by ``m`` (on the last stage's rank;
-        zero elsewhere). Blocks on the neighbouring ranks (each wait bounded)."""
+        the sum of the micro-batch losses, each divided by ``m`` when ``mean_loss`` (on the
+        last stage's rank; zero elsewhere). Blocks on the neighbouring ranks (each wait bounded)."""
         sched = self.schedule
         m = sched.m
         out_shapes, in_shapes = self._agree_shapes(inputs[0])
@@ -193,7 +216,14 @@ class Runtime:
         grad_in: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[Message] = []
         held: dict[int, int] = {}
-        loss = torch.zeros((), dtype=torch.float64)
+        device = inputs[0].device  # the stages', where received tensors must land
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.nonfinite_forward = None
+        # tied gradients from earlier steps (accumulation): put aside, so that only this
+        # step's contributions are exchanged, then added back
+        earlier = [param.grad for param, _ in self.tied]
+        for param, _ in self.tied:
+            param.grad = None
         current: Action | None = None
         try:
             for a in sched.ranks[self.rank]:
@@ -209,6 +239,7 @@ class Runtime:
                         "pp_activation",
                         f"receive the activation of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s - 1)} (stage {s - 1})",
+                        device=device,
                     )
                 elif a.kind is Kind.RECV_B:
                     shape, dtype = out_shapes[s]
@@ -220,6 +251,7 @@ class Runtime:
                         "pp_gradient",
                         f"receive the gradient of micro-batch {mb} for stage {s} from rank "
                         f"{self._peer(s + 1)} (stage {s + 1})",
+                        device=device,
                     )
                 elif a.kind is Kind.SEND_F:
                     y = ctx[(s, mb)].y
@@ -253,6 +285,8 @@ class Runtime:
                     with self._span(a):
                         c = self._forward(s, x, targets[mb] if s == self.last else None, m)
                     ctx[(s, mb)] = c
+                    if self.watch_forward and self.nonfinite_forward is None:
+                        self._watch(s, mb, x, c.y)
                     if s == self.last:
                         assert c.y is not None
                         loss += c.y.detach().to(torch.float64)
@@ -282,7 +316,7 @@ class Runtime:
             current = None
             for msg in sends:
                 self.link.wait(msg)
-            self._sum_tied()
+            self._sum_tied(earlier)
         except PipelineError as exc:
             watchdog.fail(self.group, exc)
             raise
@@ -296,6 +330,12 @@ class Runtime:
             watchdog.fail(self.group, error)
             raise error from exc
         return loss
+
+    def _watch(self, s: int, mb: int, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        if y is None or not y.is_floating_point() or _finite(y):
+            return
+        if not x.is_floating_point() or _finite(x):
+            self.nonfinite_forward = (s, mb)
 
     def _span(self, a: Action) -> contextlib.AbstractContextManager[None]:
         if self.tracer is None:
@@ -326,7 +366,8 @@ class Runtime:
     def _loss(self, y: torch.Tensor, target: torch.Tensor | None, m: int) -> torch.Tensor:
         if target is None:
             raise ValueError("pipeline: the last stage needs targets")
-        return self.loss_fn(y, target) / m
+        loss = self.loss_fn(y, target)
+        return loss / m if self.mean_loss else loss
 
     def _backward(self, kind: Kind, s: int, c: _Ctx, g: torch.Tensor | None) -> torch.Tensor | None:
         stage = self.stages[s]
@@ -374,8 +415,16 @@ class Runtime:
         return None
 
     # --- tied weights ---------------------------------------------------------------------
-    def _sum_tied(self) -> None:
-        # both ranks add in the same order (lower pp rank's first): identical sums
-        for i, (param, peer) in enumerate(self.tied):
+    def _sum_tied(self, earlier: list[torch.Tensor | None]) -> None:
+        """Each tied parameter's gradient: what earlier steps left (``earlier``, added in
+        place so a ``.grad`` view keeps its storage) plus this step's contributions of
+        both ranks, added in the same order on both (lower pp rank's first)."""
+        for i, ((param, peer), before) in enumerate(zip(self.tied, earlier, strict=True)):
             mine = param.grad if param.grad is not None else torch.zeros_like(param)
-            param.grad = self.link.exchange_sum(mine, peer, tag(3, i, 0))
+            step = self.link.exchange_sum(mine, peer, tag(3, i, 0))
+            if before is None:
+                param.grad = step
+            else:
+                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                    before.add_(step)
+                param.grad = before

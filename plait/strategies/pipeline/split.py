@@ -1,10 +1,11 @@
 """Cut a model into pipeline stages: layers, a balanced partition, and stage modules.
 
-:func:`layers_of` lists a model's layers in order: an ``nn.Sequential``'s children, or the
-reference GPT's embedding (``tok`` + ``pos``), each block, and the head (``ln_f`` then
-``head``). :func:`partition` groups them into contiguous stages, balanced by parameter
-count (``by="params"``), by measured forward+backward time (``by="time"``, one
-profiling pass on a sample batch), or at given points (``by=[2, 4]``: stages start at
+:func:`layers_of` lists a model's layers in order: an ``nn.Sequential``'s children, or
+the layers of the model's pipeline plan (:mod:`.plan`; plait's GPT: its embedding
+(``tok`` + ``pos``), each block, and the head (``ln_f`` then ``head``)).
+:func:`partition` groups them into contiguous stages, balanced by parameter count
+(``by="params"``), by measured forward+backward time (``by="time"``, one profiling
+pass on a sample batch), or at given points (``by=[2, 4]``: stages start at
 layers 2 and 4). :class:`Stage` holds one group, its parameters under the dense model's
 names (``blocks.1.attn.qkv.weight``), so the stages' state dicts together are the dense
 model's.
@@ -27,11 +28,14 @@ from torch import nn
 @dataclass(frozen=True)
 class Layer:
     """One unit the partition does not cut: its name, its modules under their dense
-    names, and the function from its input to its output."""
+    names, and the function from its input to its output (``run(x)``, or ``run(x, ctx)``
+    when ``contextual``: ``ctx`` is the plan's per-micro-batch context, see
+    :mod:`.plan`)."""
 
     name: str
     modules: tuple[tuple[str, nn.Module], ...]
-    run: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[..., torch.Tensor]
+    contextual: bool = False
 
     def numel(self) -> int:
         seen: set[int] = set()
@@ -44,41 +48,16 @@ class Layer:
         return n
 
 
-class _GPTEmbed:
-    """Token plus position embedding of the reference GPT (dropout is off in the oracle)."""
+def layers_of(model: nn.Module, plan: Any = None) -> list[Layer]:
+    """The layers of ``model`` in order: the ``plan``'s (a :class:`~.plan.PipelinePlan`),
+    or an ``nn.Sequential``'s children. Any other model is refused, naming what to write."""
+    from plait.strategies.pipeline.plan import refusal, sequential_plan
 
-    def __init__(self, model: Any) -> None:
-        self.tok, self.pos, self.drop = model.tok, model.pos, model.drop
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return self.drop(self.tok(ids) + self.pos(positions))
-
-
-class _GPTHead:
-    def __init__(self, model: Any) -> None:
-        self.ln_f, self.head = model.ln_f, model.head
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
-
-
-def layers_of(model: nn.Module) -> list[Layer]:
-    """The layers of an ``nn.Sequential`` or of :class:`plait.models.GPT`, in order."""
-    from plait.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        layers = [Layer("embed", (("tok", model.tok), ("pos", model.pos)), _GPTEmbed(model))]
-        for i, block in enumerate(model.blocks):
-            layers.append(Layer(f"blocks.{i}", ((f"blocks.{i}", block),), block))
-        layers.append(Layer("head", (("ln_f", model.ln_f), ("head", model.head)), _GPTHead(model)))
-        return layers
+    if plan is not None:
+        return list(plan.layers)
     if isinstance(model, nn.Sequential):
-        return [Layer(name, ((name, child),), child) for name, child in model.named_children()]
-    raise TypeError(
-        f"pipeline: cannot cut a {type(model).__name__} into stages; pass an nn.Sequential "
-        f"or a plait.models.GPT (or build the Stage modules yourself)"
-    )
+        return list(sequential_plan(model).layers)
+    raise TypeError(refusal(model))
 
 
 @dataclass(frozen=True)
@@ -133,23 +112,35 @@ def _balanced(weights: Sequence[float], k: int) -> list[tuple[int, int]]:
 
 
 def layer_seconds(
-    layers: Sequence[Layer], sample: torch.Tensor, *, repeats: int = 3
+    layers: Sequence[Layer],
+    sample: torch.Tensor,
+    *,
+    repeats: int = 3,
+    context: Callable[[torch.Tensor], Any] | None = None,
 ) -> list[float]:
-    """Forward + backward seconds of each layer on ``sample`` (median of ``repeats``)."""
+    """Forward + backward seconds of each layer on ``sample`` (median of ``repeats``);
+    ``context``: the plan's, for contextual layers."""
     out = []
     x = sample
+
+    def call(layer: Layer, inp: torch.Tensor) -> torch.Tensor:
+        if layer.contextual:
+            assert context is not None
+            return layer.run(inp, context(inp))
+        return layer.run(inp)
+
     for layer in layers:
         times = []
         for _ in range(repeats):
             inp = x.detach().requires_grad_(x.is_floating_point())
             t0 = time.perf_counter()
-            y = layer.run(inp)
+            y = call(layer, inp)
             y.float().sum().backward()
             times.append(time.perf_counter() - t0)
         for _, m in layer.modules:
             m.zero_grad(set_to_none=True)
         with torch.no_grad():
-            x = layer.run(x)
+            x = call(layer, x)
         out.append(sorted(times)[len(times) // 2])
     return out
 
@@ -160,8 +151,10 @@ def partition(
     *,
     by: str | Sequence[int] = "params",
     sample: torch.Tensor | None = None,
+    context: Callable[[torch.Tensor], Any] | None = None,
 ) -> Partition:
-    """Group ``layers`` into ``stages`` contiguous stages (see the module docstring)."""
+    """Group ``layers`` into ``stages`` contiguous stages (see the module docstring);
+    ``context``: the plan's, for ``by="time"`` over contextual layers."""
     n = len(layers)
     if stages < 1 or stages > n:
         raise ValueError(
@@ -175,7 +168,7 @@ def partition(
         elif by == "time":
             if sample is None:
                 raise ValueError("pipeline: split by='time' needs sample= (one micro-batch)")
-            per_layer = layer_seconds(layers, sample)
+            per_layer = layer_seconds(layers, sample, context=context)
             bounds = _balanced(per_layer, stages)
             seconds = tuple(sum(per_layer[a:b]) for a, b in bounds)
         else:
@@ -207,12 +200,20 @@ def split(
     stages: int,
     by: str | Sequence[int] = "params",
     sample: torch.Tensor | None = None,
+    plan: Any = None,
 ) -> tuple[list[Stage], Partition]:
     """``model`` cut into ``stages`` :class:`Stage` modules and the partition; print the
-    partition to see what each stage holds and its share of parameters (and time)."""
-    layers = layers_of(model)
-    part = partition(layers, stages, by=by, sample=sample)
-    return [Stage(layers[a:b], s) for s, (a, b) in enumerate(part.bounds)], part
+    partition to see what each stage holds and its share of parameters (and time).
+    ``plan``: the model's :class:`~.plan.PipelinePlan` (``plait.models.plans.plan_for(model,
+    "pipeline")``); not needed for an ``nn.Sequential``."""
+    layers = layers_of(model, plan)
+    context = None if plan is None else plan.context
+    part = partition(layers, stages, by=by, sample=sample, context=context)
+    extra = () if plan is None else plan.context_modules
+    return [
+        Stage(layers[a:b], s, context=context, context_modules=extra)
+        for s, (a, b) in enumerate(part.bounds)
+    ], part
 
 
 class Stage(nn.Module):
@@ -223,20 +224,29 @@ class Stage(nn.Module):
     apart from input gradients (the W of zero-bubble schedules).
     """
 
-    def __init__(self, layers: Sequence[Layer], index: int) -> None:
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        index: int,
+        *,
+        context: Callable[[torch.Tensor], Any] | None = None,
+        context_modules: Sequence[tuple[str, nn.Module]] = (),
+    ) -> None:
         super().__init__()
         self.index = index
         self.layer_names = [layer.name for layer in layers]
         self._runs = [layer.run for layer in layers]
-        for layer in layers:
-            for dotted, module in layer.modules:
-                parent: nn.Module = self
-                parts = dotted.split(".")
-                for part in parts[:-1]:
-                    if not hasattr(parent, part):
-                        parent.add_module(part, nn.ModuleDict())
-                    parent = getattr(parent, part)
-                parent.add_module(parts[-1], module)
+        self._contextual = [layer.contextual for layer in layers]
+        self._context = context if any(self._contextual) else None
+        extra = list(context_modules) if self._context is not None else []
+        for dotted, module in [m for layer in layers for m in layer.modules] + extra:
+            parent: nn.Module = self
+            parts = dotted.split(".")
+            for part in parts[:-1]:
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.ModuleDict())
+                parent = getattr(parent, part)
+            parent.add_module(parts[-1], module)
         self.owners = [m for m in self.modules() if any(True for _ in m.parameters(recurse=False))]
         seen: dict[int, int] = {}
         shared = False
@@ -249,6 +259,15 @@ class Stage(nn.Module):
         self.splittable = not shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for run in self._runs:
-            x = run(x)
+        """The layers in order; the context (rotary embeddings, mask) is computed once,
+        from the input of the first contextual layer, and passed to every contextual one."""
+        ctx: Any = None
+        for run, contextual in zip(self._runs, self._contextual, strict=True):
+            if contextual:
+                if ctx is None:
+                    assert self._context is not None
+                    ctx = self._context(x)
+                x = run(x, ctx)
+            else:
+                x = run(x)
         return x

@@ -196,20 +196,20 @@ def prepare_nd(
     algorithm: str = "auto",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``parallelize_nd`` plus the optimizer rebuilt over the parameter shards (the same
-    class and hyper-parameters; it must not have stepped). Without a plan a
-    :class:`plait.models.GPT` gets :func:`gpt_plan`. Collective over the mesh."""
+    class, parameter groups and hyper-parameters; it must not have stepped). ``plan``: the
+    model's (``plait.prepare`` looks up a family's, e.g. :func:`gpt_plan` for
+    :class:`plait.models.GPT`). Collective over the mesh."""
     P = importlib.import_module("plait.strategies.tensor.parallelize")
     if plan is None:
-        from plait.models.gpt import GPT
-
-        if not isinstance(model, GPT):
-            raise ValueError(
-                f"tensor-parallel mode {mode!r} needs plan= for a {type(model).__name__} "
-                f"(module path -> {mode!r}); only plait.models.GPT has a default plan"
-            )
-        plan = gpt_plan(mode, layers=model.config.layers)
+        raise ValueError(
+            f"tensor-parallel mode {mode!r} needs plan= for a {type(model).__name__} "
+            f"(module path -> {mode!r}); no plan is known for its family"
+        )
+    groups = None if optimizer is None else P.group_of_names(optimizer, model)
     parallelize_nd(model, mesh, plan, algorithm=algorithm)
-    return model, None if optimizer is None else P.rebuild_optimizer(optimizer, model)
+    if optimizer is None:
+        return model, None
+    return model, P.rebuild_optimizer(optimizer, model, groups)
 
 
 def loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

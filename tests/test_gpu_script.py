@@ -1,0 +1,151 @@
+"""benchmarks/gpu.py, the script for a lent GPU machine, run on the CPU with --quick.
+
+The quick runs are split by section so that each test stays short; together they run
+every section of the script. Checks on the verdict logic use no processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import gpu, gpu_ranks
+
+
+def _run(tmp_path: Path, sections: str) -> tuple[int, dict[str, Any], str]:
+    code = gpu.main(["--device", "cpu", "--quick", "--sections", sections, "--out", str(tmp_path)])
+    (json_path,) = tmp_path.glob("gpu-cpu-*.json")
+    (md_path,) = tmp_path.glob("gpu-cpu-*.md")
+    return code, json.loads(json_path.read_text()), md_path.read_text()
+
+
+def _by_section(payload: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    return [r for r in payload["results"] if r["section"] == section]
+
+
+@pytest.mark.timeout(240)
+def test_quick_correctness_and_checkpoint_pass_on_cpu(tmp_path: Path) -> None:
+    code, payload, md = _run(tmp_path, "environment,init,shared_gpu,correctness,checkpoint")
+    assert code == 0, [r for r in payload["results"] if r["status"] == "fail"]
+    checks = _by_section(payload, "correctness")
+    assert [c["name"].split(" ")[0] for c in checks] == list(gpu_ranks.CASES)
+    assert all(c["status"] == "pass" for c in checks)
+    for c in checks:
+        if "max_abs_diff" in c["data"]:
+            assert c["data"]["max_abs_diff"] <= gpu.FLOAT64_TOL
+            assert c["data"]["devices"] == ["cpu"]
+        else:  # the 16-bit cases: computed in their dtype, update close to the oracle's
+            assert c["data"]["computed_in"] in ("bfloat16", "float16")
+            assert c["data"]["relative_update_error"] <= c["data"]["tolerance"]
+    (init,) = _by_section(payload, "init")
+    assert init["status"] == "pass" and init["data"]["backend"] == "gloo"
+    (shared,) = _by_section(payload, "shared_gpu")
+    assert shared["status"] == "skip" and "no CUDA device" in shared["reason"]
+    loads = _by_section(payload, "checkpoint")
+    assert [c["status"] for c in loads] == ["pass", "pass", "pass"]
+    assert all(c["data"]["max_abs_diff"] == 0.0 for c in loads[1:])
+    assert "| correctness | ddp (2 ranks, gloo) | pass |" in md
+    assert payload["facts"]["command"].startswith("python benchmarks/gpu.py --device cpu")
+
+
+@pytest.mark.timeout(240)
+def test_quick_overhead_and_memory_run_on_cpu(tmp_path: Path) -> None:
+    code, payload, md = _run(tmp_path, "overhead,memory")
+    assert code == 0, [r for r in payload["results"] if r["status"] == "fail"]
+    race = _by_section(payload, "overhead")[1]
+    assert race["status"] == "pass"
+    assert sorted(race["data"]["rows"]) == sorted(gpu_ranks.VARIANTS)
+    assert all(row["median_ms"] > 0 and row["mfu"] is None for row in race["data"]["rows"].values())
+    assert "plait ddp <= torch ddp" in race["data"]["goals"]
+    memory = _by_section(payload, "memory")
+    assert [m["name"].split(" ")[0] for m in memory] == list(gpu_ranks.MEMORY_STRATEGIES)
+    for m in memory:  # no CUDA counters here: the plan and the model states only
+        assert m["status"] == "skip" and "CUDA" in m["reason"]
+        assert m["data"]["planned_bytes"] > m["data"]["planned_states_bytes"] > 0
+        assert m["data"]["measured_states_bytes"] > 0
+    assert "| variant | step ms | vs bare | tokens/s | MFU |" in md
+
+
+@pytest.mark.timeout(240)
+def test_quick_comm_and_cuda_tests_run_on_cpu(tmp_path: Path) -> None:
+    code, payload, md = _run(tmp_path, "comm,cuda_tests")
+    assert code == 0, [r for r in payload["results"] if r["status"] == "fail"]
+    comm = _by_section(payload, "comm")
+    assert [c["name"] for c in comm] == ["world 2, gloo", "world 2, shm"]
+    for c in comm:
+        assert c["status"] == "pass"
+        assert {r["algorithm"] for r in c["data"]["rows"]} >= {"native", "ring", "auto"}
+        assert all(r["time_us"] > 0 for r in c["data"]["rows"])
+    (cuda,) = _by_section(payload, "cuda_tests")
+    assert cuda["status"] == "skip" and "needs a CUDA device" in cuda["reason"]
+
+
+# --- the verdicts, without processes ------------------------------------------------------------
+def _rank(diff: float, keys: list[str], devices: list[str]) -> dict[str, Any]:
+    return {"max_abs_diff": diff, "keys": keys, "all_keys": ["a", "b"], "devices": devices}
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "reason"),
+    [
+        ([_rank(0.0, ["a"], ["cpu"]), _rank(0.0, ["a"], ["cpu"])], "no rank returned ['b']"),
+        ([_rank(0.0, ["a"], ["cpu"]), _rank(0.0, ["b"], ["cuda"])], "parameters on"),
+        ([_rank(0.0, ["a"], ["cpu"]), _rank(1e-6, ["b"], ["cpu"])], "differ from the oracle"),
+    ],
+)
+def test_judge_fails_a_case_that_misses_keys_devices_or_values(
+    per_rank: list[dict[str, Any]], reason: str
+) -> None:
+    with pytest.raises(gpu.Outcome) as caught:
+        gpu.judge("ddp", per_rank, "cpu")
+    assert caught.value.status == "fail" and reason in caught.value.reason
+
+
+def test_judge_passes_ranks_that_cover_the_model_together() -> None:
+    data = gpu.judge("tp", [_rank(1e-15, ["a"], ["cpu"]), _rank(0.0, ["b"], ["cpu"])], "cpu")
+    assert data["max_abs_diff"] == 1e-15
+
+
+def test_one_failing_check_does_not_stop_the_others_and_fails_the_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(run: gpu.Run) -> None:
+        run.check("environment", "broken", lambda: 1 / 0)  # type: ignore[arg-type,return-value]
+        run.check("environment", "after it", lambda: {"ran": True})
+
+    monkeypatch.setitem(gpu.RUNNERS, "environment", broken)
+    code = gpu.main(["--device", "cpu", "--sections", "environment", "--out", str(tmp_path)])
+    assert code == 1
+    (json_path,) = tmp_path.glob("gpu-cpu-*.json")
+    results = json.loads(json_path.read_text())["results"]
+    assert [(r["name"], r["status"]) for r in results] == [("broken", "fail"), ("after it", "pass")]
+    assert results[0]["reason"].startswith("ZeroDivisionError")
+
+
+# --- AdamW through the strategies that rebuild the optimizer (found by the overhead race) -------
+def adamw_rebuilt(strategy: str) -> tuple[str, float, bool]:
+    import torch
+
+    import plait
+    from plait.models import GPT
+
+    n = plait.world().size
+    dense = GPT(gpu_ranks.small_config(n, moe=strategy == "ep", dtype=torch.float32))
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, weight_decay=0.05)
+    meshes = {
+        "tp": {"mesh": plait.Mesh(tp=n)},
+        "ep": {"mesh": plait.Mesh(ep=n, dp=1)},
+        "ptdp": {"mesh": plait.Mesh(pp=2, dp=1, tp=n // 2), "microbatches": 2},
+    }
+    _, rebuilt = plait.prepare(dense, opt, strategy=strategy, **meshes[strategy])
+    assert rebuilt is not None
+    group = rebuilt.param_groups[0]
+    return type(rebuilt).__name__, group["weight_decay"], bool(group["decoupled_weight_decay"])
+
+
+@pytest.mark.parametrize("strategy", ["tp", "ep", "ptdp"])
+def test_strategies_that_rebuild_the_optimizer_take_adamw(ranks: Any, strategy: str) -> None:
+    results = ranks(2, adamw_rebuilt, strategy, timeout=120)
+    assert results == [("AdamW", 0.05, True)] * 2

@@ -1,0 +1,78 @@
+"""Transport settings that disagree or point nowhere are named at ``plait.init`` on every
+rank, within seconds (issue 26 items 8 and 11)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plait.comm import transport
+from tests.faultlog import record
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).parent.parent
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    import os
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "run", "-n", "2", *args],
+        cwd=ROOT,
+        env=dict(os.environ, PLAIT_TIMEOUT="60", **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+def test_a_named_shm_dir_that_does_not_exist_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("PLAIT_SHM_DIR", str(tmp_path / "nowhere"))
+    why = transport.bad_setting()
+    assert why is not None and "PLAIT_SHM_DIR=" in why and "does not exist" in why
+    monkeypatch.setenv("PLAIT_SHM_DIR", str(tmp_path))
+    assert transport.bad_setting() is None
+    monkeypatch.delenv("PLAIT_SHM_DIR")
+    assert transport.bad_setting() is None
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(transport.unsupported("gloo") is not None, reason="no shared memory here")
+def test_shm_dir_pointing_nowhere_is_named_not_a_silent_fallback(tmp_path: Path) -> None:
+    """Item 8: PLAIT_SHM_DIR pointing nowhere fell back to gloo without a word."""
+    missing = str(tmp_path / "nowhere")
+    code, out, took = _run(str(SCRIPTS / "env_on_one_rank.py"), "1", "PLAIT_SHM_DIR", missing)
+    assert code == 1, out
+    assert f"PLAIT_SHM_DIR='{missing}' does not exist" in out, out
+    assert "rank 1" in out, out
+    record(
+        row=26,
+        fault="#8 PLAIT_SHM_DIR pointing nowhere (on one rank)",
+        detected_after_s=round(took, 2),
+        named_correctly=True,
+        note="refused at plait.init on every rank; was a silent fall back to gloo",
+    )
+
+
+@pytest.mark.faults
+def test_transport_chosen_on_one_rank_only_is_named(tmp_path: Path) -> None:
+    """Item 11: PLAIT_TRANSPORT=gloo on one rank left the others waiting for its host key
+    until the 600 s timeout."""
+    code, out, took = _run(str(SCRIPTS / "env_on_one_rank.py"), "0", "PLAIT_TRANSPORT", "gloo")
+    assert code == 1, out
+    assert "the ranks disagree on the transport" in out, out
+    assert "ranks [0] chose 'gloo'" in out and "ranks [1] chose 'auto'" in out, out
+    assert took < 60, took
+    record(
+        row=26,
+        fault="#11 PLAIT_TRANSPORT=gloo on one rank only",
+        detected_after_s=round(took, 2),
+        named_correctly=True,
+        note="plait run wall time to exit 1, start-up included; was a 600 s store timeout",
+    )
