@@ -202,6 +202,10 @@ def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
 
     if isinstance(model, GPT):  # plait's GPT embeds positions in its module "pos"
         options.setdefault("positions", "pos")
+    shape = getattr(options.get("mesh"), "shape", {})
+    if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
+        extra = {"sequence_parallel": True} if options.pop("sequence_parallel", False) else {}
+        options["plan"] = plan_for(model, "tp", **extra)  # cp x tp: the family's tp plan
     return prepare_cp(model, optimizer, **options)
 
 
