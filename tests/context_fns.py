@@ -238,14 +238,15 @@ def refusals() -> dict[str, str]:
     return out
 
 
-def gpt_cp_tp(context: str) -> dict[str, Any]:
-    """Mesh(tp=2, cp=2): the GPT tensor-parallel over tp (vocab-parallel loss), its attention
-    on each rank's heads context-parallel over cp; STEPS Adam steps."""
+def cp_tp(family: str, context: str) -> dict[str, Any]:
+    """Mesh(tp=2, cp=2): the model tensor-parallel over tp (its family's plan; the loss
+    vocab-parallel where the head is split), its attention on each rank's heads
+    context-parallel over cp; STEPS Adam steps."""
     from plait import checkpoint
     from plait.strategies.tensor import loss_fn
 
     mesh = plait.Mesh(tp=2, cp=2)
-    model = _gpt()
+    model = _gpt() if family == "gpt" else _llama()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     runner, opt = plait.prepare(model, opt, strategy="cp", mesh=mesh, context=context)
     assert opt is not None
@@ -253,10 +254,10 @@ def gpt_cp_tp(context: str) -> dict[str, Any]:
     losses, grads = [], {}
     for step in range(STEPS):
         ids, targets = _tokens(step, 23)
-        ids, _ = shard_sequence(ids, mesh)
+        ids, pos = shard_sequence(ids, mesh)
         targets, _ = shard_sequence(targets, mesh)
         opt.zero_grad()
-        loss = loss_of(runner(ids), targets)
+        loss = loss_of(_logits(runner, ids, None if family == "gpt" else pos), targets)
         loss.backward()
         mean = loss.detach().clone()
         comm.all_reduce(mean, "avg", group=mesh.group("cp"))

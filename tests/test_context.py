@@ -99,11 +99,13 @@ def test_cp_with_dp_matches_one_process(ranks, family, context):
     _check(ranks(4, fns.model_under_cp, family, context, True, 2, timeout=240), want)
 
 
-@pytest.mark.parametrize("context", ["ring", "ulysses"])
-def test_cp_with_tp_matches_one_process(ranks, context):
-    want = fns.model_oracle("gpt", 1)
+@pytest.mark.parametrize(
+    ("family", "context"), [("gpt", "ring"), ("gpt", "ulysses"), ("llama", "ring")]
+)
+def test_cp_with_tp_matches_one_process(ranks, family, context):
+    want = fns.model_oracle(family, 1)
     want["grads"] = {}  # gradients live on tp shards: the parameters after the steps compare
-    _check(ranks(4, fns.gpt_cp_tp, context, timeout=240), want)
+    _check(ranks(4, fns.cp_tp, family, context, timeout=240), want)
 
 
 def test_bad_input_is_refused_by_name(ranks):

@@ -228,15 +228,16 @@ def context_parallel(
     if context not in KERNELS:
         raise ValueError(f"{WHO}: context={context!r}; use one of {sorted(KERNELS)}")
     group = cp_group(mesh)
+    tp = mesh.size("tp") if "tp" in getattr(mesh, "names", ()) else 1
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
         info = ContextParallelInfo(group, context, balanced, ("",), None)
         heads = getattr(config, "num_attention_heads", None)
-        if context == "ulysses" and heads is not None and heads % group.size:
+        if context == "ulysses" and isinstance(heads, int) and (heads // tp) % group.size:
+            held = f"{heads} attention heads" + (f" ({heads // tp} per tp rank)" if tp > 1 else "")
             raise ValueError(
-                f"{WHO}: {type(model).__name__} has {heads} attention heads, not divisible by "
-                f"cp={group.size}: Ulysses splits heads; use context='ring' or a cp dividing "
-                f"{heads}"
+                f"{WHO}: {type(model).__name__} has {held}, not divisible by cp={group.size}: "
+                f"Ulysses splits heads; use context='ring' or a cp dividing {heads // tp}"
             )
         _HF_MODELS[id(config)] = info
         name = _register_hf(context)
@@ -266,7 +267,6 @@ def context_parallel(
     if pos_name is not None and pos_name not in modules:
         raise ValueError(f"{WHO}: positions={pos_name!r} is not a module of {type(model).__name__}")
     info = ContextParallelInfo(group, context, balanced, found, pos_name)
-    tp = mesh.size("tp") if "tp" in getattr(mesh, "names", ()) else 1
     heads = [getattr(modules[n], "heads", None) for n in found]
     for name, h in zip(found, heads, strict=True):
         if context == "ulysses" and isinstance(h, int) and (h // tp) % group.size:
