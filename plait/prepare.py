@@ -25,7 +25,10 @@ keeps, one group per original group), ``"pipeline"``
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
 data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``;
 returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
-its optimizer), ``"none"`` (single process, unchanged).
+its optimizer), ``"cp"`` (:func:`~plait.strategies.context.style.prepare_cp`: context
+parallelism on ``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank
+feeds its chunk of the sequence from ``shard_sequence``), ``"none"`` (single process,
+unchanged).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch import nn
 from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
+from plait.strategies.context.style import prepare_cp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
@@ -193,6 +197,18 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     return wrapped, worker_optimizer
 
 
+def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    from plait.models.gpt import GPT
+
+    if isinstance(model, GPT):  # plait's GPT embeds positions in its module "pos"
+        options.setdefault("positions", "pos")
+    shape = getattr(options.get("mesh"), "shape", {})
+    if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
+        extra = {"sequence_parallel": True} if options.pop("sequence_parallel", False) else {}
+        options["plan"] = plan_for(model, "tp", **extra)  # cp x tp: the family's tp plan
+    return prepare_cp(model, optimizer, **options)
+
+
 # name -> (model, optimizer, **options) -> (model, optimizer); the optimizer may be replaced
 # ("ptdp" returns a PTDP object, trained with .step(x, y), not an nn.Module)
 STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
@@ -208,6 +224,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "ep": _ep,
     "pipeline": _pipeline,
     "ptdp": prepare_ptdp,
+    "cp": _cp,
 }
 
 

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.tensor", 6),  # model parallelism
     ("plait.strategies.pipeline", 6),
     ("plait.strategies.moe", 6),
+    ("plait.strategies.context", 6),
     ("plait.checkpoint", 7),  # reads and writes every strategy's state
     ("plait.strategies.ps", 8),  # strategies that checkpoint or compose the others
     ("plait.strategies.compose", 8),
