@@ -28,6 +28,7 @@ import plait
 from plait import checkpoint
 from plait.models import GPT, GPTConfig, MoEConfig
 from plait.models.gpt import loss as gpt_loss
+from plait.models.plans import plan_for
 
 STEPS = 2  # optimizer steps compared with the oracle
 LR = 1e-2
@@ -265,7 +266,11 @@ def _pipeline(dev: torch.device, n: int, r: int, schedule: str = "1f1b") -> dict
     config = small_config(n)
     dense = GPT(config).to(dev)
     pipe = plait.PipelineParallel(
-        dense, group=plait.Mesh(pp=n).group("pp"), schedule=schedule, microbatches=2 * n
+        dense,
+        group=plait.Mesh(pp=n).group("pp"),
+        schedule=schedule,
+        microbatches=2 * n,
+        plan=plan_for(dense, "pipeline"),
     )
     opt = make_optimizer("adam", pipe.parameters())
     for step in range(STEPS):
@@ -436,7 +441,11 @@ class _Runner:
             self.opt = opt2
         elif name == "plait pipeline":
             self.pipe = plait.PipelineParallel(
-                model, group=plait.Mesh(pp=1).group("pp"), schedule="1f1b", microbatches=1
+                model,
+                group=plait.Mesh(pp=1).group("pp"),
+                schedule="1f1b",
+                microbatches=1,
+                plan=plan_for(model, "pipeline"),
             )
             self.model, self.opt = self.pipe, torch.optim.AdamW(self.pipe.parameters(), lr=1e-4)
         elif name == "torch ddp":

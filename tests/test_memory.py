@@ -266,8 +266,10 @@ def test_cli_options_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "memory", "--params", "7.5B", "-n", "64", "--optimizer", "sgd"]
     assert main([*argv, "--precision", "fp32"]) == 0
     assert "60.0" in capsys.readouterr().out  # 8 bytes per parameter, no optimizer state
-    assert main(["plan", "memory", "--params", "1e9", "-n", "0"]) == 2
-    assert "world_size must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, naming the range
+        main(["plan", "memory", "--params", "1e9", "-n", "0"])
+    assert stop.value.code == 2
+    assert "at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "memory", "--params", "lots", "-n", "2"])
     assert "not a parameter count" in capsys.readouterr().err

@@ -162,6 +162,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
         seq_len=int(_get(cfg, "max_position_embeddings", default=4096)),
         ffn_hidden=int(cfg["intermediate_size"]),
         gated=True,
+        fused_qkv=False,
         norm="rmsnorm",
         positions="rope",
         tied=bool(cfg.get("tie_word_embeddings", False)),

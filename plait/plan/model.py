@@ -66,6 +66,7 @@ class ModelSpec:
     bias: bool = True  # biases on the other linears (attention output, MLP)
     norm: str = "layernorm"  # "layernorm" (weight and bias) or "rmsnorm" (weight)
     qk_norm: bool = False  # RMSNorm of queries and keys per head (Qwen3)
+    fused_qkv: bool = True  # one q/k/v projection tensor (plait's GPT, GPT-2) or three
     positions: str = "learned"  # "learned" (a table of seq_len rows) or "rope" (none)
     expert_ffn: int = 0  # an expert's inner width (0: ffn_hidden)
     shared_ffn: int = 0  # a shared expert's inner width beside the routed ones (Qwen-MoE)
@@ -197,7 +198,8 @@ class ModelSpec:
         """Parameter tensors of one block, routed experts not included (12 for plait's GPT's
         dense block, 9 for its MoE block): what per-tensor state (Adam's step) counts."""
         norm = 2 if self.norm == "layernorm" else 1
-        n = 4 + (3 if self.qkv_bias else 0) + (1 if self.bias else 0) + 2 * norm
+        qkv = 1 if self.fused_qkv else 3
+        n = qkv + 1 + (qkv if self.qkv_bias else 0) + (1 if self.bias else 0) + 2 * norm
         n += 2 if self.qk_norm else 0
         if not moe:
             return n + self.mlp_tensors()
