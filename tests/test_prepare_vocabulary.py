@@ -39,3 +39,39 @@ def test_one_idea_under_two_names_is_refused():
 def test_mesh_reaches_data_parallel_strategies_as_their_group(ranks):
     for out in ranks(2, prepare_fns.prepare_ddp_with_mesh):
         assert out == "dp ok"
+
+
+def test_the_first_argument_is_module_everywhere():
+    import inspect
+
+    import plait
+    from plait.strategies.context import context_parallel
+    from plait.strategies.moe import expert_parallel
+
+    entries = [
+        plait.prepare,
+        plait.compose,
+        plait.parallelize,
+        plait.fully_shard,
+        expert_parallel,
+        context_parallel,
+        plait.PipelineParallel.__init__,
+        plait.DistributedDataParallel.__init__,
+        plait.NaiveDataParallel.__init__,
+    ]
+    for fn in entries:
+        names = [p for p in inspect.signature(fn).parameters if p != "self"]
+        assert names[0] == "module", (fn, names[:2])
+
+
+def test_model_keyword_still_works_with_a_warning():
+    from plait.renames import accepts_model
+
+    @accepts_model()
+    def wrap(module, *, size=1):
+        return module, size
+
+    with pytest.warns(DeprecationWarning, match="model= is deprecated; pass the module first"):
+        assert wrap(model="m", size=2) == ("m", 2)
+    with pytest.raises(TypeError, match="pass the module once"):
+        wrap("m", model="n")

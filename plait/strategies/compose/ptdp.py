@@ -78,6 +78,7 @@ from torch import nn
 from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.renames import accepts_model
 from plait.strategies.compose.check import Sizes, check_batch, check_layout
 from plait.strategies.compose.dense import (
     Counted,
@@ -530,8 +531,9 @@ def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) ->
     )
 
 
+@accepts_model()
 def compose(
-    model: nn.Module,
+    module: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Any,
@@ -562,6 +564,7 @@ def compose(
     hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
     constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
     """
+    model = module
     return PTDP(
         model,
         optimizer,

@@ -42,6 +42,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from plait.comm.group import Group
+from plait.renames import accepts_model
 from plait.strategies.context.layout import WHO, cp_group, positions
 from plait.strategies.context.ring_attention import ring_attention
 from plait.strategies.context.ulysses import ulysses_attention
@@ -209,8 +210,9 @@ def _position_hook(info: ContextParallelInfo, name: str) -> Callable[..., Any]:
     return hook
 
 
+@accepts_model()
 def context_parallel(
-    model: nn.Module,
+    module: nn.Module,
     *,
     mesh: Any,
     context: str = "ring",
@@ -225,6 +227,7 @@ def context_parallel(
     (must match :func:`~plait.strategies.context.shard_sequence`'s). ``positions``: the
     module that embeds position ids (non-Hugging-Face models; ``False``: none).
     """
+    model = module
     if context not in KERNELS:
         raise ValueError(f"{WHO}: context={context!r}; use one of {sorted(KERNELS)}")
     group = cp_group(mesh)

@@ -67,6 +67,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.renames import accepts_model
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel import grad_sync
 from plait.strategies.moe import stacked
@@ -118,8 +119,9 @@ def _groups(mesh: Any) -> tuple[Group, Group | None, Group]:
     return ep, dp, sub.group(*sub.names)
 
 
+@accepts_model()
 def expert_parallel(
-    model: nn.Module,
+    module: nn.Module,
     *,
     mesh: Any,
     algorithm: str | None = None,
@@ -142,6 +144,7 @@ def expert_parallel(
     parameters unchanged) or None (no check: a loss scaler handles overflows). Costs one
     all-reduce of ``p*d + 1`` int64 per backward.
     """
+    model = module
     check_finite = grad_sync.check_policy(check_finite)
     ep_group, dp_group, batch_group = _groups(mesh)
     p, r = ep_group.size, ep_group.rank

@@ -51,6 +51,7 @@ from torch import nn
 
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.renames import accepts_model
 from plait.strategies import placement
 from plait.strategies.data_parallel.grad_sync import (
     NonFiniteGradientError,
@@ -98,9 +99,10 @@ class PipelineParallel(nn.Module):
     backward, naming the rank, stage, micro-batch and parameter.
     """
 
+    @accepts_model(method=True)
     def __init__(
         self,
-        model: nn.Module | Sequence[nn.Module],
+        module: nn.Module | Sequence[nn.Module],
         *,
         group: Any,
         schedule: str | Schedule = "1f1b",
@@ -114,6 +116,7 @@ class PipelineParallel(nn.Module):
         check_finite: str | None = "raise",
         tracer: Tracer | None = None,
     ) -> None:
+        model = module
         super().__init__()
         if not isinstance(group, Group):
             group = group.group("pp")  # a Mesh

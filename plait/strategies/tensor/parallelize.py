@@ -77,6 +77,7 @@ import torch
 from torch import nn
 
 from plait.comm.group import Group
+from plait.renames import accepts_model
 from plait.strategies.data_parallel.grad_sync import check_policy
 from plait.strategies.placement import place
 from plait.strategies.tensor import mappings as M
@@ -425,8 +426,9 @@ def _attention(
     return keep_whole, counted
 
 
+@accepts_model()
 def parallelize(
-    model: nn.Module,
+    module: nn.Module,
     mesh: Any,
     plan: TensorPlan | Mapping[str, str | Style],
     *,
@@ -450,6 +452,7 @@ def parallelize(
     (:func:`~plait.strategies.tensor.agreement.check_agreement`: one all-gather). Collective
     over the group.
     """
+    model = module
     if not isinstance(plan, TensorPlan) and any(
         getattr(v, "kind", v) in ND_KINDS for v in plan.values()
     ):
