@@ -21,8 +21,8 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.launch.rendezvous", 0),
     ("plait.comm", 1),  # groups, transports, collectives
     ("plait.runtime", 1),
-    ("plait.cli_args", 0),
-    ("plait.renames", 0),  # earlier names kept for one release: the standard library only  # argparse's range types: the standard library only
+    ("plait.cli_args", 0),  # argparse's range types: the standard library only
+    ("plait.renames", 0),  # earlier names kept for one release: the standard library only
     ("plait.mesh", 2),  # named groups, data, timeline, loss scaling
     ("plait.data", 2),
     ("plait.trace", 2),
