@@ -127,16 +127,17 @@ def grad_norm(
     Each rank adds ``|g|^p`` of the gradients it counts (every element once over the
     model: pieces of a split parameter add, a copy counts on the rank at index 0 of each
     replicating group); the sum (``max`` for ``inf``) is all-reduced over ``group``, which
-    must hold every rank of the model (the mesh's world). Computed in the gradients' own
-    dtype (the widest floating dtype among them). Collective: one all-reduce of one element
-    over ``group``.
+    must hold every rank of the model (the mesh's world). Computed in the gradients'
+    precision (float64 when they are float64, else float32). Collective: one all-reduce of
+    one element over ``group``.
     """
     if norm_type <= 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be positive, got {norm_type}")
     infinite = math.isinf(norm_type)
     grads = [(n, p) for n, p in named if p.grad is not None]
-    dtypes = [p.grad.dtype for _, p in grads if p.grad is not None]
-    dtype = max(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else torch.float32
+    # the gradients' precision, never below float32 (bf16 sums of many squares lose digits)
+    wide = any(p.grad is not None and p.grad.dtype == torch.float64 for _, p in grads)
+    dtype = torch.float64 if wide else torch.float32
     total = torch.zeros((), dtype=dtype)
     for name, p in named:
         where = placement(p)

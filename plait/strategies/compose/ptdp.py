@@ -98,7 +98,7 @@ from plait.strategies.compose.experts import (
 )
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
-from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError
+from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.zero.groups import constructor_kwargs
 
@@ -296,11 +296,8 @@ class PTDP:
         mesh dimension (tp, pp, ep, dp in turn: a sum over the whole mesh)."""
         ranks_of_mesh = list(self.mesh.layout.ranks)
         me = ranks_of_mesh.index(self.mesh.global_rank)
-        bad = None
-        for c in self.counted:
-            if c.param.grad is not None and not bool(torch.isfinite(c.param.grad).all()):
-                bad = c.name
-                break
+        first = first_nonfinite((i, c.param.grad) for i, c in enumerate(self.counted))
+        bad = None if first is None else self.counted[first].name
         flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64)
         flags[me] = 0 if bad is None else 1
         for group in self.mesh_groups():

@@ -345,7 +345,7 @@ class ShardedUnit:
         state.begin_backward()
         following = state.step(state.backward_order, self, state.backward_recorded, "backward")
         self.unshard()
-        if self.numel:
+        if self.numel and not self.views_installed:
             # activation checkpointing re-runs the unit's forward inside its backward, reading
             # the parameters by attribute: they must be the gathered views again, made with
             # grad enabled (backward runs without it) so the re-run saves what the first did

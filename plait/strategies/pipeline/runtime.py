@@ -50,6 +50,7 @@ import torch
 
 from plait.comm import watchdog
 from plait.comm.group import Group
+from plait.strategies.data_parallel.grad_sync import bucket_is_finite
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.messages import (
     META,
@@ -79,14 +80,6 @@ class _Ctx:
 
 
 nn_Module = torch.nn.Module
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """One sum (NaN and inf survive it); element-wise only when the sum is not finite."""
-    t = t.detach()
-    if bool(torch.isfinite(t.sum(dtype=torch.float64))):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 _Shapes = dict[int, tuple[torch.Size, torch.dtype]]
@@ -332,9 +325,9 @@ class Runtime:
         return loss
 
     def _watch(self, s: int, mb: int, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        if y is None or not y.is_floating_point() or _finite(y):
+        if y is None or not y.is_floating_point() or bucket_is_finite(y.detach()):
             return
-        if not x.is_floating_point() or _finite(x):
+        if not x.is_floating_point() or bucket_is_finite(x.detach()):
             self.nonfinite_forward = (s, mb)
 
     def _span(self, a: Action) -> contextlib.AbstractContextManager[None]:
