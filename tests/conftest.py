@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ def ranks() -> Iterator[Callable[..., list[Any]]]:
         return _pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
     yield run
-    for pool in _pools.values():
-        pool.close()
+    # close the pools side by side: each waits up to a few seconds for its ranks to leave
+    with ThreadPoolExecutor(max_workers=max(1, len(_pools))) as closing:
+        list(closing.map(RankPool.close, _pools.values()))
     _pools.clear()
