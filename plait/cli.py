@@ -580,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor_p.add_argument("directory", help="PLAIT_RECORDER_DIR (named in the error message)")
     doctor_p.set_defaults(func=_doctor)
 
-    args = parser.parse_args(argv)
+    from plait.plan.cli import default_subcommand
+
+    args = parser.parse_args(default_subcommand(list(sys.argv[1:] if argv is None else argv)))
     return int(args.func(args))
 
 

@@ -358,7 +358,8 @@ def test_cli_table_explain_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     first = data["plans"][0]
     assert math.isclose(
-        first["memory_bytes"], first["states"]["total_bytes"] + first["activations"]["total"]
+        first["memory_bytes"],
+        first["states"]["total_bytes"] + first["activations"]["total"] + first["buffers"],
     )
 
 

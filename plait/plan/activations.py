@@ -28,6 +28,27 @@ rest by ``t``; sequence parallelism divides the replicated part too. The grid mo
 block's input, ``e s b h`` (``/t`` with sequence parallelism: Megatron checkpoints the
 sequence-sharded input; the paper's Table 2 writes ``2 s b h``).
 
+Other shapes (Llama, Mistral, Qwen: :mod:`plait.plan.hf`), per token of one block, ``q = a d``
+the queries' width, ``kv`` the keys' and values' (grouped-query attention: ``kv = k d``
+with ``k`` key/value heads), ``f`` the MLP's inner width::
+
+    kept whole by 1D TP   (4e + 2k) h        as above (two norm inputs, the inputs of the
+                                             q/k/v projection and of the MLP, two masks)
+    split by TP           e (2 q + 2 kv)     Q and K after RoPE (RoPE's backward needs only
+                                             cos and sin), V, the output projection's input
+                          2 e f              GeLU MLP: the activation's and fc2's inputs
+                          3 e f              SwiGLU: the gate's and up projection's outputs
+                                             and the down projection's input (a fused
+                                             SwiGLU, Megatron's; eager PyTorch also keeps
+                                             silu(gate), one more e f)
+    attention core        (2e + k) a s       unfused: the scores' softmax, its mask and
+                                             dropout output (per token: a s per head row)
+                          4 a                fused (``Job.flash_attention``, FlashAttention,
+                                             PyTorch's SDPA): the fp32 log-sum-exp only
+
+For GPT (``q = kv = h``, ``f = 4h``) the split part is ``e (4h + 8h) = 24 h`` with ``e = 2``:
+the paper's formula. A norm's statistics (``b s`` values) are not counted.
+
 A pipeline rank keeps the blocks of its chunks for every micro-batch in flight (forward
 done, backward not), at most (in chunk-micro-batches, the first rank being the worst)::
 
@@ -80,18 +101,58 @@ def per_layer_bytes(
     element_bytes: int = 2,
     mask_bytes: int = 1,
     tp_mode: str = "1d",
+    q: int = 0,
+    kv: int = 0,
+    ffn: int = 0,
+    gated: bool = False,
+    flash: bool = False,
 ) -> float:
-    """Bytes one block keeps for one micro-batch (module doc)."""
+    """Bytes one block keeps for one micro-batch (module doc). ``q`` and ``kv``: the query
+    and key/value widths (``a d`` and ``k d``; default ``h``, no grouped-query attention),
+    ``ffn`` the MLP's inner width (default ``4 h``), ``gated`` a SwiGLU MLP, ``flash`` a
+    fused attention that keeps no ``s x s`` tensor (module doc, "Other shapes")."""
     e, k = element_bytes, mask_bytes
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (t if sp or tp_mode != "1d" else 1)
-    linear = (5 * e + k) + (9 * e + k) + 2 * e  # 34 for e=2, k=1
-    replicated = 4 * e + 2 * k  # 10
-    quadratic = 0.0 if recompute == "selective" else (2 * e + k) * a * s * s * b  # 5 a s^2 b
+    q, kv, f = q or h, kv or h, ffn or 4 * h
+    replicated = (4 * e + 2 * k) * h  # 10 h: two norm inputs, QKV and fc1 inputs, 2 masks
+    # Q, K, V, the output projection's input; the MLP's saved inner tensors
+    split = e * (2 * q + 2 * kv) + (3 if gated else 2) * e * f  # 24 h for GPT
+    if flash:  # the log-sum-exp, fp32, per head and token; the scores are recomputed
+        quadratic = 4.0 * a * s * b
+    elif recompute == "selective":
+        quadratic = 0.0
+    else:
+        quadratic = (2 * e + k) * a * s * s * b  # 5 a s^2 b
+    tokens = s * b
     if tp_mode != "1d" or sp:
-        return (linear * sbh + quadratic) / t
-    return replicated * sbh + ((linear - replicated) * sbh + quadratic) / t
+        return ((replicated + split) * tokens + quadratic) / t
+    return replicated * tokens + (split * tokens + quadratic) / t
+
+
+def model_layer_bytes(
+    model: ModelSpec, job: Job, layout: Layout, *, recompute: str | None = None
+) -> float:
+    """:func:`per_layer_bytes` of one of ``model``'s blocks under ``layout`` (its query,
+    key/value and MLP widths, gated or not; ``job.flash_attention``)."""
+    return per_layer_bytes(
+        s=job.seq,
+        b=layout.microbatch,
+        h=model.hidden,
+        a=model.heads,
+        t=layout.tp,
+        sp=layout.sp,
+        recompute=layout.recompute if recompute is None else recompute,
+        element_bytes=job.element_bytes,
+        mask_bytes=1 if job.dropout else 0,
+        tp_mode=layout.tp_mode,
+        q=model.heads * model.hd,
+        kv=model.kv * model.hd,
+        ffn=model.ffn,
+        gated=model.gated,
+        flash=job.flash_attention,
+    )
 
 
 def in_flight(schedule: str, *, p: int, m: int, v: int, last: bool = False) -> int:
@@ -122,18 +183,7 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     s, b, h = job.seq, lay.microbatch, model.hidden
     e = job.element_bytes
     k = 1 if job.dropout else 0
-    per = per_layer_bytes(
-        s=s,
-        b=b,
-        h=h,
-        a=model.heads,
-        t=lay.tp,
-        sp=lay.sp,
-        recompute=lay.recompute,
-        element_bytes=e,
-        mask_bytes=k,
-        tp_mode=lay.tp_mode,
-    )
+    per = model_layer_bytes(model, job, lay)
     m = lay.microbatches(job)
     chunk_layers = model.layers // (lay.pp * lay.v)
     shard = lay.tp if (lay.sp or lay.tp_mode != "1d") else 1
@@ -155,4 +205,10 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     return ActivationMemory(per, chunk_layers, flying, blocks, emb, hd, total, formula)
 
 
-__all__ = ["ActivationMemory", "activation_memory", "in_flight", "per_layer_bytes"]
+__all__ = [
+    "ActivationMemory",
+    "activation_memory",
+    "in_flight",
+    "model_layer_bytes",
+    "per_layer_bytes",
+]

@@ -31,6 +31,14 @@ results), each field overridable.
 """
 
 
+FIT_HELP = """\
+Will the model fit, and with which layout: for the fastest layouts that fit (and the
+closest that do not), yes/no, the headroom per rank, and the breakdown (parameters,
+gradients, optimizer states, activations, communication buffers; usable memory is the
+device's less the fragmentation margin). Same arguments as `plait plan layouts`.
+"""
+
+DEFAULT_MAX_SEQ = 8192  # the default --seq for models with long position tables
 MAX_PARAMS = 2e14  # a GPT-3-shaped model of this size has about 1000 layers
 MAX_LAYERS = 1024
 
@@ -96,6 +104,19 @@ def add_subcommands(plan_sub: Any) -> None:
         help="rank parallel layouts by predicted step time",
         description=LAYOUTS_HELP,
     )
+    _add_layout_args(lay)
+    lay.set_defaults(func=plan_layouts)
+    fit_p = plan_sub.add_parser(
+        "fit",
+        help="will it fit: yes/no per layout with the headroom and the memory breakdown",
+        description=FIT_HELP,
+    )
+    _add_layout_args(fit_p)
+    fit_p.set_defaults(func=plan_fit)
+
+
+def _add_layout_args(lay: Any) -> None:
+    """The model, cluster, job, search-space and output arguments of layouts and fit."""
     m = lay.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -143,9 +164,24 @@ def add_subcommands(plan_sub: Any) -> None:
         help="cpu: a `plait bench calibrate` file (default runs/plan_calibration_n<ranks>.json)",
     )
     j = lay.add_argument_group("job")
-    j.add_argument("--batch", type=POSITIVE, required=True, help="global batch in sequences")
     j.add_argument(
-        "--seq", type=POSITIVE, default=None, help="tokens per sequence (default seq-len)"
+        "--batch",
+        type=POSITIVE,
+        default=None,
+        help="global batch in sequences (default 8 per device)",
+    )
+    j.add_argument(
+        "--seq",
+        type=POSITIVE,
+        default=None,
+        help=f"tokens per sequence (default the model's seq-len, at most {DEFAULT_MAX_SEQ})",
+    )
+    j.add_argument(
+        "--attention",
+        choices=["fused", "unfused"],
+        default=None,
+        help="fused (FlashAttention, SDPA: no s x s tensor kept; default for Hugging Face "
+        "configs) or unfused (Megatron 2022's, the default for gpt and 22B..1T)",
     )
     j.add_argument("--precision", default="mixed", help="mixed or fp32")
     j.add_argument("--optimizer", default="adam")
@@ -167,7 +203,7 @@ def add_subcommands(plan_sub: Any) -> None:
     o.add_argument("--top", type=POSITIVE, default=10)
     o.add_argument("--json", default=None, metavar="PATH", help="write JSON ('-': stdout)")
     o.add_argument("--explain", action="store_true", help="every term of the best layout")
-    lay.set_defaults(func=plan_layouts)
+    o.add_argument("--plot", default=None, metavar="PNG", help="memory per rank, bar chart")
 
 
 def plan_memory(args: argparse.Namespace) -> int:
@@ -280,54 +316,138 @@ def _check_size(model: Any) -> None:
         )
 
 
-def plan_layouts(args: argparse.Namespace) -> int:
-    """``plait plan layouts``: the ranked table, then ``--explain`` and ``--json``."""
+def _search(args: argparse.Namespace) -> Any:
+    """The model, cluster and job of ``args``, searched; ValueError on bad input."""
     from plait.plan.layout import Job
-    from plait.plan.report import explain, format_table, result_dict
     from plait.plan.search import SearchSpace, search
     from plait.plan.time import Overlap
 
+    model = _model(args)
+    _check_size(model)
+    cluster = _cluster(args)
+    hf_model = model.positions == "rope" or model.norm == "rmsnorm"
+    fused = args.attention == "fused" or (args.attention is None and hf_model)
+    job = Job(
+        global_batch=args.batch or 8 * cluster.devices,
+        seq=args.seq or min(model.seq_len, DEFAULT_MAX_SEQ),
+        precision=args.precision,
+        optimizer=args.optimizer,
+        dropout=not args.no_dropout and not hf_model,
+        flash_attention=fused,
+    )
+    space = SearchSpace(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        ep=args.ep,
+        microbatch=args.microbatch,
+        schedules=args.schedules,
+        chunks=args.chunks,
+        zero=args.zero,
+        recompute=args.recompute,
+        sp={"on": (True,), "off": (False,), "both": (False, True)}[args.sp],
+        tp_modes=args.tp_modes,
+    )
+    return search(model, job, cluster, space=space, overlap=Overlap(dp=args.dp_overlap))
+
+
+def _write_json(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    text = json.dumps(payload, indent=1)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+        print(f"\nwrote {args.json}")
+
+
+def _plot(args: argparse.Namespace, result: Any) -> None:
+    from plait.plan.fit import breakdown, plot
+
+    shown = list(result.plans[: args.top]) + list(result.too_big[:2])
+    rows = [breakdown(p, result.cluster) for p in shown]
+    title = f"{result.model.name} on {result.cluster.name}: memory per rank"
+    print(f"wrote {plot(rows, args.plot, title=title)}", file=sys.stderr)
+
+
+def plan_layouts(args: argparse.Namespace) -> int:
+    """``plait plan layouts``: the ranked table, then ``--explain``, ``--json``, ``--plot``."""
+    from plait.plan.report import explain, format_table, result_dict
+
     try:
-        model = _model(args)
-        _check_size(model)
-        cluster = _cluster(args)
-        job = Job(
-            global_batch=args.batch,
-            seq=args.seq or model.seq_len,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            dropout=not args.no_dropout,
-        )
-        space = SearchSpace(
-            tp=args.tp,
-            pp=args.pp,
-            dp=args.dp,
-            ep=args.ep,
-            microbatch=args.microbatch,
-            schedules=args.schedules,
-            chunks=args.chunks,
-            zero=args.zero,
-            recompute=args.recompute,
-            sp={"on": (True,), "off": (False,), "both": (False, True)}[args.sp],
-            tp_modes=args.tp_modes,
-        )
-        result = search(model, job, cluster, space=space, overlap=Overlap(dp=args.dp_overlap))
+        result = _search(args)
+        if args.plot:
+            _plot(args, result)
     except ValueError as e:
         print(f"plait plan layouts: {e}", file=sys.stderr)
         return 2
     if args.json != "-":
         print(format_table(result, top=args.top))
         if args.explain and result.best is not None:
-            print("\n" + explain(result.best, model, job, cluster))
+            print("\n" + explain(result.best, result.model, result.job, result.cluster))
     if args.json:
-        text = json.dumps(result_dict(result, top=args.top), indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            print(f"\nwrote {args.json}")
+        _write_json(args, result_dict(result, top=args.top))
     return 0 if result.plans else 1
 
 
-__all__ = ["add_parser", "add_subcommands", "parameter_count", "plan_layouts", "plan_memory"]
+def plan_fit(args: argparse.Namespace) -> int:
+    """``plait plan fit``: yes/no per layout with the headroom (the fastest that fit, then
+    the fastest that do not), the memory breakdown; ``--json``, ``--plot``."""
+    from plait.plan.fit import breakdown, format_fit
+    from plait.plan.report import format_header
+
+    try:
+        result = _search(args)
+        if args.plot:
+            _plot(args, result)
+    except ValueError as e:
+        print(f"plait plan fit: {e}", file=sys.stderr)
+        return 2
+    rows = [breakdown(p, result.cluster) for p in result.plans[: args.top]]
+    rows += [breakdown(p, result.cluster) for p in result.too_big[: max(1, args.top // 3)]]
+    if args.json != "-":
+        print(format_header(result.model, result.job, result.cluster) + "\n")
+        verdict = "yes" if result.plans else "no"
+        print(
+            f"fits: {verdict} ({len(result.plans)} layouts fit, {len(result.too_big)}+ do not, "
+            f"{result.refused} refused)\n"
+        )
+        print(format_fit(rows))
+    if args.json:
+        _write_json(
+            args,
+            {
+                "fits": bool(result.plans),
+                "fit": len(result.plans),
+                "refused": result.refused,
+                "layouts": [r.to_dict() for r in rows],
+            },
+        )
+    return 0 if result.plans else 1
+
+
+def default_subcommand(argv: list[str]) -> list[str]:
+    """``plait plan --model X ...`` means ``plait plan layouts --model X ...``."""
+    if (
+        len(argv) >= 2
+        and argv[0] == "plan"
+        and argv[1].startswith("-")
+        and argv[1]
+        not in (
+            "-h",
+            "--help",
+        )
+    ):
+        return ["plan", "layouts", *argv[1:]]
+    return argv
+
+
+__all__ = [
+    "add_parser",
+    "add_subcommands",
+    "default_subcommand",
+    "parameter_count",
+    "plan_fit",
+    "plan_layouts",
+    "plan_memory",
+]

@@ -24,8 +24,11 @@ JSON file and a matmul timed here). Published constants::
 
     A100 SXM 80GB   312 TFLOP/s bf16 dense   NVLink3 600 GB/s both ways = 300 GB/s per direction
                     HDR InfiniBand 200 Gb/s per GPU (8 NICs per DGX) = 25 GB/s
+                    HBM2e 2,039 GB/s (NVIDIA A100 datasheet, 80GB SXM)
     H100 SXM 80GB   989 TFLOP/s bf16 dense   NVLink4 900 GB/s both ways = 450 GB/s per direction
-                    NDR InfiniBand 400 Gb/s per GPU = 50 GB/s
+                    NDR InfiniBand 400 Gb/s per GPU = 50 GB/s; HBM3 3.35 TB/s (H100 datasheet)
+    H200 SXM 141GB  the H100's compute and links; HBM3e 4.8 TB/s (H200 datasheet)
+    B200            HBM3e 8 TB/s per GPU (DGX B200 datasheet: 64 TB/s for 8)
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from plait.plan.calibration import Calibration
 
-# Efficiency of the A100 preset: fit once, on Korthikanti et al.'s 175B run (see
-# benchmarks/plan_validate.py, which then checks the other seven published times with it).
-A100_EFFICIENCY = 0.60
+# The GEMMs' share of peak and the memory-bound passes of every GPU preset: fitted once
+# by benchmarks/plan_validate.py on 12 published A100 step times (PTD-P, Korthikanti et
+# al., torchtitan: every other row of each source) and checked on 12 others (its
+# results/plan_validate.md gives both errors). H100, H200 and B200 reuse them: no
+# published run on those was fitted, so their predictions are less sure.
+A100_EFFICIENCY = 0.69
+ELEMENTWISE_PASSES = 7.6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +68,11 @@ class Cluster:
     inter_latency: float
     efficiency: float
     memory_reserve: float = 0.0
+    # memory-bound work (norms, activations, softmax, dropout, residual adds): each block
+    # moves ``elementwise_passes`` times the bytes of the activations it would save, at
+    # ``hbm_bandwidth`` (bytes/s, datasheet); 0 passes: folded into ``efficiency`` instead
+    hbm_bandwidth: float = 0.0
+    elementwise_passes: float = 0.0
     # the devices of a node share this many cores (CPU ranks); 0: each device computes alone
     shared_cores: float = 0.0
     # measured collectives of this machine (plait.plan.measure.calibrate);
@@ -83,6 +95,11 @@ class Cluster:
             )
         if not 0 <= self.memory_reserve < 1:
             raise ValueError(f"Cluster {self.name!r}: memory_reserve must be in [0, 1)")
+        if self.elementwise_passes < 0 or (self.elementwise_passes and self.hbm_bandwidth <= 0):
+            raise ValueError(
+                f"Cluster {self.name!r}: elementwise_passes={self.elementwise_passes} needs "
+                f"hbm_bandwidth > 0 (got {self.hbm_bandwidth})"
+            )
 
     @property
     def devices(self) -> int:
@@ -130,6 +147,8 @@ def a100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
         inter_latency=10e-6,
         efficiency=efficiency,
         memory_reserve=0.1,
+        hbm_bandwidth=2.039e12,
+        elementwise_passes=ELEMENTWISE_PASSES,
     )
 
 
@@ -149,13 +168,20 @@ def h100(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
         inter_latency=10e-6,
         efficiency=efficiency,
         memory_reserve=0.1,
+        hbm_bandwidth=3.35e12,
+        elementwise_passes=ELEMENTWISE_PASSES,
     )
 
 
 def h200(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
     """HGX/DGX H200 nodes: the H100's compute (989 TFLOP/s dense BF16) and NVLink4, with
     141 GB of HBM3e (NVIDIA H200 Tensor Core GPU datasheet); 8x 400 Gb/s NDR InfiniBand."""
-    return replace(h100(nodes, efficiency=efficiency), name=f"h200x8x{nodes}", memory_bytes=141e9)
+    return replace(
+        h100(nodes, efficiency=efficiency),
+        name=f"h200x8x{nodes}",
+        memory_bytes=141e9,
+        hbm_bandwidth=4.8e12,
+    )
 
 
 def b200(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
@@ -175,6 +201,8 @@ def b200(nodes: int = 1, *, efficiency: float = A100_EFFICIENCY) -> Cluster:
         inter_latency=10e-6,
         efficiency=efficiency,
         memory_reserve=0.1,
+        hbm_bandwidth=8e12,
+        elementwise_passes=ELEMENTWISE_PASSES,
     )
 
 
@@ -378,6 +406,7 @@ def preset(name: str, *, nodes: int = 1, ranks: int = 4) -> Cluster:
 
 __all__ = [
     "A100_EFFICIENCY",
+    "ELEMENTWISE_PASSES",
     "PRESETS",
     "Cluster",
     "LinkFit",

@@ -45,6 +45,9 @@ class Job:
     # pipeline messages cut over tp and all-gathered by the receiver (PTD-P 4.1, Megatron);
     # False: every tp rank sends the whole activation (plait's compose without SP)
     pp_scatter_gather: bool = True
+    # fused attention (FlashAttention, PyTorch's SDPA): no s x s tensor kept; the backward
+    # recomputes the scores (one more s x s product per head: half selective's extra FLOPs)
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq < 1:

@@ -68,8 +68,8 @@ def format_table(result: SearchResult, *, top: int = 10) -> str:
         f"{result.refused} refused" + (f" (e.g. {result.refusals[0]})" if result.refusals else "")
     )
     lines.append(
-        "mem/rank = model states + activations of the largest rank; tp/pp/dp: seconds of "
-        "communication per step on the critical path"
+        "mem/rank = model states + activations + communication buffers of the largest "
+        "rank; tp/pp/dp: seconds of communication per step on the critical path"
     )
     return "\n".join(lines)
 
@@ -145,6 +145,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "usable_bytes": plan.usable_bytes,
         "states": plan.states.to_dict(),
         "activations": plan.activations.to_dict(),
+        "buffers": plan.buffers,
+        "headroom": plan.headroom,
         "time": plan.time.to_dict(),
     }
 

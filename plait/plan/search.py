@@ -6,7 +6,8 @@ chunks, the ZeRO stage, recomputation and sequence parallelism of :class:`Search
 A layout :func:`plait.plan.layout.check` refuses is counted with its reason; the others
 are evaluated (:func:`evaluate`: model states, activations, step time) and those whose
 memory per rank fits the device (``Cluster.usable_memory``) are ranked by predicted step
-time, fastest first; ties go to less memory.
+time, fastest first; ties go to less memory. Memory per rank is the model states, the
+saved activations and the communication buffers (:mod:`plait.plan.buffers`).
 
 No rule of thumb is built in: PTD-P's "tp inside a node, pp across nodes" must come out of
 the costs (``benchmarks/plan_validate.py`` checks that it does on the 1T / 3072-GPU case).
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from plait.plan.activations import ActivationMemory, activation_memory
+from plait.plan.buffers import buffer_bytes
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Job, Layout, LayoutError, check
 from plait.plan.model import RECOMPUTE, ModelSpec
@@ -53,6 +55,12 @@ class Plan:
     memory_bytes: float
     usable_bytes: float
     time: StepTime
+    buffers: float = 0.0  # communication buffers (plait.plan.buffers), in memory_bytes
+
+    @property
+    def headroom(self) -> float:
+        """Usable bytes left on the largest rank (negative: short by that much)."""
+        return self.usable_bytes - self.memory_bytes
 
     @property
     def fits(self) -> bool:
@@ -90,7 +98,9 @@ def evaluate(
     states = model_states(model, job, layout)
     acts = activation_memory(model, job, layout)
     t = step_time(model, job, layout, cluster, overlap=overlap, simulate_bubble=simulate_bubble)
-    return Plan(layout, states, acts, states.total_bytes + acts.total, cluster.usable_memory, t)
+    buffers = buffer_bytes(model, job, layout)
+    total = states.total_bytes + acts.total + buffers
+    return Plan(layout, states, acts, total, cluster.usable_memory, t, buffers)
 
 
 def divisors(n: int) -> list[int]:
@@ -117,6 +127,8 @@ def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Itera
                             for zero in space.zero if dp * ep > 1 else (0,):
                                 for b in space.microbatch:
                                     for rc in space.recompute:
+                                        if rc == "selective" and job.flash_attention:
+                                            continue  # fused attention: what it recomputes
                                         yield Layout(
                                             dp=dp,
                                             tp=tp,

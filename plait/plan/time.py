@@ -9,9 +9,19 @@ One optimizer step of ``m`` micro-batches on a pipeline of ``p`` ranks (Narayana
 
 taken on the slowest pipeline rank (the one with the most blocks, or the head).
 
-``t_compute = FLOPs / (t * peak * efficiency)``: the rank's FLOPs for one micro-batch
-(:mod:`plait.plan.model`, recomputation included) shared by the ``t`` tensor-parallel
-ranks. Communication, ``S`` the micro-batch's activation ``b s h`` in bytes, groups laid out
+``t_compute = FLOPs / (t * peak * efficiency) + blocks * passes * A / hbm``: the rank's
+FLOPs for one micro-batch (:mod:`plait.plan.model`, recomputation included) shared by the
+``t`` tensor-parallel ranks, and its memory-bound work (norms, activation functions,
+softmax, dropout, residual adds): ``Cluster.elementwise_passes`` times ``A``, the bytes
+a block saves without recomputation (:func:`plait.plan.activations.model_layer_bytes`),
+at the HBM's bandwidth, 4/3 of that with full recomputation (the forward runs twice).
+The memory-bound share is what makes small GEMMs slow per FLOP: ``A / FLOPs`` per layer
+goes as ``1/h`` (and as ``a s / h^2`` for the unfused softmax), so one efficiency
+constant cannot serve both a 22B and a 1T model; two can (benchmarks/plan_validate.py).
+A fused attention (``Job.flash_attention``) adds ``2 s a d`` FLOPs per token and block
+(the backward's recomputed scores).
+
+Communication, ``S`` the micro-batch's activation ``b s h`` in bytes, groups laid out
 as :class:`plait.Mesh` does (``tp`` innermost, then ``ep``, ``dp``, ``pp``; a group is on
 the slow inter-node link as soon as it spans two nodes):
 
@@ -290,6 +300,13 @@ def step_time(
     slow = gemm_slowdown(cluster, tokens, model.hidden, lay.tp)
     ep_one_bytes = ep_n * (lay.ep - 1) / lay.ep * ep_size if lay.ep > 1 else 0.0
 
+    # memory-bound work per block and micro-batch (Cluster.elementwise_passes)
+    elementwise = 0.0
+    if cluster.elementwise_passes:
+        from plait.plan.activations import model_layer_bytes
+
+        moved = cluster.elementwise_passes * model_layer_bytes(model, job, lay, recompute="none")
+        elementwise = moved * (4 / 3 if lay.recompute == "full" else 1) / cluster.hbm_bandwidth
     worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch
     tp_bytes_mb = ep_bytes_mb = 0.0
     calls_mb = 0
@@ -298,8 +315,10 @@ def step_time(
     for dense, moe, first, last in rank_contents(model, lay):
         flops = dense * _block_flops(model, s, False) + moe * _block_flops(model, s, True)
         flops *= mult
-        if lay.recompute == "selective":
+        if lay.recompute == "selective" and not job.flash_attention:
             flops += (dense + moe) * core
+        if job.flash_attention:  # the backward recomputes the scores, QK^T
+            flops += (dense + moe) * core / 2
         tp_s = dense * tp_dense + moe * tp_moe
         tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
         grid = lay.tp_mode != "1d"
@@ -323,6 +342,7 @@ def step_time(
                 )
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
         compute = flops * tokens * per_flop * slow
+        compute += (dense + moe) * elementwise
         if cluster.calibration is not None:  # dispatch per block, the embedding and head one
             blocks = dense + moe + (1 if (first or last) else 0)
             compute += blocks * cluster.calibration.block_overhead
