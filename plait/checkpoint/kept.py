@@ -73,7 +73,7 @@ def describe(model: nn.Module) -> str:
         parts.append(f"expert parallel over ep({g.size})")
     if isinstance(inner, FSDPModule):
         units = inner.sharded_units()
-        size = units[0].state.size if units and units[0].state is not None else 1
+        size = units[0].config.size if units else 1
         parts.append(f"fully sharded over {size} ranks")
     return ", ".join(parts) or "whole on every rank (plain, DDP or ZeRO-1/2)"
 
