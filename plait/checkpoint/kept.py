@@ -139,7 +139,8 @@ def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
         k, r = module.blocks, module.group.rank
         out, width = module.out_features, module.part // k
         flip = name == "weight" and module.transposed
-        full = (out,) if name == "bias" else (module.in_features, out) if flip else (out, module.in_features)
+        matrix = (module.in_features, out) if flip else (out, module.in_features)
+        full = (out,) if name == "bias" else matrix
         dim = 1 if flip else 0
 
         def column(read: Read) -> torch.Tensor:
@@ -167,16 +168,10 @@ def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
         return Kept(key, t, full, row)
     if isinstance(module, VocabParallelEmbedding):
         lo, hi, n = module.start, module.start + module.part, module.num_embeddings
-        return Kept(
-            key, t, (n, module.embedding_dim), lambda read: _rows(read, lo, hi, n, 0)
-        )
+        return Kept(key, t, (n, module.embedding_dim), lambda read: _rows(read, lo, hi, n, 0))
     info = getattr(module, "plait_ep", None)
     where = placement(t) if isinstance(t, nn.Parameter) else None
-    if (
-        info is not None
-        and where is not None
-        and any(g is info.group for g in where.shard)
-    ):
+    if info is not None and where is not None and any(g is info.group for g in where.shard):
         a, b = info.first, info.first + info.local
         full = (info.num_experts, *t.shape[1:])
         return Kept(key, t, full, lambda read: read((slice(a, b),)))
