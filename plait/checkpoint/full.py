@@ -49,6 +49,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model state dict, keys and shapes as in the one-process model, on every
     rank, under any layout (module docstring). Collective where the layout is split."""
     inner = unwrap(model)
+    if not isinstance(inner, nn.Module):  # PTD-P (compose): it gathers its own
+        return inner.full_state_dict()  # type: ignore[no-any-return]
     pipe = pipeline_of(inner)
     own = getattr(inner, "plait_full_state_dict", None)
     if callable(own):

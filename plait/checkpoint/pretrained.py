@@ -251,6 +251,11 @@ def load_pretrained(
     """
     from plait.strategies.fsdp import FSDPModule, load_full_state_dict
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"load_pretrained: a {type(model).__name__} is not a module; for PTD-P (compose) "
+            f"load into the dense model before compose, or use its own save/load"
+        )
     files = PretrainedFiles(path)
     layout = describe(model)
     sharded = isinstance(unwrap(model), FSDPModule)
