@@ -91,6 +91,8 @@ def full_states(cases: list[tuple[str, str]], out: str) -> dict[str, Any]:
     for family, strategy in cases:
         model, _ = prepare(family, strategy)
         res[f"{family}/{strategy}"] = checkpoint.full_state_dict(model)
+        counts = checkpoint.parameter_counts(model)
+        res[f"{family}/{strategy}/counts"] = (counts.model, counts.this_rank)
         config = build(family).config if strategy == "pipeline" else None
         written = checkpoint.save_pretrained(
             model, Path(out) / f"{family}-{strategy}", config=config,

@@ -5,7 +5,8 @@
   (Llama with grouped-query attention, GPT-2's Conv1D and fused ``c_attn`` with a tied
   head, a torchtitan-like Llama), pipeline (Llama pp 2), expert parallel (Mixtral ep 2:
   stacked experts gathered), FSDP, ZeRO-1, DDP; ``save_pretrained`` from those layouts
-  writes files ``transformers``' ``from_pretrained`` loads to an equal model.
+  writes files ``transformers``' ``from_pretrained`` loads to an equal model;
+  ``parameter_counts`` gives the one-process count beside this rank's.
 - ``load_pretrained`` of ``save_pretrained`` files (one file, or an index and shards;
   Mixtral's per-expert file layout) into every layout: the forward equals the one-process
   model that loaded the same files, float64; under tp, ep and FSDP each rank reads a part.
@@ -60,6 +61,15 @@ def test_full_state_dict_and_save_pretrained_every_layout(ranks, tmp_path: Path)
             for key, value in want.items():
                 assert got[key].shape == value.shape, (family, strategy, key)
                 assert torch.equal(got[key], value), (family, strategy, key, rank)
+        # parameter_counts: the one-process count (tied once) and this rank's own
+        whole = sum(p.numel() for p in fns.build(family).parameters())
+        for res in results:
+            model_count, mine = res[f"{family}/{strategy}/counts"]
+            assert model_count == whole, (family, strategy, model_count, whole)
+            if strategy in ("tp", "pipeline", "ep", "fsdp"):
+                assert mine < whole, (family, strategy, mine, whole)
+            else:
+                assert mine == whole, (family, strategy, mine, whole)
         written = results[0][f"{family}/{strategy}/written"]
         assert written is not None and results[1][f"{family}/{strategy}/written"] is None
         if family == "titan":

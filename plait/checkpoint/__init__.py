@@ -40,13 +40,15 @@ returns the unsharded model state dict from any strategy (its own keys and full 
 Hugging Face-style files (``pretrained.py``): :func:`load_pretrained` reads
 ``model.safetensors`` (or an index and its shards) into a model prepared under any
 strategy, each rank reading only the slices it keeps; :func:`save_pretrained` writes one
-from any layout that ``transformers``' ``from_pretrained`` reads.
+from any layout that ``transformers``' ``from_pretrained`` reads. :func:`parameter_counts`
+says how many parameter elements the whole model has and how many this rank holds.
 """
 
 from __future__ import annotations
 
 from plait.checkpoint.agree import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from plait.checkpoint.files import save_atomic, write_bytes_atomic
+from plait.checkpoint.kept import ParameterCounts, parameter_counts
 from plait.checkpoint.layout import full_state_dict
 from plait.checkpoint.owner import OwnedByAnotherJob
 from plait.checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
@@ -59,6 +61,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "OwnedByAnotherJob",
+    "ParameterCounts",
     "PretrainedLoad",
     "Restored",
     "SaveHandle",
@@ -66,6 +69,7 @@ __all__ = [
     "full_state_dict",
     "load",
     "load_pretrained",
+    "parameter_counts",
     "read_latest",
     "save",
     "save_atomic",

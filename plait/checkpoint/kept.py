@@ -26,6 +26,7 @@ A fully sharded model (FSDP, ZeRO-3) keeps flat element ranges instead: see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.full import pipeline_of, unwrap
+from plait.comm.group import Group
 
 #: ``read(index)``: the elements ``index`` (one slice per leading dimension) of a full tensor
 Read = Callable[[tuple[slice, ...]], torch.Tensor]
@@ -176,3 +178,54 @@ def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
         full = (info.num_experts, *t.shape[1:])
         return Kept(key, t, full, lambda read: read((slice(a, b),)))
     return _whole(key, t)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter elements under a layout, each saying what it counts.
+
+    ``model``: the one-process model's (tied parameters once), what ``num_parameters()``
+    returns on the unsplit model; ``this_rank``: the elements of the parameters this rank
+    holds (its shards, stages or experts; FSDP's flat shards with their padding), what
+    ``num_parameters()`` or ``sum(p.numel() for p in model.parameters())`` returns on the
+    prepared model; ``layout``: the layout in words."""
+
+    model: int
+    this_rank: int
+    layout: str
+
+
+def parameter_counts(model: nn.Module, *, group: Group | None = None) -> ParameterCounts:
+    """:class:`ParameterCounts` of ``model`` under any layout. Collective over ``group``
+    (every rank of the model; default the world): one ``gather_json`` of this rank's
+    parameter keys and their full sizes."""
+    from plait.checkpoint import agree
+    from plait.strategies.fsdp import FSDPModule
+    from plait.strategies.fsdp.state import _slots
+    from plait.strategies.placement import placement
+
+    inner = unwrap(model)
+    sizes: dict[str, int] = {}
+    if isinstance(inner, FSDPModule):
+        seen_slots: set[tuple[int, int]] = set()
+        for key, unit, i in _slots(inner):
+            if (id(unit), i) not in seen_slots:
+                seen_slots.add((id(unit), i))
+                sizes[key] = unit.numels[i]
+    else:
+        seen: set[int] = set()
+        for k in kept(model):
+            if not isinstance(k.tensor, nn.Parameter) or id(k.tensor) in seen:
+                continue
+            seen.add(id(k.tensor))
+            where = placement(k.tensor)
+            tied_elsewhere = where is not None and any(
+                type(g).__name__ == "TiedCopies" and g.rank != 0 for g in where.replicate
+            )
+            if not tied_elsewhere:  # a tied head on the later stage: counted on the earlier
+                sizes[k.key] = math.prod(k.full_shape)
+    every: dict[str, int] = {}
+    for part in agree.gather_json(sizes, agree.resolve(group)):
+        every.update(part)
+    mine = sum(p.numel() for p in inner.parameters())
+    return ParameterCounts(sum(every.values()), mine, describe(model))
