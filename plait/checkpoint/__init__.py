@@ -34,16 +34,24 @@ the coordinator's directory fails the save on every rank)::
 
 The simple form ``save(directory, state)`` / ``load(directory)["key"]`` keeps one dict per
 rank (same world size to load) with the same transaction and checks. :func:`full_state_dict`
-returns the unsharded model state dict from any strategy; :func:`verify` checks a committed
-checkpoint's files from any single process.
+returns the unsharded model state dict from any strategy (its own keys and full shapes,
+``full.py``); :func:`verify` checks a committed checkpoint's files from any single process.
+
+Hugging Face-style files (``pretrained.py``): :func:`load_pretrained` reads
+``model.safetensors`` (or an index and its shards) into a model prepared under any
+strategy, each rank reading only the slices it keeps; :func:`save_pretrained` writes one
+from any layout that ``transformers``' ``from_pretrained`` reads. :func:`parameter_counts`
+says how many parameter elements the whole model has and how many this rank holds.
 """
 
 from __future__ import annotations
 
 from plait.checkpoint.agree import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from plait.checkpoint.files import save_atomic, write_bytes_atomic
+from plait.checkpoint.kept import ParameterCounts, parameter_counts
 from plait.checkpoint.layout import full_state_dict
 from plait.checkpoint.owner import OwnedByAnotherJob
+from plait.checkpoint.pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from plait.checkpoint.reader import Restored, load
 from plait.checkpoint.transaction import committed_steps, read_latest, verify
 from plait.checkpoint.writer import SaveHandle, save
@@ -53,14 +61,19 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "OwnedByAnotherJob",
+    "ParameterCounts",
+    "PretrainedLoad",
     "Restored",
     "SaveHandle",
     "committed_steps",
     "full_state_dict",
     "load",
+    "load_pretrained",
+    "parameter_counts",
     "read_latest",
     "save",
     "save_atomic",
+    "save_pretrained",
     "verify",
     "write_bytes_atomic",
 ]

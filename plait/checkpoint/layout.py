@@ -86,16 +86,13 @@ def is_fully_sharded(model: nn.Module) -> bool:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model state dict, keys as in the unwrapped model, on every rank.
+    """The whole model state dict, keys and shapes as in the one-process model, on every
+    rank, from any layout: see :mod:`plait.checkpoint.full`. Collective where the layout
+    is split; no communication for a plain, DDP or naive-DP model (the tensors returned
+    are the live ones)."""
+    from plait.checkpoint.full import full_state_dict as full
 
-    Collective for a fully sharded model (all-gathers every unit); no communication for a
-    plain, DDP or naive-DP model (the tensors returned are the live ones).
-    """
-    inner = unwrap(model)
-    full = getattr(inner, "plait_full_state_dict", None)
-    if callable(full):
-        return full()  # type: ignore[no-any-return]
-    return inner.state_dict()
+    return full(model)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
