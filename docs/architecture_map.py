@@ -1,7 +1,8 @@
 """Draw docs/architecture.md's folder map and import table from the code.
 
 Run from the repository root: ``python docs/architecture_map.py`` prints two Markdown
-sections (the folder map, one line per module from its docstring, and which room imports
+sections; ``--write`` puts them in place of docs/architecture.md's own (from "## Folder map"
+to the end) (the folder map, one line per module from its docstring, and which room imports
 which). Imports under ``if TYPE_CHECKING:`` are left out (they cost nothing at run time);
 imports inside functions are counted and marked.
 """
@@ -9,10 +10,12 @@ imports inside functions are counted and marked.
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
 import sys
 from collections import defaultdict
+from typing import TextIO
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "plait"
@@ -95,8 +98,18 @@ def _names(names: list[str]) -> str:
 
 
 def main() -> None:
+    if "--write" in sys.argv[1:]:
+        page = ROOT / "docs" / "architecture.md"
+        head = page.read_text().split("## Folder map\n")[0]
+        buf = io.StringIO()
+        draw(buf)
+        page.write_text(head + buf.getvalue())
+    else:
+        draw(sys.stdout)
+
+
+def draw(out: TextIO) -> None:
     files = sorted(PKG.rglob("*.py"))
-    out = sys.stdout
     out.write("## Folder map\n\n```\n")
     for path in files:
         tree = ast.parse(path.read_text())

@@ -74,11 +74,11 @@ def test_readme_quickstart_names_what_exists() -> None:
 
 def test_architecture_page_maps_every_module() -> None:
     """docs/architecture.md's folder map lists every module of plait/ and no module that
-    is gone; regenerate it with ``python docs/architecture_map.py`` after moving files."""
+    is gone; regenerate it with ``python docs/architecture_map.py --write`` after moving files."""
     page = (ROOT / "docs" / "architecture.md").read_text()
     mapped = set(re.findall(r"^(plait/\S+\.py)\b", page, flags=re.M))
     actual = {p.relative_to(ROOT).as_posix() for p in (ROOT / "plait").rglob("*.py")}
     assert mapped == actual, (
         f"docs/architecture.md is stale: missing {sorted(actual - mapped)}, "
-        f"gone {sorted(mapped - actual)}; run python docs/architecture_map.py"
+        f"gone {sorted(mapped - actual)}; run python docs/architecture_map.py --write"
     )
