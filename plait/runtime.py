@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from plait.comm import progress, recorder, watchdog
 from plait.comm import transport as transport_mod
@@ -271,8 +272,6 @@ def _configure_store() -> None:
         progress.configure_from_env()
         return
     try:
-        from torch.distributed import distributed_c10d
-
         found = distributed_c10d._get_default_store()
         while not isinstance(found, dist.TCPStore) and hasattr(found, "underlying_store"):
             found = found.underlying_store

@@ -68,7 +68,7 @@ from plait.comm import (
     tuner,
 )
 from plait.comm.chunks import split
-from plait.comm.group import COLLECTIVE_TAG_BIT, COMPLETED, Channel, Group, Handle
+from plait.comm.group import COLLECTIVE_TAG_BIT, COMPLETED, Call, Channel, Group, Handle
 from plait.comm.reduce_op import ReduceOp, parse_op, prescaled
 
 ALGORITHMS: dict[str, ModuleType] = {
@@ -655,7 +655,6 @@ def recv(tensor: torch.Tensor, src: int, *, group: Group | None = None, tag: int
 
 
 def _p2p(g: Group, verb: str, tensor: torch.Tensor, peer: int, tag: int) -> None:
-    from plait.comm.group import Call
 
     call = Call(g, verb, "p2p", seq=g.seq)
     call.tag = _p2p_tag(tag)

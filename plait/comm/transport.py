@@ -48,6 +48,8 @@ import socket
 import zlib
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed import distributed_c10d
+
 from plait.comm import shm
 
 if TYPE_CHECKING:
@@ -165,7 +167,6 @@ def remove_stale(directory: str | None = None) -> list[str]:
 
 
 def _store() -> Any:
-    from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from plait import runtime
 from plait.comm.group import Group
 
 _STATE_KEYS = ("epoch", "seed", "shuffle", "drop_last", "dataset_len", "num_replicas", "consumed")
@@ -52,8 +53,6 @@ def resolve_replicas(
             )
         return num_replicas, rank
     if group is None:
-        from plait import runtime
-
         group = runtime.world()  # raises a RuntimeError saying to call plait.init()
     if not isinstance(group, Group):
         raise TypeError(

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from plait import comm
 from plait.comm.group import Group
 from plait.strategies.moe import dispatch as moe_dispatch
 from plait.strategies.moe import losses
@@ -305,7 +306,6 @@ def update_expert_bias(model: nn.Module, *, group: Group | None = None) -> None:
     group of every rank that feeds its own data, so all ranks keep the same bias), then
     ``bias += rate * sign(mean - load)`` and reset the tally. Call after each optimizer step
     (``plait.prepare(strategy="ep")`` registers it as an optimizer step hook)."""
-    from plait import comm
 
     for moe in moe_layers(model).values():
         if moe.bias_update_rate <= 0:

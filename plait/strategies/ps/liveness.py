@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plait.comm import progress
+from plait.comm import progress, watchdog
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -39,8 +39,6 @@ def heartbeat_timeout() -> float:
     """Seconds without a beat after which a peer counts as dead: the process's configured
     heartbeat timeout, else ``PLAIT_HEARTBEAT_TIMEOUT``, else 5."""
     try:
-        from plait.comm import watchdog
-
         return float(watchdog.heartbeat_timeout())
     except Exception:
         pass

@@ -33,6 +33,7 @@ import torch
 
 from plait import comm
 from plait.comm.group import Group
+from plait.mesh import DEFAULT_ORDER, Mesh
 
 MODES = ("2d", "2.5d", "3d")
 
@@ -153,7 +154,6 @@ def grid_mesh(
     dimensions ``others`` (e.g. ``dp=2``). The grid's dimensions vary fastest (``col``, then
     ``row``, then ``depth``) so a grid row sits on adjacent ranks. Collective (builds groups).
     """
-    from plait.mesh import DEFAULT_ORDER, Mesh
 
     dims = grid_shape(mode, size, depth=depth)
     clash = set(dims) & set(others)
