@@ -185,6 +185,13 @@ def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepar
     return prepare_pipeline(model, optimizer, **options)
 
 
+def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+    """PTD-P with the plans of the model's family (:func:`plait.models.plans.plan_for`:
+    its tensor-parallel and pipeline plans) unless ``plans=`` is given."""
+    options.setdefault("plans", plan_for)
+    return prepare_ptdp(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -223,7 +230,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "tp": _tp,
     "ep": _ep,
     "pipeline": _pipeline,
-    "ptdp": prepare_ptdp,
+    "ptdp": _ptdp,
     "cp": _cp,
 }
 

@@ -68,7 +68,8 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +80,32 @@ from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.group import Group
 from plait.renames import accepts_model
-from plait.strategies.compose.check import Sizes, check_batch, check_layout
+from plait.strategies.compose.check import (
+    Sizes,
+    check_batch,
+    check_layout,
+    mesh_sizes,
+    plan_source,
+    resolve_plans,
+)
 from plait.strategies.compose.dense import (
     Counted,
+    DenseGroup,
     DenseIndex,
     assemble,
     count_params,
+    dense_groups,
     global_grad_norm,
     norm_terms,
     shard_terms,
+    skeleton,
+    unsliced_parameters,
 )
 from plait.strategies.compose.experts import (
     MicroBatches,
     average,
     expert_owner,
     shard_experts,
-    tp_plan_without_experts,
 )
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
@@ -112,7 +123,8 @@ class PTDP:
         optimizer: torch.optim.Optimizer,
         *,
         mesh: Any,
-        tp_plan: Mapping[str, Any] | None = None,
+        tp_plan: Any = None,
+        plans: Callable[..., Any] | None = None,
         sequence_parallel: bool = False,
         schedule: str = "1f1b",
         microbatches: int = 1,
@@ -123,10 +135,15 @@ class PTDP:
         algorithm: str = "auto",
         check_finite: str | None = "raise",
     ) -> None:
-        from plait.models.gpt import pipeline_plan  # as check.py: ptdp composes the GPT
         from plait.strategies.pipeline import PipelineParallel
-        from plait.strategies.tensor import loss_fn, parallelize
+        from plait.strategies.tensor import parallelize
 
+        _, _, tp, _ = mesh_sizes(mesh.shape)
+        # the model's plans (DESIGN 7: ptdp knows no model); the pipeline plan is asked
+        # again after the cut below, so that its layers hold the tensor-parallel modules
+        tplan, dense_pipeline = resolve_plans(
+            model, plans=plans, tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan
+        )
         self.sizes: Sizes = check_layout(
             model,
             shape=mesh.shape,
@@ -137,12 +154,16 @@ class PTDP:
             sequence_parallel=sequence_parallel,
             custom_plan=tp_plan is not None,
             tp_mode=tp_mode,
+            tp_plan=tplan,
+            pipeline_plan=dense_pipeline,
         )
-        if len(optimizer.param_groups) != 1 or optimizer.state:
+        if optimizer.state:
             raise ValueError(
-                "ptdp re-creates the optimizer on this rank's shards: pass an optimizer with "
-                "one parameter group that has not stepped yet"
+                "ptdp re-creates the optimizer on this rank's shards: pass an optimizer that "
+                "has not stepped yet (load a saved state afterwards with PTDP.load_state_dict "
+                "or PTDP.load)"
             )
+        self.dense_groups: list[DenseGroup] = dense_groups(model, optimizer)
         settings = {
             "mesh": repr(mesh.shape),
             "schedule": schedule,
@@ -151,9 +172,10 @@ class PTDP:
             "zero": zero,
             "tp_mode": tp_mode,
             "sequence_parallel": sequence_parallel,
-            "tp_plan": None
-            if tp_plan is None
-            else sorted((k, repr(v)) for k, v in tp_plan.items()),
+            "tp_plan": None if tp_plan is None else describe_plan(tp_plan),
+            "pipeline plan": dense_pipeline.structure(),
+            "optimizer": f"{type(optimizer).__name__}, parameter groups of "
+            f"{[len(g.names) for g in self.dense_groups]} parameters",
             "loss scaling": scaler is not None,
             "algorithm": algorithm,
         }
@@ -172,37 +194,35 @@ class PTDP:
             mesh.rank("ep") if self.ep_group else 0
         )
         dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.param_names = [n for n, _ in model.named_parameters()]
+        # the dense model's structure on the meta device: what save/load rebuild (state.py)
+        self.skeleton = skeleton(model)
+        # the dense optimizer's parameter order: its groups one after the other
+        self.param_names = [n for g in self.dense_groups for n in g.names]
         # state-dict keys of a shared parameter (a tied head) -> its parameter name
         names = {id(p): n for n, p in model.named_parameters()}
         self.aliases = {
             k: names[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in names
         }
-        self.config: Any = model.config
+        self.config: Any = getattr(model, "config", None)
         self.optimizer_class = type(optimizer)
-        cfg: Any = model.config
         layers_moe = moe_layers(model)
         experts = shard_experts(model, ep_group=self.ep_group)
         if self.sizes.tp > 1:
-            plan = tp_plan or tp_plan_without_experts(cfg, sequence_parallel=sequence_parallel)
-            parallelize(model, self.tp_group, plan, algorithm=algorithm)
-        stages_plan = pipeline_plan(model)  # type: ignore[arg-type]
+            parallelize(model, self.tp_group, tplan, algorithm=algorithm)
+        # parameters whose shards are no contiguous slice of the dense tensor (state.py)
+        self.unsliced = unsliced_parameters(model)
+        stages_plan = plan_source(model, plans)("pipeline")
         layers = list(stages_plan.layers)
-        base_loss = loss_fn(model)
         self._loss_scale = 1.0
-
-        def scaled_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            loss = base_loss(y, target)
-            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
-
+        self._count_items: Any = None  # the plan's loss-item count, over the global batch
+        self._num_items: torch.Tensor | None = None
         self.pipe = PipelineParallel(
             model,
             group=self.pp_group,
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
-            plan=stages_plan,
-            loss_fn=scaled_loss,
+            plan=self._scaled(stages_plan),
             check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
         )
         part = self.pipe.partition
@@ -237,18 +257,23 @@ class PTDP:
             experts=experts,
             ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
-        params = [c.param for c in self.counted]
+        # the optimizer over this rank's shards: one group per dense group (every group
+        # entry kept), each shard in its dense parameter's group, in the dense order
+        position = {_canonical_name(self.aliases, c.name): i for i, c in enumerate(self.counted)}
+        self.opt_order: list[int] = []  # optimizer parameter j -> self.counted index
+        local_groups = []
+        for g in self.dense_groups:
+            mine = [position[n] for n in g.names if n in position]
+            self.opt_order += mine
+            local_groups.append({**g.options, "params": [self.counted[i].param for i in mine]})
         # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
-        hyper = constructor_kwargs(
-            type(optimizer),
-            {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
-        )
+        hyper = constructor_kwargs(type(optimizer), dict(optimizer.defaults))
         self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer
 
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
-                params,
+                local_groups,
                 type(optimizer),
                 stage=zero,
                 group=self.dp_group,
@@ -256,7 +281,7 @@ class PTDP:
                 **hyper,
             )
         else:
-            self.optimizer = type(optimizer)(params, **hyper)
+            self.optimizer = type(optimizer)(local_groups, **hyper)
         sharded_unscale = self.optimizer.unscale_grads_ if zero else None  # type: ignore[attr-defined]
         self._sharded_unscale = sharded_unscale
         self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
@@ -286,6 +311,30 @@ class PTDP:
             zero_grad(set_to_none)
 
         self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
+
+    def _scaled(self, plan: Any) -> Any:
+        """The pipeline plan with its loss multiplied by the loss scale (1 without a
+        scaler). A loss that counts its items (``reduction="items"``, Hugging Face's
+        ``num_items_in_batch``) divides by the items of the *global* batch, counted in
+        :meth:`step` (every rank holds it), and is multiplied by the number of replicas, so
+        that averaging the replicas' gradients (``sync_gradients``) gives one process's
+        mean even when ignored labels fall unevenly over the dp ranks."""
+        base = plan.loss
+        if plan.reduction == "items":
+            self._count_items = plan.items
+
+            def items_loss(y: torch.Tensor, target: torch.Tensor, *, num_items: Any) -> Any:
+                loss = base(y, target, num_items=num_items)
+                factor = self.sizes.replicas * self._loss_scale
+                return loss if factor == 1.0 else loss * factor
+
+            return replace(plan, loss=items_loss, items=lambda _rows: self._num_items)
+
+        def mean_loss(y: torch.Tensor, target: torch.Tensor) -> Any:
+            loss = base(y, target)
+            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
+
+        return replace(plan, loss=mean_loss)
 
     @torch.no_grad()
     def _check_finite(self) -> None:
@@ -344,6 +393,13 @@ class PTDP:
                 "(clip_grad_norm_ or the scaler); step the optimizer (scaler.step(opt)) or "
                 "zero_grad before the next step"
             )
+        if self._count_items is not None:
+            self._num_items = self._count_items(targets)  # the global batch's loss items
+            if int(self._num_items) == 0:
+                raise ValueError(
+                    "ptdp.step: the global batch has no loss items (every label is ignored); "
+                    "its mean loss is undefined"
+                )
         rows = inputs.shape[0] // self.sizes.replicas
         d = self.batch_rank
         self._loss_scale = self.scaler.scale_value if self.scaler is not None else 1.0
@@ -490,6 +546,17 @@ class PTDP:
         )
 
 
+def _canonical_name(aliases: Mapping[str, str], name: str) -> str:
+    return aliases.get(name, name)
+
+
+def describe_plan(plan: Any) -> Any:
+    """A tensor-parallel plan as text every rank writes alike (for the agreement)."""
+    if isinstance(plan, Mapping):
+        return sorted((k, repr(v)) for k, v in plan.items())
+    return repr(plan)
+
+
 def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) -> None:
     """Before any group carries a tensor: every rank of the mesh has the same settings,
     the same model structure and the same dense weights (replicas must start equal: a
@@ -534,7 +601,8 @@ def compose(
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Any,
-    tp_plan: Mapping[str, Any] | None = None,
+    tp_plan: Any = None,
+    plans: Callable[..., Any] | None = None,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     microbatches: int = 1,
@@ -567,6 +635,7 @@ def compose(
         optimizer,
         mesh=mesh,
         tp_plan=tp_plan,
+        plans=plans,
         sequence_parallel=sequence_parallel,
         schedule=schedule,
         microbatches=microbatches,
