@@ -185,7 +185,7 @@ def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepar
     return prepare_pipeline(model, optimizer, **options)
 
 
-def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
+def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> tuple[Any, Optimizer]:
     """PTD-P with the plans of the model's family (:func:`plait.models.plans.plan_for`:
     its tensor-parallel and pipeline plans) unless ``plans=`` is given."""
     options.setdefault("plans", plan_for)

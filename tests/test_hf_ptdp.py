@@ -114,7 +114,11 @@ def _layout(model, **kw):
             {"sequence_parallel": True},
             ["sequence parallelism with pp=2", "rotary", "sequence_parallel=False"],
         ),
-        ("llama", {"plans": None}, ["no pipeline plan for a LlamaForCausalLM", "plans=plait.models.plans.plan_for"]),
+        (
+            "llama",
+            {"plans": None},
+            ["no pipeline plan for a LlamaForCausalLM", "plans=plait.models.plans.plan_for"],
+        ),
         ("gpt2", {"sequence_parallel": True}, ["GPT2LMHeadModel", "sequence_parallel=False"]),
         ("llama", {"zero": 1, "tied": True}, ["zero=1 with pp=2", "tied parameter"]),
     ],

@@ -127,8 +127,12 @@ def _layout(**kw):
             ["explicit tp_plan", "sequence regions"],
         ),
         (
-            {"shape": {"pp": 1, "dp": 1, "tp": 4}, "tp_plan": {"blocks.0.mlp.fc1": "rowwise"},
-             "custom_plan": True, "model": GPT(GPTConfig(vocab=13, layers=1, heads=2, width=6))},
+            {
+                "shape": {"pp": 1, "dp": 1, "tp": 4},
+                "tp_plan": {"blocks.0.mlp.fc1": "rowwise"},
+                "custom_plan": True,
+                "model": GPT(GPTConfig(vocab=13, layers=1, heads=2, width=6)),
+            },
             ["tp=4", "6 inputs", "'blocks.0.mlp.fc1'", "rowwise"],
         ),
         (

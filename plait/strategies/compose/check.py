@@ -236,7 +236,11 @@ def check_tensor_sizes(model: nn.Module, plan: Any, tp: int) -> None:
                 resolved[n] = style
     for name, module in model.named_modules():
         count = getattr(module, "heads", getattr(module, "num_heads", None))
-        if isinstance(count, int) and count % tp and any(r.startswith(f"{name}.") for r in resolved):
+        if (
+            isinstance(count, int)
+            and count % tp
+            and any(r.startswith(f"{name}.") for r in resolved)
+        ):
             raise ValueError(
                 f"ptdp: tp={tp} does not divide the attention heads = {count} of module "
                 f"{name!r}; choose a tensor-parallel size that divides {count}"
