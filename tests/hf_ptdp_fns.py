@@ -30,6 +30,7 @@ class Case:
     schedule: str = "1f1b"
     microbatches: int = 2
     accumulate: int = 1
+    zero: int = 0
     via_compose: bool = False  # compose(..., plans=plan_for) instead of plait.prepare
 
     @property
@@ -37,6 +38,7 @@ class Case:
         dims = "x".join(f"{d}{n}" for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)))
         extra = ["tied"] if self.tied else []
         extra += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
+        extra += [f"zero{self.zero}"] if self.zero else []
         extra += ["compose"] if self.via_compose else []
         return "-".join([self.family, dims, self.schedule, *extra])
 
@@ -70,7 +72,11 @@ def train(case: Case) -> dict[str, Any]:
     model = MODELS[case.family](case.tied)
     opt = optimizer(list(model.named_parameters()))
     mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
-    options: dict[str, Any] = {"schedule": case.schedule, "microbatches": case.microbatches}
+    options: dict[str, Any] = {
+        "schedule": case.schedule,
+        "microbatches": case.microbatches,
+        "zero": case.zero,
+    }
     if case.via_compose:
         ptdp = compose(model, opt, mesh=mesh, plans=plan_for, **options)
         popt = ptdp.optimizer

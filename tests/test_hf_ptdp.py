@@ -7,10 +7,10 @@ Against one process on the global batch, float64, 3 AdamW steps with two paramet
 (per-group lr and weight decay kept), clipping active on every step, 2 micro-batches, the
 model's own ``labels=`` loss with ignored labels spread unevenly (over micro-batches and
 over dp ranks): a Llama with grouped-query attention (4 heads, 2 key/value heads, tp 2)
-untied under 1F1B with 2 accumulation steps, tied under the zero-bubble ZB-H1, on
-dp2 x tp2; a GPT-2 (tied, fused ``c_attn``) under 1F1B. Also: the dense optimizer state
-assembled from the layout equals one process's (Llama), and the layouts whose shards are
-not slices of the dense tensors (GPT-2's transposed and fused projections) refuse it by
+untied under 1F1B with 2 accumulation steps, tied under the zero-bubble ZB-H1, on dp2 x tp2
+with ZeRO-1 over dp; a GPT-2 (tied, fused ``c_attn``) under 1F1B. Also: the dense optimizer
+state assembled from the layout equals one process's (Llama), and the layouts whose shards
+are not slices of the dense tensors (GPT-2's transposed and fused projections) refuse it by
 name on every rank.
 
 Tolerances: parameters, gradient norms and optimizer statistics at 1e-8 (float64; the
@@ -37,7 +37,7 @@ TOL = {"rtol": 1e-8, "atol": 1e-8}
 CASES = [
     Case("llama", accumulate=2),
     Case("llama", tied=True, schedule="zb-h1", via_compose=True),
-    Case("llama", pp=1, dp=2, tp=2),
+    Case("llama", pp=1, dp=2, tp=2, zero=1),
     Case("gpt2", tied=True),
 ]
 

@@ -158,14 +158,14 @@ def check_layout(
         check_tensor_sizes(model, tp_plan, tp)
     if sequence_parallel and custom_plan and not plan_slices_sequence(tp_plan):
         raise ValueError("ptdp: with an explicit tp_plan, mark sequence regions in the plan")
-    if (sequence_parallel or plan_slices_sequence(tp_plan or {})) and pp > 1:
-        if pipeline_plan.context is not None:
-            raise ValueError(
-                f"ptdp: sequence parallelism with pp={pp}: the {pipeline_plan.name or 'model'}"
-                f"'s pipeline plan rebuilds a per-stage context (rotary embeddings, the "
-                f"causal mask) from each stage's input, which under sequence parallelism is "
-                f"this rank's 1/{tp} of the sequence; use sequence_parallel=False, or pp=1"
-            )
+    sliced = sequence_parallel or plan_slices_sequence(tp_plan or {})
+    if sliced and tp > 1 and pp > 1 and pipeline_plan.context is not None:
+        raise ValueError(
+            f"ptdp: sequence parallelism with pp={pp}: the {pipeline_plan.name or 'model'}'s "
+            f"pipeline plan rebuilds a per-stage context (rotary embeddings, the causal mask) "
+            f"from each stage's input, which under sequence parallelism is this rank's 1/{tp} "
+            f"of the sequence; use sequence_parallel=False, or pp=1"
+        )
     layers = list(pipeline_plan.layers)
     v = chunks if chunks is not None else default_chunks(schedule)
     units = len(layers)  # what the pipeline can cut between (pipeline/split.py)

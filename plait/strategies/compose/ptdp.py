@@ -16,22 +16,42 @@ parallelism over ``dp``, on one ``Mesh(pp=.., dp=.., tp=..)`` (Narayanan et al. 
     state = ptdp.full_state_dict()                       # the dense GPT's keys, every rank
     ptdp.save(root, step=n)                              # a plait.checkpoint, any layout
 
+Any model with plans (DESIGN decision 7: PTD-P knows no model). A Hugging Face
+``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3, GPT-2) handed over whole::
+
+    model = LlamaForCausalLM(config)                     # same seed on every rank
+    ptdp, opt = plait.prepare(model, torch.optim.AdamW(groups), strategy="ptdp",
+                              mesh=plait.Mesh(pp=2, dp=1, tp=2), microbatches=4)
+    loss = ptdp.step(input_ids, labels)                  # the model's own labels= loss
+
+``plait.prepare`` passes ``plans=plait.models.plans.plan_for`` (the families plait knows);
+``compose(model, opt, mesh=..., plans=plan_for)`` is the same. Without ``plans`` the model's
+own ``plait_plan(kind)`` is asked (plait's GPT carries one). The *pipeline plan*
+(:class:`~plait.strategies.pipeline.PipelinePlan`) gives the layers the stages are cut
+from, the per-stage context (rotary embeddings, causal masks, rebuilt on each stage) and the
+model's own loss (a mean per micro-batch, or Hugging Face's sum over the items of the whole
+global batch: counted here over every dp replica's rows, so ignored labels may fall
+unevenly); the *tensor-parallel plan* (:class:`~plait.strategies.tensor.TensorPlan` or a
+mapping) the splits, checked against ``tp`` before any group is used. The pipeline plan is
+asked again after the tensor-parallel cut, so its layers hold the parallel modules.
+
 MoE blocks (``GPTConfig(moe=MoEConfig(...))``): ``Mesh(pp=.., dp=.., ep=.., tp=..)``; the
 batch is cut over ``dp * ep``, experts split over ``ep`` (:mod:`.experts`). Loss scaling:
 ``compose(..., scaler=plait.amp.DynamicLossScaler())`` and ``scaler.step(opt)``
 (:mod:`.scaling`). Checkpoints: :meth:`PTDP.save` / :meth:`PTDP.load` (:mod:`.state`).
 
-How the parts meet: the dense GPT (same seed on every rank) is first cut by
-:func:`plait.parallelize` over ``mesh.group("tp")`` (``tp_plan``; sequence parallelism
-on request), then its layers are grouped into stages by
-:class:`~plait.strategies.pipeline.PipelineParallel` over ``mesh.group("pp")``, whose loss
-is the vocab-parallel cross-entropy of the tensor-parallel head. Each ``step`` gives the
-pipeline this rank's ``B / dp`` rows of the global batch. The gradients are then averaged
-over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this rank's gradients
-(flattened) before the optimizer step; with ``zero=1`` (or ``2`` with ``pp=1``, one micro-batch) by
-:class:`~plait.strategies.zero.ZeroOptimizer` on the dp group (Megatron's distributed
-optimizer: a reduce-scatter of the gradients, Adam on this rank's 1/dp of the state, an
-all-gather of the parameters).
+How the parts meet: the dense model (same seed on every rank) is first cut by
+:func:`plait.parallelize` over ``mesh.group("tp")`` (its tensor-parallel plan; sequence
+parallelism on request), then its layers are grouped into stages by
+:class:`~plait.strategies.pipeline.PipelineParallel` over ``mesh.group("pp")`` with the
+loss of its pipeline plan (plait's GPT: the vocab-parallel cross-entropy of its
+vocabulary-split head; Hugging Face: ``model.loss_function`` on the gathered logits). Each
+``step`` gives the pipeline this rank's ``B / dp`` rows of the global batch. The gradients
+are then averaged over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this
+rank's gradients (flattened) before the optimizer step; with ``zero=1`` (or ``2`` with
+``pp=1``, one micro-batch) by :class:`~plait.strategies.zero.ZeroOptimizer` on the dp group
+(Megatron's distributed optimizer: a reduce-scatter of the gradients, Adam on this rank's
+1/dp of the state, an all-gather of the parameters).
 
 Communication contract, per step, on the groups of this rank:
 
@@ -115,7 +135,7 @@ from plait.strategies.zero.groups import constructor_kwargs
 
 
 class PTDP:
-    """A GPT trained on a (pp, dp, tp) mesh; build it with :func:`compose`."""
+    """A model trained on a (pp, dp, tp) mesh; build it with :func:`compose`."""
 
     def __init__(
         self,
@@ -497,7 +517,7 @@ class PTDP:
         return [c.param for c in self.counted]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The dense GPT's state dict (its keys, shapes and order) on every rank.
+        """The dense model's state dict (its keys, shapes and order) on every rank.
         Collective over tp (all-gathers) and pp (broadcasts); dp replicas agree."""
         return assemble(
             list(self.pipe.stages.values()),
@@ -509,7 +529,7 @@ class PTDP:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}``: the dense GPT's state dict and the plain
+        """``{"model": ..., "optimizer": ...}``: the dense model's state dict and the plain
         optimizer's over its parameters, the same on every rank (:mod:`.state`).
         Collective over the whole mesh."""
         from plait.strategies.compose import state
@@ -518,7 +538,7 @@ class PTDP:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Keep this rank's part of a :meth:`state_dict` from any layout (or of a dense
-        GPT's and its optimizer's, from one process). No communication."""
+        model's and its optimizer's, from one process). No communication."""
         from plait.strategies.compose import state
 
         state.load_state_dict(self, dict(state_dict["model"]), state_dict.get("optimizer"))
@@ -531,7 +551,7 @@ class PTDP:
         return state.save(self, root, step=step, **options)
 
     def load(self, root: str | Path, **options: Any) -> Any:
-        """Load a :mod:`plait.checkpoint` of a dense GPT and its optimizer, saved by any
+        """Load a :mod:`plait.checkpoint` of a dense model and its optimizer, saved by any
         layout or strategy, into this one (:func:`.state.load`). Collective."""
         from plait.strategies.compose import state
 
@@ -613,20 +633,24 @@ def compose(
     algorithm: str = "auto",
     check_finite: str | None = "raise",
 ) -> PTDP:
-    """``model`` (a :class:`plait.models.GPT`, built with the same seed on every rank)
-    trained on ``mesh`` (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
+    """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
+    causal LM handed over whole, any model with plans) trained on ``mesh``
+    (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
 
-    ``tp_plan``: the tensor-parallel plan (default: the GPT's ``tp_plan``, with
-    ``sequence_parallel``); ``schedule``/``microbatches``/``chunks``: the pipeline's
-    (``microbatches`` per dp replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
+    ``plans``: ``(model, kind, **options) -> plan or None``, where the model's
+    ``"pipeline"`` and ``"tp"`` plans come from (``plait.models.plans.plan_for``; default:
+    the model's own ``plait_plan``). ``tp_plan``: the tensor-parallel plan, instead of the
+    model's (with ``sequence_parallel``, mark the sequence regions in it);
+    ``schedule``/``microbatches``/``chunks``: the pipeline's (``microbatches`` per dp
+    replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
     (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1`` and
-    ``microbatches=1``);
-    ``algorithm``: the collectives' algorithm. ``check_finite``: ``"raise"`` (default),
-    ``"skip"`` or None: a non-finite gradient on any rank, before the optimizer step, stops
-    or skips the step on every rank naming the ranks (not applied with a ``scaler``, which
-    skips on inf itself, nor under ZeRO). ``optimizer``: built on
-    ``model.parameters()``, one group, not stepped; it is re-created (same class and
-    hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
+    ``microbatches=1``); ``algorithm``: the collectives' algorithm. ``check_finite``:
+    ``"raise"`` (default), ``"skip"`` or None: a non-finite gradient on any rank, before the
+    optimizer step, stops or skips the step on every rank naming the ranks (not applied with
+    a ``scaler``, which skips on inf itself, nor under ZeRO). ``optimizer``: built on every
+    parameter of the model, in any number of groups, not stepped; it is re-created on this
+    rank's shards as ``.optimizer``: same class and constructor defaults, one group per
+    group, each group's entries kept (``lr``, ``weight_decay``, ...). Refuses, naming the
     constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
     """
     model = module

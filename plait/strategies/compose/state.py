@@ -1,20 +1,27 @@
-"""Checkpoints of a PTD-P layout: the dense GPT's state and its optimizer's, whatever the
-layout, and back into any layout.
+"""Checkpoints of a PTD-P layout: the dense model's state and its optimizer's, whatever
+the layout, and back into any layout.
 
-:func:`state_dict` returns ``{"model": <the dense GPT's state dict>, "optimizer": <the
-plain optimizer's state dict over the dense GPT's parameters>}``: exactly what
-``GPT(cfg)`` and ``type(opt)(model.parameters())`` trained in one process would hold
-(parameter indices in ``model.named_parameters()`` order). :func:`load_state_dict` takes
-such a pair (from any layout, or from one process) and keeps this rank's part: its
-stages, its tp slice (rows or columns, the vocabulary padding zero), its experts, and
-under ZeRO its dp range of the optimizer state. Values are copied, never recomputed: a
-state saved from one layout and loaded into another is bitwise equal.
+:func:`state_dict` returns ``{"model": <the dense model's state dict>, "optimizer": <the
+plain optimizer's state dict over the dense model's parameters>}``: exactly what the
+model and ``type(opt)(groups)`` trained in one process would hold (the optimizer given to
+``compose``: its parameter groups, each group's parameters in its order, indices counted
+across the groups one after the other). :func:`load_state_dict` takes such a pair (from
+any layout, or from one process) and keeps this rank's part: its stages, its tp slice
+(rows or columns, the vocabulary padding zero), its experts, and under ZeRO its dp range
+of the optimizer state. Values are copied, never recomputed: a state saved from one layout
+and loaded into another is bitwise equal.
 
 :func:`save` / :func:`load` go through :func:`plait.checkpoint.save` and
-:func:`plait.checkpoint.load` with a dense ``GPT`` and a plain optimizer built on every
-rank from that pair, so a PTD-P checkpoint is an ordinary plait checkpoint: it loads into
-one process, DDP, ZeRO or FSDP, and theirs load here (the dense model is held once per
-rank while saving or loading).
+:func:`plait.checkpoint.load` with a dense model (the structure ``compose`` recorded on
+the meta device, allocated) and a plain optimizer built on every rank from that pair, so
+a PTD-P checkpoint is an ordinary plait checkpoint: it loads into one process, DDP, ZeRO
+or FSDP, and theirs load here (the dense model is held once per rank while saving or
+loading).
+
+Refused by name (:func:`refuse_unsliced`): layouts where tensor parallelism stores a
+shard that is not one slice of the dense tensor (a transposed linear or a fused projection
+split part by part: Hugging Face GPT-2's ``Conv1D`` and ``c_attn``); their
+:meth:`PTDP.full_state_dict` is right, their optimizer state would not be.
 
 Communication (:func:`state_dict`): the model as :meth:`PTDP.full_state_dict`; for the
 optimizer, under ZeRO its consolidated ``state_dict`` (all-gathers over dp), then per
