@@ -54,7 +54,7 @@ def _close(got: object, want: object, what: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_hf_model_whole_under_ptdp_matches_one_process(ranks, case):
     want = oracle(case)
-    results = ranks(4, fns.train, case, timeout=180)
+    results = ranks(4, fns.train, case, timeout=300)
     dense = sum(v.numel() for k, v in want["state"].items() if "rotary" not in k)
     for rank, got in enumerate(results):
         assert got["groups"][0]["weight_decay"] == 0.1 and got["groups"][0]["lr"] == 1e-2

@@ -490,7 +490,9 @@ class PTDP:
             opt: Any = self.optimizer
             flat = opt.gradients.flat if opt.gradients.averaged() else None
             pieces = opt.partition[self.dp_group.rank]
-            terms = [] if flat is None else shard_terms(self.counted, pieces, flat, norm_type)
+            # the shard's pieces index the optimizer's parameters (its groups in turn)
+            in_opt = [self.counted[i] for i in self.opt_order]
+            terms = [] if flat is None else shard_terms(in_opt, pieces, flat, norm_type)
             groups = [self.tp_group, self.pp_group, self.dp_group]
         else:
             flat = None
