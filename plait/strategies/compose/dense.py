@@ -268,8 +268,9 @@ def dense_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Den
         raise ValueError(
             f"ptdp: the optimizer holds no group for {missing[:3]}"
             f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}; build it on "
-            f"every parameter of the model (a frozen one: requires_grad=False before composing "
-            f"is not supported, put it in a group with lr=0)"
+            f"every parameter of the model: PTD-P re-creates it on each rank's shards and "
+            f"steps every parameter a rank keeps (one to keep fixed can sit in a group with "
+            f"lr=0)"
         )
     return out
 
