@@ -135,3 +135,35 @@ def refused_on_ranks() -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "NOT REFUSED"
+
+
+def _layout(mesh: plait.Mesh) -> Any:
+    model = MODELS["llama"](False)
+    opt = optimizer(list(model.named_parameters()))
+    ptdp, _ = plait.prepare(model, opt, strategy="ptdp", mesh=mesh, microbatches=2)
+    return ptdp
+
+
+def save_then_load(root: str) -> dict[str, Any]:
+    """A Llama trained one step on pp2 x tp2 and saved through plait.checkpoint; loaded into
+    a fresh dp2 x tp2 layout. The largest difference between their dense states (model and
+    AdamW's two groups), and the loaded layout's parameter groups."""
+    saving = _layout(plait.Mesh(pp=2, dp=1, tp=2))
+    ids, labels = batch(0, 97)
+    saving.step(ids, labels)
+    saving.optimizer.step()
+    saving.save(root, step=1)
+    want = saving.state_dict()
+    loading = _layout(plait.Mesh(pp=1, dp=2, tp=2))
+    loading.load(root)
+    got = loading.state_dict()
+    diffs = [(got["model"][k] - v).abs().max().item() for k, v in want["model"].items()]
+    for i, stats in want["optimizer"]["state"].items():
+        for stat, value in stats.items():
+            diffs.append((got["optimizer"]["state"][i][stat] - value).abs().max().item())
+    return {
+        "keys": list(got["model"]) == list(want["model"]),
+        "optimizer entries": len(got["optimizer"]["state"]),
+        "diff": max(diffs),
+        "groups": [(g["lr"], g["weight_decay"]) for g in got["optimizer"]["param_groups"]],
+    }

@@ -11,7 +11,7 @@ untied under 1F1B with 2 accumulation steps, tied under the zero-bubble ZB-H1, o
 with ZeRO-1 over dp; a GPT-2 (tied, fused ``c_attn``) under 1F1B. Also: the dense optimizer
 state assembled from the layout equals one process's (Llama), and the layouts whose shards
 are not slices of the dense tensors (GPT-2's transposed and fused projections) refuse it by
-name on every rank.
+name on every rank; a Llama checkpoint saved from pp2 x tp2 loads into dp2 x tp2 bitwise.
 
 Tolerances: parameters, gradient norms and optimizer statistics at 1e-8 (float64; the
 ranks sum partial products in another order). Losses at 1e-6: Hugging Face's causal-LM
@@ -139,3 +139,13 @@ def test_tp_that_does_not_divide_the_heads_is_refused_on_every_rank(ranks):
     for r, text in enumerate(out):
         assert text.startswith("ValueError: ptdp: tp=4"), (r, text)
         assert "'model.layers.*.self_attn' has 6 query heads" in text, (r, text)
+
+
+def test_checkpoint_of_one_layout_loads_into_another(ranks, tmp_path):
+    """A Llama's PTD-P checkpoint (an ordinary plait.checkpoint of the dense model and its
+    two-group AdamW) saved from pp2 x tp2 loads into dp2 x tp2 bitwise."""
+    out = ranks(4, fns.save_then_load, str(tmp_path / "ckpt"), timeout=300)
+    for rank, got in enumerate(out):
+        assert got["keys"] and got["optimizer entries"] > 0, (rank, got)
+        assert got["diff"] == 0.0, (rank, got)
+        assert got["groups"] == [(1e-2, 0.1), (2e-2, 0.0)], (rank, got)
