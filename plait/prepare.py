@@ -23,12 +23,13 @@ keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
-data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``;
+data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``,
+with the pipeline and tensor-parallel plans of the model's family (``plans=plan_for``);
 returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
-its optimizer), ``"cp"`` (:func:`~plait.strategies.context.style.prepare_cp`: context
-parallelism on ``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank
-feeds its chunk of the sequence from ``shard_sequence``), ``"none"`` (single process,
-unchanged).
+its optimizer with the same parameter groups), ``"cp"``
+(:func:`~plait.strategies.context.style.prepare_cp`: context parallelism on
+``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank feeds its
+chunk of the sequence from ``shard_sequence``), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
