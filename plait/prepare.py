@@ -23,12 +23,13 @@ keeps, one group per original group), ``"pipeline"``
 (:class:`~plait.strategies.pipeline.PipelineParallel` on ``mesh.group("pp")`` with
 ``schedule=`` and ``microbatches=``; call ``model.step(x, y)``; a new optimizer over this
 rank's stages), ``"ptdp"`` (:func:`~plait.strategies.compose.compose`: tensor, pipeline and
-data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``;
+data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., tp=...)``,
+with the pipeline and tensor-parallel plans of the model's family (``plans=plan_for``);
 returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
-its optimizer), ``"cp"`` (:func:`~plait.strategies.context.style.prepare_cp`: context
-parallelism on ``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank
-feeds its chunk of the sequence from ``shard_sequence``), ``"none"`` (single process,
-unchanged).
+its optimizer with the same parameter groups), ``"cp"``
+(:func:`~plait.strategies.context.style.prepare_cp`: context parallelism on
+``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank feeds its
+chunk of the sequence from ``shard_sequence``), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
@@ -185,6 +186,13 @@ def _pipeline(model: Any, optimizer: Optimizer | None, **options: Any) -> Prepar
     return prepare_pipeline(model, optimizer, **options)
 
 
+def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> tuple[Any, Optimizer]:
+    """PTD-P with the plans of the model's family (:func:`plait.models.plans.plan_for`:
+    its tensor-parallel and pipeline plans) unless ``plans=`` is given."""
+    options.setdefault("plans", plan_for)
+    return prepare_ptdp(model, optimizer, **options)
+
+
 def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
     if optimizer is None:
         raise ValueError(
@@ -223,7 +231,7 @@ STRATEGIES: dict[str, Callable[..., tuple[Any, Optimizer | None]]] = {
     "tp": _tp,
     "ep": _ep,
     "pipeline": _pipeline,
-    "ptdp": prepare_ptdp,
+    "ptdp": _ptdp,
     "cp": _cp,
 }
 

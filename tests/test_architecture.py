@@ -55,13 +55,7 @@ LAYERS: list[tuple[str, int]] = [
 
 # (importer, imported): known upward imports, each with its reason. Remove a line when
 # its import is gone; never add one without an issue that removes it.
-_GPT_ONLY = "composes plait's GPT only until it reads model plans (issue: any model)"
-KNOWN: dict[tuple[str, str], str] = {
-    ("plait.strategies.compose.check", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.compose.experts", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.compose.ptdp", "plait.models.gpt"): _GPT_ONLY,
-    ("plait.strategies.compose.state", "plait.models"): _GPT_ONLY,
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:

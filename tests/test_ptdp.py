@@ -116,13 +116,24 @@ def _layout(**kw):
         ({"shape": {"pp": 1, "dp": 2, "tp": 1}, "zero": 2, "microbatches": 2}, ["2 times"]),
         ({"zero": 3}, ["zero=3"]),
         ({"microbatches": 0}, ["microbatches=0"]),
+        # (a sequence tp does not divide is refused by check_batch, before any collective)
         (
             {
-                "shape": {"pp": 1, "dp": 1, "tp": 3},
+                "shape": {"pp": 1, "dp": 1, "tp": 2},
                 "sequence_parallel": True,
-                "model": GPT(GPTConfig(vocab=13, layers=1, heads=3, width=12, seq_len=8)),
+                "custom_plan": True,
+                "tp_plan": {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"},
             },
-            ["seq_len 8", "tp=3"],
+            ["explicit tp_plan", "sequence regions"],
+        ),
+        (
+            {
+                "shape": {"pp": 1, "dp": 1, "tp": 4},
+                "tp_plan": {"blocks.0.mlp.fc1": "rowwise"},
+                "custom_plan": True,
+                "model": GPT(GPTConfig(vocab=13, layers=1, heads=2, width=6)),
+            },
+            ["tp=4", "6 inputs", "'blocks.0.mlp.fc1'", "rowwise"],
         ),
         (
             {"shape": {"pp": 2, "dp": 2, "tp": 1}, "zero": 1, "model": GPT(fns.config(True))},

@@ -187,6 +187,14 @@ class GPT(nn.Module):
         if config.tied:
             self.head.weight = self.tok.weight
 
+    def plait_plan(self, kind: str, **options: Any) -> Any:
+        """This GPT's ``kind`` plan (``"tp"``: :func:`tp_plan`, ``"pipeline"``:
+        :func:`pipeline_plan`), or None for a kind it has none of: the model carries its
+        plans, so a strategy handed it (``compose``, ``PipelineParallel``) finds them
+        without importing this module (:func:`plait.models.plans.plan_for` reads it too)."""
+        plans = {"tp": tp_plan, "pipeline": pipeline_plan}
+        return plans[kind](self, **options) if kind in plans else None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]
         if s > self.config.seq_len:
@@ -241,9 +249,13 @@ def tp_plan(
 def pipeline_plan(model: GPT) -> Any:
     """The pipeline plan of a :class:`GPT`: the embedding (``tok`` + ``pos``, positions
     ``0..s-1``), each block, the head (``ln_f`` then ``head``, tied or not); the loss is
-    :func:`loss` (a mean over the micro-batch's tokens). No per-stage context: the
-    positions enter only at the embedding."""
+    :func:`loss` (a mean over the micro-batch's tokens), or, once :func:`tp_plan` has split
+    the head by vocabulary (its logits stay split: PTD-P), the vocab-parallel
+    cross-entropy of :func:`plait.strategies.tensor.loss_fn`, the same mean. No per-stage
+    context: the positions enter only at the embedding. Build it after
+    :func:`plait.parallelize` has cut the model: its layers hold the modules it finds."""
     from plait.strategies.pipeline import Layer, PipelinePlan
+    from plait.strategies.tensor import loss_fn
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
@@ -256,4 +268,6 @@ def pipeline_plan(model: GPT) -> Any:
     for i, block in enumerate(model.blocks):
         layers.append(Layer(f"blocks.{i}", ((f"blocks.{i}", block),), block))
     layers.append(Layer("head", (("ln_f", model.ln_f), ("head", model.head)), head))
-    return PipelinePlan(layers=tuple(layers), loss=loss, name="GPT")
+    # loss_fn reads how parallelize left the head: F.cross_entropy on whole logits (as
+    # loss above), the vocab-parallel cross-entropy on a vocabulary-split head
+    return PipelinePlan(layers=tuple(layers), loss=loss_fn(model), name="GPT")

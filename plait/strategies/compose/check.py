@@ -1,20 +1,28 @@
 """Refuse, before any group is used, a PTD-P layout the mesh and the model cannot build.
 
 Every check names the constraint and what to change. :func:`check_layout` runs at
-construction (mesh, model, schedule, ZeRO stage, MoE blocks against ``ep``, the tensor-
-parallel mode); :func:`check_batch` at every step (the global batch against
-``dp * ep * microbatches`` and the sequence against ``tp`` under sequence parallelism).
-Pure functions: testable without processes.
+construction (mesh, the model's plans, schedule, ZeRO stage, MoE blocks against ``ep``,
+the tensor-parallel mode and the sizes its plan splits); :func:`check_batch` at every step
+(the global batch against ``dp * ep * microbatches`` and the sequence against ``tp`` under
+sequence parallelism). Pure functions: testable without processes.
+
+The model is known only through its plans (DESIGN decision 7): the pipeline plan (its
+layers, their context, its loss) and the tensor-parallel plan (styles, attention heads),
+asked of ``plans`` (:func:`plait.models.plans.plan_for`, which ``plait.prepare`` passes) or
+of the model's own ``plait_plan`` (:func:`resolve_plans`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline.schedules import default_chunks
 
 DIMS = ("pp", "dp", "tp")
@@ -56,6 +64,61 @@ def mesh_sizes(shape: dict[str, int]) -> tuple[int, int, int, int]:
     return shape["pp"], shape["dp"], shape["tp"], shape.get("ep", 1)
 
 
+def plan_source(model: nn.Module, plans: Callable[..., Any] | None) -> Callable[..., Any]:
+    """``(kind, **options) -> plan or None`` for ``model``: ``plans(model, kind, **options)``
+    when given (:func:`plait.models.plans.plan_for`, which ``plait.prepare`` passes), else
+    the model's own ``plait_plan(kind, **options)`` (plait's GPT carries one), else none."""
+    if plans is not None:
+        return lambda kind, **options: plans(model, kind, **options)
+    own = getattr(model, "plait_plan", None)
+    if callable(own):
+        return own  # type: ignore[no-any-return]
+    return lambda kind, **options: None
+
+
+def _no_plan(model: nn.Module, kind: str, why: str) -> ValueError:
+    return ValueError(
+        f"ptdp: no {kind} plan for a {type(model).__name__}: PTD-P cuts the model's layers "
+        f"into pipeline stages by its pipeline plan and splits every stage by its "
+        f"tensor-parallel plan ({why}). plait.models.GPT carries its own; for the families "
+        f"plait.models.plans knows (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-2) use "
+        f"plait.prepare(model, opt, strategy='ptdp', mesh=...) or compose(model, opt, "
+        f"mesh=..., plans=plait.models.plans.plan_for); for another model give it a method "
+        f"plait_plan(kind, **options) returning a PipelinePlan for 'pipeline' and a "
+        f"TensorPlan for 'tp' (see plait.strategies.pipeline.plan, "
+        f"plait.strategies.tensor.plan)"
+    )
+
+
+def resolve_plans(
+    model: nn.Module,
+    *,
+    plans: Callable[..., Any] | None,
+    tp: int,
+    sequence_parallel: bool,
+    tp_plan: Any = None,
+) -> tuple[Any, Any]:
+    """``(tensor-parallel plan, pipeline plan)`` of ``model``: ``tp_plan`` if given (None
+    when ``tp == 1``), the pipeline plan from :func:`plan_source`. A missing one is refused
+    naming what to pass. The pipeline plan returned here holds the dense modules: ask again
+    after the model is cut (``PTDP`` does)."""
+    ask = plan_source(model, plans)
+    pipeline = ask("pipeline")
+    if pipeline is None:
+        raise _no_plan(model, "pipeline", "every layout, pp=1 included, runs the pipeline")
+    if tp > 1 and tp_plan is None:
+        tp_plan = ask("tp", **({"sequence_parallel": True} if sequence_parallel else {}))
+        if tp_plan is None:
+            raise _no_plan(model, "tensor-parallel", f"tp={tp}")
+    return tp_plan, pipeline
+
+
+def plan_slices_sequence(plan: Any) -> bool:
+    """Whether a tensor-parallel plan (a TensorPlan or a mapping) marks sequence regions."""
+    styles = getattr(plan, "styles", plan)
+    return any(getattr(v, "kind", v) in ("sequence", "scatter") for v in styles.values())
+
+
 def check_layout(
     model: nn.Module,
     *,
@@ -67,10 +130,13 @@ def check_layout(
     sequence_parallel: bool,
     custom_plan: bool,
     tp_mode: str = "1d",
+    plans: Callable[..., Any] | None = None,
+    tp_plan: Any = None,
+    pipeline_plan: Any = None,
 ) -> Sizes:
-    """Refuse what the mesh cannot build from ``model`` (see the module docstring)."""
-    from plait.models.gpt import GPT
-
+    """Refuse what the mesh cannot build from ``model`` (see the module docstring). The
+    model's plans come from ``tp_plan``/``pipeline_plan`` when given, else as
+    :func:`resolve_plans` finds them (``plans``, or the model's own)."""
     pp, dp, tp, ep = mesh_sizes(shape)
     if tp_mode != "1d":
         raise ValueError(
@@ -79,38 +145,36 @@ def check_layout(
             f"own layers' gradient and state rules, which PTD-P does not carry yet; use "
             f"tp_mode='1d' here, or strategy='tp' with mode={tp_mode!r} alone"
         )
-    if not isinstance(model, GPT):
-        raise ValueError(
-            f"ptdp: composes plait.models.GPT (its stages, plan and loss are known); got a "
-            f"{type(model).__name__}"
+    if pipeline_plan is None:
+        tp_plan, pipeline_plan = resolve_plans(
+            model, plans=plans, tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan
         )
-    cfg = model.config
-    _check_moe(cfg, ep=ep, zero=zero, sequence_parallel=sequence_parallel)
+    _check_moe(model, ep=ep, zero=zero, sequence_parallel=sequence_parallel)
     if zero not in ZERO_STAGES:
         raise ValueError(f"ptdp: zero={zero!r}; use 0 (plain averaging over dp), 1 or 2")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"ptdp: microbatches={microbatches!r}; use a positive integer")
-    if tp > 1 and not custom_plan:
-        for what, n in (("heads", cfg.heads), ("4 * width (the MLP)", 4 * cfg.width)):
-            if n % tp:
-                raise ValueError(
-                    f"ptdp: tp={tp} does not divide the GPT's {what} = {n}; choose a "
-                    f"tensor-parallel size that divides {n}"
-                )
-    if sequence_parallel and cfg.seq_len % tp:
-        raise ValueError(
-            f"ptdp: sequence parallelism slices the sequence over tp={tp}, but seq_len "
-            f"{cfg.seq_len} is not a multiple of {tp}; change seq_len or tp"
-        )
-    if sequence_parallel and custom_plan:
+    if tp > 1:
+        check_tensor_sizes(model, tp_plan, tp)
+    if sequence_parallel and custom_plan and not plan_slices_sequence(tp_plan):
         raise ValueError("ptdp: with an explicit tp_plan, mark sequence regions in the plan")
+    sliced = sequence_parallel or plan_slices_sequence(tp_plan or {})
+    if sliced and tp > 1 and pp > 1 and pipeline_plan.context is not None:
+        raise ValueError(
+            f"ptdp: sequence parallelism with pp={pp}: the {pipeline_plan.name or 'model'}'s "
+            f"pipeline plan rebuilds a per-stage context (rotary embeddings, the causal mask) "
+            f"from each stage's input, which under sequence parallelism is this rank's 1/{tp} "
+            f"of the sequence; use sequence_parallel=False, or pp=1"
+        )
+    layers = list(pipeline_plan.layers)
     v = chunks if chunks is not None else default_chunks(schedule)
-    units = cfg.layers + 2  # the embedding, each block, the head (pipeline/split.py)
+    units = len(layers)  # what the pipeline can cut between (pipeline/split.py)
     if pp * v > units:
         raise ValueError(
             f"ptdp: pp={pp} ranks x {v} stage(s) each = {pp * v} pipeline stages, but the "
-            f"GPT has only {units} layers to cut (embedding, {cfg.layers} blocks, head); "
-            f"use pp * chunks <= {units} or more layers"
+            f"{pipeline_plan.name or 'model'}'s pipeline plan has only {units} layers to cut "
+            f"({layers[0].name}, ..., {layers[-1].name}); use pp * chunks <= {units} or more "
+            f"layers"
         )
     if zero == 2 and (pp > 1 or microbatches > 1):
         raise ValueError(
@@ -120,29 +184,109 @@ def check_layout(
             f"{microbatches} times a step; use zero=1 (Megatron's distributed optimizer) "
             f"with pp > 1, or pp=1 and microbatches=1 for ZeRO-2"
         )
-    if zero and pp > 1 and cfg.tied:
+    shared = _shared_between_layers(layers)
+    if zero and pp > 1 and shared:
         raise ValueError(
-            f"ptdp: zero={zero} with pp={pp} and a tied embedding/head: the pipeline sums the "
-            f"tied gradient between the first and last stage after backward, which ZeRO's "
-            f"gradient guards forbid; use GPTConfig(tied=False), zero=0, or pp=1"
+            f"ptdp: zero={zero} with pp={pp} and a tied parameter ({shared}, held by layers "
+            f"that may sit on two stages, such as a tied embedding and head): the pipeline "
+            f"sums the tied gradient between the first and last stage after backward, which "
+            f"ZeRO's gradient guards forbid; untie it (GPTConfig(tied=False), "
+            f"tie_word_embeddings=False), use zero=0, or pp=1"
         )
     return Sizes(pp, dp, tp, microbatches, zero, sequence_parallel, ep)
 
 
-def _check_moe(cfg: Any, *, ep: int, zero: int, sequence_parallel: bool) -> None:
-    """MoE blocks against the ``ep`` dimension (see :mod:`.experts`)."""
-    moe = cfg.moe
-    if moe is None:
+def _shared_between_layers(layers: list[Any]) -> str | None:
+    """The first parameter two pipeline layers share (a tied embedding and head), named as
+    the first layer holds it, or None."""
+    seen: dict[int, str] = {}
+    for layer in layers:
+        mine: dict[int, str] = {}
+        for dotted, module in layer.modules:
+            for n, p in module.named_parameters():
+                mine.setdefault(id(p), f"{dotted}.{n}")
+        for key, name in mine.items():
+            if key in seen:
+                return seen[key]
+            seen[key] = name
+    return None
+
+
+def check_tensor_sizes(model: nn.Module, plan: Any, tp: int) -> None:
+    """Refuse, before any group is used, a tensor-parallel size the plan's splits do not
+    allow, naming the module: each :class:`~plait.strategies.tensor.plan.AttentionHeads`
+    (query and key/value heads), every attention module under a plan entry that says its
+    head count (``heads``/``num_heads``), and every column-parallel output / row-parallel
+    input width (per part of a fused projection). The vocabulary is padded: any size fits."""
+    styles = dict(getattr(plan, "styles", plan))
+    names = [n for n, _ in model.named_modules() if n]
+    kept_whole: set[str] = set()  # key/value projections with fewer heads than ranks
+    for heads in getattr(plan, "attention", ()):
+        try:
+            local = heads.local(tp)
+        except ValueError as exc:
+            raise ValueError(f"ptdp: tp={tp}: {exc}") from exc
+        if local["replicas"] > 1:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, heads.modules)]
+            kept_whole |= {f"{n}.{child}" for n in hits for child in heads.key_value}
+    resolved: dict[str, Any] = {}
+    for pattern, style in styles.items():
+        for n in names:
+            if fnmatch.fnmatchcase(n, pattern):
+                resolved[n] = style
+    for name, module in model.named_modules():
+        count = getattr(module, "heads", getattr(module, "num_heads", None))
+        if (
+            isinstance(count, int)
+            and count % tp
+            and any(r.startswith(f"{name}.") for r in resolved)
+        ):
+            raise ValueError(
+                f"ptdp: tp={tp} does not divide the attention heads = {count} of module "
+                f"{name!r}; choose a tensor-parallel size that divides {count}"
+            )
+    for name, style in resolved.items():
+        kind = getattr(style, "kind", style)
+        if kind not in ("colwise", "rowwise") or name in kept_whole:
+            continue
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue  # parallelize names what does not fit the style
+        out_features, in_features = weight.shape
+        if getattr(style, "transposed", False):  # stored [in, out] (GPT-2's Conv1D)
+            out_features, in_features = in_features, out_features
+        blocks = getattr(style, "blocks", 1)
+        n, what = (
+            (out_features // blocks, "outputs" + (f" per part (of {blocks})" if blocks > 1 else ""))
+            if kind == "colwise"
+            else (in_features, "inputs")
+        )
+        if n % tp:
+            raise ValueError(
+                f"ptdp: tp={tp} does not divide the {n} {what} of module {name!r} "
+                f"({kind} in the tensor-parallel plan); choose a tensor-parallel size that "
+                f"divides {n}"
+            )
+
+
+def _check_moe(model: nn.Module, *, ep: int, zero: int, sequence_parallel: bool) -> None:
+    """The model's MoE blocks (:class:`plait.moe.MoE` layers) against the ``ep`` dimension
+    (see :mod:`.experts`)."""
+    layers = moe_layers(model)
+    if not layers:
         if ep > 1:
             raise ValueError(
-                f"ptdp: the mesh has ep={ep} but the GPT has no MoE blocks; build it with "
-                f"GPTConfig(moe=MoEConfig(...)) or drop ep from the mesh"
+                f"ptdp: the mesh has ep={ep} but the {type(model).__name__} has no MoE blocks "
+                f"(plait.moe.MoE layers); build it with MoE blocks (plait's GPT: "
+                f"GPTConfig(moe=MoEConfig(...))) or drop ep from the mesh"
             )
         return
-    if moe.num_experts % ep:
+    bad = next((n for n, m in layers.items() if m.num_experts % ep), None)
+    if bad is not None:
+        num = layers[bad].num_experts
         raise ValueError(
-            f"ptdp: ep={ep} does not divide the MoE blocks' num_experts={moe.num_experts}; "
-            f"choose ep dividing {moe.num_experts}"
+            f"ptdp: ep={ep} does not divide the num_experts={num} of MoE block {bad!r}; "
+            f"choose ep dividing {num}"
         )
     if sequence_parallel:
         raise ValueError(
@@ -156,17 +300,20 @@ def _check_moe(cfg: Any, *, ep: int, zero: int, sequence_parallel: bool) -> None
             f"expert gradients average over dp and the others over dp x ep; use zero=0 with "
             f"expert parallelism, or ep=1"
         )
-    if moe.aux_loss != "gshard" and moe.aux_loss_weight:
-        raise ValueError(
-            f"ptdp: aux_loss={moe.aux_loss!r} is a statistic of the whole batch: summed over "
-            f"micro-batches and replicas it is not one process's loss; use aux_loss='gshard' "
-            f"(a mean over groups) or aux_loss_weight=0"
-        )
-    if moe.bias_update_rate > 0:
-        raise ValueError(
-            "ptdp: auxiliary-loss-free balancing (bias_update_rate > 0) is not composed yet; "
-            "use bias_update_rate=0 (the GShard auxiliary loss balances)"
-        )
+    for name, moe in layers.items():
+        if moe.aux_loss != "gshard" and moe.aux_loss_weight:
+            raise ValueError(
+                f"ptdp: MoE block {name!r} has aux_loss={moe.aux_loss!r}, a statistic of the "
+                f"whole batch: summed over micro-batches and replicas it is not one "
+                f"process's loss; use aux_loss='gshard' (a mean over groups) or "
+                f"aux_loss_weight=0"
+            )
+        if moe.bias_update_rate > 0:
+            raise ValueError(
+                f"ptdp: MoE block {name!r}: auxiliary-loss-free balancing (bias_update_rate "
+                f"> 0) is not composed yet; use bias_update_rate=0 (the GShard auxiliary "
+                f"loss balances)"
+            )
 
 
 def check_batch(inputs: torch.Tensor, targets: torch.Tensor, sizes: Sizes) -> None:

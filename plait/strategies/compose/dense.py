@@ -32,9 +32,11 @@ and each stage's dense tensors over pp (:func:`broadcast_stages`, one flat tenso
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -233,3 +235,70 @@ def broadcast_stages(
             for k, part in zip(mine, flat.split(numels), strict=True):
                 out[k] = part.view(shapes[k][0]).clone()
     return {k: out[k] for k in shapes}
+
+
+@dataclass(frozen=True)
+class DenseGroup:
+    """One parameter group of the dense model's optimizer: its entries (``lr``,
+    ``weight_decay``, ...) and its parameters' names, in the group's order."""
+
+    options: dict[str, Any]
+    names: tuple[str, ...]
+
+
+def dense_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[DenseGroup]:
+    """``optimizer``'s parameter groups by parameter name (a shared parameter under its
+    first name). Refuses, before anything is cut, a tensor that is not the model's and a
+    parameter no group holds (PTD-P steps every parameter it keeps)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out, held = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"ptdp: parameter group {i} of the optimizer holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the {type(model).__name__}; "
+                    f"build the optimizer on model.parameters() (or its named groups)"
+                )
+        group_names = tuple(names[id(p)] for p in group["params"])
+        held |= set(group_names)
+        out.append(DenseGroup({k: v for k, v in group.items() if k != "params"}, group_names))
+    missing = [n for n in names.values() if n not in held]
+    if missing:
+        raise ValueError(
+            f"ptdp: the optimizer holds no group for {missing[:3]}"
+            f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}; build it on "
+            f"every parameter of the model: PTD-P re-creates it on each rank's shards and "
+            f"steps every parameter a rank keeps (one to keep fixed can sit in a group with "
+            f"lr=0)"
+        )
+    return out
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s structure with every parameter and buffer on the meta device
+    (no memory): the dense model :mod:`.state` fills (``to_empty`` then ``load_state_dict``)
+    to save or load an ordinary checkpoint. Shared parameters stay shared. No
+    communication."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def unsliced_parameters(model: nn.Module) -> list[str]:
+    """Parameters of a tensor-parallel ``model`` whose shard on a rank is not one contiguous
+    slice of the dense tensor: a linear stored transposed (``Style(transposed=True)``,
+    GPT-2's ``Conv1D``) or a fused projection split part by part (``Style(blocks=k)``).
+    The same list on every rank (read from the whole model before the pipeline cut)."""
+    from plait.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear) and (
+            module.transposed or getattr(module, "blocks", 1) > 1
+        ):
+            out += [f"{name}.{n}" for n, _ in module.named_parameters(recurse=False)]
+    return out

@@ -46,14 +46,6 @@ from plait.comm.group import Group
 from plait.strategies.moe.layer import MoE, moe_layers
 
 
-def tp_plan_without_experts(cfg: Any, *, sequence_parallel: bool) -> dict[str, Any]:
-    """The GPT's tensor-parallel plan, without the MLP entries of its MoE blocks (their
-    experts are replicated over tp)."""
-    from plait.models.gpt import tp_plan as gpt_plan
-
-    return gpt_plan(cfg, sequence_parallel=sequence_parallel)  # MoE blocks' MLPs left out
-
-
 def shard_experts(model: nn.Module, *, ep_group: Group | None) -> set[int]:
     """Keep this ep rank's experts in every MoE layer of ``model`` (in place) and route
     through ``ep_group``; the ids of every expert parameter this rank still holds. No

@@ -16,22 +16,42 @@ parallelism over ``dp``, on one ``Mesh(pp=.., dp=.., tp=..)`` (Narayanan et al. 
     state = ptdp.full_state_dict()                       # the dense GPT's keys, every rank
     ptdp.save(root, step=n)                              # a plait.checkpoint, any layout
 
+Any model with plans (DESIGN decision 7: PTD-P knows no model). A Hugging Face
+``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3, GPT-2) handed over whole::
+
+    model = LlamaForCausalLM(config)                     # same seed on every rank
+    ptdp, opt = plait.prepare(model, torch.optim.AdamW(groups), strategy="ptdp",
+                              mesh=plait.Mesh(pp=2, dp=1, tp=2), microbatches=4)
+    loss = ptdp.step(input_ids, labels)                  # the model's own labels= loss
+
+``plait.prepare`` passes ``plans=plait.models.plans.plan_for`` (the families plait knows);
+``compose(model, opt, mesh=..., plans=plan_for)`` is the same. Without ``plans`` the model's
+own ``plait_plan(kind)`` is asked (plait's GPT carries one). The *pipeline plan*
+(:class:`~plait.strategies.pipeline.PipelinePlan`) gives the layers the stages are cut
+from, the per-stage context (rotary embeddings, causal masks, rebuilt on each stage) and the
+model's own loss (a mean per micro-batch, or Hugging Face's sum over the items of the whole
+global batch: counted here over every dp replica's rows, so ignored labels may fall
+unevenly); the *tensor-parallel plan* (:class:`~plait.strategies.tensor.TensorPlan` or a
+mapping) the splits, checked against ``tp`` before any group is used. The pipeline plan is
+asked again after the tensor-parallel cut, so its layers hold the parallel modules.
+
 MoE blocks (``GPTConfig(moe=MoEConfig(...))``): ``Mesh(pp=.., dp=.., ep=.., tp=..)``; the
 batch is cut over ``dp * ep``, experts split over ``ep`` (:mod:`.experts`). Loss scaling:
 ``compose(..., scaler=plait.amp.DynamicLossScaler())`` and ``scaler.step(opt)``
 (:mod:`.scaling`). Checkpoints: :meth:`PTDP.save` / :meth:`PTDP.load` (:mod:`.state`).
 
-How the parts meet: the dense GPT (same seed on every rank) is first cut by
-:func:`plait.parallelize` over ``mesh.group("tp")`` (``tp_plan``; sequence parallelism
-on request), then its layers are grouped into stages by
-:class:`~plait.strategies.pipeline.PipelineParallel` over ``mesh.group("pp")``, whose loss
-is the vocab-parallel cross-entropy of the tensor-parallel head. Each ``step`` gives the
-pipeline this rank's ``B / dp`` rows of the global batch. The gradients are then averaged
-over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this rank's gradients
-(flattened) before the optimizer step; with ``zero=1`` (or ``2`` with ``pp=1``, one micro-batch) by
-:class:`~plait.strategies.zero.ZeroOptimizer` on the dp group (Megatron's distributed
-optimizer: a reduce-scatter of the gradients, Adam on this rank's 1/dp of the state, an
-all-gather of the parameters).
+How the parts meet: the dense model (same seed on every rank) is first cut by
+:func:`plait.parallelize` over ``mesh.group("tp")`` (its tensor-parallel plan; sequence
+parallelism on request), then its layers are grouped into stages by
+:class:`~plait.strategies.pipeline.PipelineParallel` over ``mesh.group("pp")`` with the
+loss of its pipeline plan (plait's GPT: the vocab-parallel cross-entropy of its
+vocabulary-split head; Hugging Face: ``model.loss_function`` on the gathered logits). Each
+``step`` gives the pipeline this rank's ``B / dp`` rows of the global batch. The gradients
+are then averaged over ``mesh.group("dp")``: with ``zero=0`` by one all-reduce of all this
+rank's gradients (flattened) before the optimizer step; with ``zero=1`` (or ``2`` with
+``pp=1``, one micro-batch) by :class:`~plait.strategies.zero.ZeroOptimizer` on the dp group
+(Megatron's distributed optimizer: a reduce-scatter of the gradients, Adam on this rank's
+1/dp of the state, an all-gather of the parameters).
 
 Communication contract, per step, on the groups of this rank:
 
@@ -68,7 +88,8 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +100,32 @@ from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.group import Group
 from plait.renames import accepts_model
-from plait.strategies.compose.check import Sizes, check_batch, check_layout
+from plait.strategies.compose.check import (
+    Sizes,
+    check_batch,
+    check_layout,
+    mesh_sizes,
+    plan_source,
+    resolve_plans,
+)
 from plait.strategies.compose.dense import (
     Counted,
+    DenseGroup,
     DenseIndex,
     assemble,
     count_params,
+    dense_groups,
     global_grad_norm,
     norm_terms,
     shard_terms,
+    skeleton,
+    unsliced_parameters,
 )
 from plait.strategies.compose.experts import (
     MicroBatches,
     average,
     expert_owner,
     shard_experts,
-    tp_plan_without_experts,
 )
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
@@ -104,7 +135,7 @@ from plait.strategies.zero.groups import constructor_kwargs
 
 
 class PTDP:
-    """A GPT trained on a (pp, dp, tp) mesh; build it with :func:`compose`."""
+    """A model trained on a (pp, dp, tp) mesh; build it with :func:`compose`."""
 
     def __init__(
         self,
@@ -112,7 +143,8 @@ class PTDP:
         optimizer: torch.optim.Optimizer,
         *,
         mesh: Any,
-        tp_plan: Mapping[str, Any] | None = None,
+        tp_plan: Any = None,
+        plans: Callable[..., Any] | None = None,
         sequence_parallel: bool = False,
         schedule: str = "1f1b",
         microbatches: int = 1,
@@ -123,10 +155,15 @@ class PTDP:
         algorithm: str = "auto",
         check_finite: str | None = "raise",
     ) -> None:
-        from plait.models.gpt import pipeline_plan  # as check.py: ptdp composes the GPT
         from plait.strategies.pipeline import PipelineParallel
-        from plait.strategies.tensor import loss_fn, parallelize
+        from plait.strategies.tensor import parallelize
 
+        _, _, tp, _ = mesh_sizes(mesh.shape)
+        # the model's plans (DESIGN 7: ptdp knows no model); the pipeline plan is asked
+        # again after the cut below, so that its layers hold the tensor-parallel modules
+        tplan, dense_pipeline = resolve_plans(
+            model, plans=plans, tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan
+        )
         self.sizes: Sizes = check_layout(
             model,
             shape=mesh.shape,
@@ -137,12 +174,16 @@ class PTDP:
             sequence_parallel=sequence_parallel,
             custom_plan=tp_plan is not None,
             tp_mode=tp_mode,
+            tp_plan=tplan,
+            pipeline_plan=dense_pipeline,
         )
-        if len(optimizer.param_groups) != 1 or optimizer.state:
+        if optimizer.state:
             raise ValueError(
-                "ptdp re-creates the optimizer on this rank's shards: pass an optimizer with "
-                "one parameter group that has not stepped yet"
+                "ptdp re-creates the optimizer on this rank's shards: pass an optimizer that "
+                "has not stepped yet (load a saved state afterwards with PTDP.load_state_dict "
+                "or PTDP.load)"
             )
+        self.dense_groups: list[DenseGroup] = dense_groups(model, optimizer)
         settings = {
             "mesh": repr(mesh.shape),
             "schedule": schedule,
@@ -151,9 +192,10 @@ class PTDP:
             "zero": zero,
             "tp_mode": tp_mode,
             "sequence_parallel": sequence_parallel,
-            "tp_plan": None
-            if tp_plan is None
-            else sorted((k, repr(v)) for k, v in tp_plan.items()),
+            "tp_plan": None if tp_plan is None else describe_plan(tp_plan),
+            "pipeline plan": dense_pipeline.structure(),
+            "optimizer": f"{type(optimizer).__name__}, parameter groups of "
+            f"{[len(g.names) for g in self.dense_groups]} parameters",
             "loss scaling": scaler is not None,
             "algorithm": algorithm,
         }
@@ -172,37 +214,35 @@ class PTDP:
             mesh.rank("ep") if self.ep_group else 0
         )
         dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.param_names = [n for n, _ in model.named_parameters()]
+        # the dense model's structure on the meta device: what save/load rebuild (state.py)
+        self.skeleton = skeleton(model)
+        # the dense optimizer's parameter order: its groups one after the other
+        self.param_names = [n for g in self.dense_groups for n in g.names]
         # state-dict keys of a shared parameter (a tied head) -> its parameter name
         names = {id(p): n for n, p in model.named_parameters()}
         self.aliases = {
             k: names[id(v)] for k, v in model.state_dict(keep_vars=True).items() if id(v) in names
         }
-        self.config: Any = model.config
+        self.config: Any = getattr(model, "config", None)
         self.optimizer_class = type(optimizer)
-        cfg: Any = model.config
         layers_moe = moe_layers(model)
         experts = shard_experts(model, ep_group=self.ep_group)
         if self.sizes.tp > 1:
-            plan = tp_plan or tp_plan_without_experts(cfg, sequence_parallel=sequence_parallel)
-            parallelize(model, self.tp_group, plan, algorithm=algorithm)
-        stages_plan = pipeline_plan(model)  # type: ignore[arg-type]
+            parallelize(model, self.tp_group, tplan, algorithm=algorithm)
+        # parameters whose shards are no contiguous slice of the dense tensor (state.py)
+        self.unsliced = unsliced_parameters(model)
+        stages_plan = plan_source(model, plans)("pipeline")
         layers = list(stages_plan.layers)
-        base_loss = loss_fn(model)
         self._loss_scale = 1.0
-
-        def scaled_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            loss = base_loss(y, target)
-            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
-
+        self._count_items: Any = None  # the plan's loss-item count, over the global batch
+        self._num_items: torch.Tensor | None = None
         self.pipe = PipelineParallel(
             model,
             group=self.pp_group,
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
-            plan=stages_plan,
-            loss_fn=scaled_loss,
+            plan=self._scaled(stages_plan),
             check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
         )
         part = self.pipe.partition
@@ -237,18 +277,23 @@ class PTDP:
             experts=experts,
             ep_rank=self.ep_group.rank if self.ep_group else 0,
         )
-        params = [c.param for c in self.counted]
+        # the optimizer over this rank's shards: one group per dense group (every group
+        # entry kept), each shard in its dense parameter's group, in the dense order
+        position = {_canonical_name(self.aliases, c.name): i for i, c in enumerate(self.counted)}
+        self.opt_order: list[int] = []  # optimizer parameter j -> self.counted index
+        local_groups = []
+        for g in self.dense_groups:
+            mine = [position[n] for n in g.names if n in position]
+            self.opt_order += mine
+            local_groups.append({**g.options, "params": [self.counted[i].param for i in mine]})
         # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay)
-        hyper = constructor_kwargs(
-            type(optimizer),
-            {k: v for k, v in optimizer.param_groups[0].items() if k in optimizer.defaults},
-        )
+        hyper = constructor_kwargs(type(optimizer), dict(optimizer.defaults))
         self.hyper = hyper
         if zero:
             from plait.strategies.zero import ZeroOptimizer
 
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
-                params,
+                local_groups,
                 type(optimizer),
                 stage=zero,
                 group=self.dp_group,
@@ -256,7 +301,7 @@ class PTDP:
                 **hyper,
             )
         else:
-            self.optimizer = type(optimizer)(params, **hyper)
+            self.optimizer = type(optimizer)(local_groups, **hyper)
         sharded_unscale = self.optimizer.unscale_grads_ if zero else None  # type: ignore[attr-defined]
         self._sharded_unscale = sharded_unscale
         self.optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
@@ -286,6 +331,30 @@ class PTDP:
             zero_grad(set_to_none)
 
         self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
+
+    def _scaled(self, plan: Any) -> Any:
+        """The pipeline plan with its loss multiplied by the loss scale (1 without a
+        scaler). A loss that counts its items (``reduction="items"``, Hugging Face's
+        ``num_items_in_batch``) divides by the items of the *global* batch, counted in
+        :meth:`step` (every rank holds it), and is multiplied by the number of replicas, so
+        that averaging the replicas' gradients (``sync_gradients``) gives one process's
+        mean even when ignored labels fall unevenly over the dp ranks."""
+        base = plan.loss
+        if plan.reduction == "items":
+            self._count_items = plan.items
+
+            def items_loss(y: torch.Tensor, target: torch.Tensor, *, num_items: Any) -> Any:
+                loss = base(y, target, num_items=num_items)
+                factor = self.sizes.replicas * self._loss_scale
+                return loss if factor == 1.0 else loss * factor
+
+            return replace(plan, loss=items_loss, items=lambda _rows: self._num_items)
+
+        def mean_loss(y: torch.Tensor, target: torch.Tensor) -> Any:
+            loss = base(y, target)
+            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
+
+        return replace(plan, loss=mean_loss)
 
     @torch.no_grad()
     def _check_finite(self) -> None:
@@ -344,6 +413,13 @@ class PTDP:
                 "(clip_grad_norm_ or the scaler); step the optimizer (scaler.step(opt)) or "
                 "zero_grad before the next step"
             )
+        if self._count_items is not None:
+            self._num_items = self._count_items(targets)  # the global batch's loss items
+            if int(self._num_items) == 0:
+                raise ValueError(
+                    "ptdp.step: the global batch has no loss items (every label is ignored); "
+                    "its mean loss is undefined"
+                )
         rows = inputs.shape[0] // self.sizes.replicas
         d = self.batch_rank
         self._loss_scale = self.scaler.scale_value if self.scaler is not None else 1.0
@@ -414,7 +490,9 @@ class PTDP:
             opt: Any = self.optimizer
             flat = opt.gradients.flat if opt.gradients.averaged() else None
             pieces = opt.partition[self.dp_group.rank]
-            terms = [] if flat is None else shard_terms(self.counted, pieces, flat, norm_type)
+            # the shard's pieces index the optimizer's parameters (its groups in turn)
+            in_opt = [self.counted[i] for i in self.opt_order]
+            terms = [] if flat is None else shard_terms(in_opt, pieces, flat, norm_type)
             groups = [self.tp_group, self.pp_group, self.dp_group]
         else:
             flat = None
@@ -441,7 +519,7 @@ class PTDP:
         return [c.param for c in self.counted]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The dense GPT's state dict (its keys, shapes and order) on every rank.
+        """The dense model's state dict (its keys, shapes and order) on every rank.
         Collective over tp (all-gathers) and pp (broadcasts); dp replicas agree."""
         return assemble(
             list(self.pipe.stages.values()),
@@ -453,7 +531,7 @@ class PTDP:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": ..., "optimizer": ...}``: the dense GPT's state dict and the plain
+        """``{"model": ..., "optimizer": ...}``: the dense model's state dict and the plain
         optimizer's over its parameters, the same on every rank (:mod:`.state`).
         Collective over the whole mesh."""
         from plait.strategies.compose import state
@@ -462,7 +540,7 @@ class PTDP:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Keep this rank's part of a :meth:`state_dict` from any layout (or of a dense
-        GPT's and its optimizer's, from one process). No communication."""
+        model's and its optimizer's, from one process). No communication."""
         from plait.strategies.compose import state
 
         state.load_state_dict(self, dict(state_dict["model"]), state_dict.get("optimizer"))
@@ -475,7 +553,7 @@ class PTDP:
         return state.save(self, root, step=step, **options)
 
     def load(self, root: str | Path, **options: Any) -> Any:
-        """Load a :mod:`plait.checkpoint` of a dense GPT and its optimizer, saved by any
+        """Load a :mod:`plait.checkpoint` of a dense model and its optimizer, saved by any
         layout or strategy, into this one (:func:`.state.load`). Collective."""
         from plait.strategies.compose import state
 
@@ -488,6 +566,17 @@ class PTDP:
             f"schedule={self.pipe.schedule.name!r}, microbatches={s.microbatches}, "
             f"zero={s.zero}, sequence_parallel={s.sequence_parallel})"
         )
+
+
+def _canonical_name(aliases: Mapping[str, str], name: str) -> str:
+    return aliases.get(name, name)
+
+
+def describe_plan(plan: Any) -> Any:
+    """A tensor-parallel plan as text every rank writes alike (for the agreement)."""
+    if isinstance(plan, Mapping):
+        return sorted((k, repr(v)) for k, v in plan.items())
+    return repr(plan)
 
 
 def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) -> None:
@@ -534,7 +623,8 @@ def compose(
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Any,
-    tp_plan: Mapping[str, Any] | None = None,
+    tp_plan: Any = None,
+    plans: Callable[..., Any] | None = None,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     microbatches: int = 1,
@@ -545,20 +635,24 @@ def compose(
     algorithm: str = "auto",
     check_finite: str | None = "raise",
 ) -> PTDP:
-    """``model`` (a :class:`plait.models.GPT`, built with the same seed on every rank)
-    trained on ``mesh`` (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
+    """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
+    causal LM handed over whole, any model with plans) trained on ``mesh``
+    (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
 
-    ``tp_plan``: the tensor-parallel plan (default: the GPT's ``tp_plan``, with
-    ``sequence_parallel``); ``schedule``/``microbatches``/``chunks``: the pipeline's
-    (``microbatches`` per dp replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
+    ``plans``: ``(model, kind, **options) -> plan or None``, where the model's
+    ``"pipeline"`` and ``"tp"`` plans come from (``plait.models.plans.plan_for``; default:
+    the model's own ``plait_plan``). ``tp_plan``: the tensor-parallel plan, instead of the
+    model's (with ``sequence_parallel``, mark the sequence regions in it);
+    ``schedule``/``microbatches``/``chunks``: the pipeline's (``microbatches`` per dp
+    replica per step); ``zero``: 0 (all-reduce over dp), 1 or 2
     (:class:`~plait.strategies.zero.ZeroOptimizer` over dp; 2 only with ``pp=1`` and
-    ``microbatches=1``);
-    ``algorithm``: the collectives' algorithm. ``check_finite``: ``"raise"`` (default),
-    ``"skip"`` or None: a non-finite gradient on any rank, before the optimizer step, stops
-    or skips the step on every rank naming the ranks (not applied with a ``scaler``, which
-    skips on inf itself, nor under ZeRO). ``optimizer``: built on
-    ``model.parameters()``, one group, not stepped; it is re-created (same class and
-    hyper-parameters) on this rank's shards as ``.optimizer``. Refuses, naming the
+    ``microbatches=1``); ``algorithm``: the collectives' algorithm. ``check_finite``:
+    ``"raise"`` (default), ``"skip"`` or None: a non-finite gradient on any rank, before the
+    optimizer step, stops or skips the step on every rank naming the ranks (not applied with
+    a ``scaler``, which skips on inf itself, nor under ZeRO). ``optimizer``: built on every
+    parameter of the model, in any number of groups, not stepped; it is re-created on this
+    rank's shards as ``.optimizer``: same class and constructor defaults, one group per
+    group, each group's entries kept (``lr``, ``weight_decay``, ...). Refuses, naming the
     constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
     """
     model = module
@@ -567,6 +661,7 @@ def compose(
         optimizer,
         mesh=mesh,
         tp_plan=tp_plan,
+        plans=plans,
         sequence_parallel=sequence_parallel,
         schedule=schedule,
         microbatches=microbatches,

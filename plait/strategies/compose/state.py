@@ -1,20 +1,27 @@
-"""Checkpoints of a PTD-P layout: the dense GPT's state and its optimizer's, whatever the
-layout, and back into any layout.
+"""Checkpoints of a PTD-P layout: the dense model's state and its optimizer's, whatever
+the layout, and back into any layout.
 
-:func:`state_dict` returns ``{"model": <the dense GPT's state dict>, "optimizer": <the
-plain optimizer's state dict over the dense GPT's parameters>}``: exactly what
-``GPT(cfg)`` and ``type(opt)(model.parameters())`` trained in one process would hold
-(parameter indices in ``model.named_parameters()`` order). :func:`load_state_dict` takes
-such a pair (from any layout, or from one process) and keeps this rank's part: its
-stages, its tp slice (rows or columns, the vocabulary padding zero), its experts, and
-under ZeRO its dp range of the optimizer state. Values are copied, never recomputed: a
-state saved from one layout and loaded into another is bitwise equal.
+:func:`state_dict` returns ``{"model": <the dense model's state dict>, "optimizer": <the
+plain optimizer's state dict over the dense model's parameters>}``: exactly what the
+model and ``type(opt)(groups)`` trained in one process would hold (the optimizer given to
+``compose``: its parameter groups, each group's parameters in its order, indices counted
+across the groups one after the other). :func:`load_state_dict` takes such a pair (from
+any layout, or from one process) and keeps this rank's part: its stages, its tp slice
+(rows or columns, the vocabulary padding zero), its experts, and under ZeRO its dp range
+of the optimizer state. Values are copied, never recomputed: a state saved from one layout
+and loaded into another is bitwise equal.
 
 :func:`save` / :func:`load` go through :func:`plait.checkpoint.save` and
-:func:`plait.checkpoint.load` with a dense ``GPT`` and a plain optimizer built on every
-rank from that pair, so a PTD-P checkpoint is an ordinary plait checkpoint: it loads into
-one process, DDP, ZeRO or FSDP, and theirs load here (the dense model is held once per
-rank while saving or loading).
+:func:`plait.checkpoint.load` with a dense model (the structure ``compose`` recorded on
+the meta device, allocated) and a plain optimizer built on every rank from that pair, so
+a PTD-P checkpoint is an ordinary plait checkpoint: it loads into one process, DDP, ZeRO
+or FSDP, and theirs load here (the dense model is held once per rank while saving or
+loading).
+
+Refused by name (:func:`refuse_unsliced`): layouts where tensor parallelism stores a
+shard that is not one slice of the dense tensor (a transposed linear or a fused projection
+split part by part: Hugging Face GPT-2's ``Conv1D`` and ``c_attn``); their
+:meth:`PTDP.full_state_dict` is right, their optimizer state would not be.
 
 Communication (:func:`state_dict`): the model as :meth:`PTDP.full_state_dict`; for the
 optimizer, under ZeRO its consolidated ``state_dict`` (all-gathers over dp), then per
@@ -25,6 +32,7 @@ dtype) over pp. :func:`load_state_dict` sends nothing.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,17 +86,41 @@ def _canonical(ptdp: PTDP, name: str) -> str:
     return ptdp.aliases.get(name, name)
 
 
+def refuse_unsliced(ptdp: PTDP, what: str) -> None:
+    """Refuse, on every rank alike, the state of a layout whose shards are not contiguous
+    slices of the dense tensors (:func:`.dense.unsliced_parameters`): they would be cut or
+    assembled wrongly without a word."""
+    if ptdp.unsliced:
+        names = ptdp.unsliced
+        raise NotImplementedError(
+            f"ptdp.{what}: {names[:2]}{f' (and {len(names) - 2} more)' if len(names) > 2 else ''}"
+            f" are split by tensor parallelism as a transposed linear or a fused projection "
+            f"part by part (Hugging Face GPT-2's Conv1D, c_attn), so a rank's shard is not one "
+            f"slice of the dense tensor, and PTD-P's state is cut and assembled as such "
+            f"slices; saving or loading this layout's state is not supported yet. "
+            f"full_state_dict() gives the dense weights; or train with tp=1"
+        )
+
+
 @torch.no_grad()
 def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
-    """The plain optimizer state dict over the dense GPT's parameters (module docstring).
-    Collective over the whole mesh."""
+    """The plain optimizer state dict over the dense model's parameters, its parameter
+    groups as the optimizer given to ``compose`` had them (module docstring). Collective
+    over the whole mesh."""
+    refuse_unsliced(ptdp, "state_dict")
     local = ptdp.optimizer.state_dict()
-    group = {k: v for k, v in local["param_groups"][0].items() if k != "params"}
     names = ptdp.param_names
+    index = {n: i for i, n in enumerate(names)}
     stepped = bool(local["state"])
     out: dict[str, Any] = {
         "state": {},
-        "param_groups": [{**group, "params": list(range(len(names)))}],
+        "param_groups": [
+            {
+                **{k: v for k, v in mine.items() if k != "params"},
+                "params": [index[n] for n in dense.names],
+            }
+            for mine, dense in zip(local["param_groups"], ptdp.dense_groups, strict=True)
+        ],
     }
     if not stepped:
         return out
@@ -101,9 +133,10 @@ def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
             shapes[key] = (ptdp.index.shapes[n][0] if per_element else shape, dtype)
             owner[key] = ptdp.index.owner[n]
     mine: dict[str, torch.Tensor] = {}
-    for i, c in enumerate(ptdp.counted):
+    for j, i in enumerate(ptdp.opt_order):
+        c = ptdp.counted[i]
         n = _canonical(ptdp, c.name)
-        entry = local["state"].get(i)
+        entry = local["state"].get(j)
         if entry is None:
             raise ValueError(
                 f"ptdp.state_dict: parameter {n!r} has no optimizer state while others do "
@@ -139,6 +172,7 @@ def load_state_dict(
 ) -> None:
     """Keep this rank's part of a dense ``model`` state dict and (optionally) a dense
     ``optimizer`` state dict (module docstring). No communication (ZeRO keeps its range)."""
+    refuse_unsliced(ptdp, "load_state_dict")
     missing = [k for k in ptdp.index.shapes if k not in model]
     if missing:
         raise ValueError(f"ptdp.load_state_dict: the model state lacks {missing[:5]}")
@@ -158,7 +192,10 @@ def load_state_dict(
         dense = model[c.name]
         c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank))
     for stage in ptdp.pipe.stages.values():
+        persistent = set(stage.state_dict())  # not a rotary embedding's inv_freq
         for name, buf in stage.named_buffers():
+            if name not in persistent:
+                continue
             if buf.shape != model[name].shape:
                 raise ValueError(
                     f"ptdp.load_state_dict: buffer {name} has shape {tuple(model[name].shape)}, "
@@ -170,11 +207,12 @@ def load_state_dict(
     names = ptdp.param_names
     index = {n: i for i, n in enumerate(names)}
     local: dict[str, Any] = {"state": {}, "param_groups": []}
-    for i, c in enumerate(ptdp.counted):
+    for j, i in enumerate(ptdp.opt_order):
+        c = ptdp.counted[i]
         entry = optimizer["state"].get(index[_canonical(ptdp, c.name)])
         if entry is None:
             continue
-        local["state"][i] = {
+        local["state"][j] = {
             stat: _local_slice(v, c.param.shape, rank)
             if isinstance(v, torch.Tensor)
             and v.shape == ptdp.index.shapes[c.name][0]
@@ -184,18 +222,38 @@ def load_state_dict(
             else v
             for stat, v in entry.items()
         }
-    group = {k: v for k, v in optimizer["param_groups"][0].items() if k != "params"}
-    local["param_groups"] = [{**group, "params": list(range(len(ptdp.counted)))}]
+    if len(optimizer["param_groups"]) != len(ptdp.dense_groups):
+        raise ValueError(
+            f"ptdp.load_state_dict: the optimizer state has {len(optimizer['param_groups'])} "
+            f"parameter groups, this optimizer {len(ptdp.dense_groups)}; load a state saved "
+            f"with the same groups"
+        )
+    start = 0
+    for group, mine in zip(optimizer["param_groups"], ptdp.optimizer.param_groups, strict=True):
+        count = len(mine["params"])
+        local["param_groups"].append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(start, start + count)),
+            }
+        )
+        start += count
     ptdp.optimizer.load_state_dict(local)
 
 
 def _dense_pair(ptdp: PTDP) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A dense GPT and a plain optimizer on it (the global RNG left as it was)."""
-    from plait.models import GPT
+    """A dense model (the structure recorded before the cut, its tensors allocated, not
+    initialised: the state is loaded into it) and a plain optimizer on it with the groups
+    of the one given to ``compose``."""
+    model = copy.deepcopy(ptdp.skeleton).to_empty(device=_device(ptdp))
+    params = dict(model.named_parameters())
+    groups = [{**g.options, "params": [params[n] for n in g.names]} for g in ptdp.dense_groups]
+    return model, ptdp.optimizer_class(groups, **ptdp.hyper)
 
-    with torch.random.fork_rng(devices=[]):
-        model = GPT(ptdp.config)
-    return model, ptdp.optimizer_class(model.parameters(), **ptdp.hyper)
+
+def _device(ptdp: PTDP) -> torch.device:
+    first = next(iter(ptdp.parameters()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def save(ptdp: PTDP, root: str | Path, *, step: int, **options: Any) -> Path:
@@ -204,6 +262,7 @@ def save(ptdp: PTDP, root: str | Path, *, step: int, **options: Any) -> Path:
     over the mesh and the checkpoint's group."""
     from plait import checkpoint
 
+    refuse_unsliced(ptdp, "save")
     state = state_dict(ptdp)
     model, opt = _dense_pair(ptdp)
     model.load_state_dict(state["model"])
@@ -218,6 +277,7 @@ def load(ptdp: PTDP, root: str | Path, **options: Any) -> Any:
     checkpoint's group (the load itself sends nothing for a plain model)."""
     from plait import checkpoint
 
+    refuse_unsliced(ptdp, "load")
     model, opt = _dense_pair(ptdp)
     restored = checkpoint.load(root, model=model, optimizer=opt, **options)
     load_state_dict(ptdp, model.state_dict(), opt.state_dict() if opt.state else None)
