@@ -19,12 +19,14 @@ FEATURES, HIDDEN, OUT = 8, 32, 4
 GLOBAL_BATCH, MICROBATCH, STEPS = 16, 2, 5
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0, depth: int = 8) -> nn.Sequential:
+    """``depth`` linears with tanh between: enough layers for 8 pipeline stages."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-        nn.Linear(HIDDEN, OUT),
-    )
+    widths = [FEATURES] + [HIDDEN] * (depth - 1) + [OUT]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < depth - 1 else [])
+    return nn.Sequential(*layers)
 
 
 def batch(step: int, n: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,3 +77,33 @@ def train(
 def cases(specs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, torch.Tensor]]:
     """Several cases in one visit of the ranks: ``[(strategy, options), ...]``."""
     return [train(strategy, options) for strategy, options in specs]
+
+
+def train_pipeline(schedule: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Every rank one pipeline rank; M=8 micro-batches of m=2 in reproducible mode."""
+    threads = torch.get_num_threads()
+    model = make_model()
+    pipe, optimizer = plait.prepare(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        strategy="pipeline",
+        mesh=plait.Mesh(pp=plait.world().size),
+        schedule=schedule,
+        microbatches=GLOBAL_BATCH // MICROBATCH,
+        loss_fn=nn.functional.mse_loss,
+        reproducible=True,
+    )
+    assert optimizer is not None
+    try:
+        for step in range(steps):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            pipe.step(x, y)
+            optimizer.step()
+        return {k: v.clone() for k, v in pipe.dense_state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pipeline_cases(schedules: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [train_pipeline(s) for s in schedules]

@@ -70,40 +70,47 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class TreeSum:
-    """A binary-counter accumulator: leaves pushed in index order, merged as soon as two
-    siblings of one level are held, so after ``n`` (a power of two) leaves it holds their
-    :func:`tree_sum`. At most ``log2(n) + 1`` partial sums are alive at once (the pushed
-    leaf plus one per set bit of the count so far): :attr:`peak_bytes` records them."""
+    """A binary-counter accumulator: each leaf is merged with its sibling subtree as soon as
+    both are held, so after ``n`` (a power of two) leaves it holds their :func:`tree_sum`.
+    Leaves pushed in index order keep at most ``log2(n) + 1`` partial sums alive (the new
+    leaf plus one per set bit of the count so far); a pipeline schedule may push them in
+    any order (more may then wait for a sibling). :attr:`peak_bytes` records the most held."""
 
     def __init__(self) -> None:
-        self.stack: list[tuple[int, torch.Tensor]] = []  # (level, partial sum), levels decreasing
+        self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # (level, index) -> partial sum
         self.leaves = 0
         self.peak_bytes = 0
 
-    def push(self, leaf: torch.Tensor) -> None:
-        level, total = 0, leaf
-        self.stack.append((level, total))
+    def push(self, leaf: torch.Tensor, index: int | None = None) -> None:
+        """Leaf ``index`` (default: the next in order)."""
+        level, i = 0, self.leaves if index is None else index
+        if (level, i) in self.nodes:
+            raise RuntimeError(f"reproducible mode: micro-batch {i} summed twice")
+        total = leaf
+        self.nodes[(level, i)] = total
         self._note()
-        while len(self.stack) > 1 and self.stack[-2][0] == self.stack[-1][0]:
-            right = self.stack.pop()[1]
-            level, left = self.stack.pop()
-            self.stack.append((level + 1, left + right))  # left first: the tree's order
+        while (level, i ^ 1) in self.nodes:
+            sibling = self.nodes.pop((level, i ^ 1))
+            del self.nodes[(level, i)]
+            total = total + sibling if i % 2 == 0 else sibling + total  # left + right
+            level, i = level + 1, i // 2
+            self.nodes[(level, i)] = total
             self._note()
         self.leaves += 1
 
     def _note(self) -> None:
-        held = sum(t.numel() * t.element_size() for _, t in self.stack)
+        held = sum(t.numel() * t.element_size() for t in self.nodes.values())
         self.peak_bytes = max(self.peak_bytes, held)
 
     def result(self) -> torch.Tensor:
         """The whole subtree's sum; resets the accumulator."""
-        if len(self.stack) != 1:
+        if len(self.nodes) != 1:
             raise LayoutError(
                 f"reproducible mode: {self.leaves} micro-batch gradients were summed, not a "
                 f"power of two; every rank must run M/W micro-batches per step"
             )
-        total = self.stack[0][1]
-        self.stack, self.leaves = [], 0
+        total = next(iter(self.nodes.values()))
+        self.nodes, self.leaves = {}, 0
         return total
 
 
