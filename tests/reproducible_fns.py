@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import plait
+from plait import checkpoint
 from plait.strategies.fsdp import full_state_dict
 
 FEATURES, HIDDEN, OUT = 8, 32, 4
@@ -45,9 +46,12 @@ def train(
     options: dict[str, Any] | None = None,
     steps: int = STEPS,
     world: bool = True,
+    save: str | None = None,
+    resume: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``steps`` Adam steps in reproducible mode; the full parameters afterwards.
-    ``world=False``: one process without a group (the oracle)."""
+    """Adam steps ``0 .. steps-1`` in reproducible mode; the full parameters afterwards.
+    ``world=False``: one process without a group (the oracle). ``save``: commit a
+    checkpoint there after the last step; ``resume``: start from the one there (its step)."""
     threads = torch.get_num_threads()
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -63,12 +67,18 @@ def train(
         loss_fn=nn.functional.mse_loss,
         **extra,
     )
+    assert optimizer is not None
+    held = runner.module if strategy in ("fsdp", "zero3") else model
+    start = 0
+    if resume is not None:
+        start = checkpoint.load(resume, model=held, optimizer=optimizer).step
     try:
-        for step in range(steps):
+        for step in range(start, steps):
             x, y = batch(step)
             runner.step(runner.block(x), runner.block(y))
-            assert optimizer is not None
             optimizer.step()
+        if save is not None:
+            checkpoint.save(save, step=steps, model=held, optimizer=optimizer).wait()
         return _state(model, runner, strategy)
     finally:
         torch.set_num_threads(threads)
@@ -107,3 +117,63 @@ def train_pipeline(schedule: str, steps: int = STEPS) -> dict[str, torch.Tensor]
 
 def pipeline_cases(schedules: list[str]) -> list[dict[str, torch.Tensor]]:
     return [train_pipeline(s) for s in schedules]
+
+
+# --- a Hugging Face Llama (float32, random init, no download) ------------------------------
+VOCAB, SEQ = 64, 8
+
+
+def make_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg)  # float32, dropout 0 by default
+    model.train()
+    return model
+
+
+def llama_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def train_llama(strategy: str, world: bool = True, steps: int = 3) -> dict[str, torch.Tensor]:
+    """A few AdamW steps of a tiny Llama on 8 sequences, micro-batches of 2."""
+    threads = torch.get_num_threads()
+    model = make_llama()
+    options: dict[str, Any] = {"mesh": plait.world()} if world and strategy != "none" else {}
+    if strategy == "fsdp":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        options["wrap"] = {LlamaDecoderLayer}
+    runner, optimizer = plait.prepare(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        strategy=strategy,
+        reproducible=True,
+        microbatch_size=2,
+        loss_fn=llama_loss,
+        **options,
+    )
+    assert optimizer is not None
+    try:
+        for step in range(steps):
+            x = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(step))
+            runner.step(runner.block(x), runner.block(x))
+            optimizer.step()
+        return _state(model, runner, strategy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def llama_cases(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [train_llama(s) for s in strategies]
