@@ -58,8 +58,13 @@ def _build(strategy: str, model_name: str, variant: str, local: int) -> dict[str
     if variant.startswith("repro"):
         per = 1 if variant.endswith("=1") else 4
         runner, opt = plait.prepare(
-            model, opt, strategy=strategy, reproducible=True,
-            microbatch_size=local // per, loss_fn=loss_of, **options,
+            model,
+            opt,
+            strategy=strategy,
+            reproducible=True,
+            microbatch_size=local // per,
+            loss_fn=loss_of,
+            **options,
         )
         return {"runner": runner, "opt": opt, "per": per}
     wrapped, opt = plait.prepare(model, opt, strategy=strategy, **options)
@@ -104,7 +109,9 @@ def bench_rank(strategy: str, model_name: str, warmup: int, steps: int) -> dict[
                 times[name].append(float(took))
     params = sum(p.numel() * p.element_size() for p in build_model(model_name).parameters())
     peaks = {
-        name: built[name]["runner"].partial_sum_bytes for name in VARIANTS if "runner" in built[name]
+        name: built[name]["runner"].partial_sum_bytes
+        for name in VARIANTS
+        if "runner" in built[name]
     }
     return {"times": times, "param_bytes": params, "partial_sum_bytes": peaks}
 
@@ -124,7 +131,11 @@ def markdown(rows: list[dict[str, Any]], load: str) -> str:
         cells = [f"{med[n]:.1f} ({med[n] / med['default']:.2f})" for n in VARIANTS]
         peak = r["partial_sum_bytes"].get("repro M/W=4", 0)
         mem = f"{peak / 2**20:.1f} MiB ({peak / r['param_bytes']:.1f}x params)"
-        lines.append(f"| {r['strategy']} | {r['model']} | {r['world']} | " + " | ".join(cells) + f" | {mem} |")
+        lines.append(
+            f"| {r['strategy']} | {r['model']} | {r['world']} | "
+            + " | ".join(cells)
+            + f" | {mem} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -147,14 +158,18 @@ def main() -> None:
         try:
             for strategy in args.strategies.split(","):
                 for model_name in args.models.split(","):
-                    res = pool.run(bench_rank, strategy, model_name, args.warmup, args.steps, timeout=900)[0]
+                    res = pool.run(
+                        bench_rank, strategy, model_name, args.warmup, args.steps, timeout=900
+                    )[0]
                     rows.append({"strategy": strategy, "model": model_name, "world": world, **res})
                     print(markdown(rows[-1:], load).splitlines()[-1], flush=True)
         finally:
             pool.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "reproducible.json").write_text(json.dumps({"load": load, "rows": rows}, indent=1))
-    (args.out / "reproducible.md").write_text(markdown(rows, load) + f"\nLoad after: `{os.popen('uptime').read().strip()}`\n")
+    (args.out / "reproducible.md").write_text(
+        markdown(rows, load) + f"\nLoad after: `{os.popen('uptime').read().strip()}`\n"
+    )
     print(markdown(rows, load))
 
 

@@ -25,7 +25,7 @@ def make_model(seed: int = 0, depth: int = 8) -> nn.Sequential:
     torch.manual_seed(seed)
     widths = [FEATURES] + [HIDDEN] * (depth - 1) + [OUT]
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < depth - 1 else [])
     return nn.Sequential(*layers)
 

@@ -109,7 +109,12 @@ def test_threads_are_pinned_per_rank():
         )
         assert torch.get_num_threads() == 1
         plait.prepare(
-            model, None, strategy="none", reproducible=True, microbatch_size=2, loss_fn=len,
+            model,
+            None,
+            strategy="none",
+            reproducible=True,
+            microbatch_size=2,
+            loss_fn=len,
             threads=2,
         )
         assert torch.get_num_threads() == 2

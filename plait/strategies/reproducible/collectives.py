@@ -108,9 +108,10 @@ def tree_all_reduce(
         chunks[ch.rank].copy_(summed)
         ALGORITHMS[_phase("all_gather", algorithm, group)].all_gather(ch, chunks)
 
+    route = f"{_phase('all_to_all', algorithm, group)}+{_phase('all_gather', algorithm, group)}"
     return group.run(
         "all_reduce",
-        f"tree_order/{_phase('all_to_all', algorithm, group)}+{_phase('all_gather', algorithm, group)}",
+        f"tree_order/{route}",
         body,
         async_op=async_op,
         payload_bytes=nbytes,

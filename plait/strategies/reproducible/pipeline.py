@@ -12,7 +12,7 @@ No communication.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from torch import nn
 
@@ -50,7 +50,7 @@ def one_microbatch(tree: Microbatches | None, stage: nn.Module, index: int) -> I
         tree.peak_bytes = max(tree.peak_bytes, sum(t.peak_bytes for t in tree.sums.values()))
 
 
-def finish(tree: Microbatches | None, stages: dict[int, nn.Module]) -> None:
+def finish(tree: Microbatches | None, stages: Mapping[int, nn.Module]) -> None:
     """End of step: each parameter's ``.grad`` gains its tree sum (None: no-op)."""
     if tree is None:
         return
@@ -62,4 +62,3 @@ def finish(tree: Microbatches | None, stages: dict[int, nn.Module]) -> None:
             total = acc.result()
             p.grad = total if p.grad is None else p.grad + total
     tree.sums = {}
-

@@ -86,7 +86,9 @@ class ReproducibleRunner:
         threads: int | None = 1,
     ) -> None:
         if microbatch_size <= 0:
-            raise LayoutError(f"reproducible mode: microbatch_size must be positive, got {microbatch_size}")
+            raise LayoutError(
+                f"reproducible mode: microbatch_size must be positive, got {microbatch_size}"
+            )
         self.module = module
         self.optimizer = optimizer
         self.group = group

@@ -47,10 +47,11 @@ def microbatch_count(batch: int, microbatch_size: int, world: int) -> int:
         )
     count = batch // microbatch_size
     if not is_power_of_two(count):
+        below = 1 << (count.bit_length() - 1) if count else 1
         raise LayoutError(
             f"reproducible mode: {where} gives M=B/m={count} micro-batches; the fixed "
-            f"summation tree needs M a power of two (e.g. B={count and 1 << (count.bit_length() - 1)}"
-            f"x{microbatch_size} or {1 << count.bit_length()}x{microbatch_size})"
+            f"summation tree needs M a power of two (e.g. B={below * microbatch_size} or "
+            f"B={2 * below * microbatch_size} with this m)"
         )
     if not is_power_of_two(world) or count % world:
         raise LayoutError(
