@@ -331,6 +331,18 @@ def prepare(
     trained with ``runner.step(x, y)``. The optimizer is the caller's, or the same class
     with the same per-group hyper-parameters over what this rank keeps.
 
+    ``reproducible=True`` (off by default): bitwise the same parameters for every
+    data-parallel world size, all-reduce algorithm, transport and pipeline depth
+    (:mod:`plait.strategies.reproducible`). For ``"none"``, ``"ddp"``, ``"zero1"``,
+    ``"zero2"``, ``"zero3"``/``"fsdp"`` it needs ``microbatch_size=`` and ``loss_fn=``
+    (the mean over a micro-batch) and returns a
+    :class:`~plait.strategies.reproducible.runner.ReproducibleRunner`, trained with
+    ``loss = runner.step(x, y); optimizer.step()`` on this rank's contiguous block of the
+    global batch (``runner.block(x)``); ``"pipeline"`` keeps its ``step`` and sums its
+    ``microbatches`` (a power of two) on the same tree; ``threads=`` (default 1) pins the
+    intra-op threads. Strategies that split a matmul's reduction (tp, ep, cp, ptdp) and
+    ps, naive are refused by name.
+
     Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
@@ -356,8 +368,8 @@ def prepare(
         options["tracer"] = tracer
     if options.pop("reproducible", False):
         return _reproducible(strategy, model, optimizer, options)
-    for key in ("microbatch_size", "loss_fn", "threads"):
-        if key in options and strategy != "pipeline":
+    for key in ("microbatch_size", "threads"):
+        if key in options:
             raise TypeError(
                 f"plait.prepare(strategy={strategy!r}): {key}= is an option of "
                 f"reproducible=True; pass reproducible=True too"

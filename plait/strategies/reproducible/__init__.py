@@ -7,6 +7,7 @@ accumulator, :mod:`.collectives` the reductions that follow it across ranks, and
 """
 
 from plait.strategies.reproducible.collectives import tree_all_reduce, tree_reduce_scatter
+from plait.strategies.reproducible.runner import ReproducibleRunner
 from plait.strategies.reproducible.tree import (
     LayoutError,
     Microbatches,
@@ -18,6 +19,7 @@ from plait.strategies.reproducible.tree import (
 __all__ = [
     "LayoutError",
     "Microbatches",
+    "ReproducibleRunner",
     "TreeSum",
     "microbatch_count",
     "tree_all_reduce",

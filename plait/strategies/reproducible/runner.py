@@ -20,8 +20,10 @@ How (the promise rests on each line):
    ``log2(M/W) + 1`` partial sums alive, :attr:`ReproducibleRunner.partial_sum_bytes`),
    across ranks by :mod:`.collectives` (all-to-all, tree sum in rank order, all-gather).
 4. Intra-op threads are pinned (``threads=``, default 1, set with
-   ``torch.set_num_threads``): a CPU matmul may split its reduction differently with a
-   different number of threads. Use the same ``threads`` in every layout compared.
+   ``torch.set_num_threads``): a CPU reduction may split differently with a different
+   number of threads (on the development machine, ``x.sum()`` of 4M float32 elements
+   differs between 1 and 2 threads; its matmuls did not). Use the same ``threads`` in
+   every layout compared.
 
 Communication (on the strategy's data-parallel group, once per step, after the last
 micro-batch's gradients are in): DDP all-reduces each bucket with
