@@ -170,13 +170,13 @@ def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, tmp_path):
     for per_rank in ranks(4, fns.cases, cases, timeout=300):
         for case, got in zip(cases, per_rank, strict=True):
             _equal(got, oracle, ("dp 4", case))
-    schedules = ["1f1b", "interleaved", "zbv", "dualpipev"]
+    schedules = ["interleaved", "zbv", "dualpipev"]
     per_rank = ranks(4, fns.pipeline_cases, schedules, timeout=300)
     for i, schedule in enumerate(schedules):
         _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 4", schedule))
     # elastic: 4 ranks save after step 2, 2 ranks resume and run steps 2..4
     root = str(tmp_path / "ckpt")
-    for strategy in ("fsdp", "ddp"):
+    for strategy in ("fsdp",):  # resharded optimizer state: the case a replica cannot hide
         ranks(4, fns.train, strategy, None, 2, True, f"{root}-{strategy}", None, timeout=300)
         resumed = ranks(2, fns.train, strategy, None, 5, True, None, f"{root}-{strategy}")
         for got in resumed:

@@ -12,11 +12,15 @@ cross the wire:
   chunks (another ``(W-1)/W``): ``2(W-1)/W`` of the tensor per rank in all, exactly the
   bytes of a ring all-reduce.
 
+Communication contract: one collective on ``group`` per call, counted in the group's
+statistics as ``all_reduce`` / ``reduce_scatter`` with algorithm ``tree_order/<route>``.
 Both sum (no average: reproducible mode scales each micro-batch loss by ``1/M`` instead).
 ``algorithm`` picks how the exact phases travel: the all-to-all by ``algorithm`` where it
 implements one (``ring``, ``naive``, ``native``), else ``ring``; the all-gather by
 ``algorithm`` where it implements one (``ring``, ``halving_doubling``, ``naive``, ``shm``,
-``native``), else ``ring``. The transport (shared memory or gloo) is the group's. Neither
+``native``), else ``ring`` (so ``tree``, ``hierarchical`` and ``ring_tree``, which have
+neither, move the bytes by ring; ``auto``: ``shm`` for the all-gather when every rank
+shares this host, else ``ring``). The transport (shared memory or gloo) is the group's. Neither
 changes a bit of the result. Both block on every rank of ``group`` (its timeout), or
 return a :class:`~plait.comm.Handle` with ``async_op=True`` (one collective on the group's
 communication thread, numbered and checked as any other).
