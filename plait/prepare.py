@@ -50,6 +50,9 @@ from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
+from plait.strategies.reproducible.runner import REFUSED as REPRODUCIBLE_REFUSED
+from plait.strategies.reproducible.runner import SUPPORTED as REPRODUCIBLE
+from plait.strategies.reproducible.runner import ReproducibleRunner
 from plait.strategies.tensor import prepare_tp as _prepare_tp
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
@@ -336,6 +339,18 @@ def prepare(
     trained with ``runner.step(x, y)``. The optimizer is the caller's, or the same class
     with the same per-group hyper-parameters over what this rank keeps.
 
+    ``reproducible=True`` (off by default): bitwise the same parameters for every
+    data-parallel world size, all-reduce algorithm, transport and pipeline depth
+    (:mod:`plait.strategies.reproducible`). For ``"none"``, ``"ddp"``, ``"zero1"``,
+    ``"zero2"``, ``"zero3"``/``"fsdp"`` it needs ``microbatch_size=`` and ``loss_fn=``
+    (the mean over a micro-batch) and returns a
+    :class:`~plait.strategies.reproducible.runner.ReproducibleRunner`, trained with
+    ``loss = runner.step(x, y); optimizer.step()`` on this rank's contiguous block of the
+    global batch (``runner.block(x)``); ``"pipeline"`` keeps its ``step`` and sums its
+    ``microbatches`` (a power of two) on the same tree; ``threads=`` (default 1) pins the
+    intra-op threads. Strategies that split a matmul's reduction (tp, ep, cp, ptdp) and
+    ps, naive are refused by name.
+
     Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
@@ -359,6 +374,14 @@ def prepare(
     traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "pipeline")
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
+    if options.pop("reproducible", False):
+        return _reproducible(strategy, model, optimizer, options)
+    for key in ("microbatch_size", "threads"):
+        if key in options:
+            raise TypeError(
+                f"plait.prepare(strategy={strategy!r}): {key}= is an option of "
+                f"reproducible=True; pass reproducible=True too"
+            )
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
     except TypeError as exc:
@@ -369,6 +392,47 @@ def prepare(
     if optimizer is not None and tracer is not None:
         _trace_steps(optimizer, tracer)
     return wrapped, optimizer
+
+
+def _reproducible(
+    strategy: str, model: nn.Module, optimizer: Optimizer | None, options: dict[str, Any]
+) -> tuple[Any, Optimizer | None]:
+    """``reproducible=True``: the strategy as usual, driven by a
+    :class:`~plait.strategies.reproducible.runner.ReproducibleRunner` (data-parallel
+    strategies) or with its accumulation on the fixed tree (pipeline)."""
+    if strategy in REPRODUCIBLE_REFUSED:
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}, reproducible=True) is refused: "
+            f"{REPRODUCIBLE_REFUSED[strategy]}. The mode supports {list(REPRODUCIBLE)}"
+        )
+    if strategy == "pipeline":
+        return STRATEGIES[strategy](model, optimizer, reproducible=True, **options)
+    mode = {k: options.pop(k) for k in ("microbatch_size", "loss_fn", "threads") if k in options}
+    missing = [k for k in ("microbatch_size", "loss_fn") if k not in mode]
+    if missing:
+        raise TypeError(
+            f"plait.prepare(strategy={strategy!r}, reproducible=True) needs "
+            f"{' and '.join(k + '=' for k in missing)}: the fixed micro-batch size and the "
+            f"loss (mean over a micro-batch) the runner's step(x, y) computes"
+        )
+    wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
+    if strategy == "ddp":
+        target, group = wrapped, wrapped.group
+    elif strategy in ("zero1", "zero2"):
+        target, group = optimizer, optimizer.group  # type: ignore[union-attr]
+    elif strategy in ("zero3", "fsdp"):
+        target, group = None, _fsdp_group(wrapped)
+    else:
+        target, group = None, None
+    runner = ReproducibleRunner(wrapped, optimizer, group=group, target=target, **mode)
+    return runner, optimizer
+
+
+def _fsdp_group(module: nn.Module) -> Any:
+    for m in module.modules():
+        for unit in getattr(m, "_plait_fsdp_units", ()):
+            return unit.config.group
+    return None
 
 
 def _trace_steps(optimizer: torch.optim.Optimizer, tracer: Tracer) -> None:

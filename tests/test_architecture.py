@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.amp", 2),
     ("plait.strategies.placement", 3),  # what strategies share
     ("plait.strategies.consistency", 3),
+    ("plait.strategies.reproducible", 3),  # the fixed summation tree every strategy follows
     ("plait.strategies.data_parallel", 4),  # strategies, data parallel first
     ("plait.strategies.zero", 5),
     ("plait.strategies.fsdp", 5),

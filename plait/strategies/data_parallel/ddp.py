@@ -72,6 +72,8 @@ from plait.strategies.data_parallel import ddp_args, grad_sync
 from plait.strategies.data_parallel.buckets import Bucket, build_buckets
 from plait.strategies.data_parallel.hooks import CommHook, GradBucket
 from plait.strategies.placement import copies_of_placed
+from plait.strategies.reproducible.collectives import tree_all_reduce
+from plait.strategies.reproducible.tree import Microbatches
 from plait.trace import Tracer
 
 MIB = 1 << 20
@@ -168,6 +170,9 @@ class DistributedDataParallel(nn.Module):
         self.last_nonfinite: str | None = None
         self._backward_passes = 0
         self._comm_hook: tuple[Any, CommHook] | None = None
+        # reproducible mode (plait.strategies.reproducible.runner sets it): buckets are summed
+        # along the fixed micro-batch tree instead of averaged
+        self.microbatches: Microbatches | None = None
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self._named:
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
@@ -365,6 +370,15 @@ class DistributedDataParallel(nn.Module):
         if self.group.size == 1:
             future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             future.set_result(bucket.buffer)
+        elif self.microbatches is not None:  # reproducible mode: the tree-ordered sum
+            try:
+                handle = tree_all_reduce(
+                    bucket.buffer, group=self.group, algorithm=self.algorithm, async_op=True
+                )
+            except Exception as exc:
+                raise self._failure(exc, bucket, self.group.seq) from exc
+            assert handle is not None
+            future = handle.get_future()  # type: ignore[assignment]
         elif self._comm_hook is not None:
             state, hook = self._comm_hook
             try:

@@ -21,6 +21,8 @@ from plait.comm.group import Group, Handle
 from plait.strategies.fsdp.grads import guard_grad
 from plait.strategies.fsdp.placeholder import _Placeholder
 from plait.strategies.placement import place
+from plait.strategies.reproducible.collectives import tree_reduce_scatter
+from plait.strategies.reproducible.tree import Microbatches
 from plait.trace import Tracer
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ class _Config:
     compute_device: torch.device
     shards_on_cpu: bool
     tracer: Tracer | None = None
+    # reproducible mode: the step's micro-batch position and tree sums (set by its runner)
+    microbatches: Microbatches | None = None
 
     @property
     def rank(self) -> int:
@@ -244,10 +248,24 @@ class ShardedUnit:
         assert grad is not None and self.state is not None
         cfg = self.config
         grad = grad.to(self.reduce_dtype)
+        tree = cfg.microbatches
+        if tree is not None:  # reproducible: sum micro-batches locally, reduce at the last
+            summed = tree.add(id(self), grad)
+            if summed is None:
+                self.reshard()
+                return
+            grad = summed
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         if cfg.group is None:
             out.copy_(grad)
             handle: Handle | None = None
+        elif tree is not None:
+            token = self._trace_begin("reduce_scatter")
+            blocks = list(grad.split(self.shard_numel))
+            handle = tree_reduce_scatter(
+                out, blocks, group=cfg.group, algorithm=cfg.algorithm, async_op=True
+            )
+            self._trace_end_when_done(token, handle)
         else:
             token = self._trace_begin("reduce_scatter")
             handle = comm.reduce_scatter(

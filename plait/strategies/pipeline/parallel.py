@@ -61,6 +61,7 @@ from plait.strategies.data_parallel.grad_sync import (
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
 from plait.strategies.pipeline.agree import agree
 from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
+from plait.strategies.reproducible.pipeline import for_pipeline
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
 from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
@@ -115,6 +116,8 @@ class PipelineParallel(nn.Module):
         sample: torch.Tensor | None = None,
         check_finite: str | None = "raise",
         tracer: Tracer | None = None,
+        reproducible: bool = False,
+        threads: int | None = 1,
     ) -> None:
         model = module
         super().__init__()
@@ -225,6 +228,10 @@ class PipelineParallel(nn.Module):
             tied=tied,
             watch_forward=self.check_finite is not None,
         )
+        if reproducible:  # each parameter's micro-batch gradients summed on the fixed tree
+            self.runtime.microbatches = for_pipeline(sched.m)
+            if threads is not None:
+                torch.set_num_threads(threads)
 
     def _plan_loss(
         self, plan: PipelinePlan

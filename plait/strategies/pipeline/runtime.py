@@ -51,6 +51,8 @@ import torch
 from plait.comm import watchdog
 from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import bucket_is_finite
+from plait.strategies.reproducible import pipeline as reproducible
+from plait.strategies.reproducible.tree import Microbatches
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.messages import (
     META,
@@ -115,6 +117,7 @@ class Runtime:
         self.recompute = recompute
         self.tracer = tracer
         self.link = Link(group, tracer)
+        self.microbatches: Microbatches | None = None  # reproducible=True: the fixed tree
         self.tied = tied or []  # (parameter, peer rank) pairs whose gradients are summed
         self.last = schedule.stages - 1
         self.shapes: dict[tuple[Any, ...], tuple[_Shapes, _Shapes]] = {}
@@ -296,7 +299,8 @@ class Runtime:
                         else:
                             g = self.link.wait(recv_grad.pop((s, mb)))
                     with self._span(a):
-                        dx = self._backward(a.kind, s, ctx[(s, mb)], g)
+                        with reproducible.one_microbatch(self.microbatches, self.stages[s], mb):
+                            dx = self._backward(a.kind, s, ctx[(s, mb)], g)
                     if a.kind is not Kind.W and s > 0:
                         assert dx is not None, f"stage {s} produced no input gradient"
                         if self._peer(s - 1) == self.rank:
@@ -309,6 +313,7 @@ class Runtime:
             current = None
             for msg in sends:
                 self.link.wait(msg)
+            reproducible.finish(self.microbatches, self.stages)
             self._sum_tied(earlier)
         except PipelineError as exc:
             watchdog.fail(self.group, exc)

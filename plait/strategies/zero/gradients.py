@@ -19,6 +19,7 @@ import torch
 
 from plait import comm
 from plait.comm.group import Handle
+from plait.strategies.reproducible.collectives import tree_reduce_scatter
 from plait.strategies.zero.guard import (
     GuardedGrad,
     ShardedGradientError,
@@ -116,9 +117,17 @@ class ShardGradients:
             out = flat[span[0] - opt.lo : span[1] - opt.lo]
         else:
             out = blocks[rank].new_empty(bucket.sizes[rank])
-        handle = comm.reduce_scatter(
-            out, blocks, "avg", group=opt.group, algorithm=opt.algorithm, async_op=True
-        )
+        tree = opt.microbatches
+        if tree is None:
+            handle = comm.reduce_scatter(
+                out, blocks, "avg", group=opt.group, algorithm=opt.algorithm, async_op=True
+            )
+        elif not tree.final:
+            return  # reproducible: a micro-batch before the last; its runner sums it locally
+        else:
+            handle = tree_reduce_scatter(
+                out, blocks, group=opt.group, algorithm=opt.algorithm, async_op=True
+            )
         nbytes = bucket.numel * blocks[rank].element_size()
         traced = self._trace(f"reduce_scatter bucket {bucket.index}", nbytes, handle)
         self.pending.append(_Reduction(handle, blocks, out, mine, accumulate, direct, traced))

@@ -15,6 +15,7 @@ from plait import comm
 from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel.ddp import MIB, broadcast_tensors
+from plait.strategies.reproducible.tree import Microbatches
 from plait.strategies.zero import state as zstate
 from plait.strategies.zero.gradients import ShardGradients, join, trace_span
 from plait.strategies.zero.groups import ParamGroups, check_elementwise, parse_param_groups
@@ -137,6 +138,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._initialized = True
 
         self._frozen = [p for ps in layout.all_params for p in ps if not p.requires_grad]
+        # reproducible mode: tree-ordered sums instead of averages, reduced only at the last
+        # micro-batch (plait.strategies.reproducible.runner sets it)
+        self.microbatches: Microbatches | None = None
         self.gradients = ShardGradients(self)
 
     # --- layout --------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""Models, data and rank functions for the reproducible-mode tests (tests/test_reproducible.py).
+
+Every case trains the same float32 MLP on the same global batches (B=16, micro-batches of
+m=2, so M=8 and world sizes 1, 2, 4 and 8 all split the tree) for a few Adam steps and
+returns its full parameters; the test compares them with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait import checkpoint
+from plait.strategies.fsdp import full_state_dict
+
+FEATURES, HIDDEN, OUT = 8, 32, 4
+GLOBAL_BATCH, MICROBATCH, STEPS = 16, 2, 5
+
+
+def make_model(seed: int = 0, depth: int = 8) -> nn.Sequential:
+    """``depth`` linears with tanh between: enough layers for 8 pipeline stages."""
+    torch.manual_seed(seed)
+    widths = [FEATURES] + [HIDDEN] * (depth - 1) + [OUT]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
+        layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < depth - 1 else [])
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, n: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, FEATURES, generator=g), torch.randn(n, OUT, generator=g)
+
+
+def _state(model: nn.Module, runner: Any, strategy: str) -> dict[str, torch.Tensor]:
+    if strategy in ("fsdp", "zero3"):
+        return {k: v.clone() for k, v in full_state_dict(runner.module).items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(
+    strategy: str,
+    options: dict[str, Any] | None = None,
+    steps: int = STEPS,
+    world: bool = True,
+    save: str | None = None,
+    resume: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Adam steps ``0 .. steps-1`` in reproducible mode; the full parameters afterwards.
+    ``world=False``: one process without a group (the oracle). ``save``: commit a
+    checkpoint there after the last step; ``resume``: start from the one there (its step)."""
+    threads = torch.get_num_threads()
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    extra = dict(options or {})
+    if world and strategy != "none":
+        extra.setdefault("mesh", plait.world())
+    runner, optimizer = plait.prepare(
+        model,
+        optimizer,
+        strategy=strategy,
+        reproducible=True,
+        microbatch_size=MICROBATCH,
+        loss_fn=nn.functional.mse_loss,
+        **extra,
+    )
+    assert optimizer is not None
+    held = runner.module if strategy in ("fsdp", "zero3") else model
+    start = 0
+    if resume is not None:
+        start = checkpoint.load(resume, model=held, optimizer=optimizer).step
+    try:
+        for step in range(start, steps):
+            x, y = batch(step)
+            runner.step(runner.block(x), runner.block(y))
+            optimizer.step()
+        if save is not None:
+            checkpoint.save(save, step=steps, model=held, optimizer=optimizer).wait()
+        return _state(model, runner, strategy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cases(specs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, torch.Tensor]]:
+    """Several cases in one visit of the ranks: ``[(strategy, options), ...]``."""
+    return [train(strategy, options) for strategy, options in specs]
+
+
+def train_pipeline(schedule: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Every rank one pipeline rank; M=8 micro-batches of m=2 in reproducible mode."""
+    threads = torch.get_num_threads()
+    model = make_model()
+    pipe, optimizer = plait.prepare(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        strategy="pipeline",
+        mesh=plait.Mesh(pp=plait.world().size),
+        schedule=schedule,
+        microbatches=GLOBAL_BATCH // MICROBATCH,
+        loss_fn=nn.functional.mse_loss,
+        reproducible=True,
+    )
+    assert optimizer is not None
+    try:
+        for step in range(steps):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            pipe.step(x, y)
+            optimizer.step()
+        return {k: v.clone() for k, v in pipe.dense_state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pipeline_cases(schedules: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [train_pipeline(s) for s in schedules]
+
+
+# --- a Hugging Face Llama (float32, random init, no download) ------------------------------
+VOCAB, SEQ = 64, 8
+
+
+def make_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg)  # float32, dropout 0 by default
+    model.train()
+    return model
+
+
+def llama_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def train_llama(strategy: str, world: bool = True, steps: int = 3) -> dict[str, torch.Tensor]:
+    """A few AdamW steps of a tiny Llama on 8 sequences, micro-batches of 2."""
+    threads = torch.get_num_threads()
+    model = make_llama()
+    options: dict[str, Any] = {"mesh": plait.world()} if world and strategy != "none" else {}
+    if strategy == "fsdp":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        options["wrap"] = {LlamaDecoderLayer}
+    runner, optimizer = plait.prepare(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        strategy=strategy,
+        reproducible=True,
+        microbatch_size=2,
+        loss_fn=llama_loss,
+        **options,
+    )
+    assert optimizer is not None
+    try:
+        for step in range(steps):
+            x = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(step))
+            runner.step(runner.block(x), runner.block(x))
+            optimizer.step()
+        return _state(model, runner, strategy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def llama_cases(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [train_llama(s) for s in strategies]

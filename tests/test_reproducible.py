@@ -1,0 +1,221 @@
+"""Reproducible mode (``reproducible=True``): bitwise the same parameters as one process.
+
+Every distributed case trains the MLP of tests/reproducible_fns.py for 5 Adam steps on
+global batches of 16 (micro-batches of 2, M=8) and must give ``torch.equal`` parameters to
+the single-process oracle (``strategy="none"``, same micro-batches): data-parallel world
+sizes 1, 2, 4 and 8, every all-reduce algorithm, the shared-memory and the gloo transport,
+DDP, ZeRO-1/2, FSDP, pipelines of depth 2 and 4 under six schedules (depth 1 is the
+oracle), an elastic restart from 4 ranks to 2, and a float32 Hugging Face Llama.
+Cases of one world size share one visit of the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import plait
+from plait import RankPool
+from plait.strategies.reproducible import (
+    LayoutError,
+    TreeSum,
+    microbatch_count,
+    tree_all_reduce,
+    tree_sum,
+)
+from tests import reproducible_fns as fns
+
+ALGORITHMS = ["auto", "ring", "tree", "halving_doubling", "naive", "hierarchical", "ring_tree"]
+ALGORITHMS += ["native", "shm"]
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[str, torch.Tensor]:
+    return fns.train("none", world=False)
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        diff = (got[k] - want[k]).abs().max().item()
+        assert torch.equal(got[k], want[k]), f"{what}: {k} differs by {diff}"
+
+
+def _merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for part in per_rank:
+        out.update(part)
+    return out
+
+
+# --- the tree, without processes ----------------------------------------------------------
+def test_tree_sum_is_the_balanced_tree_and_the_counter_follows_it_in_any_order():
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1000, generator=g) * 10 ** (i % 5) for i in range(8)]
+    want = ((leaves[0] + leaves[1]) + (leaves[2] + leaves[3])) + (
+        (leaves[4] + leaves[5]) + (leaves[6] + leaves[7])
+    )
+    assert torch.equal(tree_sum(leaves), want)
+    in_order = TreeSum()
+    for leaf in leaves:
+        in_order.push(leaf)
+    assert in_order.peak_bytes <= 4 * 4000  # log2(8) + 1 partial sums of 4000 bytes
+    shuffled = TreeSum()
+    for i in (5, 0, 7, 2, 3, 6, 1, 4):  # a pipeline schedule's order
+        shuffled.push(leaves[i], i)
+    assert torch.equal(in_order.result(), want) and torch.equal(shuffled.result(), want)
+    sequential = leaves[0].clone()
+    for leaf in leaves[1:]:
+        sequential += leaf
+    assert not torch.equal(sequential, want)  # why the order must be fixed
+
+
+def test_layouts_that_cannot_split_the_tree_are_refused_by_name():
+    assert microbatch_count(16, 2, 4) == 8
+    with pytest.raises(LayoutError, match="B=16, microbatch_size m=3"):
+        microbatch_count(16, 3, 2)
+    with pytest.raises(LayoutError, match="M=B/m=6 micro-batches.*power of two"):
+        microbatch_count(12, 2, 2)
+    with pytest.raises(LayoutError, match="W=16.*M=8.*power of two dividing M"):
+        microbatch_count(16, 2, 16)
+    with pytest.raises(LayoutError, match="W=3"):
+        microbatch_count(16, 2, 3)
+
+
+@pytest.mark.parametrize("strategy", ["tp", "ep", "cp", "ptdp", "ps", "naive"])
+def test_prepare_refuses_strategies_the_mode_cannot_keep_bitwise(strategy):
+    model = fns.make_model()
+    with pytest.raises(ValueError, match=f"strategy='{strategy}', reproducible=True.* refused"):
+        plait.prepare(model, None, strategy=strategy, reproducible=True)
+
+
+def test_prepare_asks_for_the_microbatch_size_and_the_loss():
+    with pytest.raises(TypeError, match="needs microbatch_size= and loss_fn="):
+        plait.prepare(fns.make_model(), None, strategy="ddp", reproducible=True)
+    with pytest.raises(TypeError, match="microbatch_size= is an option of reproducible=True"):
+        plait.prepare(fns.make_model(), None, strategy="ddp", microbatch_size=2)
+
+
+def test_threads_are_pinned_per_rank():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = fns.make_model()
+        plait.prepare(
+            model, None, strategy="none", reproducible=True, microbatch_size=2, loss_fn=len
+        )
+        assert torch.get_num_threads() == 1
+        plait.prepare(
+            model,
+            None,
+            strategy="none",
+            reproducible=True,
+            microbatch_size=2,
+            loss_fn=len,
+            threads=2,
+        )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_process_runs_the_same_tree_as_its_microbatches_by_hand(oracle):
+    """The oracle itself: 8 micro-batch gradients of loss/8, summed on the tree."""
+    model = fns.make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(fns.STEPS):
+        x, y = fns.batch(step)
+        grads = []
+        for j in range(8):
+            model.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[2 * j : 2 * j + 2]), y[2 * j : 2 * j + 2])
+            (loss * 0.125).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = tree_sum([g[i] for g in grads])
+        optimizer.step()
+    _equal(dict(model.state_dict()), oracle, "by hand")
+
+
+# --- ranks ----------------------------------------------------------------------------------
+DP_CASES = [("ddp", {"algorithm": a}) for a in ALGORITHMS] + [
+    ("ddp", {"bucket_mb": 0.001}),  # several buckets, each launched during the last backward
+    ("zero1", {}),
+    ("zero2", {"bucket_mb": 0.001}),
+    ("fsdp", {}),
+]
+
+
+def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle):
+    results = ranks(2, fns.cases, DP_CASES, timeout=300)
+    for per_rank in results:
+        for case, got in zip(DP_CASES, per_rank, strict=True):
+            _equal(got, oracle, ("dp 2", case))
+    schedules = ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    per_rank = ranks(2, fns.pipeline_cases, schedules, timeout=300)
+    for i, schedule in enumerate(schedules):
+        _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 2", schedule))
+    llama = fns.train_llama("none", world=False)
+    for per_rank in ranks(2, fns.llama_cases, ["ddp", "fsdp"], timeout=300):
+        for strategy, got in zip(["ddp", "fsdp"], per_rank, strict=True):
+            _equal(got, llama, ("llama dp 2", strategy))
+
+
+def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, tmp_path):
+    cases = [("ddp", {"algorithm": "ring"}), ("ddp", {"algorithm": "halving_doubling"})]
+    cases += [("zero1", {}), ("zero2", {}), ("fsdp", {})]
+    for per_rank in ranks(4, fns.cases, cases, timeout=300):
+        for case, got in zip(cases, per_rank, strict=True):
+            _equal(got, oracle, ("dp 4", case))
+    schedules = ["interleaved", "zbv", "dualpipev"]
+    per_rank = ranks(4, fns.pipeline_cases, schedules, timeout=300)
+    for i, schedule in enumerate(schedules):
+        _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 4", schedule))
+    # elastic: 4 ranks save after step 2, 2 ranks resume and run steps 2..4
+    root = str(tmp_path / "ckpt")
+    for strategy in ("fsdp",):  # resharded optimizer state: the case a replica cannot hide
+        ranks(4, fns.train, strategy, None, 2, True, f"{root}-{strategy}", None, timeout=300)
+        resumed = ranks(2, fns.train, strategy, None, 5, True, None, f"{root}-{strategy}")
+        for got in resumed:
+            _equal(got, oracle, ("4 -> 2", strategy))
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks() -> Iterator[RankPool]:
+    pool = RankPool(2, timeout=60, env={"PLAIT_TRANSPORT": "gloo"})
+    yield pool
+    pool.close()
+
+
+def test_gloo_transport_gives_the_same_bits(gloo_ranks, oracle):
+    cases = [("ddp", {"algorithm": "ring"}), ("ddp", {"algorithm": "native"}), ("fsdp", {})]
+    for per_rank in gloo_ranks.run(fns.cases, cases, timeout=300):
+        for case, got in zip(cases, per_rank, strict=True):
+            _equal(got, oracle, ("gloo dp 2", case))
+
+
+def test_dp8(ranks, oracle):
+    cases = [("ddp", {}), ("fsdp", {})]
+    for per_rank in ranks(8, fns.cases, cases, timeout=400):
+        for case, got in zip(cases, per_rank, strict=True):
+            _equal(got, oracle, ("dp 8", case))
+
+
+def _tree_all_reduce_bytes() -> dict[str, int]:
+    from plait import comm
+
+    g = plait.world()
+    flat = torch.arange(1000, dtype=torch.float32) * (g.rank + 1)
+    comm.reset_stats()
+    tree_all_reduce(flat, group=g, algorithm="ring")
+    sent = sum(s.bytes_sent for s in comm.stats().values())
+    return {"sent": sent, "ok": int(torch.equal(flat, torch.arange(1000.0) * 3))}
+
+
+def test_tree_all_reduce_sends_what_ring_all_reduce_sends(ranks):
+    for out in ranks(2, _tree_all_reduce_bytes):
+        assert out["ok"]
+        assert out["sent"] == 2 * (2 - 1) * 1000 * 4 // 2  # 2(W-1)/W of the tensor
