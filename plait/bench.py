@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.comm import tuner
+from plait.comm import ops, tuner
+from plait.plan.measure import calibrate as cal
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 
@@ -97,7 +98,6 @@ def measure_rank(
     C, ...), so a noisy moment on a shared machine hits them all alike; each row is the
     median over its calls of the slowest rank's time.
     """
-    from plait.comm import ops
 
     g = comm.world()
     shared = ops.shared(g)
@@ -243,7 +243,6 @@ def calibrate(nproc: int, *, out: str | None = None, iters: int = 8) -> int:
     the ranks use: :mod:`plait.plan.measure.calibrate`) on ``nproc`` local ranks, print the table
     and write ``out`` (default ``runs/plan_calibration_n<N>.json``, which
     ``plait plan layouts --cluster cpu --ranks N`` reads)."""
-    from plait.plan.measure import calibrate as cal
 
     result = cal.run(nproc, iters=iters)
     print(cal.format_calibration(result), flush=True)

@@ -18,10 +18,13 @@ and every op takes the group it should use (``group=mesh.group("tp")``).
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from torch.distributed import distributed_c10d
 
 from plait import runtime
 from plait.comm import progress
@@ -202,9 +205,6 @@ def agree_on_mesh(mine: str, timeout: float | None) -> None:
     naming the ranks that built no mesh. Without it, ranks that disagree wait in process
     group creation until the collective timeout, and the store's error names no mesh.
     """
-    import datetime
-
-    from torch.distributed import distributed_c10d
 
     w = runtime.world()
     if w.size == 1:

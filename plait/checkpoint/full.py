@@ -26,12 +26,15 @@ from torch import nn
 from plait.checkpoint.agree import gather_json
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.strategies.data_parallel.ddp import DistributedDataParallel
+from plait.strategies.data_parallel.naive import NaiveDataParallel
+from plait.strategies.moe.layer import MoE
+from plait.strategies.pipeline.parallel import PipelineParallel
+from plait.strategies.placement import placement
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DDP or naive data-parallel wrapper; else ``model``."""
-    from plait.strategies.data_parallel.ddp import DistributedDataParallel
-    from plait.strategies.data_parallel.naive import NaiveDataParallel
 
     if isinstance(model, (DistributedDataParallel, NaiveDataParallel)):
         return model.module
@@ -40,7 +43,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def pipeline_of(model: nn.Module) -> Any:
     """``model`` if it is a :class:`~plait.strategies.pipeline.PipelineParallel`, else None."""
-    from plait.strategies.pipeline.parallel import PipelineParallel
 
     return model if isinstance(model, PipelineParallel) else None
 
@@ -75,7 +77,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_stacked_experts(root: nn.Module) -> dict[str, torch.Tensor]:
     """The whole stacked weights of every expert-parallel container under ``root``:
     one all-gather per weight over its ``ep`` group, along dimension 0."""
-    from plait.strategies.placement import placement
 
     out = {}
     for prefix, box in root.named_modules():
@@ -93,7 +94,6 @@ def _gather_stacked_experts(root: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _has_moe_layers(model: nn.Module) -> bool:
-    from plait.strategies.moe.layer import MoE
 
     return any(isinstance(m, MoE) for m in model.modules())
 

@@ -33,8 +33,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.checkpoint import agree
 from plait.checkpoint.full import pipeline_of, unwrap
 from plait.comm.group import Group
+from plait.strategies.data_parallel.ddp import DistributedDataParallel
+from plait.strategies.fsdp import FSDPModule
+from plait.strategies.fsdp.state import _slots
+from plait.strategies.placement import placement
+from plait.strategies.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from plait.strategies.tensor.layers_nd import ND_LAYERS
 
 #: ``read(index)``: the elements ``index`` (one slice per leading dimension) of a full tensor
 Read = Callable[[tuple[slice, ...]], torch.Tensor]
@@ -53,8 +64,6 @@ class Kept:
 
 def describe(model: nn.Module) -> str:
     """The layout in words, for messages: ``tensor parallel over tp(2)``, ..."""
-    from plait.strategies.data_parallel.ddp import DistributedDataParallel
-    from plait.strategies.fsdp import FSDPModule
 
     inner = unwrap(model)
     parts = []
@@ -83,8 +92,6 @@ def describe(model: nn.Module) -> str:
 def kept(model: nn.Module) -> list[Kept]:
     """Every tensor this rank holds, with its key in the one-process model (a tied
     parameter once per key, as ``state_dict`` lists it). No communication."""
-    from plait.strategies.fsdp import FSDPModule
-    from plait.strategies.tensor.layers_nd import ND_LAYERS
 
     inner = unwrap(model)
     if isinstance(inner, FSDPModule):
@@ -130,12 +137,6 @@ def _rows(read: Read, lo: int, hi: int, n: int, dim: int) -> torch.Tensor:
 
 
 def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
-    from plait.strategies.placement import placement
-    from plait.strategies.tensor.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
 
     if isinstance(module, ColumnParallelLinear):
         k, r = module.blocks, module.group.rank
@@ -199,10 +200,6 @@ def parameter_counts(model: nn.Module, *, group: Group | None = None) -> Paramet
     """:class:`ParameterCounts` of ``model`` under any layout. Collective over ``group``
     (every rank of the model; default the world): one ``gather_json`` of this rank's
     parameter keys and their full sizes."""
-    from plait.checkpoint import agree
-    from plait.strategies.fsdp import FSDPModule
-    from plait.strategies.fsdp.state import _slots
-    from plait.strategies.placement import placement
 
     inner = unwrap(model)
     sizes: dict[str, int] = {}

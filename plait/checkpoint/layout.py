@@ -23,6 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.checkpoint.full import full_state_dict as full
+from plait.strategies import fsdp
+from plait.strategies.data_parallel.ddp import DistributedDataParallel
+from plait.strategies.data_parallel.naive import NaiveDataParallel
+from plait.strategies.fsdp import FSDPModule
+
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
 
@@ -71,8 +77,6 @@ def decode_tree(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # --- models ----------------------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DDP or naive data-parallel wrapper; else ``model``."""
-    from plait.strategies.data_parallel.ddp import DistributedDataParallel
-    from plait.strategies.data_parallel.naive import NaiveDataParallel
 
     if isinstance(model, (DistributedDataParallel, NaiveDataParallel)):
         return model.module
@@ -80,7 +84,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    from plait.strategies.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
@@ -90,7 +93,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     rank, from any layout: see :mod:`plait.checkpoint.full`. Collective where the layout
     is split; no communication for a plain, DDP or naive-DP model (the tensors returned
     are the live ones)."""
-    from plait.checkpoint.full import full_state_dict as full
 
     return full(model)
 
@@ -98,8 +100,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy a dense state dict into ``model`` (every key must match; strict)."""
     if is_fully_sharded(model):
-        from plait.strategies import fsdp
-
         loader = getattr(fsdp, "load_full_state_dict", None)
         if loader is None:
             raise NotImplementedError(
@@ -128,7 +128,6 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 # --- optimizers ------------------------------------------------------------------------------
 def _fsdp_optimizer_api(name: str) -> Any:
-    from plait.strategies import fsdp
 
     fn = getattr(fsdp, name, None)
     if fn is None:

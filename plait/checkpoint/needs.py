@@ -29,6 +29,8 @@ from torch import nn
 
 from plait.checkpoint import layout
 from plait.checkpoint.blocks import Ranges
+from plait.strategies.fsdp.unit import NAMES_ATTR
+from plait.strategies.zero import ZeroOptimizer
 
 #: optimizer state read whole even when it has its parameter's shape
 SCALAR_STATE = ("step",)
@@ -43,7 +45,6 @@ def param_ranges(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     (only for sharding strategies; empty otherwise)."""
     if layout.is_fully_sharded(model):
         return _fully_sharded_ranges(model)
-    from plait.strategies.zero import ZeroOptimizer
 
     if isinstance(optimizer, ZeroOptimizer):
         return _zero_ranges(model, optimizer)
@@ -51,7 +52,6 @@ def param_ranges(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 
 
 def _fully_sharded_ranges(model: nn.Module) -> dict[str, Ranges]:
-    from plait.strategies.fsdp.unit import NAMES_ATTR
 
     out: dict[str, Ranges] = {}
     for prefix, m in model.named_modules():

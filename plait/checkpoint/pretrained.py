@@ -42,7 +42,11 @@ from plait.checkpoint import agree
 from plait.checkpoint.files import write_bytes_atomic
 from plait.checkpoint.full import full_state_dict, unwrap
 from plait.checkpoint.kept import Kept, Read, describe, kept
+from plait.checkpoint.needs import _fully_sharded_ranges
 from plait.comm.group import Group
+from plait.strategies.fsdp import FSDPModule, load_full_state_dict
+from plait.strategies.fsdp.state import _slots
+from plait.strategies.zero import ZeroOptimizer
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -194,8 +198,6 @@ def _fully_sharded_kept(model: nn.Module) -> list[Kept]:
     tensors holding only this rank's flat ranges (zeros elsewhere), for
     ``load_full_state_dict``; ``tensor`` is one placeholder per original parameter (so tied
     keys share it)."""
-    from plait.checkpoint.needs import _fully_sharded_ranges
-    from plait.strategies.fsdp.state import _slots
 
     ranges = _fully_sharded_ranges(model)
     placeholders: dict[tuple[int, int], torch.Tensor] = {}
@@ -249,7 +251,6 @@ def load_pretrained(
     :func:`~plait.checkpoint.agree.gather_json` (the checks) and nothing else; the data
     moves only from the files.
     """
-    from plait.strategies.fsdp import FSDPModule, load_full_state_dict
 
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -317,7 +318,6 @@ def load_pretrained(
 
 
 def _refresh_zero(optimizer: Any) -> None:
-    from plait.strategies.zero import ZeroOptimizer
 
     if isinstance(optimizer, ZeroOptimizer) and optimizer.shard.dtype != optimizer.dtype:
         with torch.no_grad():

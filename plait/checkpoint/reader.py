@@ -40,6 +40,7 @@ from plait.checkpoint.agree import (
 from plait.checkpoint.blocks import RangeReader, Ranges
 from plait.checkpoint.writer import finish_pending
 from plait.comm.group import Group
+from plait.strategies.zero import ZeroOptimizer
 
 
 @dataclass
@@ -268,7 +269,6 @@ class Reads:
 def _zero_sliced(
     model: nn.Module | None, optimizer: torch.optim.Optimizer | None, wanted: dict[str, Ranges]
 ) -> bool:
-    from plait.strategies.zero import ZeroOptimizer
 
     return (
         isinstance(optimizer, ZeroOptimizer)

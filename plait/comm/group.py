@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import progress, recorder, watchdog
+from plait.comm import debug, progress, recorder, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -395,8 +395,6 @@ class Group:
         sig = f"{algorithm} {signature}" if signature else algorithm
         call = Call(self, collective, algorithm, self.seq, payload_bytes, sig, desc)
         if self.debug:
-            from plait.comm import debug
-
             debug.check_signature(call, f"{sig} {desc}")
 
         def task() -> Any:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from plait import runtime
 from plait.comm import (
     barrier as dissemination,
 )
@@ -123,7 +124,6 @@ def _group(group: Group | None) -> Group:
                 f"plait.comm.new_group()), got {type(group).__name__}"
             )
         return group
-    from plait import runtime
 
     return runtime.world()
 

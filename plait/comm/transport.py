@@ -38,6 +38,7 @@ Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -172,7 +173,6 @@ def _store() -> Any:
 
 
 def _wait_all(store: Any, group: Group, keys: list[str], what: str) -> list[str]:
-    import datetime
 
     try:
         store.wait(keys, datetime.timedelta(seconds=group.timeout))

@@ -42,6 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from plait.comm import transport
+from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch import lifeline, rendezvous
 
 POLL_S = 0.05
@@ -58,7 +62,6 @@ _PG_PREFIX = "default_pg/"
 
 def heartbeat_timeout_default() -> float:
     """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
-    from plait.comm.watchdog import parse_heartbeat_timeout
 
     raw = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
     if raw == "":
@@ -127,7 +130,6 @@ def _port_owner(port: int) -> str:
 
 def host_store(port: int | None, *, timeout: float = 300.0) -> Any:
     """A rendezvous store on 127.0.0.1 (a free port unless ``port`` is given)."""
-    import torch.distributed as dist
 
     try:
         return dist.TCPStore(
@@ -172,7 +174,6 @@ def describe_exit(code: int) -> str:
 def bus_hint() -> str:
     """Why a rank may die of SIGBUS: a page of a memory-mapped file that could not be
     backed, most often a full shared-memory directory; with its free and total bytes."""
-    from plait.comm import transport
 
     directory = transport.segment_dir()
     try:
@@ -403,7 +404,6 @@ class Attempt:
         ``PLAIT_SHM_DIR`` (``plait-shm-<pid>-...``) named by a rank's pid was left by a rank
         killed inside the shared-memory set-up (``plait/comm/transport.py``).
         """
-        from plait.comm import transport
 
         killed: list[str] = []
         for _ in range(5):  # a dying process's children appear as it dies

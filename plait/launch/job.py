@@ -28,7 +28,9 @@ rank's error follows as one line labelled as a consequence.
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from plait.comm.watchdog import parse_heartbeat_timeout
+from plait.launch import lifeline
 from plait.launch.attempt import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
 
 DEFAULT_GRACE_S = 5.0
@@ -105,7 +108,6 @@ def check_nproc(nproc: int, *, nodes: int = 1) -> None:
     """Refuse a local rank count this machine cannot hold: below 1, above
     ``RANKS_PER_CORE`` per CPU core (``PLAIT_MAX_NPROC`` overrides), or above the user's
     process limit (``ulimit -u``). Raises ValueError naming the numbers."""
-    import resource
 
     if nproc < 1:
         raise ValueError(f"-n (nproc) must be at least 1, got {nproc}")
@@ -343,10 +345,6 @@ def run_torchrun(
     are passed on to it; it gets ``grace`` + 35 s (its own grace for its workers is 30 s)
     before SIGKILL.
     """
-    import os
-    import subprocess
-
-    from plait.launch import lifeline
 
     env = dict(os.environ)
     env.pop("PLAIT_LAUNCHER_PID", None)

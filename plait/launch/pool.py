@@ -26,6 +26,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
+from plait import runtime
+from plait.launch import lifeline
+
 DEFAULT_RUN_TIMEOUT_S = 300.0
 
 
@@ -85,7 +90,6 @@ def _worker(
     init_kwargs: dict[str, Any],
     env: dict[str, str],
 ) -> None:
-    from plait.launch import lifeline
 
     lifeline.arm()  # a rank never outlives its parent (even after kill -9)
     os.environ.update(env)
@@ -97,9 +101,6 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    import torch.distributed as dist
-
-    from plait import runtime
 
     def reply(status: str, payload: Any) -> None:
         try:
@@ -172,7 +173,6 @@ class RankPool:
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        import torch.distributed as dist
 
         self.world_size = world_size
         self._store = dist.TCPStore(

@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from plait.launch import lifeline
+from plait.launch import lifeline, rendezvous
 
 # Exceptions a rank raises because *another* rank failed (a closed connection, a collective
 # that timed out waiting for a peer): consequences, never the root cause.
@@ -77,7 +77,6 @@ def write_error(path: str, exc: BaseException) -> None:
 
 def _preflight() -> Any:
     """The store client (kept for :func:`_beat_done`) after the rendezvous checks."""
-    from plait.launch import rendezvous
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -25,6 +25,8 @@ import datetime
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 JOB_KEY = "plait/job"
 WORLD_KEY = "plait/world_size"
 _POLL_S = 0.1
@@ -37,7 +39,6 @@ class RendezvousError(RuntimeError):
 def connect(addr: str, port: int, *, timeout: float, rank: int | None = None) -> Any:
     """A client of the store at ``addr:port``; raises :class:`RendezvousError` after
     ``timeout`` seconds naming the address when nothing answers there."""
-    import torch.distributed as dist
 
     who = f"rank {rank}" if rank is not None else "plait"
     start = time.monotonic()

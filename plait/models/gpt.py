@@ -31,6 +31,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from plait.strategies.moe.layer import MoE
+from plait.strategies.pipeline import Layer, PipelinePlan
+from plait.strategies.tensor import loss_fn
+from plait.strategies.tensor.parallelize import Style
+from plait.strategies.tensor.parallelize_nd import gpt_plan
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -115,7 +121,6 @@ def is_moe_block(config: GPTConfig, index: int) -> bool:
 
 
 def _moe(config: GPTConfig) -> nn.Module:
-    from plait.strategies.moe.layer import MoE
 
     m = config.moe
     assert m is not None
@@ -226,12 +231,9 @@ def tp_plan(
     :func:`plait.strategies.tensor.gpt_plan`. Attention infers its local head count from
     the width it receives, so no attribute needs dividing.
     """
-    from plait.strategies.tensor.parallelize import Style
 
     config = model.config if isinstance(model, GPT) else model
     if mode != "1d":
-        from plait.strategies.tensor.parallelize_nd import gpt_plan
-
         return gpt_plan(mode, layers=config.layers)
     plan: dict[str, Any] = {"tok": "vocab", "head": "vocab"}
     for i in range(config.layers):
@@ -254,8 +256,6 @@ def pipeline_plan(model: GPT) -> Any:
     cross-entropy of :func:`plait.strategies.tensor.loss_fn`, the same mean. No per-stage
     context: the positions enter only at the embedding. Build it after
     :func:`plait.parallelize` has cut the model: its layers hold the modules it finds."""
-    from plait.strategies.pipeline import Layer, PipelinePlan
-    from plait.strategies.tensor import loss_fn
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)

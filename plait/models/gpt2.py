@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from plait.models.llama import causal_lm_items
+from plait.strategies.pipeline import Layer, PipelinePlan
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
@@ -43,7 +44,6 @@ def pipeline_plan(model: Any) -> Any:
     ignored); the loss is ``model.loss_function`` with ``num_items_in_batch`` counted over
     the whole global batch. Refused: cross-attention (``add_cross_attention``).
     """
-    from plait.strategies.pipeline import Layer, PipelinePlan
 
     base: Any = model.transformer
     cfg: Any = model.config

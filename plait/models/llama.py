@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.strategies.pipeline import Layer, PipelinePlan
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
@@ -63,7 +64,6 @@ def pipeline_plan(model: Any) -> Any:
     of labels counted over the whole global batch, so the pipeline's loss is one process's
     mean even when ignored labels fall unevenly.
     """
-    from plait.strategies.pipeline import Layer, PipelinePlan
 
     base: Any = model.model
     cfg: Any = model.config

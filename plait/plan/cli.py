@@ -18,6 +18,14 @@ from dataclasses import replace
 from typing import Any
 
 from plait.cli_args import NONNEGATIVE, POSITIVE, real
+from plait.models.gpt import GPTConfig
+from plait.plan import hardware, hf, memory
+from plait.plan import model as spec
+from plait.plan.fit import breakdown, format_fit, plot
+from plait.plan.layout import Job
+from plait.plan.report import explain, format_header, format_table, result_dict
+from plait.plan.search import SearchSpace, search
+from plait.plan.time import Overlap
 
 LAYOUTS_HELP = """\
 Rank every layout (dp x tp x pp x ep, schedule and chunks, micro-batch size, ZeRO stage,
@@ -208,7 +216,6 @@ def _add_layout_args(lay: Any) -> None:
 
 def plan_memory(args: argparse.Namespace) -> int:
     """Model-state GB per rank for each strategy (ZeRO paper, section 3 and Figure 1)."""
-    from plait.plan import memory
 
     try:
         estimates = memory.compare(
@@ -231,7 +238,6 @@ def plan_memory(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> Any:
-    from plait.plan import model as spec
 
     if args.params is not None:
         return spec.from_param_count(
@@ -243,15 +249,12 @@ def _model(args: argparse.Namespace) -> Any:
     if args.model in spec.PUBLISHED:
         return spec.published(args.model)
     if args.model != "gpt":
-        from plait.plan import hf
-
         if args.model in hf.PRESETS or args.model.endswith(".json") or "/" in args.model:
             return hf.load(args.model)
         raise ValueError(
             f"--model {args.model!r}: use gpt, {', '.join(spec.PUBLISHED)}, a preset "
             f"({', '.join(hf.PRESETS)}), a config.json path (or --params)"
         )
-    from plait.models.gpt import GPTConfig
 
     d = GPTConfig()
     return spec.ModelSpec(
@@ -269,7 +272,6 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _gpus(text: str) -> tuple[str, int]:
     """``"64xH100"`` -> ``("h100", 8)``: a preset kind and its nodes of 8 devices."""
-    from plait.plan import hardware
 
     count, sep, kind = text.lower().partition("x")
     kinds = [k for k in hardware.PRESETS if k != "cpu"]
@@ -282,7 +284,6 @@ def _gpus(text: str) -> tuple[str, int]:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from plait.plan import hardware
 
     if getattr(args, "gpus", None):
         args.cluster, args.nodes = _gpus(args.gpus)
@@ -318,9 +319,6 @@ def _check_size(model: Any) -> None:
 
 def _search(args: argparse.Namespace) -> Any:
     """The model, cluster and job of ``args``, searched; ValueError on bad input."""
-    from plait.plan.layout import Job
-    from plait.plan.search import SearchSpace, search
-    from plait.plan.time import Overlap
 
     model = _model(args)
     _check_size(model)
@@ -362,7 +360,6 @@ def _write_json(args: argparse.Namespace, payload: dict[str, Any]) -> None:
 
 
 def _plot(args: argparse.Namespace, result: Any) -> None:
-    from plait.plan.fit import breakdown, plot
 
     shown = list(result.plans[: args.top]) + list(result.too_big[:2])
     rows = [breakdown(p, result.cluster) for p in shown]
@@ -372,7 +369,6 @@ def _plot(args: argparse.Namespace, result: Any) -> None:
 
 def plan_layouts(args: argparse.Namespace) -> int:
     """``plait plan layouts``: the ranked table, then ``--explain``, ``--json``, ``--plot``."""
-    from plait.plan.report import explain, format_table, result_dict
 
     try:
         result = _search(args)
@@ -393,8 +389,6 @@ def plan_layouts(args: argparse.Namespace) -> int:
 def plan_fit(args: argparse.Namespace) -> int:
     """``plait plan fit``: yes/no per layout with the headroom (the fastest that fit, then
     the fastest that do not), the memory breakdown; ``--json``, ``--plot``."""
-    from plait.plan.fit import breakdown, format_fit
-    from plait.plan.report import format_header
 
     try:
         result = _search(args)

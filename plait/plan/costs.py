@@ -15,9 +15,14 @@ cost on a :class:`~plait.plan.hardware.Cluster`: the pieces :mod:`plait.plan.tim
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Layout
 from plait.plan.model import ModelSpec
+from plait.strategies.pipeline.cores import run_on_cores
+from plait.strategies.pipeline.schedules import build
+from plait.strategies.pipeline.simulate import Costs, _needs, _split, simulate
 
 
 def ring_seconds(collective: str, n: int, size: float, latency: float, bandwidth: float) -> float:
@@ -71,8 +76,6 @@ def critical_path(lay: Layout, m: int, compute: float, comm: float, message: flo
     pipeline message; None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
     if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
         return None
-    from plait.strategies.pipeline.schedules import build
-    from plait.strategies.pipeline.simulate import Costs, simulate
 
     v = lay.v
     f, b = (compute / 3 + comm / 2) / v, (2 * compute / 3 + comm / 2) / v
@@ -106,11 +109,6 @@ def shared_cores_path(
     None when the schedule is larger than :data:`SIMULATE_ACTIONS`."""
     if lay.pp * m * lay.v * 3 > SIMULATE_ACTIONS:
         return None
-    from dataclasses import replace
-
-    from plait.strategies.pipeline.cores import run_on_cores
-    from plait.strategies.pipeline.schedules import build
-    from plait.strategies.pipeline.simulate import Costs, _needs, _split
 
     shared = min(1.0, cores / ranks)
     v, zb = lay.v, lay.schedule in ("zb-h1", "zbv", "dualpipev")
@@ -179,8 +177,6 @@ def pipeline_actions(lay: Layout, m: int) -> float:
     if lay.pp == 1:
         return 0.0
     if lay.schedule != "none" and lay.pp * m * lay.v * 3 <= SIMULATE_ACTIONS:
-        from plait.strategies.pipeline.schedules import build
-
         sched = build(lay.schedule, p=lay.pp, m=m, v=lay.v)
         return max(len(actions) for actions in sched.ranks) / m
     compute = 3 if lay.schedule in ("zb-h1", "zbv", "dualpipev") else 2

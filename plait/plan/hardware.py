@@ -41,6 +41,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from plait.plan import calibration as calibrate
+
 if TYPE_CHECKING:
     from plait.plan.calibration import Calibration
 
@@ -265,7 +269,6 @@ def bench_rows(path: str | Path, *, algorithm: str = "ring") -> list[dict[str, A
 
 def matmul_flops(*, size: int = 384, repeats: int = 5) -> float:
     """FLOP/s of a float32 ``size x size`` matmul on this process's threads (median)."""
-    import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm-up
@@ -314,9 +317,6 @@ def local_cpu(
     of that speed a small GPT's step reaches on CPU (its elementwise work is not free).
     Ranks share the cores (``shared_cores``): a rank idle in a pipeline bubble lends its
     share to the others (:attr:`Cluster.alone_speedup`)."""
-    import torch
-
-    from plait.plan import calibration as calibrate
 
     cores = os.cpu_count() or 1
     cal: Calibration | None

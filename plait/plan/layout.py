@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from plait.plan.model import RECOMPUTE, ModelSpec
+from plait.plan.tensor_costs import grid_of
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
@@ -139,8 +140,6 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         if model.heads % lay.tp:
             raise LayoutError(f"tp={lay.tp} does not divide heads={model.heads}")
     else:
-        from plait.plan.tensor_costs import grid_of
-
         try:
             q, _ = grid_of(lay.tp_mode, lay.tp, lay.depth if lay.tp_mode == "2.5d" else None)
         except ValueError as e:

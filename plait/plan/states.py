@@ -47,6 +47,7 @@ from typing import Any
 from plait.plan import memory
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec
+from plait.plan.tensor_costs import grid_of
 
 STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
@@ -72,7 +73,6 @@ def _tp_divisor(model: ModelSpec, layout: Layout) -> int:
     """How many ways a weight is split over the tensor-parallel ranks."""
     if layout.tp_mode == "1d":
         return layout.tp
-    from plait.plan.tensor_costs import grid_of
 
     depth = layout.depth if layout.tp_mode == "2.5d" else None
     q, _ = grid_of(layout.tp_mode, layout.tp, depth)

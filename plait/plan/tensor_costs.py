@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from plait.strategies.tensor.grid import grid_shape
+
 MODES = ("1d", "2d", "2.5d", "3d")
 
 
@@ -77,7 +79,6 @@ def grid_of(mode: str, ranks: int, depth: int | None = None) -> tuple[int, int]:
     size does not fit (see :func:`plait.strategies.tensor.grid.grid_shape`)."""
     if mode == "1d":
         return ranks, 1
-    from plait.strategies.tensor.grid import grid_shape
 
     dims = grid_shape(mode, ranks, depth=depth)
     return dims["row"], dims.get("depth", 1) if mode == "2.5d" else 1

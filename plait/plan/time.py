@@ -97,6 +97,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from plait.plan.activations import model_layer_bytes
 from plait.plan.costs import (
     SIMULATE_ACTIONS,
     collective_seconds,
@@ -113,6 +114,10 @@ from plait.plan.hardware import Cluster
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec
 from plait.plan.states import rank_contents, rank_params
+from plait.plan.tensor_costs import gpt_linears, linear_cost
+from plait.strategies.pipeline.schedules import build
+from plait.strategies.pipeline.simulate import formula_bubble
+from plait.strategies.pipeline.simulate import simulate as play
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,13 +192,9 @@ def bubble(schedule: str, *, p: int, m: int, v: int = 1, simulate: bool = False)
     # simulator's (unit costs) is larger, and cheap at that size
     small = p * m * v * 3 <= SIMULATE_ACTIONS
     if simulate or (schedule in ("zb-h1", "zbv") and m < p) or (schedule == "dualpipev" and small):
-        from plait.strategies.pipeline.schedules import build
-        from plait.strategies.pipeline.simulate import simulate as play
-
         return play(build(schedule, p=p, m=m, v=v)).bubble
     if schedule in ("zbv", "dualpipev"):  # DualPipeV too large to play: ZBV's fill
         return (p - 1) / (6 * m + p - 1)
-    from plait.strategies.pipeline.simulate import formula_bubble
 
     return formula_bubble(schedule, p, m, v)
 
@@ -228,7 +229,6 @@ def _tp_block_seconds(
         else:
             one = collective_seconds(cluster, "all_reduce", t, size, inter_node=inter)
         return sent, n * one
-    from plait.plan.tensor_costs import gpt_linears, linear_cost
 
     linears = gpt_linears(model.hidden, 1, model.vocab)[: (2 if moe else 4)]
     sent = 0.0
@@ -254,7 +254,6 @@ def _tp_head_grid(
     model: ModelSpec, job: Job, layout: Layout, cluster: Cluster
 ) -> tuple[float, float]:
     """(bytes, seconds) of the head as a grid linear ``h -> V`` for one micro-batch."""
-    from plait.plan.tensor_costs import linear_cost
 
     lat, bw = cluster.link(spans_nodes(layout, "tp", cluster))
     c = linear_cost(
@@ -303,8 +302,6 @@ def step_time(
     # memory-bound work per block and micro-batch (Cluster.elementwise_passes)
     elementwise = 0.0
     if cluster.elementwise_passes:
-        from plait.plan.activations import model_layer_bytes
-
         moved = cluster.elementwise_passes * model_layer_bytes(model, job, lay, recompute="none")
         elementwise = moved * (4 / 3 if lay.recompute == "full" else 1) / cluster.hbm_bandwidth
     worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch

@@ -32,7 +32,10 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+import plait
 from plait.plan.layout import Job, Layout
+from plait.strategies.compose import compose
+from plait.strategies.tensor import loss_fn
 
 
 @dataclass
@@ -91,7 +94,6 @@ def build(
     """Wrap ``model`` (a :class:`plait.models.GPT`, the same seed on every rank) for
     ``layout`` with Adam; ``ids``/``targets`` are the global batch (the same on every rank).
     Collective over the world (module doc)."""
-    import plait
 
     lay = layout
     world = plait.world()
@@ -140,8 +142,6 @@ def build(
 
         return Built(dp_step, opt, lambda: wrapped, 0, kind)
     if lay.pp == 1 and lay.dp == 1 and not lay.sp:
-        from plait.strategies.tensor import loss_fn
-
         wrapped, opt = plait.prepare(model, adam, strategy="tp", mesh=plait.Mesh(tp=lay.tp))
         assert opt is not None
         loss = loss_fn(wrapped)
@@ -150,7 +150,6 @@ def build(
             loss(wrapped(ids), targets).backward()
 
         return Built(tp_step, opt, lambda: wrapped, 0, "tp")
-    from plait.strategies.compose import compose
 
     mesh = plait.Mesh(pp=lay.pp, dp=lay.dp, tp=lay.tp)
     ptdp = compose(

@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
+import plait
+from plait import comm
+from plait.comm import ops
+from plait.models import GPT, GPTConfig
 from plait.plan.calibration import COLLECTIVES, Calibration, Line, fit_line
+from plait.plan.measure import probe_pipeline, probe_runtime, probe_tensor
 
 BLOCK = 5  # calls timed back to back
 BURST_S = 2e-3  # compute between two calls when measuring them as a step interleaves them
@@ -36,9 +43,6 @@ GEMMS = (
 
 
 def _slowest(seconds: list[float], group: Any) -> list[float]:
-    import torch
-
-    from plait import comm
 
     t = torch.tensor(seconds, dtype=torch.float64)
     comm.all_reduce(t, op="max", group=group)
@@ -49,7 +53,6 @@ def _time_calls(fn: Any, iters: int, world: Any, block: int = BLOCK) -> float:
     """Seconds per call: median over ``iters`` blocks of ``block`` back-to-back calls
     (after a barrier) of the slowest rank's time, over ``block``. Back to back, as a
     training step issues them: the barrier's uneven release is paid once per block."""
-    from plait import comm
 
     fn()
     fn()
@@ -65,9 +68,6 @@ def _time_calls(fn: Any, iters: int, world: Any, block: int = BLOCK) -> float:
 
 def _collective(collective: str, numel: int, group: Any) -> Callable[[], object]:
     """One ``collective`` of ``numel`` float32 elements over ``group`` (algorithm auto)."""
-    import torch
-
-    from plait import comm
 
     full, part = torch.ones(numel), torch.ones(numel // group.size)
     if collective == "all_reduce":
@@ -85,9 +85,6 @@ def _gemm_rates(
 ) -> list[tuple[int, int, int, float]]:
     """FLOP/s per rank of each shape, every rank at once; the shapes take turns round by
     round (a noisy moment of a shared machine hits them alike), median over rounds."""
-    import torch
-
-    from plait import comm
 
     mats = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
     # enough repeats for ~20 ms at 50 GFLOP/s: the ranks share the cores for real
@@ -111,7 +108,6 @@ def _gemm_rates(
 def _adam_line(world: Any, *, iters: int) -> Line:
     """``torch.optim.Adam``'s step (PyTorch's default implementation) over 256K and 1M
     float32 parameter elements in tensors of 16K, every rank at once."""
-    import torch
 
     pts = []
     for numel in (1 << 18, 1 << 20):
@@ -129,7 +125,6 @@ def _between_bursts(fn: Any, burst: Any, world: Any, *, iters: int, calls: int =
     the calls minus without (rounds taking turns, medians), over ``calls``. On ranks that
     share cores this holds what back-to-back calls hide: a peer still computing, or
     asleep and waiting for a core, before the collective can finish."""
-    from plait import comm
 
     def loop(with_calls: bool) -> float:
         comm.barrier(group=world)
@@ -155,9 +150,6 @@ def _block_overhead(world: Any, *, iters: int) -> float:
     """Seconds per block of a tiny GPT's forward and backward (width 8, one token: almost
     no FLOPs, every operator still dispatched), every rank at once; the embedding and the
     head count as one more block."""
-    import torch
-
-    from plait.models import GPT, GPTConfig
 
     layers = 4
     model = GPT(GPTConfig(vocab=8, layers=layers, heads=2, width=8, seq_len=1))
@@ -172,7 +164,6 @@ def _block_overhead(world: Any, *, iters: int) -> float:
 
 def _burst(rate: float, seconds: float = BURST_S) -> Callable[[], None]:
     """A matmul loop of about ``seconds`` at ``rate`` FLOP/s (one thread)."""
-    import torch
 
     a, b = torch.randn(256, 128), torch.randn(128, 128)
     reps = max(1, int(seconds * rate / (2.0 * 256 * 128 * 128)))
@@ -186,7 +177,6 @@ def _burst(rate: float, seconds: float = BURST_S) -> Callable[[], None]:
 
 def _ping(pair: Any, buf: Any) -> Callable[[], None]:
     """A message each way between the two ranks of ``pair`` (two p2p transfers)."""
-    from plait import comm
 
     def ping() -> None:
         if pair.rank == 0:
@@ -204,11 +194,6 @@ def measure_rank(
 ) -> dict[str, Any]:
     """Runs on every rank of the world (collective; each call blocks on the group's peers at
     most the group timeout): the rows of the module doc, as ``Calibration.to_dict()``."""
-    import torch
-
-    import plait
-    from plait.comm import ops
-    from plait.plan.measure import probe_pipeline, probe_runtime, probe_tensor
 
     world = plait.world()
     n = world.size

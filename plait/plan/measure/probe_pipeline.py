@@ -45,6 +45,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+import plait
+from plait.models import GPT, GPTConfig
+from plait.plan.costs import pipeline_actions, shared_cores_path
+from plait.plan.layout import Layout
+from plait.plan.measure.probe_runtime import paired
+from plait.strategies.compose import compose
+from plait.strategies.pipeline.schedules import default_chunks
+
 # the calibration GPT (vocab, layers, heads, width, sequence) and its micro-batch rows
 MODEL = (64, 8, 4, 96, 32)
 ROWS = 2
@@ -54,8 +64,6 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")  # 1F1B first: ZB-H1 uses 
 def layout(schedule: str, g: int) -> Any:
     """The planner's :class:`~plait.plan.layout.Layout` of a ``g``-stage ``schedule``
     (its default chunks per rank)."""
-    from plait.plan.layout import Layout
-    from plait.strategies.pipeline.schedules import default_chunks
 
     return Layout(pp=g, schedule=schedule, v=default_chunks(schedule))
 
@@ -80,7 +88,6 @@ def played(
     cut into I and W, ``comm`` seconds per message, ``wake`` seconds more (with every rank
     busy) on each compute action that reads a message, on the pipeline's share of the
     cores under processor sharing."""
-    from plait.plan.costs import pipeline_actions, shared_cores_path
 
     lay = layout(schedule, g)
     runtime = pipeline_actions(lay, m) * pipe_action
@@ -225,13 +232,6 @@ def measure_rank(*, iters: int = 5, schedules: tuple[str, ...] = SCHEDULES) -> l
     world, the slowest rank's median step of the calibration GPT under each of
     :data:`SCHEDULES` (``m = 2g``) and of its plain forward and backward of one
     micro-batch with every rank busy, taking turns round by round."""
-    import torch
-
-    import plait
-    from plait.models import GPT, GPTConfig
-    from plait.plan.measure.probe_runtime import paired
-    from plait.strategies.compose import compose
-    from plait.strategies.pipeline.schedules import default_chunks
 
     world = plait.world()
     n = world.size

@@ -50,7 +50,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.nn import functional as F
+
+import plait
+from plait import comm
+from plait.models import GPT, GPTConfig
 from plait.plan.calibration import Calibration, Line, Overhead
+from plait.strategies.compose import compose
+from plait.strategies.tensor import loss_fn
 
 WIDTHS = (8, 128)  # the ddp and zero probes' two GPTs: same tensors, 7.5 KB and 1.6 MB
 LAYERS = 2
@@ -76,7 +84,6 @@ def split_overhead(
 
 
 def _gpt(width: int, layers: int = LAYERS, heads: int = 4, vocab: int = 8) -> Any:
-    from plait.models import GPT, GPTConfig
 
     return GPT(GPTConfig(vocab=vocab, layers=layers, heads=heads, width=width, seq_len=4))
 
@@ -86,9 +93,6 @@ def paired(
 ) -> list[float]:
     """Seconds per call of each of ``fns``, taking turns block by block (a noisy moment
     hits them alike): median over ``iters`` of the slowest rank's block, over ``block``."""
-    import torch
-
-    from plait import comm
 
     for fn in fns:
         fn()
@@ -109,7 +113,6 @@ def paired(
 def _plain_step(model: Any, ids: Any, after_backward: Callable[[], None]) -> Callable[[], None]:
     """The reference step: ``model``'s forward, backward, ``after_backward`` (the
     collectives the strategy calls, on buffers of their sizes), Adam."""
-    import torch
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
@@ -123,9 +126,6 @@ def _plain_step(model: Any, ids: Any, after_backward: Callable[[], None]) -> Cal
 
 
 def _wrapped_step(strategy: str, model: Any, ids: Any, group: Any) -> Callable[[], None]:
-    import torch
-
-    import plait
 
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     extra: dict[str, Any] = {"wrap": {type(model.blocks[0])}} if strategy == "fsdp" else {}
@@ -145,9 +145,6 @@ def data_parallel(
 ) -> Overhead:
     """``ddp`` (``strategy="ddp"``), ``zero`` (``"zero1"``) or ``fsdp`` (``"fsdp"``, each
     block a unit) of the module doc."""
-    import torch
-
-    from plait import comm
 
     n = world.size
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -205,12 +202,6 @@ def data_parallel(
 
 def tensor_call(world: Any, raw: list[dict[str, Any]], *, iters: int) -> dict[int, float]:
     """``tp_call`` of the module doc, per tensor-parallel group size."""
-    import torch
-    from torch.nn import functional as F
-
-    import plait
-    from plait import comm
-    from plait.strategies.tensor import loss_fn
 
     n = world.size
     ids = torch.zeros(2, 4, dtype=torch.long)
@@ -270,10 +261,6 @@ def pipeline_action(
     iters: int,
 ) -> float:
     """``pipe_action`` of the module doc."""
-    import torch
-
-    import plait
-    from plait.strategies.compose import compose
 
     n = world.size
     mesh = plait.Mesh(pp=2, dp=n // 2, tp=1)

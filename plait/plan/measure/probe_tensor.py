@@ -33,7 +33,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch.nn import functional as F
+
+import plait
+from plait.models import GPT, GPTConfig
 from plait.plan.calibration import Residual
+from plait.plan.hardware import local_cpu, with_compute
+from plait.plan.layout import Job, Layout
+from plait.plan.measure.probe_runtime import paired
+from plait.plan.model import from_gpt_config
+from plait.plan.time import step_time
+from plait.strategies.tensor import loss_fn
 
 # the calibration GPT: vocab, layers, heads, width, sequence (heads and vocab split 2, 4, 8)
 MODEL = (64, 2, 8, 96, 64)
@@ -41,7 +52,6 @@ ROWS = (4, 32)  # micro-batch sequences: the two sizes the residual is split fro
 
 
 def _config() -> Any:
-    from plait.models import GPTConfig
 
     vocab, layers, heads, width, seq = MODEL
     return GPTConfig(vocab=vocab, layers=layers, heads=heads, width=width, seq_len=seq)
@@ -59,13 +69,6 @@ def measure_rank(*, iters: int = 5) -> list[dict[str, Any]]:
     all-reduces and an all-reduce of the times, each bounded by the group timeout): per
     tensor-parallel size and micro-batch size, the slowest rank's median seconds of the
     plain and the tensor-parallel forward and backward (module doc)."""
-    import torch
-    from torch.nn import functional as F
-
-    import plait
-    from plait.models import GPT
-    from plait.plan.measure.probe_runtime import paired
-    from plait.strategies.tensor import loss_fn
 
     world = plait.world()
     n = world.size
@@ -102,10 +105,6 @@ def predicted(cal: Any, ranks: int, t: int, rows: int, plain_s: float) -> tuple[
     """The planner's compute and tensor-parallel seconds for one micro-batch of ``rows``
     sequences of the calibration GPT over ``t`` ranks (efficiency from ``plain_s``, the
     plain forward and backward of those rows with every rank busy), and its collectives."""
-    from plait.plan.hardware import local_cpu, with_compute
-    from plait.plan.layout import Job, Layout
-    from plait.plan.model import from_gpt_config
-    from plait.plan.time import step_time
 
     cfg = _config()
     spec = from_gpt_config(cfg)

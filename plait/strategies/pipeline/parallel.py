@@ -61,11 +61,11 @@ from plait.strategies.data_parallel.grad_sync import (
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
 from plait.strategies.pipeline.agree import agree
 from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
-from plait.strategies.reproducible.pipeline import for_pipeline
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
 from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
 from plait.strategies.pipeline.validate import validate
+from plait.strategies.reproducible.pipeline import for_pipeline
 from plait.trace import Tracer
 
 

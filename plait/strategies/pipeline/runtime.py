@@ -51,8 +51,6 @@ import torch
 from plait.comm import watchdog
 from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import bucket_is_finite
-from plait.strategies.reproducible import pipeline as reproducible
-from plait.strategies.reproducible.tree import Microbatches
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.messages import (
     META,
@@ -64,6 +62,8 @@ from plait.strategies.pipeline.messages import (
     tag,
 )
 from plait.strategies.pipeline.split import Stage
+from plait.strategies.reproducible import pipeline as reproducible
+from plait.strategies.reproducible.tree import Microbatches
 from plait.trace import Tracer
 
 

@@ -82,6 +82,7 @@ from plait.strategies.data_parallel.grad_sync import check_policy
 from plait.strategies.placement import place
 from plait.strategies.tensor import mappings as M
 from plait.strategies.tensor.agreement import check_agreement
+from plait.strategies.tensor.cross_entropy import vocab_parallel_cross_entropy
 from plait.strategies.tensor.finite import watch_finite
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
@@ -90,6 +91,8 @@ from plait.strategies.tensor.layers import (
     VocabParallelEmbedding,
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
+from plait.strategies.tensor.parallelize_nd import loss_fn as loss_fn_nd
+from plait.strategies.tensor.parallelize_nd import parallelize_nd, prepare_nd
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
 from plait.strategies.zero.groups import constructor_kwargs
 
@@ -456,8 +459,6 @@ def parallelize(
     if not isinstance(plan, TensorPlan) and any(
         getattr(v, "kind", v) in ND_KINDS for v in plan.values()
     ):
-        from plait.strategies.tensor.parallelize_nd import parallelize_nd
-
         return parallelize_nd(model, mesh, plan, algorithm=algorithm)
     tplan = as_plan(plan)
     group = _group_of(mesh)
@@ -663,8 +664,6 @@ def prepare_tp(
     all-reduce of ``t`` integers per step). Collective over the mesh.
     """
     if mode != "1d":
-        from plait.strategies.tensor.parallelize_nd import prepare_nd
-
         if mode not in ND_KINDS:
             raise ValueError(f"strategy 'tp': mode={mode!r}; use '1d' or one of {ND_KINDS}")
         if sequence_parallel:
@@ -697,11 +696,8 @@ def prepare_tp(
 def loss_fn(model: nn.Module) -> Any:
     """The loss for a parallelized model's logits: the vocab-parallel cross-entropy when
     its head is split by vocabulary, otherwise ``F.cross_entropy`` (flattened)."""
-    from plait.strategies.tensor.cross_entropy import vocab_parallel_cross_entropy
 
     if getattr(model, "plait_tensor_nd", None) is not None:
-        from plait.strategies.tensor.parallelize_nd import loss_fn as loss_fn_nd
-
         return loss_fn_nd(model)
     info: TensorParallelInfo | None = getattr(model, "plait_tensor_parallel", None)
 
