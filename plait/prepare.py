@@ -375,7 +375,10 @@ def prepare(
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
     if options.pop("reproducible", False):
-        return _reproducible(strategy, model, optimizer, options)
+        wrapped, optimizer = _reproducible(strategy, model, optimizer, options)
+        if optimizer is not None and tracer is not None:
+            _trace_steps(optimizer, tracer)
+        return wrapped, optimizer
     for key in ("microbatch_size", "threads"):
         if key in options:
             raise TypeError(
