@@ -539,6 +539,7 @@ def _reproducible_oracle(
         runner, _ = plait.prepare(
             model, optimizer, strategy="none", **_reproducible_options(config)
         )
+        assert isinstance(runner, ReproducibleRunner)
         for epoch in range(config.epochs):
             for indices in global_batches(config, epoch):
                 batch = torch.tensor(indices)

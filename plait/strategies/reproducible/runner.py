@@ -109,7 +109,7 @@ class ReproducibleRunner:
         self._active = False
         self._hooks: list[Any] = []
         units = [u for m in module.modules() for u in getattr(m, "_plait_fsdp_units", ())]
-        found = [
+        found: list[tuple[str, Any, Group | None]] = [
             (who, owner, group)
             for who, owner, group in (
                 ("DistributedDataParallel", module, getattr(module, "group", None)),
@@ -135,7 +135,7 @@ class ReproducibleRunner:
         self.microbatches = Microbatches(driven=True, interleaved=bool(units))
         for _, owner, _ in found:
             owner.microbatches = self.microbatches
-        self._ddp = module if found and found[0][0] == "DistributedDataParallel" else None
+        self._ddp: Any = module if found and found[0][0] == "DistributedDataParallel" else None
         if not units:  # DDP, ZeRO, one process: sum each parameter's micro-batch gradients
             params = {id(p): p for p in module.parameters() if p.requires_grad}
             self._hooks = [p.register_hook(self._make_hook(p)) for p in params.values()]
