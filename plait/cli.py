@@ -330,6 +330,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             ("--backup-workers", args.backup_workers != 0),
             ("--slow-worker", args.slow_worker is not None),
             ("--max-staleness", args.max_staleness is not None),
+            ("--reproducible", args.reproducible),
+            ("--microbatch-size", args.microbatch_size is not None),
         )
         if used
     ]
@@ -401,6 +403,8 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         max_staleness=args.max_staleness,
         evals_per_epoch=args.evals_per_epoch,
         dtype=args.dtype,
+        reproducible=args.reproducible,
+        microbatch_size=args.microbatch_size if args.microbatch_size is not None else 8,
     )
 
 
@@ -488,6 +492,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "float64"],
         default="float32",
         help="of the model; float64 makes --check exact on any CPU",
+    )
+    demo.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="cnn: layout-invariant training; --check then demands max diff 0 (bitwise)",
+    )
+    demo.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="with --reproducible: samples per micro-batch (default 8; batch/m and -n "
+        "powers of two, -n dividing batch/m)",
     )
     gpt = demo.add_argument_group(
         "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep)"

@@ -375,7 +375,10 @@ def prepare(
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
     if options.pop("reproducible", False):
-        return _reproducible(strategy, model, optimizer, options)
+        wrapped, optimizer = _reproducible(strategy, model, optimizer, options)
+        if optimizer is not None and tracer is not None:
+            _trace_steps(optimizer, tracer)
+        return wrapped, optimizer
     for key in ("microbatch_size", "threads"):
         if key in options:
             raise TypeError(
@@ -415,24 +418,13 @@ def _reproducible(
             f"{' and '.join(k + '=' for k in missing)}: the fixed micro-batch size and the "
             f"loss (mean over a micro-batch) the runner's step(x, y) computes"
         )
+    if strategy != "none":
+        options["reproducible"] = True
+        if "threads" in mode:
+            options["threads"] = mode["threads"]
     wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
-    if strategy == "ddp":
-        target, group = wrapped, wrapped.group
-    elif strategy in ("zero1", "zero2"):
-        target, group = optimizer, optimizer.group  # type: ignore[union-attr]
-    elif strategy in ("zero3", "fsdp"):
-        target, group = None, _fsdp_group(wrapped)
-    else:
-        target, group = None, None
-    runner = ReproducibleRunner(wrapped, optimizer, group=group, target=target, **mode)
+    runner = ReproducibleRunner(wrapped, optimizer, **mode)
     return runner, optimizer
-
-
-def _fsdp_group(module: nn.Module) -> Any:
-    for m in module.modules():
-        for unit in getattr(m, "_plait_fsdp_units", ()):
-            return unit.config.group
-    return None
 
 
 def _trace_steps(optimizer: torch.optim.Optimizer, tracer: Tracer) -> None:

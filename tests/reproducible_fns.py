@@ -14,7 +14,9 @@ from torch import nn
 
 import plait
 from plait import checkpoint
-from plait.strategies.fsdp import full_state_dict
+from plait.strategies import DistributedDataParallel, ZeroOptimizer
+from plait.strategies.fsdp import full_state_dict, fully_shard
+from plait.strategies.reproducible import ReproducibleRunner
 
 FEATURES, HIDDEN, OUT = 8, 32, 4
 GLOBAL_BATCH, MICROBATCH, STEPS = 16, 2, 5
@@ -177,3 +179,44 @@ def train_llama(strategy: str, world: bool = True, steps: int = 3) -> dict[str, 
 
 def llama_cases(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
     return [train_llama(s) for s in strategies]
+
+
+# --- strategies built by hand with their own reproducible=True ----------------------------
+def train_by_hand(strategy: str) -> dict[str, torch.Tensor]:
+    """``DistributedDataParallel`` / ``ZeroOptimizer`` / ``fully_shard`` built with
+    ``reproducible=True`` and driven by a ``ReproducibleRunner``, without ``plait.prepare``;
+    first checks that a forward outside the runner is refused by name."""
+    threads = torch.get_num_threads()
+    model = make_model()
+    group = plait.world()
+    module: nn.Module = model
+    if strategy == "ddp":
+        module = DistributedDataParallel(model, group=group, algorithm="ring", reproducible=True)
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        try:
+            module(batch(0)[0])
+            raise AssertionError("a forward outside the runner was accepted")
+        except RuntimeError as exc:
+            assert "DistributedDataParallel(reproducible=True)" in str(exc), exc
+    elif strategy == "zero2":
+        optimizer = ZeroOptimizer(
+            model.parameters(), torch.optim.Adam, stage=2, group=group, lr=0.01, reproducible=True
+        )
+    else:
+        module = fully_shard(model, group=group, reproducible=True)
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    runner = ReproducibleRunner(
+        module, optimizer, loss_fn=nn.functional.mse_loss, microbatch_size=MICROBATCH
+    )
+    try:
+        for step in range(STEPS):
+            x, y = batch(step)
+            runner.step(runner.block(x), runner.block(y))
+            optimizer.step()
+        return _state(model, runner, "fsdp" if strategy == "fsdp" else strategy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def by_hand_cases(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
+    return [train_by_hand(s) for s in strategies]

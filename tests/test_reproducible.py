@@ -19,8 +19,10 @@ import torch
 
 import plait
 from plait import RankPool
+from plait.strategies.fsdp import fully_shard
 from plait.strategies.reproducible import (
     LayoutError,
+    ReproducibleRunner,
     TreeSum,
     microbatch_count,
     tree_all_reduce,
@@ -99,6 +101,20 @@ def test_prepare_asks_for_the_microbatch_size_and_the_loss():
         plait.prepare(fns.make_model(), None, strategy="ddp", microbatch_size=2)
 
 
+def test_a_strategy_built_by_hand_needs_the_keyword_and_a_runner():
+    sharded = fully_shard(fns.make_model())
+    with pytest.raises(ValueError, match="fully_shard was built without reproducible=True"):
+        ReproducibleRunner(sharded, None, loss_fn=len, microbatch_size=2)
+    before = torch.get_num_threads()
+    try:
+        sharded = fully_shard(fns.make_model(), reproducible=True)
+        x, y = fns.batch(0)
+        with pytest.raises(RuntimeError, match=r"fully_shard\(reproducible=True\).*outside"):
+            torch.nn.functional.mse_loss(sharded(x), y).backward()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_threads_are_pinned_per_rank():
     before = torch.get_num_threads()
     try:
@@ -158,6 +174,10 @@ def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle):
     per_rank = ranks(2, fns.pipeline_cases, schedules, timeout=300)
     for i, schedule in enumerate(schedules):
         _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 2", schedule))
+    by_hand = ["ddp", "zero2", "fsdp"]
+    for per_rank in ranks(2, fns.by_hand_cases, by_hand, timeout=300):
+        for strategy, got in zip(by_hand, per_rank, strict=True):
+            _equal(got, oracle, ("by hand, dp 2", strategy))
     llama = fns.train_llama("none", world=False)
     for per_rank in ranks(2, fns.llama_cases, ["ddp", "fsdp"], timeout=300):
         for strategy, got in zip(["ddp", "fsdp"], per_rank, strict=True):

@@ -17,8 +17,15 @@ accuracy against time).
 Options are checked by :func:`validate` before any rank starts; a bad one raises
 :class:`DemoOptionError`, one line naming the option and its valid range.
 
-``--check`` also trains the same model in this process on the global batches and prints
-the largest parameter difference, judged against a bound that holds on any CPU: with
+``--reproducible`` trains in layout-invariant mode (:mod:`plait.strategies.reproducible`):
+each global batch is cut into micro-batches of ``--microbatch-size`` samples whose
+gradients are summed along one fixed tree, so ``--check`` (one process on the same
+micro-batches) must find a largest difference of exactly 0, for any ``-n``, strategy
+(ddp, zero1, zero2, zero3/fsdp), algorithm and transport.
+
+Without it, ``--check`` also trains the same model in this process on the global batches
+and prints the largest parameter difference, judged against a bound that holds on any CPU:
+with
 ``dtype="float64"`` rounding stays far below :data:`FLOAT64_BOUND` over any run; in float32
 the training amplifies rounding (one process against itself with another summation order
 differs by 3e-8 after one epoch and 9e-2 after three on the same machine), so the bound is
@@ -44,6 +51,7 @@ from plait import checkpoint, comm
 from plait.data import DistributedSampler, split_batch
 from plait.models import DigitsCNN
 from plait.strategies.ps import ps_of
+from plait.strategies.reproducible import LayoutError, ReproducibleRunner, microbatch_count
 from plait.trace import Span, Tracer, overlap_report, write_chrome
 
 #: Training samples: 80% of scikit-learn's 1797 digits (``load_digits`` checks it).
@@ -58,6 +66,10 @@ FLOAT64_BOUND = 1e-9
 #: oracle's own spread under another summation order (plus FLOAT32_FLOOR)
 SPREAD_FACTOR = 10.0
 FLOAT32_FLOOR = 1e-5
+
+
+#: The strategies ``--reproducible`` supports (plait.strategies.reproducible.runner)
+REPRODUCIBLE = ("ddp", "zero1", "zero2", "zero3", "fsdp", "none")
 
 
 class DemoOptionError(ValueError):
@@ -85,6 +97,9 @@ class DemoConfig:
     staleness_aware: bool = True  # async/ssp: a push of staleness tau > 1 divided by tau
     evals_per_epoch: int = 1
     dtype: str = "float32"  # of the model and the data; "float64" makes --check exact
+    # layout-invariant training: --check against one process must be bitwise equal
+    reproducible: bool = False
+    microbatch_size: int = 8
 
     @property
     def trainers(self) -> int:
@@ -242,6 +257,15 @@ def validate(config: DemoConfig) -> None:
         raise bad(f"--seed must be >= 0, got {c.seed}")
     if c.dtype not in DTYPES:
         raise bad(f"--dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+    if c.reproducible:
+        if c.strategy not in REPRODUCIBLE:
+            raise bad(
+                f"--reproducible supports --strategy {', '.join(REPRODUCIBLE)}, got {c.strategy!r}"
+            )
+        try:
+            microbatch_count(c.batch_size, c.microbatch_size, c.world_size)
+        except LayoutError as e:
+            raise bad(f"--reproducible: {e}; set --batch-size, --microbatch-size or -n") from e
     if c.name and (c.name in (".", "..") or "/" in c.name or "\\" in c.name):
         raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
 
@@ -305,6 +329,16 @@ def push_lr(config: DemoConfig) -> float:
     return config.lr
 
 
+def _reproducible_options(config: DemoConfig) -> dict[str, Any]:
+    if not config.reproducible:
+        return {}
+    return {
+        "reproducible": True,
+        "microbatch_size": config.microbatch_size,
+        "loss_fn": nn.functional.cross_entropy,
+    }
+
+
 def train_rank(config: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: the training loop a user would write, under ``plait.prepare``."""
     world = plait.world()
@@ -318,8 +352,16 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=push_lr(config), momentum=0.9)
     tracer = Tracer(rank=rank)
     model_w, optimizer = plait.prepare(
-        model, optimizer, strategy=config.strategy, tracer=tracer, **_options(config, tracer)
+        model,
+        optimizer,
+        strategy=config.strategy,
+        tracer=tracer,
+        **_options(config, tracer),
+        **_reproducible_options(config),
     )
+    runner: ReproducibleRunner | None = None
+    if isinstance(model_w, ReproducibleRunner):  # --reproducible: it drives the micro-batches
+        runner, model_w = model_w, model_w.module
     ps = config.strategy == "ps"
     if optimizer is None:  # a parameter server: prepare served until the workers finished
         return {
@@ -346,14 +388,18 @@ def train_rank(config: DemoConfig) -> dict[str, Any]:
         bar = _progress(config, epoch, steps, show=rank == config.lead)
         for step in range(steps):
             batch = torch.tensor(batches[step])
-            (x, y), weight = split_batch(
-                (x_train[batch], y_train[batch]), num_replicas=n, rank=trainer
-            )
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model_w(x), y)
-            # weight = rows * n / batch: the ranks' average of weighted means is the mean
-            # over the global batch, however unevenly it divides
-            (loss * weight).backward()
+            if runner is not None:  # the global mean loss, the same on every rank
+                xs, ys = x_train[batch], y_train[batch]
+                loss, weight = runner.step(runner.block(xs), runner.block(ys)), 1.0
+            else:
+                (x, y), weight = split_batch(
+                    (x_train[batch], y_train[batch]), num_replicas=n, rank=trainer
+                )
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model_w(x), y)
+                # weight = rows * n / batch: the ranks' average of weighted means is the
+                # mean over the global batch, however unevenly it divides
+                (loss * weight).backward()
             optimizer.step()
             loss_sum += loss.item() * weight
             bar.update(1)
@@ -460,6 +506,8 @@ def oracle(config: DemoConfig, *, pieces: int | None = None) -> dict[str, torch.
     x_train = x_train.to(getattr(torch, config.dtype))
     model = _model(config.seed, config.dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    if config.reproducible:
+        return _reproducible_oracle(config, model, optimizer, x_train, y_train)
     n = pieces if pieces is not None else config.trainers
     for epoch in range(config.epochs):
         for indices in global_batches(config, epoch):
@@ -474,6 +522,31 @@ def oracle(config: DemoConfig, *, pieces: int | None = None) -> dict[str, torch.
                     loss = loss + nn.functional.cross_entropy(model(x), y) * weight
             (loss / n).backward()
             optimizer.step()
+    return model.state_dict()
+
+
+def _reproducible_oracle(
+    config: DemoConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """``--reproducible``: one process on the same micro-batches and the same tree (it pins
+    one intra-op thread, as every rank does, for its duration)."""
+    threads = torch.get_num_threads()
+    try:
+        runner, _ = plait.prepare(
+            model, optimizer, strategy="none", **_reproducible_options(config)
+        )
+        assert isinstance(runner, ReproducibleRunner)
+        for epoch in range(config.epochs):
+            for indices in global_batches(config, epoch):
+                batch = torch.tensor(indices)
+                runner.step(x_train[batch], y_train[batch])
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     return model.state_dict()
 
 
@@ -494,6 +567,8 @@ def oracle_spread(config: DemoConfig, reference: dict[str, torch.Tensor]) -> flo
 
 def check_bound(config: DemoConfig, spread: float | None) -> float:
     """The largest parameter difference ``--check`` accepts (see the module docstring)."""
+    if config.reproducible:
+        return 0.0
     if config.dtype == "float64" or spread is None:
         return FLOAT64_BOUND
     return SPREAD_FACTOR * spread + FLOAT32_FLOOR
@@ -614,7 +689,12 @@ def run(config: DemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
     print(
         f"plait demo: CNN on scikit-learn digits, {config.world_size} ranks, strategy "
         f"{config.strategy}, {how}, {config.epochs} epochs, global batch {config.batch_size}"
-        + (f", {config.dtype}" if config.dtype != "float32" else ""),
+        + (f", {config.dtype}" if config.dtype != "float32" else "")
+        + (
+            f", reproducible (micro-batches of {config.microbatch_size})"
+            if config.reproducible
+            else ""
+        ),
         flush=True,
     )
     results = plait.spawn(train_rank, world_size=config.world_size, args=(config,), timeout=3600)
@@ -661,7 +741,7 @@ def summarize(
     if check and comparable:
         want = oracle(config)
         report.max_param_diff = max_diff(results[0]["state"], want)
-        if config.dtype == "float32":
+        if config.dtype == "float32" and not config.reproducible:
             report.oracle_spread = oracle_spread(config, want)
         report.check_bound = check_bound(config, report.oracle_spread)
     elif check:
@@ -692,7 +772,13 @@ def summarize(
         )
     if report.ps:
         _print_ps(report.ps)
-    if report.max_param_diff is not None:
+    if report.max_param_diff is not None and config.reproducible:
+        verdict = "bitwise" if check_passed(report) else "NOT BITWISE: a bug, please report"
+        print(
+            f"--check: one process on the same micro-batches of {config.microbatch_size}: "
+            f"max diff {report.max_param_diff:g} ({verdict})"
+        )
+    elif report.max_param_diff is not None:
         verdict = "ok" if check_passed(report) else "LARGER THAN EXPECTED"
         print(
             f"--check: largest parameter difference to one process on the global batch: "

@@ -19,6 +19,14 @@ Communication contract, on ``group``:
 - ``no_sync()`` (or ``require_backward_grad_sync = False``, as PyTorch's DDP): no
   communication; gradients accumulate locally until the next synchronized backward, which
   then averages the accumulated sum;
+- with ``reproducible=True``: no communication in backward before the step's last
+  micro-batch; then each bucket is summed (not averaged) with
+  :func:`~plait.strategies.reproducible.collectives.tree_all_reduce` (an all-to-all, a
+  tree sum in rank order, an all-gather: a ring all-reduce's bytes), bitwise the same for
+  every ``algorithm``, transport and world size. The micro-batches must be driven by a
+  :class:`~plait.strategies.reproducible.ReproducibleRunner` (``forward`` outside its
+  ``step`` is refused); ``threads`` (default 1) pins the intra-op threads
+  (docs/reproducible.md);
 - with ``find_unused_parameters=True``: one more all-reduce (sum) of one int32 per
   parameter at the end of backward, which parameters any rank used.
 
@@ -144,6 +152,8 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         check_finite: str | None = "raise",
         tracer: Tracer | None = None,
+        reproducible: bool = False,
+        threads: int | None = 1,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
@@ -170,9 +180,11 @@ class DistributedDataParallel(nn.Module):
         self.last_nonfinite: str | None = None
         self._backward_passes = 0
         self._comm_hook: tuple[Any, CommHook] | None = None
-        # reproducible mode (plait.strategies.reproducible.runner sets it): buckets are summed
-        # along the fixed micro-batch tree instead of averaged
-        self.microbatches: Microbatches | None = None
+        # reproducible=True: buckets are summed along the fixed micro-batch tree instead of
+        # averaged, once per step; the ReproducibleRunner driving the step replaces this
+        self.microbatches: Microbatches | None = Microbatches() if reproducible else None
+        if reproducible and threads is not None:
+            torch.set_num_threads(threads)
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self._named:
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
@@ -248,6 +260,8 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tracer = self.tracer
         span = tracer.span("forward") if tracer is not None else contextlib.nullcontext()
+        if self.microbatches is not None:
+            self.microbatches.check_driven("DistributedDataParallel")
         with span:
             if self.broadcast_buffers and self.group.size > 1:
                 buffers = list(self.module.buffers())

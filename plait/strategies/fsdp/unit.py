@@ -46,7 +46,8 @@ class _Config:
     compute_device: torch.device
     shards_on_cpu: bool
     tracer: Tracer | None = None
-    # reproducible mode: the step's micro-batch position and tree sums (set by its runner)
+    # reproducible=True: the step's micro-batch position and the tree sums on the shards
+    # (the ReproducibleRunner driving the step replaces it with its own)
     microbatches: Microbatches | None = None
 
     @property
@@ -249,17 +250,15 @@ class ShardedUnit:
         cfg = self.config
         grad = grad.to(self.reduce_dtype)
         tree = cfg.microbatches
-        if tree is not None:  # reproducible: sum micro-batches locally, reduce at the last
-            summed = tree.add(id(self), grad)
-            if summed is None:
-                self.reshard()
-                return
-            grad = summed
+        if tree is not None:
+            tree.check_driven("fully_shard")
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         if cfg.group is None:
             out.copy_(grad)
             handle: Handle | None = None
         elif tree is not None:
+            # reproducible: the W ranks hold micro-batches jW .. jW+W-1 (interleaved), one
+            # subtree, summed in rank order here; accumulate_grad continues the tree over j
             token = self._trace_begin("reduce_scatter")
             blocks = list(grad.split(self.shard_numel))
             handle = tree_reduce_scatter(
@@ -277,6 +276,12 @@ class ShardedUnit:
         self.reshard()
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
+        tree = self.config.microbatches
+        if tree is not None:  # reproducible: this micro-batch step's subtree, on the shard
+            summed = tree.add(id(self), reduced)
+            if summed is None:
+                return
+            reduced = summed
         grad = reduced.to(self.shard.device, self.shard.dtype)
         if self.shard.grad is None:
             self.shard.grad = guard_grad(grad, self)

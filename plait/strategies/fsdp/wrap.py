@@ -34,6 +34,7 @@ from plait.strategies.fsdp.unit import (
     ShardedUnit,
     _Config,
 )
+from plait.strategies.reproducible.tree import Microbatches
 from plait.trace import Tracer
 
 Wrap = set[type[nn.Module]] | frozenset[type[nn.Module]] | tuple[type[nn.Module], ...] | int
@@ -188,6 +189,8 @@ def fully_shard(
     algorithm: str = "auto",
     param_groups: Sequence[Iterable[nn.Parameter]] | None = None,
     tracer: Tracer | None = None,
+    reproducible: bool = False,
+    threads: int | None = 1,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` (default: the world) in place; return it.
 
@@ -217,6 +220,16 @@ def fully_shard(
     per-group hyper-parameters can be built over :func:`shard_param_groups`
     (``plait.prepare`` does this). ``tracer``: record forward, backward and every
     all-gather and reduce-scatter (see :mod:`plait.trace`).
+
+    ``reproducible=True`` (pass it to every ``fully_shard`` call of one model): each
+    micro-batch step's unit gradients are summed (not averaged) with
+    :func:`~plait.strategies.reproducible.collectives.tree_reduce_scatter` and the sums
+    are added on the shards along the fixed micro-batch tree: bitwise the same for every
+    algorithm, transport and world size. Rank ``r`` must run micro-batches ``r, r+W,
+    r+2W, ...`` of the global batch, which a
+    :class:`~plait.strategies.reproducible.ReproducibleRunner` does (its ``block``); a
+    backward outside its ``step`` is refused. ``threads`` (default 1) pins the intra-op
+    threads (docs/reproducible.md).
 
     A model built on the meta device is sharded without communication; then
     ``model.to_empty(device=...)`` and :func:`materialize` (or ``unshard``, init,
@@ -250,7 +263,10 @@ def fully_shard(
         compute_device=device,
         shards_on_cpu=off is not None and off.shards_on_cpu,
         tracer=tracer,
+        microbatches=Microbatches(interleaved=True) if reproducible else None,
     )
+    if reproducible and threads is not None:
+        torch.set_num_threads(threads)
     earlier = [m for m in module.modules() if _is_unit(m)]
     stop = {id(m) for m in earlier}
     targets = _wrap_targets(module, wrap, stop)

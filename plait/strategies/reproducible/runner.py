@@ -2,16 +2,21 @@
 
 ``runner, optimizer = plait.prepare(model, optimizer, strategy=..., reproducible=True,
 microbatch_size=m, loss_fn=f)``, then per step ``loss = runner.step(x, y);
-optimizer.step()``, where ``x, y`` are this rank's contiguous block of the global batch
-(``runner.block(global_x)``). The parameters after any number of steps are bitwise the
-same for every data-parallel world size W, all-reduce algorithm and transport, and equal to
-one process (``strategy="none"``) on the same global batches.
+optimizer.step()``, where ``x, y`` are this rank's micro-batches of the global batch
+(``runner.block(global_x)``). By hand: build the strategy with ``reproducible=True``
+(``DistributedDataParallel``, ``ZeroOptimizer``/``prepare_zero``, ``fully_shard``) and
+wrap it in ``ReproducibleRunner(module, optimizer, loss_fn=f, microbatch_size=m)``; the
+strategy refuses a forward or backward that no runner drives. The parameters after any
+number of steps are bitwise the same for every data-parallel world size W, all-reduce
+algorithm and transport, and equal to one process (``strategy="none"``) on the same global
+batches.
 
 How (the promise rests on each line):
 
 1. The global batch of B samples is M = B/m micro-batches; rank r runs micro-batches
-   ``r*M/W ... (r+1)*M/W - 1`` one at a time, each with exactly the shapes one process
-   uses, so each micro-batch gradient has the same bits on every layout.
+   ``r*M/W ... (r+1)*M/W - 1`` (FSDP: ``r, r+W, r+2W, ...``) one at a time, each with
+   exactly the shapes one process uses, so each micro-batch gradient has the same bits on
+   every layout.
 2. Each micro-batch loss (the mean over its m samples from ``loss_fn``) is multiplied by
    ``1/M`` before backward: a power of two, the same constant everywhere, so the sum of
    the M gradients is the gradient of the global mean and no collective averages.
@@ -28,9 +33,12 @@ How (the promise rests on each line):
 Communication (on the strategy's data-parallel group, once per step, after the last
 micro-batch's gradients are in): DDP all-reduces each bucket with
 :func:`~.collectives.tree_all_reduce` as soon as it is complete (overlapping the rest of
-the last backward); ZeRO-1/2 and FSDP reduce-scatter with
-:func:`~.collectives.tree_reduce_scatter`; bytes as ring all-reduce / reduce-scatter.
-Micro-batches before the last communicate nothing (DDP still broadcasts buffers at each
+the last backward); ZeRO-1/2 reduce-scatter with :func:`~.collectives.tree_reduce_scatter`;
+bytes as ring all-reduce / reduce-scatter. FSDP reduce-scatters each unit's gradient at
+every micro-batch step (as FSDP does when accumulating): its ``W`` ranks hold the ``W``
+consecutive micro-batches ``jW ... jW+W-1``, one subtree of the tree, and the shards keep
+the tree over ``j`` (partial sums the size of a shard, not of the unit). DDP and ZeRO
+micro-batches before the last communicate nothing (DDP still broadcasts buffers at each
 forward if ``broadcast_buffers``). One all-gather of M/W float32 losses per step gives
 every rank the same global mean loss, summed along the same tree.
 
@@ -70,21 +78,21 @@ REFUSED = {
 
 class ReproducibleRunner:
     """One training step of a data-parallel strategy in reproducible mode (module
-    docstring). ``module``: what forward calls (the strategy's wrapper); ``optimizer``:
-    the strategy's optimizer (``zero_grad`` is called before each micro-batch);
-    ``group``: the data-parallel group (None: one process); ``target``: the strategy
-    object whose reductions follow the tree (DDP, a ZeroOptimizer; None for FSDP, whose
-    units are found in ``module``, and for one process)."""
+    docstring). ``module``: what forward calls: a
+    :class:`~plait.strategies.DistributedDataParallel`, a model sharded by
+    :func:`~plait.strategies.fsdp.fully_shard`, or a plain model (one process, or
+    ZeRO-1/2); ``optimizer``: the training's optimizer (a
+    :class:`~plait.strategies.zero.ZeroOptimizer` for ZeRO; ``zero_grad`` is called
+    before each micro-batch). The strategy must have been built with
+    ``reproducible=True``; its group is the data-parallel group (none: one process)."""
 
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         *,
-        group: Group | None,
         loss_fn: LossFn,
         microbatch_size: int,
-        target: Any = None,
         threads: int | None = 1,
     ) -> None:
         if microbatch_size <= 0:
@@ -93,21 +101,41 @@ class ReproducibleRunner:
             )
         self.module = module
         self.optimizer = optimizer
-        self.group = group
         self.loss_fn = loss_fn
         self.microbatch_size = microbatch_size
-        self.microbatches = Microbatches()
         self.threads = threads
         if threads is not None:
             torch.set_num_threads(threads)
-        self._ddp = target if hasattr(target, "require_backward_grad_sync") else None
         self._active = False
         self._hooks: list[Any] = []
-        if target is not None:
-            target.microbatches = self.microbatches
         units = [u for m in module.modules() for u in getattr(m, "_plait_fsdp_units", ())]
-        for unit in units:  # FSDP: each unit sums its flat gradient (fsdp/unit.py)
-            unit.config.microbatches = self.microbatches
+        found: list[tuple[str, Any, Group | None]] = [
+            (who, owner, group)
+            for who, owner, group in (
+                ("DistributedDataParallel", module, getattr(module, "group", None)),
+                ("ZeroOptimizer", optimizer, getattr(optimizer, "group", None)),
+            )
+            if hasattr(owner, "microbatches")
+        ]
+        found += [("fully_shard", u.config, u.config.group) for u in units]
+        unbuilt = sorted({who for who, owner, _ in found if owner.microbatches is None})
+        if unbuilt:
+            raise ValueError(
+                f"ReproducibleRunner: {' and '.join(unbuilt)} was built without "
+                f"reproducible=True, so its reductions average in the algorithm's order; "
+                f"build it with reproducible=True (every fully_shard call of the model)"
+            )
+        if len({who for who, _, _ in found}) > 1:
+            raise ValueError(
+                f"ReproducibleRunner: one data-parallel strategy per model; found "
+                f"{sorted({who for who, _, _ in found})}"
+            )
+        self.group: Group | None = found[0][2] if found else None
+        # FSDP continues the tree on its shards, so rank r runs micro-batches r, r+W, ...
+        self.microbatches = Microbatches(driven=True, interleaved=bool(units))
+        for _, owner, _ in found:
+            owner.microbatches = self.microbatches
+        self._ddp: Any = module if found and found[0][0] == "DistributedDataParallel" else None
         if not units:  # DDP, ZeRO, one process: sum each parameter's micro-batch gradients
             params = {id(p): p for p in module.parameters() if p.requires_grad}
             self._hooks = [p.register_hook(self._make_hook(p)) for p in params.values()]
@@ -127,13 +155,16 @@ class ReproducibleRunner:
         return self.microbatches.peak_bytes
 
     def block(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous block of a global-batch tensor (dimension 0)."""
-        per, left = divmod(t.shape[0], self.world)
-        if left:
-            raise LayoutError(
-                f"reproducible mode: a global batch of {t.shape[0]} does not split over "
-                f"{self.world} ranks"
-            )
+        """This rank's micro-batches of a global-batch tensor (dimension 0), in the order
+        its :meth:`step` runs them: a contiguous block of ``M/W`` micro-batches (one
+        subtree), or under FSDP micro-batches ``r, r+W, r+2W, ...`` (each step of ``W``
+        consecutive micro-batches is one subtree, reduce-scattered at once)."""
+        m, world = self.microbatch_size, self.world
+        total = microbatch_count(t.shape[0], m, world)
+        if self.microbatches.interleaved:
+            steps = t.reshape(total // world, world, m, *t.shape[1:])
+            return steps[:, self.rank].reshape(-1, *t.shape[1:])
+        per = t.shape[0] // world
         return t[self.rank * per : (self.rank + 1) * per]
 
     def _make_hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
@@ -187,4 +218,6 @@ class ReproducibleRunner:
             assert self.group is not None
             everyone = torch.empty(total, dtype=local.dtype)
             comm.all_gather(everyone, local, group=self.group)
+            if self.microbatches.interleaved:  # rank-major to micro-batch index order
+                everyone = everyone.reshape(self.world, -1).t().reshape(-1)
         return tree_sum(list(everyone.split(1))).reshape(()) * (1.0 / total)

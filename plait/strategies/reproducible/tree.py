@@ -125,10 +125,29 @@ class Microbatches:
     index: int = 0
     sums: dict[Any, TreeSum] = field(default_factory=dict)
     peak_bytes: int = 0  # the most partial-sum bytes held at once, over every gradient
+    # set by the runner that drives the micro-batches; a strategy built with
+    # reproducible=True refuses a backward pass that no runner drives (:meth:`check_driven`)
+    driven: bool = False
+    # FSDP: rank r runs micro-batches r, r+W, r+2W, ... so that each micro-batch step's W
+    # leaves are one subtree, reduce-scattered at once; the tree continues on the shards
+    interleaved: bool = False
 
     @property
     def final(self) -> bool:
         return self.index == self.count - 1
+
+    def check_driven(self, who: str) -> None:
+        """Refuse a backward pass outside a runner's step: its loss was not scaled by
+        ``1/M`` and its micro-batch has no place in the tree."""
+        if not self.driven:
+            raise RuntimeError(
+                f"{who}(reproducible=True): a forward or backward ran outside a "
+                f"ReproducibleRunner step, so its micro-batch has no place in the fixed "
+                f"summation tree and its loss no 1/M scale. Drive the training loop with "
+                f"runner = ReproducibleRunner(module, optimizer, loss_fn=..., "
+                f"microbatch_size=m) and loss = runner.step(x, y) on runner.block(x), "
+                f"runner.block(y); or build it without reproducible=True"
+            )
 
     def add(self, key: Any, leaf: torch.Tensor) -> torch.Tensor | None:
         """Push micro-batch :attr:`index`'s ``leaf`` for ``key``; at the last micro-batch

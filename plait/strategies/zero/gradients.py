@@ -118,6 +118,8 @@ class ShardGradients:
         else:
             out = blocks[rank].new_empty(bucket.sizes[rank])
         tree = opt.microbatches
+        if tree is not None:
+            tree.check_driven("ZeroOptimizer")
         if tree is None:
             handle = comm.reduce_scatter(
                 out, blocks, "avg", group=opt.group, algorithm=opt.algorithm, async_op=True

@@ -47,6 +47,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     record every reduce-scatter and all-gather as a ``comm`` span (launch to completion)
     and each backward as a ``backward`` span (from its first parameter gradient).
     ``module``: the model, to name parameters in errors and in the wrap-time check.
+    ``reproducible=True``: gradients are summed (not averaged) along the fixed micro-batch
+    tree and reduce-scattered once per step, after the last micro-batch, with
+    :func:`~plait.strategies.reproducible.collectives.tree_reduce_scatter` (bitwise the
+    same for every algorithm, transport and world size); a
+    :class:`~plait.strategies.reproducible.ReproducibleRunner` must drive the
+    micro-batches (a backward outside its ``step`` is refused); ``threads`` (default 1)
+    pins the intra-op threads (docs/reproducible.md).
 
     Gradients: after backward a parameter's ``.grad`` is a guard (see
     :mod:`plait.strategies.zero.guard`): under stage 1 it holds this rank's *local*
@@ -76,6 +83,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_mb: float = 25.0,
         tracer: Tracer | None = None,
         module: nn.Module | None = None,
+        reproducible: bool = False,
+        threads: int | None = 1,
         **opt_kwargs: Any,
     ) -> None:
         if stage not in (1, 2):
@@ -138,9 +147,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._initialized = True
 
         self._frozen = [p for ps in layout.all_params for p in ps if not p.requires_grad]
-        # reproducible mode: tree-ordered sums instead of averages, reduced only at the last
-        # micro-batch (plait.strategies.reproducible.runner sets it)
-        self.microbatches: Microbatches | None = None
+        # reproducible=True: tree-ordered sums instead of averages, reduced only at the last
+        # micro-batch; the ReproducibleRunner driving the step replaces this
+        self.microbatches: Microbatches | None = Microbatches() if reproducible else None
+        if reproducible and threads is not None:
+            torch.set_num_threads(threads)
         self.gradients = ShardGradients(self)
 
     # --- layout --------------------------------------------------------------------------

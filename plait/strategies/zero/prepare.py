@@ -12,7 +12,7 @@ from plait.strategies.zero.groups import constructor_kwargs, groups_of
 from plait.strategies.zero.optimizer import ZeroOptimizer
 from plait.trace import Tracer
 
-ZERO_OPTIONS = ("algorithm", "bucket_mb")
+ZERO_OPTIONS = ("algorithm", "bucket_mb", "reproducible", "threads")
 
 
 def prepare_zero(
@@ -29,7 +29,8 @@ def prepare_zero(
     carry over; any ``torch.optim`` optimizer: the constructor gets the defaults it takes
     as keywords, every group keeps all its entries).
 
-    ``options``: ``algorithm``, ``bucket_mb``; ``tracer`` records the reduce-scatters and
+    ``options``: ``algorithm``, ``bucket_mb``, ``reproducible``/``threads`` (the
+    :class:`ZeroOptimizer`'s); ``tracer`` records the reduce-scatters and
     all-gathers. Use the returned optimizer from here on; if ``optimizer`` has state
     already, it is carried over.
 
