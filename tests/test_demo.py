@@ -32,14 +32,14 @@ from plait.demo.digits import (
 
 
 def test_demo_trains_reports_and_matches_one_process_bitwise(tmp_path: Path):
-    # --reproducible: float32, and no tolerance: 3 epochs of SGD with momentum amplify any
-    # rounding difference (to 9e-2 for one process summed in another order), so only the
-    # fixed summation tree makes the run equal one process
-    config = DemoConfig(world_size=2, epochs=3, name="t", reproducible=True)
+    # --reproducible: float32, and no tolerance: epochs of SGD with momentum amplify any
+    # rounding difference (to 9e-2 after 3 for one process summed in another order), so
+    # only the fixed summation tree makes the run equal one process
+    config = DemoConfig(world_size=2, epochs=2, name="t", reproducible=True)
     report = run(config, check=True, out_dir=tmp_path)
     folder = tmp_path / "t"
     saved = json.loads((folder / "report.json").read_text())
-    assert saved["config"]["world_size"] == 2 and len(saved["history"]) == 3
+    assert saved["config"]["world_size"] == 2 and len(saved["history"]) == 2
     assert saved["history"][-1]["loss"] < saved["history"][0]["loss"]
     assert report.test_accuracy > 0.5
     assert report.max_param_diff == 0.0 and report.check_bound == 0.0 and check_passed(report)
