@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models.gpt import GPT
 from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
@@ -209,7 +210,6 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
 
 
 def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
-    from plait.models.gpt import GPT
 
     if isinstance(model, GPT):  # plait's GPT embeds positions in its module "pos"
         options.setdefault("positions", "pos")

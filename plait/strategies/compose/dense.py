@@ -43,7 +43,10 @@ from torch import nn
 
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.strategies.compose.experts import gather_experts
 from plait.strategies.pipeline.split import Layer
+from plait.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from plait.strategies.tensor.parallelize import full_state_dict as tp_full_state
 
 
 @dataclass(frozen=True)
@@ -189,8 +192,6 @@ def assemble(
     group when ``ep_group`` is given (``expert_owner``: key -> ep rank of every expert
     tensor of this rank's stages) and the pp
     group (one broadcast per stage rank and dtype)."""
-    from plait.strategies.compose.experts import gather_experts
-    from plait.strategies.tensor.parallelize import full_state_dict as tp_full_state
 
     local: dict[str, torch.Tensor] = {}
     for stage in stages:
@@ -293,7 +294,6 @@ def unsliced_parameters(model: nn.Module) -> list[str]:
     slice of the dense tensor: a linear stored transposed (``Style(transposed=True)``,
     GPT-2's ``Conv1D``) or a fused projection split part by part (``Style(blocks=k)``).
     The same list on every rank (read from the whole model before the pipeline cut)."""
-    from plait.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     out = []
     for name, module in model.named_modules():

@@ -100,6 +100,7 @@ from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.group import Group
 from plait.renames import accepts_model
+from plait.strategies.compose import state
 from plait.strategies.compose.check import (
     Sizes,
     check_batch,
@@ -131,6 +132,9 @@ from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
 from plait.strategies.moe.layer import moe_layers
+from plait.strategies.pipeline import PipelineParallel
+from plait.strategies.tensor import parallelize
+from plait.strategies.zero import ZeroOptimizer
 from plait.strategies.zero.groups import constructor_kwargs
 
 
@@ -155,8 +159,6 @@ class PTDP:
         algorithm: str = "auto",
         check_finite: str | None = "raise",
     ) -> None:
-        from plait.strategies.pipeline import PipelineParallel
-        from plait.strategies.tensor import parallelize
 
         _, _, tp, _ = mesh_sizes(mesh.shape)
         # the model's plans (DESIGN 7: ptdp knows no model); the pipeline plan is asked
@@ -290,8 +292,6 @@ class PTDP:
         hyper = constructor_kwargs(type(optimizer), dict(optimizer.defaults))
         self.hyper = hyper
         if zero:
-            from plait.strategies.zero import ZeroOptimizer
-
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
                 local_groups,
                 type(optimizer),
@@ -534,28 +534,24 @@ class PTDP:
         """``{"model": ..., "optimizer": ...}``: the dense model's state dict and the plain
         optimizer's over its parameters, the same on every rank (:mod:`.state`).
         Collective over the whole mesh."""
-        from plait.strategies.compose import state
 
         return state.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Keep this rank's part of a :meth:`state_dict` from any layout (or of a dense
         model's and its optimizer's, from one process). No communication."""
-        from plait.strategies.compose import state
 
         state.load_state_dict(self, dict(state_dict["model"]), state_dict.get("optimizer"))
 
     def save(self, root: str | Path, *, step: int, **options: Any) -> Path:
         """A :mod:`plait.checkpoint` of the dense state, loadable into any layout or
         strategy (:func:`.state.save`). Collective over the mesh."""
-        from plait.strategies.compose import state
 
         return state.save(self, root, step=step, **options)
 
     def load(self, root: str | Path, **options: Any) -> Any:
         """Load a :mod:`plait.checkpoint` of a dense model and its optimizer, saved by any
         layout or strategy, into this one (:func:`.state.load`). Collective."""
-        from plait.strategies.compose import state
 
         return state.load(self, root, **options)
 

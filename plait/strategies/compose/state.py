@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait import checkpoint
 from plait.strategies.compose.dense import broadcast_stages
 from plait.strategies.compose.experts import gather_experts
 from plait.strategies.tensor.mappings import all_gather_dim
@@ -260,7 +261,6 @@ def save(ptdp: PTDP, root: str | Path, *, step: int, **options: Any) -> Path:
     """:func:`plait.checkpoint.save` of this layout's dense state (``options``: its other
     arguments, e.g. ``scaler=``, ``keep_last=``); the committed directory. Collective
     over the mesh and the checkpoint's group."""
-    from plait import checkpoint
 
     refuse_unsliced(ptdp, "save")
     state = state_dict(ptdp)
@@ -275,7 +275,6 @@ def load(ptdp: PTDP, root: str | Path, **options: Any) -> Any:
     """:func:`plait.checkpoint.load` into a dense GPT and a plain optimizer, then
     :func:`load_state_dict` into this layout; what ``load`` returned. Collective over the
     checkpoint's group (the load itself sends nothing for a plain model)."""
-    from plait import checkpoint
 
     refuse_unsliced(ptdp, "load")
     model, opt = _dense_pair(ptdp)

@@ -21,6 +21,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from plait import comm
 
@@ -69,7 +70,6 @@ class ShardGrad(torch.Tensor):
 
 
 def _guards(args: Any, kwargs: Any) -> list[ShardGrad]:
-    from torch.utils._pytree import tree_flatten
 
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, ShardGrad)]
 
