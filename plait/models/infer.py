@@ -72,8 +72,23 @@ KEY = ("k_proj", "k", "key", "wk", "k_lin")
 VALUE = ("v_proj", "v", "value", "wv", "v_lin")
 FUSED_QKV = ("qkv_proj", "qkv", "query_key_value", "c_attn", "wqkv", "Wqkv", "W_pack")
 ATTN_OUT = ("o_proj", "o", "out_proj", "dense", "c_proj", "wo", "out_lin", "proj", "out")
-MLP_IN = ("up_proj", "gate_proj", "gate_up_proj", "fc1", "c_fc", "fc_in", "w1", "w3", "up")
-MLP_IN += ("gate", "dense_h_to_4h", "wi", "wi_0", "wi_1", "lin1")
+MLP_IN = (
+    "up_proj",
+    "gate_proj",
+    "gate_up_proj",
+    "fc1",
+    "c_fc",
+    "fc_in",
+    "w1",
+    "w3",
+    "up",
+    "gate",
+    "dense_h_to_4h",
+    "wi",
+    "wi_0",
+    "wi_1",
+    "lin1",
+)
 MLP_OUT = ("down_proj", "fc2", "c_proj", "fc_out", "w2", "dense_4h_to_h", "down", "wo", "lin2")
 
 # config (or attention) attribute names, in the order they are read
@@ -262,14 +277,20 @@ def find(model: nn.Module) -> Found:
     roles = _classify(model, first, linears)
     attn, mlp = roles["attention"], roles["mlp"]
     attn_module = blocks[0].get_submodule(attn["path"]) if attn["path"] else blocks[0]
-    config = getattr(model, "config", None)
+    # the model's config, else the one its attention holds (a model of one's own wrapping
+    # Hugging Face layers), else the attention module's own attributes
+    config = getattr(model, "config", None) or getattr(attn_module, "config", None)
     sources = [s for s in (config, attn_module) if s is not None]
     heads = _read(sources, HEADS_NAMES)
     where = f"attention '{first}.{attn['path']}'"
     example = _example(blocks_path, attn["path"] or None)
     if heads is None:
-        raise refuse(model, f"{where}: its head count is not in the config nor the module "
-                     f"({', '.join(HEADS_NAMES)})", example=example)
+        raise refuse(
+            model,
+            f"{where}: its head count is not in the config nor the module "
+            f"({', '.join(HEADS_NAMES)})",
+            example=example,
+        )
     kv = _read(sources, KV_NAMES) or (1 if getattr(config, "multi_query", False) else heads)
     (out,) = attn["out"]
     styles: dict[str, Style] = {}
@@ -315,8 +336,14 @@ def find(model: nn.Module) -> Found:
     nearest = TensorPlan(
         styles={f"{blocks_path}.*.{p}": _short(s) for p, s in styles.items()},
         attention=(
-            AttentionHeads(pattern, heads=heads, kv_heads=kv, key_value=key_value,
-                           attributes=attributes or {"num_heads": "heads"}, head_dim=head_dim),
+            AttentionHeads(
+                pattern,
+                heads=heads,
+                kv_heads=kv,
+                key_value=key_value,
+                attributes=attributes or {"num_heads": "heads"},
+                head_dim=head_dim,
+            ),
         ),
     )
     return Found(
@@ -394,9 +421,7 @@ def _vocab_styles(model: nn.Module) -> dict[str, Style]:
     return out
 
 
-def infer_tp_plan(
-    model: nn.Module, *, tp: int | None = None, example: Any = None
-) -> TensorPlan:
+def infer_tp_plan(model: nn.Module, *, tp: int | None = None, example: Any = None) -> TensorPlan:
     """The 1D tensor-parallel plan of ``model``, inferred and proven (module doc), or
     :class:`PlanInferenceError` naming what could not be and the plan to write.
 
@@ -439,7 +464,7 @@ def _short(style: Style | str) -> Style | str:
 
 def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
     """``plan`` as Python source to copy, edit and pass as ``plan=``."""
-    styles = getattr(plan, "styles", plan)
+    styles: Mapping[str, Any] = plan.styles if isinstance(plan, TensorPlan) else plan
     lines = ["TensorPlan(", "    styles={"]
     lines += [f"        {k!r}: {_style_source(v)}," for k, v in styles.items()]
     lines.append("    },")
@@ -447,8 +472,13 @@ def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
     if attention:
         lines.append("    attention=(")
         for h in attention:
-            fields = {"heads": h.heads, "kv_heads": h.kv_heads, "key_value": h.key_value,
-                      "attributes": dict(h.attributes), "head_dim": h.head_dim}
+            fields = {
+                "heads": h.heads,
+                "kv_heads": h.kv_heads,
+                "key_value": h.key_value,
+                "attributes": dict(h.attributes),
+                "head_dim": h.head_dim,
+            }
             args = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in (None, (), {}))
             lines.append(f"        AttentionHeads({h.modules!r}, {args}),")
         lines.append("    ),")

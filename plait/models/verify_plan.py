@@ -40,7 +40,9 @@ class _Captured(Exception):
     """Raised by the hook once the first block's inputs are held: the rest need not run."""
 
 
-def capture(model: nn.Module, block: nn.Module, example: Any, refuse: Callable[..., Exception]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def capture(
+    model: nn.Module, block: nn.Module, example: Any, refuse: Callable[..., Exception]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The positional and keyword inputs the model gives ``block`` on ``example``."""
     from plait.models.infer import example_input
 
@@ -108,7 +110,8 @@ class _Column(nn.Module):
 class _Row(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ledger: _Ledger) -> None:
         super().__init__()
-        self.weight, self.bias, self.ledger = weight, bias, ledger
+        self.weight, self.bias = weight, bias
+        self.ledger: _Ledger = ledger
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ledger.reduce(F.linear(x, self.weight))
@@ -132,7 +135,7 @@ def _shard(
     kv_paths = {prefix + p for p in heads.key_value}
     for path, style in styles.items():
         module = block.get_submodule(path)
-        weight = module.weight.detach()
+        weight: torch.Tensor = module.weight.detach()  # type: ignore[operator]
         weight = weight.t() if style.transposed else weight
         bias = getattr(module, "bias", None)
         bias = None if bias is None else bias.detach()
@@ -193,7 +196,9 @@ def run_ranks(
         if i not in ledger.parts:
             return outs
         if len(ledger.parts[i]) != t:
-            raise ValueError(f"row-parallel call {i} was made by {len(ledger.parts[i])} of {t} ranks")
+            raise ValueError(
+                f"row-parallel call {i} was made by {len(ledger.parts[i])} of {t} ranks"
+            )
         ledger.sums.append(torch.stack(ledger.parts[i]).sum(0))
     raise ValueError(f"more than {MAX_PASSES - 1} row-parallel calls in one block")
 
@@ -222,7 +227,19 @@ def prove(
     try:
         AttentionHeads("block", **base).local(tp)
     except ValueError as exc:
-        raise ValueError(f"{type(model).__name__}: {exc}".replace("'block'", repr(found.where))) from exc
+        raise ValueError(
+            f"{type(model).__name__}: {exc}".replace("'block'", repr(found.where))
+        ) from exc
+    for path, style in found.styles.items():
+        weight: torch.Tensor = dense.get_submodule(path).weight  # type: ignore[assignment]
+        n_out, n_in = weight.shape[::-1] if style.transposed else weight.shape
+        size, side = (n_out, "outputs") if style.kind == "colwise" else (n_in, "inputs")
+        if size % tp:
+            raise ValueError(
+                f"{type(model).__name__}: linear '{found.blocks}.*.{path}' ({style.kind}) has "
+                f"{size} {side}, not divisible by the tensor-parallel size {tp}; choose a "
+                f"tensor-parallel size that divides {size}"
+            )
     worst = ""
     for subset, split in itertools.product(subsets, splits):
         attributes = {n: found.attributes[n] for n in subset}
@@ -235,8 +252,9 @@ def prove(
             styles[path] = Style("colwise", transposed=styles[path].transposed, blocks=k)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                outs = run_ranks(dense, inputs, t=tp, styles=styles, attention=found.attention,
-                                 heads=heads)
+                outs = run_ranks(
+                    dense, inputs, t=tp, styles=styles, attention=found.attention, heads=heads
+                )
             scale = float(want.abs().max()) + 1.0
             err = max(float((o - want).abs().max()) for o in outs) / scale
         except Exception as exc:  # noqa: BLE001 - a wrong candidate may fail any way
