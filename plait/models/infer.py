@@ -146,7 +146,8 @@ EXAMPLE = """    plan = TensorPlan(
                 "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise",
                 "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"},
         attention=(AttentionHeads("layers.*.attn", heads=8, kv_heads=2, key_value=("k", "v"),
-                                  attributes={"n_heads": "heads"}),))"""
+                                  attributes={"n_heads": "heads"}),))
+    # without attention a mapping is a plan: {"layers.0": "colwise", "layers.1": "rowwise"}"""
 
 
 def _example(found_blocks: str, attention: str | None) -> str:
@@ -174,8 +175,8 @@ def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
         kids = list(module.children())
         if len({type(k) for k in kids}) != 1:
             continue
-        if not any(_is_linear(m) is not None for m in kids[0].modules()):
-            continue
+        if sum(_is_linear(m) is not None for m in kids[0].modules()) < 2:
+            continue  # a block holds linear pairs; a list of bare linears is no block
         if best is not None and name.startswith(f"{best[0]}."):
             continue  # a list inside a block (experts): the blocks come first
         if best is None or len(kids) > len(best[1]):
