@@ -229,17 +229,22 @@ def _six_heads_three_kv() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _neox() -> nn.Module:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+def _phi3() -> nn.Module:
+    """No family plan, and none inferred: its forward slices the fused qkv_proj by
+    config.num_attention_heads, which no per-rank attribute changes."""
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    config = GPTNeoXConfig(
+    config = Phi3Config(
         vocab_size=VOCAB,
         hidden_size=32,
+        intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=4,
-        intermediate_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    return GPTNeoXForCausalLM(config)
+    return Phi3ForCausalLM(config)
 
 
 class _ScaledLinear(nn.Linear):
@@ -257,10 +262,10 @@ def _own_forward() -> nn.Module:
 
 def refusals() -> dict[str, str]:
     """3 key/value heads over 2 ranks (2 divides neither 3 nor 3 divides 2), a model family
-    with no plan, a Linear subclass with its own forward: each refused naming what to
-    change."""
+    with no plan whose plan cannot be inferred, a Linear subclass with its own forward: each
+    refused naming what to change."""
     out = {}
-    cases = {"kv": _six_heads_three_kv, "no_plan": _neox, "own_forward": _own_forward}
+    cases = {"kv": _six_heads_three_kv, "no_plan": _phi3, "own_forward": _own_forward}
     for name, build in cases.items():
         try:
             plait.prepare(build(), None, strategy="tp", mesh=plait.Mesh(tp=2))

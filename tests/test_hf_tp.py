@@ -104,7 +104,7 @@ def test_refusals_name_what_to_change(ranks):
     for out in ranks(2, fns.refusals, timeout=120):
         assert "has 3 key/value heads and the tensor-parallel size is 2" in out["kv"]
         assert "model.layers.*.self_attn" in out["kv"]
-        assert "needs plan= for a GPTNeoXForCausalLM" in out["no_plan"]
+        assert "needs plan= for a Phi3ForCausalLM" in out["no_plan"]
         assert "'colwise'" in out["no_plan"]
         assert (
             "'layers.0.feed_forward.w1' is a _ScaledLinear, a subclass of nn.Linear with its "

@@ -13,6 +13,10 @@ model's family, one file per family under ``plait/models/``. Each family module 
 Hugging Face models are recognised without importing ``transformers``. A model can also
 carry its own: a method ``plait_plan(kind, **options)`` on the model wins over the
 registry, and :func:`register` adds a family for a class name at run time.
+
+A model no family knows gets its 1D tensor-parallel plan inferred where that is safe
+(:func:`plait.models.infer.infer_tp_plan`: linear pairs inside attention and MLP blocks,
+proven on the first block in float64) or is refused naming what to write.
 """
 
 from __future__ import annotations
@@ -61,7 +65,11 @@ def family(model: nn.Module) -> str | None:
 
 def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
     """The ``kind`` plan of ``model`` (``"tp"``, ``"pipeline"``, ``"moe"``, ``"fsdp"``), or
-    None when neither the model, the run-time registry nor its family module has one."""
+    None when neither the model, the run-time registry nor its family module has one.
+
+    For ``"tp"`` (1D, no sequence parallelism) a model no family knows gets the plan
+    :func:`~plait.models.infer.infer_tp_plan` infers and proves, or its refusal
+    (``PlanInferenceError``, a ``ValueError`` naming the module and the plan to write)."""
     own = getattr(model, "plait_plan", None)
     if callable(own):
         return own(kind, **options)
@@ -71,6 +79,22 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
             return fn(model, **options)
     name = family(model)
     if name is None:
-        return None
+        return _inferred(model, **options) if kind == "tp" else None
     fn = getattr(importlib.import_module(name), f"{kind}_plan", None)
     return None if fn is None else fn(model, **options)
+
+
+def _inferred(model: nn.Module, **options: Any) -> Any | None:
+    """The inferred 1D plan; other modes stay unknown (None), sequence parallelism is refused."""
+    from plait.models.infer import infer_tp_plan, refuse
+
+    if options.get("mode", "1d") != "1d":
+        return None
+    if options.get("sequence_parallel"):
+        raise refuse(
+            model,
+            "sequence parallelism is not inferred (which norms run on a slice of the sequence, "
+            "and where it is gathered, depends on the forward); mark the 'sequence' and "
+            "'scatter' entries in a plan of your own",
+        )
+    return infer_tp_plan(model)

@@ -1,0 +1,509 @@
+"""A tensor-parallel plan inferred for a model no family knows, where that is safe.
+
+:func:`infer_tp_plan` reads the model's structure the way DeepSpeed's AutoTP does, then
+proves what it read by running it (:mod:`plait.models.verify_plan`):
+
+1. **Blocks**: the longest ``nn.ModuleList`` / ``nn.ModuleDict`` of modules of one class that
+   hold linears (the decoder layers). Every block must hold the same linears (names,
+   classes, shapes) as the first.
+2. **Linears of a block**, grouped by the module that holds them:
+
+   - an *attention* module holds ``q/k/v`` projections (``q_proj``, ``query``, ``wq``, ...)
+     or one fused ``qkv`` (``query_key_value``, ``qkv_proj``, ``c_attn``, ...), and one
+     output projection (``o_proj``, ``out_proj``, ``dense``, ``c_proj``, ...): the input
+     side is ``"colwise"``, the output ``"rowwise"``;
+   - an *MLP* holds one or two input linears (``up_proj``, ``gate_proj``, ``fc1``,
+     ``c_fc``, ``gate_up_proj``, ...) and one output linear (``down_proj``, ``fc2``,
+     ``c_proj``, ...): ``"colwise"`` then ``"rowwise"``.
+
+   A linear these names do not classify is refused by name.
+3. **Heads**: the query and key/value head counts come from the model's ``config``
+   (``num_attention_heads``, ``num_key_value_heads``, ``n_head``, ``multi_query``...) or the
+   attention module's attributes, the head width from the projections' shapes (a fused
+   ``qkv`` must have ``(heads + 2 * kv_heads) * head_dim`` outputs). The attention module's
+   integer attributes named like head counts (``num_heads``, ``num_key_value_heads``,
+   ``num_key_value_groups``) or widths (``embed_dim``, ``hidden_size``, ``split_size``)
+   holding those values are the candidates to set to each rank's counts.
+4. **Proof**: the first block is cut into ``t`` simulated ranks in one process, in float64,
+   its row-parallel outputs summed as the all-reduce would, and compared with the whole block
+   on the activations the model itself feeds it. Whether a fused projection splits as one
+   run of heads or per part (``Style(blocks=3)``: queries, keys, values; ``blocks=2``: gate
+   and up) and which candidate attributes the forward reads are decided here: the largest
+   set of attributes that reproduces the block is kept. Nothing is guessed: a plan that
+   reproduces no block is refused, naming the module and what was tried.
+
+Embedding and head: split by vocabulary only when recognisable, the token embedding being a
+plain ``nn.Embedding`` (Hugging Face's ``get_input_embeddings()``, or one whose weight a
+plain ``nn.Linear`` head shares) and the head a plain ``nn.Linear`` with one output per token
+(``get_output_embeddings()`` or that tied linear), gathered (``Style("vocab",
+output="replicate")``), so the model's forward still returns the full logits and its own
+loss works. Anything else (a scaled embedding subclass, learned positions, a head with its
+own forward) stays replicated on every rank: safe, only not split.
+
+Not inferred (refused with an example plan to write): sequence parallelism, 2D/2.5D/3D
+modes, fused ``qkv`` with grouped-query heads whose split the proof cannot confirm, forwards
+that read head counts from a shared config, per-head norms, blocks that differ (dense and MoE
+layers alternating), models the example token ids cannot run (pass ``example=``). The
+inferred plan leaves out the hand-written plans' ``"gather"`` entries (one backward
+all-reduce per block instead of one per column-parallel projection): the same result, a
+little more communication. The plan is logged at info as Python source
+(:func:`plan_source`) to copy, edit and pass as ``plan=``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.strategies.tensor.parallelize import Style
+from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
+
+log = logging.getLogger("plait")
+
+QUERY = ("q_proj", "q", "query", "wq", "q_lin")
+KEY = ("k_proj", "k", "key", "wk", "k_lin")
+VALUE = ("v_proj", "v", "value", "wv", "v_lin")
+FUSED_QKV = ("qkv_proj", "qkv", "query_key_value", "c_attn", "wqkv", "Wqkv", "W_pack")
+ATTN_OUT = ("o_proj", "o", "out_proj", "dense", "c_proj", "wo", "out_lin", "proj", "out")
+MLP_IN = (
+    "up_proj",
+    "gate_proj",
+    "gate_up_proj",
+    "fc1",
+    "c_fc",
+    "fc_in",
+    "w1",
+    "w3",
+    "up",
+    "gate",
+    "dense_h_to_4h",
+    "wi",
+    "wi_0",
+    "wi_1",
+    "lin1",
+)
+MLP_OUT = ("down_proj", "fc2", "c_proj", "fc_out", "w2", "dense_4h_to_h", "down", "wo", "lin2")
+
+# config (or attention) attribute names, in the order they are read
+HEADS_NAMES = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "kv_heads")
+WIDTH_NAMES = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim")
+
+
+class PlanInferenceError(ValueError):
+    """No plan could be inferred safely; the message names the module and what to write."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear of the first block: its path inside the block, its shape, its layout."""
+
+    path: str
+    n_in: int
+    n_out: int
+    transposed: bool  # Hugging Face's Conv1D: weight [in, out]
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the structure says before the proof: the candidates the proof chooses among."""
+
+    blocks: str  # "model.layers"
+    attention: str  # path of the attention module inside a block ("self_attn")
+    styles: dict[str, Style]  # relative path -> style (fused ones with blocks=1)
+    fused: dict[str, tuple[int, ...]]  # relative path -> block counts to try
+    heads: int
+    kv_heads: int
+    head_dim: int
+    key_value: tuple[str, ...]
+    attributes: dict[str, str]  # candidate attributes -> HEAD_COUNTS kind
+    where: str  # the first block's attention module, for messages
+    example: str  # the nearest plan, as source, for a refusal
+
+    @property
+    def heads_fields(self) -> dict[str, Any]:
+        return {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+
+
+def refuse(model: nn.Module, why: str, *, example: str | None = None) -> PlanInferenceError:
+    """The refusal: what could not be inferred and the plan to write instead."""
+    return PlanInferenceError(
+        f"strategy 'tp' needs plan= for a {type(model).__name__}: no plan is known for its "
+        f"family and none can be inferred safely: {why}. Write one (plait.strategies.tensor), "
+        f"e.g.\n{example or EXAMPLE}\nand pass plait.prepare(..., strategy='tp', plan=plan)"
+    )
+
+
+EXAMPLE = """    plan = TensorPlan(
+        styles={"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+                "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise",
+                "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"},
+        attention=(AttentionHeads("layers.*.attn", heads=8, kv_heads=2, key_value=("k", "v"),
+                                  attributes={"n_heads": "heads"}),))
+    # without attention a mapping is a plan: {"layers.0": "colwise", "layers.1": "rowwise"}"""
+
+
+def _example(found_blocks: str, attention: str | None) -> str:
+    """:data:`EXAMPLE` with the model's own block path and attention module."""
+    text = EXAMPLE.replace("layers.*", f"{found_blocks}.*")
+    return text if attention is None else text.replace(".attn", f".{attention}")
+
+
+def _is_linear(module: nn.Module) -> bool | None:
+    """True: a plain linear; False: a transposed one (Conv1D); None: not a linear."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return False
+    return None
+
+
+def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The longest list of same-class modules holding linears, outermost first."""
+    best: tuple[str, list[nn.Module]] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or not len(module):
+            continue
+        kids = list(module.children())
+        if len({type(k) for k in kids}) != 1:
+            continue
+        if sum(_is_linear(m) is not None for m in kids[0].modules()) < 2:
+            continue  # a block holds linear pairs; a list of bare linears is no block
+        if best is not None and name.startswith(f"{best[0]}."):
+            continue  # a list inside a block (experts): the blocks come first
+        if best is None or len(kids) > len(best[1]):
+            best = (name, kids)
+    if best is None:
+        raise refuse(model, "it has no nn.ModuleList of repeated blocks holding linears")
+    return best
+
+
+def _linears(block: nn.Module, model: nn.Module, where: str) -> list[Linear]:
+    out = []
+    for path, module in block.named_modules():
+        kind = _is_linear(module)
+        if kind is None:
+            continue
+        if kind and type(module).forward is not nn.Linear.forward:
+            raise refuse(
+                model,
+                f"linear '{where}.{path}' is a {type(module).__name__}, a subclass of nn.Linear "
+                f"with its own forward, which a split would replace",
+            )
+        weight = module.weight
+        n_out, n_in = weight.shape if kind else weight.shape[::-1]
+        out.append(Linear(path, int(n_in), int(n_out), not kind))
+    return out
+
+
+def _read(sources: list[Any], names: tuple[str, ...]) -> int | None:
+    for source in sources:
+        for name in names:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _classify(model: nn.Module, where: str, linears: list[Linear]) -> dict[str, Any]:
+    """Parent path -> its role and children by role; refuses a linear no rule classifies."""
+    parents: dict[str, dict[str, Linear]] = {}
+    for lin in linears:
+        parent, _, leaf = lin.path.rpartition(".")
+        parents.setdefault(parent, {})[leaf] = lin
+    attention: dict[str, Any] | None = None
+    mlp: dict[str, Any] | None = None
+    for parent, kids in parents.items():
+        names = set(kids)
+        inside = f"'{where}.{parent}'" if parent else f"'{where}'"
+        qkv = [n for n in kids if n in FUSED_QKV]
+        q, k, v = ([n for n in kids if n in group] for group in (QUERY, KEY, VALUE))
+        if qkv or q or k or v:
+            out = [n for n in kids if n in ATTN_OUT]
+            ok = (len(qkv) == 1 and not (q or k or v)) or (len(q) == len(k) == len(v) == 1)
+            if not ok or len(out) != 1 or attention is not None:
+                raise refuse(
+                    model,
+                    f"attention {inside} has linears {sorted(names)}: expected q/k/v (or one "
+                    f"fused qkv) and one output projection, in one attention module per block",
+                    example=_example(where.rpartition(".")[0], parent or None),
+                )
+            roles = {"qkv": qkv, "q": q, "k": k, "v": v, "out": out}
+            attention = {"path": parent, **{r: [kids[n] for n in ns] for r, ns in roles.items()}}
+            names -= set(qkv + q + k + v + out)
+        else:
+            ins = [n for n in kids if n in MLP_IN]
+            out = [n for n in kids if n in MLP_OUT]
+            if ins and len(out) == 1 and len(ins) <= 2 and mlp is None:
+                mlp = {"path": parent, "in": [kids[n] for n in ins], "out": kids[out[0]]}
+                names -= set(ins + out)
+        for leaf in sorted(names):
+            raise refuse(
+                model,
+                f"linear '{where}.{parent + '.' if parent else ''}{leaf}' (in {inside}) is "
+                f"neither an attention projection (q/k/v/o, query/key/value/dense, one fused "
+                f"qkv) nor an MLP one (up/gate/fc1/c_fc, then down/fc2/c_proj)",
+                example=_example(where.rpartition(".")[0], None),
+            )
+    if attention is None or mlp is None:
+        missing = "an attention module" if attention is None else "an MLP"
+        raise refuse(model, f"block '{where}' has no {missing} the rules recognise")
+    return {"attention": attention, "mlp": mlp}
+
+
+def find(model: nn.Module) -> Found:
+    """The structure :func:`infer_tp_plan` reads, before the proof (module doc, steps 1-3)."""
+    blocks_path, blocks = _blocks(model)
+    first_name = next(iter(model.get_submodule(blocks_path)._modules))
+    first = f"{blocks_path}.{first_name}" if blocks_path else first_name
+    linears = _linears(blocks[0], model, first)
+    shape = [(lin.path, lin.n_in, lin.n_out, lin.transposed) for lin in linears]
+    for i, block in enumerate(blocks[1:], 1):
+        other = [(x.path, x.n_in, x.n_out, x.transposed) for x in _linears(block, model, "")]
+        if other != shape:
+            raise refuse(
+                model,
+                f"block {i} of '{blocks_path}' holds other linears than block 0 "
+                f"({sorted(set(other) ^ set(shape))[:3]}): the blocks differ, so one pattern "
+                f"does not fit them all",
+            )
+    roles = _classify(model, first, linears)
+    attn, mlp = roles["attention"], roles["mlp"]
+    attn_module = blocks[0].get_submodule(attn["path"]) if attn["path"] else blocks[0]
+    # the model's config, else the one its attention holds (a model of one's own wrapping
+    # Hugging Face layers), else the attention module's own attributes
+    config = getattr(model, "config", None) or getattr(attn_module, "config", None)
+    sources = [s for s in (config, attn_module) if s is not None]
+    heads = _read(sources, HEADS_NAMES)
+    where = f"attention '{first}.{attn['path']}'"
+    example = _example(blocks_path, attn["path"] or None)
+    if heads is None:
+        raise refuse(
+            model,
+            f"{where}: its head count is not in the config nor the module "
+            f"({', '.join(HEADS_NAMES)})",
+            example=example,
+        )
+    kv = _read(sources, KV_NAMES) or (1 if getattr(config, "multi_query", False) else heads)
+    (out,) = attn["out"]
+    styles: dict[str, Style] = {}
+    fused: dict[str, tuple[int, ...]] = {}
+    key_value: tuple[str, ...] = ()
+
+    def rel(lin: Linear) -> str:
+        return lin.path[len(attn["path"]) + 1 :] if attn["path"] else lin.path
+
+    if attn["qkv"]:
+        (qkv,) = attn["qkv"]
+        head_dim = _read(sources, ("head_dim", "head_size")) or out.n_in // heads
+        if qkv.n_out != (heads + 2 * kv) * head_dim:
+            raise refuse(
+                model,
+                f"{where}: fused '{qkv.path}' has {qkv.n_out} outputs, not (heads {heads} + 2 x "
+                f"kv heads {kv}) x head_dim {head_dim}, so its split is unclear",
+                example=example,
+            )
+        styles[qkv.path] = Style("colwise", transposed=qkv.transposed)
+        fused[qkv.path] = (1, 3) if kv == heads else (1,)
+    else:
+        (q,), (k,), (v,) = attn["q"], attn["k"], attn["v"]
+        head_dim = q.n_out // heads
+        if q.n_out % heads or k.n_out != kv * head_dim or v.n_out != k.n_out:
+            raise refuse(
+                model,
+                f"{where}: '{q.path}' has {q.n_out} outputs and '{k.path}' {k.n_out}, which "
+                f"{heads} query and {kv} key/value heads of one width do not give",
+                example=example,
+            )
+        for lin in (q, k, v):
+            styles[lin.path] = Style("colwise", transposed=lin.transposed)
+        key_value = (rel(k), rel(v))
+    styles[out.path] = Style("rowwise", transposed=out.transposed)
+    for lin in mlp["in"]:
+        styles[lin.path] = Style("colwise", transposed=lin.transposed)
+        if len(mlp["in"]) == 1:
+            fused[lin.path] = (1, 2)  # fc1, or gate and up fused: the proof says which
+    styles[mlp["out"].path] = Style("rowwise", transposed=mlp["out"].transposed)
+    attributes = _head_attributes(attn_module, heads, kv, head_dim)
+    pattern = f"{blocks_path}.*" + (f".{attn['path']}" if attn["path"] else "")
+    nearest = TensorPlan(
+        styles={f"{blocks_path}.*.{p}": _short(s) for p, s in styles.items()},
+        attention=(
+            AttentionHeads(
+                pattern,
+                heads=heads,
+                kv_heads=kv,
+                key_value=key_value,
+                attributes=attributes or {"num_heads": "heads"},
+                head_dim=head_dim,
+            ),
+        ),
+    )
+    return Found(
+        blocks=blocks_path,
+        attention=attn["path"],
+        styles=styles,
+        fused=fused,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        key_value=key_value,
+        attributes=attributes,
+        where=f"{first}.{attn['path']}" if attn["path"] else first,
+        example="    plan = " + plan_source(nearest).replace("\n", "\n    "),
+    )
+
+
+def _head_attributes(module: nn.Module, heads: int, kv: int, head_dim: int) -> dict[str, str]:
+    """The module's integer attributes that hold a head count or the query width, by name
+    and value: the candidates the proof chooses among."""
+    out = {}
+    for name, value in vars(module).items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        low = name.lower()
+        if ("kv" in low or "key_value" in low) and "group" not in low and value == kv:
+            out[name] = "kv_heads"
+        elif "group" in low and value == heads // kv:
+            out[name] = "groups"
+        elif "head" in low and "dim" not in low and "size" not in low and value == heads:
+            out[name] = "heads"
+        elif name in WIDTH_NAMES and value == heads * head_dim:
+            out[name] = "width"
+    return out
+
+
+def _vocab_styles(model: nn.Module) -> dict[str, Style]:
+    """The token embedding and head split by vocabulary where recognisable (module doc)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = head = None
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embed = getter() if callable(getter) else None
+        getter = getattr(model, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        embed = head = None
+    if embed is None:  # a plain model: an embedding whose weight a linear head shares
+        linears = {id(m.weight): m for m in model.modules() if isinstance(m, nn.Linear)}
+        for m in model.modules():
+            if isinstance(m, nn.Embedding) and id(m.weight) in linears:
+                embed, head = m, linears[id(m.weight)]
+    out: dict[str, Style] = {}
+    plain = (
+        isinstance(embed, nn.Embedding)
+        and type(embed).forward is nn.Embedding.forward
+        and embed.max_norm is None
+        and not embed.sparse
+        and id(embed) in names
+    )
+    if plain:
+        assert embed is not None
+        out[names[id(embed)]] = Style("vocab")
+    plain_head = (
+        isinstance(head, nn.Linear)
+        and type(head).forward is nn.Linear.forward
+        and id(head) in names
+        and (not plain or head.out_features == embed.num_embeddings)  # type: ignore[union-attr]
+    )
+    # a head sharing the weight of an embedding left whole stays whole with it
+    tied = embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
+    if plain_head and (plain or not tied):
+        assert head is not None
+        out[names[id(head)]] = Style("vocab", output="replicate")
+    return out
+
+
+def infer_tp_plan(model: nn.Module, *, tp: int | None = None, example: Any = None) -> TensorPlan:
+    """The 1D tensor-parallel plan of ``model``, inferred and proven (module doc), or
+    :class:`PlanInferenceError` naming what could not be and the plan to write.
+
+    ``tp``: the tensor-parallel size to prove the plan at (default: the smallest that splits
+    both the query and key/value heads); a size the heads do not fit is refused naming the
+    module. ``example``: the model's input for the proof (default: token ids ``(2, 5)``
+    below the embedding's vocabulary, ``use_cache=False`` where the forward takes it).
+    Cost: one forward of the model up to its first block and ``~ 3 t`` forwards of a
+    float64 copy of that block per candidate (a few dozen at most); no collective.
+    """
+    from plait.models.verify_plan import prove
+
+    found = find(model)
+    if tp is None:
+        common = math.gcd(found.heads, found.kv_heads)
+        tp = _smallest_factor(common if common > 1 else found.heads)
+    if tp < 2:
+        raise refuse(model, f"attention has {found.heads} head: nothing to split")
+    block_styles, heads = prove(model, found, tp=tp, example=example, refuse=refuse)
+    styles: dict[str, Style | str] = {k: v for k, v in _vocab_styles(model).items()}
+    for path, style in block_styles.items():
+        styles[f"{found.blocks}.*.{path}"] = style
+    pattern = f"{found.blocks}.*" + (f".{found.attention}" if found.attention else "")
+    plan = TensorPlan(
+        styles={k: _short(v) for k, v in styles.items()},
+        attention=(AttentionHeads(pattern, **heads),),
+    )
+    log.info("inferred tensor-parallel plan for %s:\n%s", type(model).__name__, plan_source(plan))
+    return plan
+
+
+def _smallest_factor(n: int) -> int:
+    return next((p for p in range(2, n + 1) if n % p == 0), 1)
+
+
+def _short(style: Style | str) -> Style | str:
+    """A style without options as its name (``"colwise"``): the plan prints as written."""
+    return style.kind if isinstance(style, Style) and style == Style(style.kind) else style
+
+
+def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
+    """``plan`` as Python source to copy, edit and pass as ``plan=``."""
+    styles: Mapping[str, Any] = plan.styles if isinstance(plan, TensorPlan) else plan
+    lines = ["TensorPlan(", "    styles={"]
+    lines += [f"        {k!r}: {_style_source(v)}," for k, v in styles.items()]
+    lines.append("    },")
+    attention = getattr(plan, "attention", ())
+    if attention:
+        lines.append("    attention=(")
+        for h in attention:
+            fields = {
+                "heads": h.heads,
+                "kv_heads": h.kv_heads,
+                "key_value": h.key_value,
+                "attributes": dict(h.attributes),
+                "head_dim": h.head_dim,
+            }
+            args = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in (None, (), {}))
+            lines.append(f"        AttentionHeads({h.modules!r}, {args}),")
+        lines.append("    ),")
+    return "\n".join([*lines, ")"])
+
+
+def _style_source(style: Any) -> str:
+    if not isinstance(style, Style):
+        return repr(style)
+    default = Style(style.kind)
+    extra = [
+        f"{f}={getattr(style, f)!r}"
+        for f in ("input", "output", "transposed", "blocks")
+        if getattr(style, f) != getattr(default, f)
+    ]
+    return f"Style({', '.join([repr(style.kind), *extra])})"
+
+
+def example_input(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Token ids ``(2, 5)`` below the input embedding's vocabulary; ``use_cache=False``
+    where the forward takes it (no cache grows while the block is run again)."""
+    embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embed is None:
+        raise refuse(model, "it has no nn.Embedding to feed token ids to; pass example=")
+    ids = torch.arange(10, device=embed.weight.device).reshape(2, 5) % embed.num_embeddings
+    params = inspect.signature(model.forward).parameters
+    return (ids,), ({"use_cache": False} if "use_cache" in params else {})
