@@ -115,3 +115,45 @@ def test_known_exceptions_still_exist():
 def test_every_module_has_a_layer():
     for name in _modules():
         assert _layer(name) >= 0
+
+
+# Imports inside a function hide a dependency from the reader; plait keeps them only where
+# they avoid a real cost, each with its reason on the line or the line above
+# (``# deferred: ...``). Optional or heavy third-party packages a run may never need load
+# where they are used, and the command line loads a subcommand's modules when it runs.
+OPTIONAL = ("matplotlib", "transformers", "safetensors", "sklearn", "tqdm", "pydoc_data")
+LAZY_FILES = {"plait/cli.py": "each subcommand loads its own modules when it runs"}
+
+
+def deferred_imports_without_a_reason() -> list[str]:
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if rel in LAZY_FILES:
+            continue
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        inner = {
+            node
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        }
+        for node in sorted(inner, key=lambda n: n.lineno):
+            name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if (name or "").split(".")[0] in OPTIONAL:
+                continue
+            here = lines[node.lineno - 1]
+            above = lines[node.lineno - 2] if node.lineno > 1 else ""
+            if "# deferred: " not in here and "# deferred: " not in above:
+                out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_every_import_inside_a_function_says_why():
+    missing = deferred_imports_without_a_reason()
+    assert not missing, (
+        "imports inside functions without a '# deferred: <reason>' comment (move them to "
+        "the top of the module, or say what importing them there avoids):\n" + "\n".join(missing)
+    )

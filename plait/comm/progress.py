@@ -373,7 +373,7 @@ def unregister(group: Group) -> None:
 
 
 def _publish_forever(global_rank: int) -> None:
-    from plait.comm import watchdog
+    from plait.comm import watchdog  # deferred: watchdog imports progress
 
     published: dict[int, tuple[int, str, str, str]] = {}
     next_beat = 0.0
@@ -410,7 +410,7 @@ def _watch_store_forever() -> None:
     failed call when every call since has failed; zero between calls. A thread that merely
     did not get to run (a loaded machine, the GIL held elsewhere) says nothing about the
     store, nor time during which this whole process was stopped."""
-    from plait.comm import watchdog
+    from plait.comm import watchdog  # deferred: watchdog imports progress
 
     last_tick = time.monotonic()
     resumed = 0.0  # this process ran again after a gap: count the store's silence from here

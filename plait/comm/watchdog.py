@@ -402,7 +402,7 @@ def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
 
 def close(g: Group) -> None:
     """Close this rank's connections of ``g``: every pending operation on them fails."""
-    from plait.comm.group import RESERVED_TAG
+    from plait.comm.group import RESERVED_TAG  # deferred: group imports watchdog
 
     if g.shm is not None:  # the shared-memory peers' waits end on this rank's abort word
         g.shm.abort(None)

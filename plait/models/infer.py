@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models.verify_plan import prove
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
@@ -433,7 +434,6 @@ def infer_tp_plan(model: nn.Module, *, tp: int | None = None, example: Any = Non
     Cost: one forward of the model up to its first block and ``~ 3 t`` forwards of a
     float64 copy of that block per candidate (a few dozen at most); no collective.
     """
-    from plait.models.verify_plan import prove
 
     found = find(model)
     if tp is None:

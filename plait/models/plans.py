@@ -27,6 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from plait.models.infer import infer_tp_plan, refuse
+
 # class name -> module under plait.models that holds the family's plans
 FAMILIES: dict[str, str] = {
     "GPT": "plait.models.gpt",
@@ -86,7 +88,6 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
 
 def _inferred(model: nn.Module, **options: Any) -> Any | None:
     """The inferred 1D plan; other modes stay unknown (None), sequence parallelism is refused."""
-    from plait.models.infer import infer_tp_plan, refuse
 
     if options.get("mode", "1d") != "1d":
         return None

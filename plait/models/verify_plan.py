@@ -44,7 +44,7 @@ def capture(
     model: nn.Module, block: nn.Module, example: Any, refuse: Callable[..., Exception]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The positional and keyword inputs the model gives ``block`` on ``example``."""
-    from plait.models.infer import example_input
+    from plait.models.infer import example_input  # deferred: infer imports this module
 
     args, kwargs = example if example is not None else example_input(model)
     held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []

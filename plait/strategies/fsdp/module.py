@@ -156,7 +156,7 @@ class FSDPModule(nn.Module):
 
     def plait_full_state_dict(self) -> dict[str, torch.Tensor]:
         """Used by ``plait.checkpoint.full_state_dict``; see :func:`full_state_dict`."""
-        from plait.strategies.fsdp.state import full_state_dict
+        from plait.strategies.fsdp.state import full_state_dict  # deferred: state imports module
 
         return full_state_dict(self)
 

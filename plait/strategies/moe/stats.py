@@ -77,7 +77,7 @@ class MoEStats:
 def collect(model: nn.Module) -> dict[str, MoEStats]:
     """The last forward's :class:`MoEStats` of every MoE layer of ``model``, by module path
     (layers that have not run yet are left out). Local: no communication."""
-    from plait.strategies.moe.layer import moe_layers
+    from plait.strategies.moe.layer import moe_layers  # deferred: layer imports stats
 
     return {
         name: moe.last_stats

@@ -65,7 +65,7 @@ class NdInfo:
 
 def gpt_plan(mode: str, *, layers: int) -> dict[str, Any]:
     """The 2D / 2.5D / 3D plan of a :class:`plait.models.GPT` with ``layers`` blocks (untied)."""
-    from plait.strategies.tensor.parallelize import Style
+    from plait.strategies.tensor.parallelize import Style  # deferred: parallelize imports this
 
     if mode not in MODES:
         raise ValueError(f"gpt_plan: mode {mode!r}; use one of {list(MODES)}")
