@@ -11,7 +11,8 @@ block, the embedding, the head, a stage of three blocks) runs forward then backw
 three ways taking turns: fused (``B``: one ``torch.autograd.backward``), and split
 (:mod:`plait.strategies.pipeline.deferred`: ``I``, then ``W``). The backward actions are
 timed by a :class:`~plait.trace.Tracer` span each, as the pipeline runtime times them; the
-table gives medians over ``--repeats`` and ``(I + W) / B``. Gradients of the split run are
+table gives medians over ``--repeats`` and the median of ``(I + W) / B`` over the
+runs (each split run against the fused run beside it). Gradients of the split run are
 checked against the fused run's (relative 1e-5 in fp32).
 
 Writes ``<out>/pipeline_split.json`` and ``<out>/pipeline_split.md``.
@@ -46,7 +47,7 @@ def _units(args: dict[str, Any]) -> list[tuple[str, nn.Module, Callable[[], Any]
     gpt = GPT(cfg)
     layers = layers_of(gpt, pipeline_plan(gpt))
     b, s, w = args["mb"], args["seq"], args["width"]
-    block = gpt.blocks[0]
+    block: Any = gpt.blocks[0]
 
     def act(width: int = w) -> Callable[[], torch.Tensor]:
         return lambda: torch.randn(b, s, width).requires_grad_(True)
@@ -69,65 +70,70 @@ def _units(args: dict[str, Any]) -> list[tuple[str, nn.Module, Callable[[], Any]
     ]
 
 
+def _measure(
+    name: str, module: nn.Module, make: Callable[[], Any], lossy: bool, args: dict[str, Any]
+) -> dict[str, Any]:
+    splitter = SplitBackward(module)
+    tracer = Tracer()
+    x = make()
+    target = torch.randint(0, 96, (args["mb"], args["seq"]))
+
+    def output(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if lossy:
+            return gpt_loss(y, target), None
+        return y, torch.ones_like(y)
+
+    def fused() -> dict[str, torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        y, g = output(module(x))
+        with tracer.span("B"):
+            torch.autograd.backward(y, g)
+        return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+    def split() -> dict[str, torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        kept = Deferred()
+        with splitter.deferring(kept):
+            y, g = output(module(x))
+        with tracer.span("I"), splitter.deferring(kept):
+            torch.autograd.backward(y, g)
+        with tracer.span("W"):
+            kept.apply()
+        return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+    want, got = fused(), split()
+    for n in want:
+        err = (want[n] - got[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)
+        if err > 1e-5:
+            raise AssertionError(f"{name}: {n} differs by {float(err):.2e} (relative)")
+    for _ in range(args["warmup"]):
+        fused(), split()
+    tracer.clear()
+    for i in range(args["repeats"]):
+        for run in (fused, split) if i % 2 else (split, fused):
+            run()
+    ms: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+    for span in tracer.spans():
+        ms[span.name].append(span.duration_ns / 1e6)
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    # each run's I + W over the B run next to it: pairs taken close in time share the load
+    ratios = [(i + w) / b for i, w, b in zip(ms["I"], ms["W"], ms["B"], strict=True)]
+    return {
+        "unit": name,
+        "B_ms": med["B"],
+        "I_ms": med["I"],
+        "W_ms": med["W"],
+        "IW_over_B": statistics.median(ratios),
+        "split": splitter.report.describe(),
+    }
+
+
 def measure(args: dict[str, Any]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = []
     for name, module, make, lossy in _units(args):
-        splitter = SplitBackward(module)
-        tracer = Tracer()
-        x = make()
-        target = torch.randint(0, 96, (args["mb"], args["seq"]))
-
-        def output(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if lossy:
-                return gpt_loss(y, target), None
-            return y, torch.ones_like(y)
-
-        def fused() -> dict[str, torch.Tensor]:
-            module.zero_grad(set_to_none=True)
-            y, g = output(module(x))
-            with tracer.span("B"):
-                torch.autograd.backward(y, g)
-            return {n: p.grad for n, p in module.named_parameters()}
-
-        def split() -> dict[str, torch.Tensor]:
-            module.zero_grad(set_to_none=True)
-            kept = Deferred()
-            with splitter.deferring(kept):
-                y, g = output(module(x))
-            with tracer.span("I"), splitter.deferring(kept):
-                torch.autograd.backward(y, g)
-            with tracer.span("W"):
-                kept.apply()
-            return {n: p.grad for n, p in module.named_parameters()}
-
-        want, got = fused(), split()
-        for n in want:
-            err = (want[n] - got[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)
-            if err > 1e-5:
-                raise AssertionError(f"{name}: {n} differs by {float(err):.2e} (relative)")
-        for _ in range(args["warmup"]):
-            fused(), split()
-        tracer.clear()
-        for i in range(args["repeats"]):
-            for run in (fused, split) if i % 2 else (split, fused):
-                run()
-        ms: dict[str, list[float]] = {"B": [], "I": [], "W": []}
-        for span in tracer.spans():
-            ms[span.name].append(span.duration_ns / 1e6)
-        med = {k: statistics.median(v) for k, v in ms.items()}
-        per_pair = [i + w for i, w in zip(ms["I"], ms["W"], strict=True)]
-        rows.append(
-            {
-                "unit": name,
-                "B_ms": med["B"],
-                "I_ms": med["I"],
-                "W_ms": med["W"],
-                "IW_over_B": statistics.median(per_pair) / med["B"],
-                "split": splitter.report.describe(),
-            }
-        )
+        rows.append(_measure(name, module, make, lossy, args))
         print(f"{name}: {rows[-1]}", flush=True)
     return rows
 

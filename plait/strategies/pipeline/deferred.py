@@ -60,9 +60,10 @@ class Deferred:
 
     def apply(self) -> None:
         """Compute every kept weight gradient and add it into the parameter's ``.grad``."""
-        for rule, module, saved in self.kept:
-            for param, grad in rule.weight_grads(module, saved):
-                _accumulate(param, grad)
+        with torch.no_grad():  # the kept inputs are activations that require grad
+            for rule, module, saved in self.kept:
+                for param, grad in rule.weight_grads(module, saved):
+                    _accumulate(param, grad)
         self.kept = []
 
 

@@ -166,6 +166,7 @@ class PipelineParallel(nn.Module):
             by=split,
             sample=sample,
             context=None if plan is None else plan.context,
+            schedule=sched,
         )
         self.partition = Partition(
             part.bounds, part.names, part.params, part.seconds, sched.placement
