@@ -8,12 +8,15 @@ The units are those of ``benchmarks/pipeline.py --width 512 --heads 8``: plait's
 layers, sequence 64, vocabulary 96, fp32) on one micro-batch of 2 sequences (16 in m = 8),
 one intra-op thread. Each unit (a layer of each type with its shape in the model, a whole
 block, the embedding, the head, a stage of three blocks) runs forward then backward,
-three ways taking turns: fused (``B``: one ``torch.autograd.backward``), and split
+two ways taking turns: fused (``B``: one ``torch.autograd.backward``), and split
 (:mod:`plait.strategies.pipeline.deferred`: ``I``, then ``W``). The backward actions are
-timed by a :class:`~plait.trace.Tracer` span each, as the pipeline runtime times them; the
-table gives medians over ``--repeats`` and the median of ``(I + W) / B`` over the
-runs (each split run against the fused run beside it). Gradients of the split run are
-checked against the fused run's (relative 1e-5 in fp32).
+timed by a :class:`~plait.trace.Tracer` span each, as the pipeline runtime times them
+(wall clock), and by the thread's CPU time (``time.thread_time_ns``: one intra-op thread,
+so the whole action; other processes taking the core do not inflate it, which matters on
+a shared machine: the first columns); the table gives medians over ``--repeats`` and
+the median of ``(I + W) / B`` over the runs (each split run against the fused run beside
+it). Gradients of the split run are checked against the fused run's (relative 1e-5 in
+fp32); after that first run gradients accumulate, as they do over a step's micro-batches.
 
 Writes ``<out>/pipeline_split.json`` and ``<out>/pipeline_split.md``.
 """
@@ -21,10 +24,12 @@ Writes ``<out>/pipeline_split.json`` and ``<out>/pipeline_split.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,17 @@ def _measure(
 ) -> dict[str, Any]:
     splitter = SplitBackward(module)
     tracer = Tracer()
+    cpu: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+
+    @contextlib.contextmanager
+    def timed(kind: str) -> Iterator[None]:
+        """A tracer span (wall clock) and this thread's CPU time, which other processes
+        taking the core do not inflate."""
+        t0 = time.thread_time_ns()
+        with tracer.span(kind):
+            yield
+        cpu[kind].append((time.thread_time_ns() - t0) / 1e6)
+
     x = make()
     target = torch.randint(0, 96, (args["mb"], args["seq"]))
 
@@ -84,48 +100,48 @@ def _measure(
         return y, torch.ones_like(y)
 
     def fused() -> dict[str, torch.Tensor]:
-        module.zero_grad(set_to_none=True)
         y, g = output(module(x))
-        with tracer.span("B"):
+        with timed("B"):
             torch.autograd.backward(y, g)
         return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
     def split() -> dict[str, torch.Tensor]:
-        module.zero_grad(set_to_none=True)
         kept = Deferred()
         with splitter.deferring(kept):
             y, g = output(module(x))
-        with tracer.span("I"), splitter.deferring(kept):
+        with timed("I"), splitter.deferring(kept):
             torch.autograd.backward(y, g)
-        with tracer.span("W"):
+        with timed("W"):
             kept.apply()
         return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
-    want, got = fused(), split()
+    module.zero_grad(set_to_none=True)
+    want = {n: g.clone() for n, g in fused().items()}
+    module.zero_grad(set_to_none=True)
+    got = split()
     for n in want:
         err = (want[n] - got[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)
         if err > 1e-5:
             raise AssertionError(f"{name}: {n} differs by {float(err):.2e} (relative)")
+    # gradients accumulate from here on, as over a pipeline step's micro-batches
     for _ in range(args["warmup"]):
         fused(), split()
     tracer.clear()
+    cpu = {k: [] for k in cpu}
     for i in range(args["repeats"]):
         for run in (fused, split) if i % 2 else (split, fused):
             run()
-    ms: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+    wall: dict[str, list[float]] = {"B": [], "I": [], "W": []}
     for span in tracer.spans():
-        ms[span.name].append(span.duration_ns / 1e6)
-    med = {k: statistics.median(v) for k, v in ms.items()}
-    # each run's I + W over the B run next to it: pairs taken close in time share the load
-    ratios = [(i + w) / b for i, w, b in zip(ms["I"], ms["W"], ms["B"], strict=True)]
-    return {
-        "unit": name,
-        "B_ms": med["B"],
-        "I_ms": med["I"],
-        "W_ms": med["W"],
-        "IW_over_B": statistics.median(ratios),
-        "split": splitter.report.describe(),
-    }
+        wall[span.name].append(span.duration_ns / 1e6)
+    row: dict[str, Any] = {"unit": name, "split": splitter.report.describe()}
+    for clock, ms in (("cpu", cpu), ("wall", wall)):
+        for k, v in ms.items():
+            row[f"{k}_{clock}_ms"] = statistics.median(v)
+        # each run's I + W over the B run beside it: pairs taken close in time share the load
+        ratios = [(i + w) / b for i, w, b in zip(ms["I"], ms["W"], ms["B"], strict=True)]
+        row[f"IW_over_B_{clock}"] = statistics.median(ratios)
+    return row
 
 
 def measure(args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -163,13 +179,16 @@ def main() -> None:
         f"{args['repeats']} runs of each, taking turns; 1-minute load average "
         f"{load[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores",
         "",
-        "| unit | B ms | I ms | W ms | (I + W) / B |",
-        "| --- | --- | --- | --- | --- |",
+        "| unit | B ms | I ms | W ms | (I + W) / B | wall: B ms | I ms | W ms | (I + W) / B |",
+        "| --- " * 9 + "|",
     ]
     for r in rows:
+        cells = [
+            f"{r[f'{k}_{clock}_ms']:.3f}" for clock in ("cpu", "wall") for k in ("B", "I", "W")
+        ]
         lines.append(
-            f"| {r['unit']} | {r['B_ms']:.3f} | {r['I_ms']:.3f} | {r['W_ms']:.3f} | "
-            f"{r['IW_over_B']:.2f} |"
+            f"| {r['unit']} | {' | '.join(cells[:3])} | {r['IW_over_B_cpu']:.2f} | "
+            f"{' | '.join(cells[3:])} | {r['IW_over_B_wall']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
     (out / "pipeline_split.md").write_text(text)

@@ -76,6 +76,17 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
             param.grad.add_(grad)
 
 
+def _accumulate_mm(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``param.grad += a @ b`` in one ``addmm_`` when there is a gradient already (the
+    pass over the weight-sized tensor that autograd's separate add makes is saved)."""
+    grad = param.grad
+    if grad is None or grad.dtype != a.dtype or grad.shape != (a.shape[0], b.shape[1]):
+        _accumulate(param, a.mm(b))
+        return
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        grad.addmm_(a, b)
+
+
 # --- the autograd functions: input gradient in backward, weight-gradient inputs kept ------
 class _LinearInput(torch.autograd.Function):
     @staticmethod
@@ -189,6 +200,8 @@ class _Rule:
     name: str
     base: type[nn.Module]
     forward: Callable[[Any, torch.Tensor, Deferred], torch.Tensor]
+    # the weight gradients of one call: returned as (parameter, gradient) pairs, or added
+    # into .grad directly (a linear's dW, in one addmm_)
     weight_grads: Callable[[Any, tuple[Any, ...]], list[tuple[torch.Tensor, torch.Tensor]]]
     refuse: Callable[[Any], str | None] = lambda m: None  # why an instance cannot split
 
@@ -196,12 +209,8 @@ class _Rule:
 def _linear_grads(m: nn.Linear, saved: tuple[Any, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, dy = saved
     dy2 = dy.reshape(-1, dy.shape[-1])
-    out: list[tuple[torch.Tensor, torch.Tensor]] = [
-        (m.weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))
-    ]
-    if m.bias is not None:
-        out.append((m.bias, dy2.sum(0)))
-    return out
+    _accumulate_mm(m.weight, dy2.t(), x.reshape(-1, x.shape[-1]))  # dW = dY^T X
+    return [(m.bias, dy2.sum(0))] if m.bias is not None else []
 
 
 def _layer_norm_grads(
