@@ -101,12 +101,18 @@ def test_other_layers_split_or_fall_back_by_name():
     frozen = nn.Linear(3, 3, dtype=F64)
     frozen.weight.requires_grad_(False)  # its bias alone trains: fused, decided per call
     model.append(frozen)
+    hooked = nn.Linear(3, 3, dtype=F64)
+    hooked.weight.register_hook(lambda g: 2 * g)  # as sequence parallelism's sum: kept in I
+    model.append(hooked)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 10, (4, 5), generator=g) for _ in range(2)]
     batches[0][0, :2] = 0  # the padding row gets no gradient either way
     splitter, after_i = _compare(model, lambda b: model(b).pow(2).sum(), batches)
-    assert after_i == {"3.w", "7.bias"}
-    assert dict(splitter.report.fused) == {"3": "Scale: plait has no split rule for it"}
+    assert after_i == {"3.w", "7.bias", "8.weight", "8.bias"}
+    assert dict(splitter.report.fused) == {
+        "3": "Scale: plait has no split rule for it",
+        "8": "its parameters have gradient hooks",
+    }
     assert "3 (Scale: plait has no split rule for it)" in splitter.report.describe()
     assert splitter.report.counts() == {"Embedding": 1, "Linear": 4, "RMSNorm": 1, "LayerNorm": 1}
 

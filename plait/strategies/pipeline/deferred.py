@@ -31,7 +31,9 @@ Everything else keeps its parameters in the graph, so ``I`` computes their gradi
 both halves): modules of other types or subclasses that replace ``forward`` (Hugging
 Face's ``LlamaRMSNorm``, GPT-2's ``Conv1D``, tensor-parallel layers), custom autograd
 functions, a parameter used outside its module's ``forward`` (the second use of a tied
-weight), sparse or max-norm embeddings, frozen parameters and autocast regions.
+weight), sparse or max-norm embeddings, parameters with gradient hooks (sequence
+parallelism's sum over the group, data parallelism's bucketing: W adds into ``.grad``
+directly, which would skip them), frozen parameters and autocast regions.
 :class:`SplitBackward`'s ``report`` names the modules that fall back and why. A module
 called twice contributes twice; a parameter shared by two split modules gets both
 contributions; gradients accumulate into ``.grad`` as autograd's do.
@@ -330,25 +332,43 @@ def _rule_for(module: nn.Module) -> tuple[_Rule | None, str]:
     return None, f"{type(module).__name__}: plait has no split rule for it"
 
 
+def _hooked(param: torch.Tensor) -> bool:
+    """Whether autograd runs hooks on ``param``'s gradient (sequence parallelism's sum over
+    the group, data parallelism's bucketing): W's direct accumulation would skip them."""
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 class SplitBackward:
     """The split backward of one module (a pipeline stage): while :meth:`deferring` is
     active, its splittable layers run through the functions above and keep their
     weight-gradient inputs in the given :class:`Deferred`."""
 
     def __init__(self, module: nn.Module) -> None:
+        self._module = module
         self._forwards: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = []
         self._into: Deferred | None = None
+        for _, m in module.named_modules():
+            rule, _ = _rule_for(m)
+            if rule is not None and any(True for _ in m.parameters(recurse=False)):
+                self._forwards.append((m, self._forward_of(m, rule)))
+
+    @property
+    def report(self) -> SplitReport:
+        """What splits and what falls back, as the modules are now (a strategy applied
+        after the pipeline, as data parallelism's gradient hooks, changes it)."""
         split, fused = [], []
-        for name, m in module.named_modules():
-            if not any(True for _ in m.parameters(recurse=False)):
+        for name, m in self._module.named_modules():
+            params = list(m.parameters(recurse=False))
+            if not params:
                 continue
             rule, why = _rule_for(m)
+            if rule is not None and any(_hooked(p) for p in params):
+                rule, why = None, "its parameters have gradient hooks"
             if rule is None:
                 fused.append((name, why))
-                continue
-            split.append((name, rule.name))
-            self._forwards.append((m, self._forward_of(m, rule)))
-        self.report = SplitReport(tuple(split), tuple(fused))
+            else:
+                split.append((name, rule.name))
+        return SplitReport(tuple(split), tuple(fused))
 
     def _forward_of(self, module: nn.Module, rule: _Rule) -> Callable[[torch.Tensor], torch.Tensor]:
         original = type(module).forward
@@ -359,7 +379,7 @@ class SplitBackward:
             if (
                 into is None
                 or not torch.is_grad_enabled()
-                or not all(p.requires_grad for p in params)
+                or not all(p.requires_grad and not _hooked(p) for p in params)
                 or torch.is_autocast_enabled(x.device.type)
             ):
                 return original(module, x)  # type: ignore[no-any-return]
