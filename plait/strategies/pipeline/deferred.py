@@ -1,5 +1,6 @@
-"""The split backward of zero-bubble schedules: the input gradient now (``I``), the weight
-gradient later (``W``), together costing what the fused backward (``B``) costs.
+"""Zero-bubble split backward: I (input gradient) keeps what W (weight gradient) needs.
+
+``I`` now and ``W`` later together cost what the fused backward (``B``) costs.
 
 While a micro-batch that the schedule backwards as ``I`` + ``W`` runs forward, every
 layer plait can split computes its output through a small autograd function that holds
