@@ -31,8 +31,13 @@ on ``--cores`` cores shared by the ranks when there are fewer than ranks (the me
 of each (kind, stage) under processor sharing: :mod:`plait.strategies.pipeline.cores`),
 beside the replay (each action's own measured time, each rank's own gap, the measured
 message latency: :func:`plait.strategies.pipeline.bubble_report`) and beside the formula;
-the timeline PNG of the last measured 1F1B / ZBV / DualPipeV step at the largest p is
-written next to the table, and the simulated timeline (unit costs) of every schedule.
+"I + W over B": the split backward's cost, from the same spans (each stage's median I
+plus median W over its median B, summed over stages; B from the schedule itself or
+from another schedule with the same stage cut); the stage cut is plait's for that
+schedule (:func:`~plait.strategies.pipeline.partition` given the schedule), which torch's
+stages use too. The timeline PNG of the last measured 1F1B / ZBV / DualPipeV step at the
+largest p is written next to the table, and the simulated timeline (unit costs) of every
+schedule.
 
 Writes ``<out>/<name>.json``, ``<out>/<name>.md`` (``--name``, default ``pipeline``) and
 ``<out>/pipeline_*.png``.
@@ -116,7 +121,11 @@ def _plait(cfg: GPTConfig, name: str, group: Any, m: int, tracer: Tracer) -> Any
         opt.step()
         return float(loss)
 
-    return step, pipe.schedule
+    info = {
+        "bounds": [list(b) for b in pipe.partition.bounds],
+        "split": {s: r.describe() for s, r in pipe.runtime.split_reports.items()},
+    }
+    return step, pipe.schedule, info
 
 
 def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> Any:
@@ -126,7 +135,7 @@ def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> 
     placement = v_placement(p) if name in V_SHAPED else loop_placement(p, v)
     gpt = GPT(cfg)
     layers = layers_of(gpt, pipeline_plan(gpt))
-    part = partition(layers, p * v)
+    part = partition(layers, p * v, schedule=build(name, p=p, m=m))  # plait's cut
     mb = batch // m
     ids = torch.zeros(mb, cfg.seq_len, dtype=torch.long)
     # example tensors; requires_grad tells torch which outputs get gradients back
@@ -183,10 +192,11 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
     tracers: dict[str, Tracer] = {}
     variants: dict[str, Any] = {}
     schedules: dict[str, Any] = {}
+    infos: dict[str, Any] = {}
     chosen = args["schedules"]
     for name in chosen:
         tracers[name] = Tracer(rank=world.rank)
-        variants[f"plait {name}"], schedules[name] = _plait(
+        variants[f"plait {name}"], schedules[name], infos[name] = _plait(
             cfg, name, mesh.group("pp"), m, tracers[name]
         )
     for name in chosen:
@@ -219,7 +229,43 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
                 times[vname].append(float(dt))
                 if key in tracers:
                     spans[key].append(tracers[key].spans())
-    return {"rank": world.rank, "times": times, "spans": spans, "schedules": schedules}
+    return {
+        "rank": world.rank,
+        "times": times,
+        "spans": spans,
+        "schedules": schedules,
+        "infos": infos,
+    }
+
+
+def _action_ms(spans: list[list[Any]]) -> dict[tuple[str, int], float]:
+    """Median milliseconds of each (kind, stage) over every measured step's spans."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for step in spans:
+        for sp in step:
+            if sp.stream == "compute" and sp.name in ("F", "B", "I", "W"):
+                key = (sp.name, int(sp.args["stage"]))
+                out.setdefault(key, []).append(sp.duration_ns / 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _split_cost(
+    name: str, actions: dict[str, dict[tuple[str, int], float]], bounds: dict[str, Any]
+) -> float | None:
+    """(I + W) / B of schedule ``name``, summed over its stages: B from the schedule itself
+    (DualPipeV mixes both) or from another measured schedule with the same stage cut."""
+    mine = actions[name]
+    stages = sorted({s for k, s in mine if k == "I"})
+    if not stages:
+        return None
+    for ref in [name, *actions]:
+        if bounds[ref] != bounds[name]:
+            continue
+        b = actions[ref]
+        if all(("B", s) in b for s in stages):
+            iw = sum(mine[("I", s)] + mine[("W", s)] for s in stages)
+            return iw / sum(b[("B", s)] for s in stages)
+    return None
 
 
 def main() -> None:
@@ -248,6 +294,7 @@ def main() -> None:
         args |= {"pp": "2", "width": 32, "seq": 16, "steps": 2, "warmup": 1}
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
     rows = []
     for p in [int(v) for v in str(args["pp"]).split(",")]:
         pool = plait.RankPool(p, timeout=600)
@@ -266,6 +313,13 @@ def main() -> None:
             }
             Path(args["save_spans"]).with_suffix(f".p{p}.json").write_text(json.dumps(raw))
         med = {n: statistics.median(v) for n, v in r0["times"].items()}
+        # per (kind, stage) medians; each stage's actions are on the rank that holds it
+        actions: dict[str, dict[tuple[str, int], float]] = {}
+        for name in args["schedules"]:
+            actions[name] = {}
+            for res in results:
+                actions[name] |= _action_ms(res["spans"][name])
+        bounds = {name: r0["infos"][name]["bounds"] for name in args["schedules"]}
         for name in args["schedules"]:
             sched = build(name, p=p, m=args["m"])
             reports = [
@@ -306,6 +360,11 @@ def main() -> None:
                     "bubble_simulated": simulated,
                     "bubble_formula": reports[-1].formula,
                     "sim_ms": 1e3 * statistics.median(r.simulated_seconds for r in reports),
+                    "bounds": bounds[name],
+                    "iw_over_b": _split_cost(name, actions, bounds),
+                    "split": {
+                        s: d for res in results for s, d in res["infos"][name]["split"].items()
+                    },
                 }
             )
             top = max(int(v) for v in str(args["pp"]).split(","))
@@ -341,14 +400,16 @@ def main() -> None:
         f"GPT {args['layers']} layers, width {args['width']}, {args['heads']} heads, sequence "
         f"{args['seq']}, vocab 96, batch {args['batch']} in m={args['m']} micro-batches, fp32; "
         f"plait on its default transport (shared memory between local ranks), PyTorch on "
-        f"gloo, 1 thread per rank, shared 2-core machine (noisy); medians of "
+        f"gloo, 1 thread per rank, shared {os.cpu_count()}-core machine (1-minute load "
+        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after); medians of "
         f"{args['steps']} steps",
         "",
         "| p | schedule | plait ms | torch ms | plait / torch | vs plait 1f1b | simulated vs 1f1b "
         "| bubble measured | of it waiting on messages | bubble simulated | simulated + gap "
         f"| replayed | on {args['cores']:g} shared cores | measured - simulated "
-        "| measured - replayed | gap per action | latency per message | formula |",
-        "| --- " * 18 + "|",
+        "| measured - replayed | gap per action | latency per message | formula "
+        "| I + W over B | stage cut |",
+        "| --- " * 20 + "|",
     ]
 
     def num(x: float | None, fmt: str) -> str:
@@ -367,8 +428,17 @@ def main() -> None:
             f"{pct(r['bubble_simulated_on_cores'])} | "
             f"{100 * (r['bubble_measured'] - r['bubble_simulated']):+.1f} | "
             f"{100 * (r['bubble_measured'] - r['bubble_replayed']):+.1f} | "
-            f"{r['gap_ms']:.2f} ms | {r['latency_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% |"
+            f"{r['gap_ms']:.2f} ms | {r['latency_ms']:.2f} ms | {100 * r['bubble_formula']:.1f}% | "
+            f"{num(r['iw_over_b'], '.2f')} | {r['bounds']} |"
         )
+    splits = [
+        f"p={r['p']} {r['schedule']} stage {s}: {d.removeprefix('split backward: ')}"
+        for r in rows
+        for s, d in sorted(r["split"].items())
+    ]
+    if splits:
+        lines += ["", "Split backward (layers run as I + W; any other named as fused):", ""]
+        lines += [f"- {x}" for x in splits]
     (out / f"{args['name']}.md").write_text("\n".join(lines) + "\n")
     (out / f"{args['name']}.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
     print("\n".join(lines))

@@ -155,6 +155,7 @@ def train(family: str, tied: bool, schedule: str, m: int) -> dict[str, Any]:
         "norms": norms,
         "groups": groups,
         "partition": str(pipe.partition),
+        "split": {s: r.describe() for s, r in pipe.split_reports.items()},
     }
 
 

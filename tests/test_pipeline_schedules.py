@@ -337,13 +337,6 @@ def test_partition_refusals():
     assert part.seconds is not None and "fwd+bwd time" in str(part)
 
 
-def test_tied_stage_runs_backward_whole():
-    tied = small_gpt(tied=True, layers=1)
-    layers = layers_of(tied, pipeline_plan(tied))
-    assert not Stage(layers, 0).splittable  # tok and head in one stage
-    assert Stage(layers[1:], 1).splittable
-
-
 def test_receives_follow_the_senders_order():
     """A pair's messages arrive in order: a receive posted out of the sender's order could
     wait behind a message whose receive comes only later (ZBV m=5 hung that way)."""

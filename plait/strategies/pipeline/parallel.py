@@ -60,6 +60,7 @@ from plait.strategies.data_parallel.grad_sync import (
 )
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
 from plait.strategies.pipeline.agree import agree
+from plait.strategies.pipeline.deferred import SplitReport
 from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
@@ -169,6 +170,7 @@ class PipelineParallel(nn.Module):
             by=split,
             sample=sample,
             context=None if plan is None else plan.context,
+            schedule=sched,
         )
         self.partition = Partition(
             part.bounds, part.names, part.params, part.seconds, sched.placement
@@ -403,6 +405,13 @@ class PipelineParallel(nn.Module):
     def peak_in_flight(self) -> dict[int, int]:
         """Per stage of this rank, the most micro-batches held at once (measured)."""
         return dict(self.runtime.peak_in_flight)
+
+    @property
+    def split_reports(self) -> dict[int, SplitReport]:
+        """Per stage of this rank that a zero-bubble schedule backwards as I + W: the
+        modules that split and those that fall back to the fused backward, and why
+        (``pipe.split_reports[0].describe()``)."""
+        return self.runtime.split_reports
 
 
 def prepare_pipeline(

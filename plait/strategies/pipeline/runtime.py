@@ -28,22 +28,22 @@ Every wait is bounded by the group's timeout and raises naming the peer rank and
 tensor. A stage that raises tells the others through the store (they fail at once with
 its message) before its error propagates.
 
-Backward: ``B`` is one ``torch.autograd.backward``. Split (zero-bubble) schedules run
-``I`` as ``autograd.grad`` w.r.t. the stage input and the outputs of every module that
-holds parameters (``retain_graph``; weight gradients are not computed), and ``W`` from
-those outputs' gradients: an ``nn.Linear`` by its formula (``dW = dY^T X``,
-``db = sum dY``), any other module by ``autograd.grad`` from its output to its own
-parameters; accumulated into ``.grad``. A stage in which one parameter serves two modules
-(a tied head beside its embedding) runs its whole backward in ``I``. With ``recompute``
-the forward keeps only the stage input and runs again (with autograd) right before the
-backward.
+Backward: ``B`` is one ``torch.autograd.backward``. Split (zero-bubble) schedules run the
+forward of each micro-batch that the schedule backwards as ``I`` + ``W`` with the stage's
+splittable layers holding their parameters out of the graph (:mod:`.deferred`): ``I`` is
+one ``torch.autograd.backward`` that reaches the stage input and keeps each split layer's
+input and output gradient; ``W`` computes the weight gradients from those (one matmul per
+linear, a reduction per norm, an index-add per embedding), accumulated into ``.grad``.
+Layers that cannot split get their weight gradient in ``I``, as in ``B``
+(``Runtime.split_reports`` names them). With ``recompute`` the forward keeps only the stage
+input and runs again (with autograd) right before the backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from plait.comm import watchdog
 from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import bucket_is_finite
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.deferred import Deferred, SplitBackward, SplitReport
 from plait.strategies.pipeline.messages import (
     META,
     Link,
@@ -74,14 +75,8 @@ class _Ctx:
     x: torch.Tensor | None
     target: torch.Tensor | None = None
     y: torch.Tensor | None = None
-    # (module, its input if nn.Linear else None, its output), for W
-    captured: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] = field(
-        default_factory=list
-    )
-    dys: list[torch.Tensor | None] = field(default_factory=list)
-
-
-nn_Module = torch.nn.Module
+    # the weight-gradient inputs I keeps for W, when this micro-batch's backward is split
+    deferred: Deferred | None = None
 
 
 _Shapes = dict[int, tuple[torch.Size, torch.dtype]]
@@ -122,26 +117,18 @@ class Runtime:
         self.last = schedule.stages - 1
         self.shapes: dict[tuple[Any, ...], tuple[_Shapes, _Shapes]] = {}
         self.peak_in_flight: dict[int, int] = {}
-        self._capture: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] | None = None
-        for stage in stages.values():
-            for m in stage.owners:
-                m.register_forward_hook(self._record)
+        # (stage, micro-batch) pairs backwarded as I + W, and each such stage's splitter
+        self.split = {(a.stage, a.mb) for acts in schedule.ranks for a in acts if a.kind is Kind.I}
+        self.splitters = {
+            s: SplitBackward(stage)
+            for s, stage in stages.items()
+            if any(k == s for k, _ in self.split)
+        }
 
-    # --- forward hooks: outputs of parameter-holding modules, for W ---------------------
-    def _record(self, module: nn_Module, args: Any, output: Any) -> None:
-        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            x = args[0] if isinstance(module, torch.nn.Linear) and args else None
-            self._capture.append((module, x, output))
-
-    @contextlib.contextmanager
-    def _capturing(
-        self, into: list[tuple[nn_Module, torch.Tensor | None, torch.Tensor]] | None
-    ) -> Iterator[None]:
-        self._capture = into
-        try:
-            yield
-        finally:
-            self._capture = None
+    @property
+    def split_reports(self) -> dict[int, SplitReport]:
+        """Per stage backwarded as I + W: which modules split, which fall back and why."""
+        return {s: sb.report for s, sb in self.splitters.items()}
 
     def _peer(self, stage: int) -> int:
         return self.schedule.placement[stage]
@@ -279,7 +266,7 @@ class Runtime:
                     else:
                         x = self.link.wait(recv_act.pop((s, mb)))
                     with self._span(a):
-                        c = self._forward(s, x, targets[mb] if s == self.last else None, m)
+                        c = self._forward(s, mb, x, targets[mb] if s == self.last else None, m)
                     ctx[(s, mb)] = c
                     if self.watch_forward and self.nonfinite_forward is None:
                         self._watch(s, mb, x, c.y)
@@ -341,10 +328,14 @@ class Runtime:
         return self.tracer.span(a.kind.value, stage=a.stage, mb=a.mb)
 
     # --- compute --------------------------------------------------------------------------
-    def _forward(self, s: int, x: torch.Tensor, target: torch.Tensor | None, m: int) -> _Ctx:
+    def _forward(
+        self, s: int, mb: int, x: torch.Tensor, target: torch.Tensor | None, m: int
+    ) -> _Ctx:
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
         c = _Ctx(x, target)
+        if (s, mb) in self.split:
+            c.deferred = Deferred()
         if self.recompute:
             with torch.no_grad():
                 y = self.stages[s](x)
@@ -353,11 +344,15 @@ class Runtime:
         self._run(s, c, target, m)
         return c
 
+    def _deferring(self, s: int, c: _Ctx) -> contextlib.AbstractContextManager[None]:
+        if c.deferred is None:
+            return contextlib.nullcontext()
+        return self.splitters[s].deferring(c.deferred)
+
     def _run(self, s: int, c: _Ctx, target: torch.Tensor | None, m: int) -> None:
-        """Forward with autograd, recording parameter-holding modules' outputs."""
+        """Forward with autograd; split layers keep W's inputs when the backward is split."""
         assert c.x is not None
-        c.captured = []
-        with self._capturing(c.captured if self.schedule.split_backward else None):
+        with self._deferring(s, c):
             y = self.stages[s](c.x)
         c.y = self._loss(y, target, m) if s == self.last else y
 
@@ -368,49 +363,20 @@ class Runtime:
         return loss / m if self.mean_loss else loss
 
     def _backward(self, kind: Kind, s: int, c: _Ctx, g: torch.Tensor | None) -> torch.Tensor | None:
-        stage = self.stages[s]
-        if kind is not Kind.W and self.recompute:
+        if kind is Kind.W:
+            assert c.deferred is not None, f"W of stage {s} without its I"
+            c.deferred.apply()
+            c.deferred = None
+            return None
+        if self.recompute:
             self._run(s, c, c.target, self.schedule.m)
         assert c.y is not None and c.x is not None
-        x_grad = c.x.requires_grad
-        if kind is Kind.B or (kind is Kind.I and not stage.splittable):
+        # I: the same call as B; split layers compute only their input gradient and keep
+        # W's inputs (recomputation inside the model, as checkpointing, splits too)
+        with self._deferring(s, c):
             torch.autograd.backward(c.y, g)
-            dx = c.x.grad if x_grad else None
-            c.captured = []
-            return dx
-        if kind is Kind.I:
-            wanted = ([c.x] if x_grad else []) + [y for _, _, y in c.captured]
-            grads = torch.autograd.grad(c.y, wanted, g, retain_graph=True, allow_unused=True)
-            dx = grads[0] if x_grad else None
-            c.dys = list(grads[1:] if x_grad else grads)
-            return dx
-        # W: each module's own parameters, from its output's gradient. nn.Linear by its
-        # formula (dW = dY^T X, db = sum dY: one matmul, no autograd call); any other
-        # module by autograd.grad from its output to its own parameters.
-        for (module, x, y), dy in zip(c.captured, c.dys, strict=True):
-            if dy is None:
-                continue
-            if x is not None:
-                assert isinstance(module, torch.nn.Linear)
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                pairs = [(module.weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))]
-                if module.bias is not None:
-                    pairs.append((module.bias, dy2.sum(0)))
-            else:
-                params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                grads = torch.autograd.grad(y, params, dy, retain_graph=True, allow_unused=True)
-                pairs = [(p, gp) for p, gp in zip(params, grads, strict=True) if gp is not None]
-            for p, gp in pairs:
-                if not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    p.grad = gp
-                else:  # accumulate as autograd does: unrecorded, and a .grad subclass
-                    # (ZeRO-1's guard over its flat buffer's view) sees no call
-                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                        p.grad.add_(gp)
-        c.captured, c.dys, c.y = [], [], None
-        return None
+        c.y = None
+        return c.x.grad if c.x.requires_grad else None
 
     # --- tied weights ---------------------------------------------------------------------
     def _sum_tied(self, earlier: list[torch.Tensor | None]) -> None:
