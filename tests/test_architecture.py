@@ -144,9 +144,8 @@ def deferred_imports_without_a_reason() -> list[str]:
             name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
             if (name or "").split(".")[0] in OPTIONAL:
                 continue
-            here = lines[node.lineno - 1]
-            above = lines[node.lineno - 2] if node.lineno > 1 else ""
-            if "# deferred: " not in here and "# deferred: " not in above:
+            said = lines[max(0, node.lineno - 2) : node.end_lineno]  # the line above, and its own
+            if not any("# deferred: " in line for line in said):
                 out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     return out
 

@@ -56,12 +56,12 @@ from __future__ import annotations
 from collections import deque
 
 from plait.strategies.pipeline.actions import Action, B, F, I, Schedule, ScheduleError, W
+from plait.strategies.pipeline.schedules import _check, v_placement
 
 
 def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
     """DualPipeV for ``p`` ranks and ``m >= 2p`` micro-batches, two chunks per rank in a V
     (module docstring: phases, bubble, memory, what the overlap reduces to on one stream)."""
-    from plait.strategies.pipeline.schedules import _check, v_placement
 
     _check("dualpipev", p, m, v)
     if v != 2:

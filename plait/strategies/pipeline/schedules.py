@@ -36,6 +36,7 @@ from plait.strategies.pipeline.actions import (
     ScheduleError,
     W,
 )
+from plait.strategies.pipeline.validate import validate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
@@ -331,7 +332,7 @@ def add_comms(schedule: Schedule) -> Schedule:
 
 
 def _dualpipev(p: int, m: int, v: int) -> Schedule:
-    from plait.strategies.pipeline.dualpipe import dualpipev  # it builds on v_placement
+    from plait.strategies.pipeline.dualpipe import dualpipev  # deferred: dualpipe imports this
 
     return dualpipev(p, m, v)
 
@@ -354,7 +355,6 @@ def default_chunks(name: str) -> int:
 def build(name: str, *, p: int, m: int, v: int | None = None, comms: bool = True) -> Schedule:
     """The schedule ``name`` for ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank,
     with sends and receives (``comms=True``), validated."""
-    from plait.strategies.pipeline.validate import validate
 
     key = name.lower().replace("_", "-")
     key = {

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.strategies.pipeline.simulate import Costs, simulate
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -51,7 +53,10 @@ class Layer:
 def layers_of(model: nn.Module, plan: Any = None) -> list[Layer]:
     """The layers of ``model`` in order: the ``plan``'s (a :class:`~.plan.PipelinePlan`),
     or an ``nn.Sequential``'s children. Any other model is refused, naming what to write."""
-    from plait.strategies.pipeline.plan import refusal, sequential_plan
+    from plait.strategies.pipeline.plan import (  # deferred: plan imports split
+        refusal,
+        sequential_plan,
+    )
 
     if plan is not None:
         return list(plan.layers)
@@ -113,7 +118,6 @@ def _balanced(weights: Sequence[float], k: int) -> list[tuple[int, int]]:
 
 def _simulated(weights: Sequence[float], bounds: Sequence[tuple[int, int]], schedule: Any) -> float:
     """Makespan of ``schedule`` when a stage's F costs its layers' weight (B = 2F, I = W = F)."""
-    from plait.strategies.pipeline.simulate import Costs, simulate
 
     per_stage: dict[tuple[str, int], float] = {}
     for s, (a, b) in enumerate(bounds):

@@ -35,7 +35,9 @@ def validate(sched: Schedule) -> None:
         if not 0 <= r < p:
             raise ScheduleError(f"{sched.name}: stage {s} is placed on rank {r}, not in 0..{p - 1}")
     if not any(a.kind.is_comm for acts in sched.ranks for a in acts):
-        from plait.strategies.pipeline.schedules import add_comms
+        from plait.strategies.pipeline.schedules import (
+            add_comms,  # deferred: schedules imports this
+        )
 
         sched = add_comms(sched)
     _check_ownership(sched)
