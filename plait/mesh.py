@@ -351,3 +351,33 @@ class Mesh:
 
 
 __all__ = ["DEFAULT_ORDER", "Layout", "Mesh", "layout"]
+
+
+def data_parallel_group(
+    mesh: Mesh | Group | None, group: Group | None = None, *, who: str
+) -> Group | None:
+    """Where a data-parallel strategy runs, from ``mesh=`` (plait's one name for it) or
+    ``group=`` (accepted as well): a :class:`~plait.comm.Group` as it is; a :class:`Mesh`'s
+    ``dp`` dimension, or its only dimension of more than one rank. None when neither is
+    given (the strategy then runs on the world). Both given is refused, and so is a mesh of
+    several dimensions (naming them, and what to pass instead). Local: no communication.
+    """
+    if mesh is not None and group is not None and mesh is not group:
+        raise TypeError(f"{who}: pass mesh= (a Mesh or a group) or group=, not both")
+    where = mesh if mesh is not None else group
+    if where is None or isinstance(where, Group):
+        return where
+    if not isinstance(where, Mesh):
+        raise TypeError(
+            f"{who}: mesh= must be a plait.Mesh or a plait.comm.Group, got {type(where).__name__}"
+        )
+    shape = where.shape
+    wide = [n for n, size in shape.items() if size > 1]
+    if set(wide) <= {"dp"} and "dp" in shape:
+        return where.group("dp")
+    if len(wide) == 1:
+        return where.group(wide[0])
+    raise ValueError(
+        f"{who} runs on one group of ranks; the mesh has dimensions {shape}: pass "
+        f"Mesh(dp=n) or mesh.group(name), or compose dimensions with strategy='ptdp'"
+    )

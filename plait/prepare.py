@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.mesh import data_parallel_group
 from plait.models.gpt import GPT
 from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
@@ -280,30 +281,12 @@ def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
             )
         out[name], source[name] = value, key
     if "mesh" in out and strategy in _ONE_GROUP:
-        out["group"] = _one_group(out.pop("mesh"), strategy)
+        out["group"] = data_parallel_group(out.pop("mesh"), who=f"strategy {strategy!r}")
     if strategy == "ptdp":
         for new, theirs in (("plan", "tp_plan"), ("mode", "tp_mode")):
             if new in out:
                 out[theirs] = out.pop(new)
     return out
-
-
-def _one_group(mesh: Any, strategy: str) -> Any:
-    """The group a data-parallel strategy runs on: a group as it is; a mesh's ``dp``
-    dimension, or its only dimension of more than one rank."""
-    shape = getattr(mesh, "shape", None)
-    if not isinstance(shape, dict) or not hasattr(mesh, "group"):
-        return mesh
-    wide = [n for n, size in shape.items() if size > 1]
-    if set(wide) <= {"dp"} and "dp" in shape:
-        return mesh.group("dp")
-    if len(wide) == 1:
-        return mesh.group(wide[0])
-    raise ValueError(
-        f"strategy {strategy!r} runs on one group of ranks; the mesh has dimensions "
-        f"{shape}: pass Mesh(dp=n) or mesh.group(name), or compose dimensions with "
-        f"strategy='ptdp'"
-    )
 
 
 def prepare(

@@ -75,3 +75,8 @@ def test_model_keyword_still_works_with_a_warning():
         assert wrap(model="m", size=2) == ("m", 2)
     with pytest.raises(TypeError, match="pass the module once"):
         wrap("m", model="n")
+
+
+def test_strategies_built_by_hand_take_mesh(ranks):
+    for out in ranks(2, prepare_fns.constructors_take_mesh):
+        assert out == ["ddp", "naive", "fsdp", "zero", "refused"]

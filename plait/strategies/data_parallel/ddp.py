@@ -75,6 +75,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel import ddp_args, grad_sync
 from plait.strategies.data_parallel.buckets import Bucket, build_buckets
@@ -128,6 +129,8 @@ class DistributedDataParallel(nn.Module):
     NaN (module docstring). ``tracer``: record forward, backward and each bucket's
     all-reduce (see :mod:`plait.trace`).
 
+    Where it runs: ``mesh=`` (a :class:`~plait.Mesh`: its ``dp`` dimension, or its only
+    one; or a group), the name every plait strategy uses; ``group=`` is accepted as well.
     PyTorch names: ``process_group=`` is an alias of ``group=``; ``device_ids`` and
     ``output_device`` are accepted for a module on one CUDA device (``[device]``, that
     device) and must be None for a CPU module; ``require_backward_grad_sync`` is honoured
@@ -141,6 +144,7 @@ class DistributedDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
+        mesh: Mesh | Group | None = None,
         group: Group | None = None,
         process_group: Group | None = None,
         device_ids: list[int | str | torch.device] | None = None,
@@ -159,6 +163,7 @@ class DistributedDataParallel(nn.Module):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.module = module
+        group = data_parallel_group(mesh, group, who="DistributedDataParallel")
         self.group = ddp_args.pick_group(group, process_group)
         ddp_args.check_devices(module, device_ids, output_device)
         self.device_ids = device_ids

@@ -30,6 +30,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel import grad_sync
 from plait.strategies.data_parallel.ddp import broadcast_tensors
@@ -40,7 +41,8 @@ WHO = "NaiveDataParallel"
 
 
 class NaiveDataParallel(nn.Module):
-    """Wrap ``module``; average gradients over ``group`` (default: the world) after backward.
+    """Wrap ``module``; average gradients over ``mesh`` (a :class:`~plait.Mesh`'s ``dp``
+    dimension or a group; ``group=`` is accepted as well; default: the world) after backward.
 
     ``algorithm``: the all-reduce algorithm (``plait.comm``'s names). ``check_finite``:
     ``"raise"`` (default), ``"skip"`` or ``None``, as for DistributedDataParallel (here each
@@ -55,6 +57,7 @@ class NaiveDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
+        mesh: Mesh | Group | None = None,
         group: Group | None = None,
         algorithm: str = "auto",
         check_finite: str | None = "raise",
@@ -62,6 +65,7 @@ class NaiveDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
+        group = data_parallel_group(mesh, group, who="NaiveDataParallel")
         self.group = group if group is not None else comm.world()
         self.algorithm = algorithm
         self.tracer = tracer

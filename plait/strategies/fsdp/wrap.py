@@ -16,6 +16,7 @@ from torch import nn
 
 from plait import runtime
 from plait.comm.group import Group
+from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel.ddp import broadcast_tensors
 from plait.strategies.fsdp.module import FSDPModule
@@ -178,6 +179,7 @@ def _default_group(group: Group | None) -> Group | None:
 def fully_shard(
     module: nn.Module,
     *,
+    mesh: Mesh | Group | None = None,
     group: Group | None = None,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | str | None = None,
@@ -192,7 +194,9 @@ def fully_shard(
     reproducible: bool = False,
     threads: int | None = 1,
 ) -> nn.Module:
-    """Shard ``module``'s parameters over ``group`` (default: the world) in place; return it.
+    """Shard ``module``'s parameters over ``mesh`` (a :class:`~plait.Mesh`'s ``dp``
+    dimension, or a group, as FSDP2's ``mesh=``; ``group=`` is accepted as well; default: the
+    world) in place; return it.
 
     ``wrap``: which submodules become units of their own (a set or tuple of module
     classes; an int: a submodule whose subtree holds at least that many parameters not in
@@ -249,7 +253,7 @@ def fully_shard(
         )
     mp = resolve_mixed_precision(_alias(mp_policy, mixed_precision, "mp_policy"))
     off = resolve_offload(_alias(offload_policy, offload, "offload_policy"))
-    g = _default_group(group)
+    g = _default_group(data_parallel_group(mesh, group, who="fully_shard"))
     if g is not None and g.size > 1:
         verify_same_parameters(module.named_parameters(), g, who="fully_shard")
     first = next(module.parameters(), None)

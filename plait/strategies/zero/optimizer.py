@@ -13,6 +13,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm.group import Group
+from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel.ddp import MIB, broadcast_tensors
 from plait.strategies.reproducible.tree import Microbatches
@@ -67,7 +68,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Unlike a plain optimizer, a parameter without a gradient in a step (while others have
     one) is updated with a zero gradient (momentum and weight decay still apply to it).
 
-    Construction is a collective on ``group``: the parameter lists are compared
+    Where it runs: ``mesh=`` (a :class:`~plait.Mesh`'s ``dp`` dimension, or a group;
+    ``group=`` is accepted as well; default: the world). Construction is a collective on
+    that group: the parameter lists are compared
     (:func:`plait.strategies.consistency.verify_same_parameters`) and the parameters
     broadcast from group rank 0.
     """
@@ -78,6 +81,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         stage: int = 1,
+        mesh: Mesh | Group | None = None,
         group: Group | None = None,
         algorithm: str = "auto",
         bucket_mb: float = 25.0,
@@ -97,6 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_elementwise(optimizer_class)
         layout: ParamGroups = parse_param_groups(params, module)
         self.stage = stage
+        group = data_parallel_group(mesh, group, who="ZeroOptimizer")
         self.group = group if group is not None else comm.world()
         self.algorithm = algorithm
         self.bucket_bytes = int(bucket_mb * MIB)
