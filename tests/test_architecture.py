@@ -156,3 +156,24 @@ def test_every_import_inside_a_function_says_why():
         "imports inside functions without a '# deferred: <reason>' comment (move them to "
         "the top of the module, or say what importing them there avoids):\n" + "\n".join(missing)
     )
+
+
+def test_no_package_exports_a_name_its_submodule_takes():
+    """``import pkg.sub`` sets ``pkg.sub`` to the submodule, so a package that exports an
+    object called ``sub`` from another module loses it (or its submodule) depending on which
+    is imported first."""
+    clashes = []
+    for init in ROOT.rglob("__init__.py"):
+        pkg = init.parent.relative_to(ROOT.parent).as_posix().replace("/", ".")
+        subs = {p.stem for p in init.parent.glob("*.py")} | {
+            p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()
+        }
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    name = alias.asname or alias.name
+                    # from pkg.x import x (the submodule's own function) is the usual front
+                    own = node.module == f"{pkg}.{name}" or node.module == pkg
+                    if name in subs and not own:
+                        clashes.append(f"{pkg}.{name} (from {node.module} import {alias.name})")
+    assert not clashes, f"package exports named like one of its submodules: {clashes}"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.plan import MemoryEstimate, compare, estimate, measure
+from plait.plan import MemoryEstimate, compare, estimate
+from plait.plan.memory import measure
 
 # ZeRO paper, Figure 1: 7.5B parameters, Adam (K = 12), 64 ranks, mixed precision.
 FIGURE_1 = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}

@@ -55,9 +55,7 @@ import torch
 
 from plait import runtime
 from plait.comm import (
-    barrier as dissemination,
-)
-from plait.comm import (
+    dissemination,
     halving_doubling,
     hierarchical,
     naive,

@@ -1,7 +1,8 @@
 """Planning before spending accelerator hours: memory per rank, step time, and the layout.
 
 - :mod:`plait.plan.memory`: the ZeRO paper's model-state arithmetic (section 3, Figure 1)
-  and ``measure``, which counts the tensors a rank really holds, to check it against;
+  and ``measure`` (here ``measure_memory``: ``plait.plan.measure`` is the subpackage that
+  measures this machine), which counts the tensors a rank really holds, to check it against;
 - :mod:`plait.plan.model`: a GPT's shape, parameters and FLOPs (Narayanan et al. 2021);
 - :mod:`plait.plan.hardware`: clusters (A100, H100, this CPU from ``plait bench calibrate``);
 - :mod:`plait.plan.measure.calibrate` (and :mod:`plait.plan.measure.probe`, run on the ranks): this
@@ -29,8 +30,8 @@ from plait.plan.memory import (
     compare,
     estimate,
     format_table,
-    measure,
 )
+from plait.plan.memory import measure as measure_memory
 from plait.plan.model import ModelSpec, from_gpt_config, from_param_count, published
 from plait.plan.report import explain
 from plait.plan.search import Plan, SearchResult, SearchSpace, evaluate, search
@@ -66,7 +67,7 @@ __all__ = [
     "from_param_count",
     "h100",
     "local_cpu",
-    "measure",
+    "measure_memory",
     "model_states",
     "published",
     "rank_states",
