@@ -46,9 +46,15 @@ def timeline_png(spans: Sequence[Span], path: Path, *, title: str) -> Path:
         left, width = (s.start_ns - origin) / 1e6, s.duration_ns / 1e6
         ax.barh(lane, width, left=left, height=0.8, color=colour, edgecolor="white", lw=0.4)
     end = max(s.end_ns for s in spans)
-    for s in spans:  # names where they fit
+    named: list[Span] = []
+    for s in sorted(spans, key=lambda s: -s.duration_ns):  # names where they fit, outermost
         width = s.duration_ns / 1e6
-        if width > 0.06 * (end - origin) / 1e6:
+        inside = any(
+            o.rank == s.rank and o.stream == s.stream and o.start_ns <= s.start_ns
+            and s.end_ns <= o.end_ns for o in named
+        )  # fmt: skip
+        if width > 0.06 * (end - origin) / 1e6 and not inside:
+            named.append(s)
             lane = 2 * ranks.index(s.rank) + (0 if s.stream == "compute" else 1)
             ax.text(
                 (s.start_ns - origin) / 1e6 + width / 2, lane, s.name[:18], ha="center",
@@ -117,15 +123,15 @@ def tour_png(
     wall.set_ylabel("training loss (nats per character)")
     wall.legend(fontsize=7)
     names = [r.layout for r in rows]
-    x = list(range(len(rows)))
+    at = list(range(len(rows)))
     mem = [r.param_mib_per_rank for r in rows]
     sent = [r.mib_sent_per_step for r in rows]
-    bars.bar([i - 0.2 for i in x], mem, width=0.4, color="#4e79a7",
+    bars.bar([i - 0.2 for i in at], mem, width=0.4, color="#4e79a7",
              label="parameters per rank (MiB, largest rank)")  # fmt: skip
     twin = bars.twinx()
-    twin.bar([i + 0.2 for i in x], sent, width=0.4, color="#f28e2b",
+    twin.bar([i + 0.2 for i in at], sent, width=0.4, color="#f28e2b",
              label="sent per step by rank 0 (MiB)")  # fmt: skip
-    bars.set_xticks(x)
+    bars.set_xticks(at)
     bars.set_xticklabels(names, fontsize=8, rotation=15)
     bars.set_ylabel("parameters per rank (MiB)", color="#4e79a7")
     twin.set_ylabel("MiB sent per step, rank 0", color="#f28e2b")
