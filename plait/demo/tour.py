@@ -43,7 +43,7 @@ from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, check_passed, run
 #: the GPT of the tour: 0.37M parameters, which on 2 cores learn words in about 2 minutes
 MODEL: dict[str, Any] = {"width": 96, "layers": 3, "heads": 4, "seq_len": 128, "batch_size": 32}
 #: the reference's training (steps, learning-rate schedule)
-SCHEDULE = reference.Schedule(steps=800, warmup=30, peak_lr=3e-3, final_lr=3e-4, evals=8)
+SCHEDULE = reference.Schedule(steps=600, warmup=30, peak_lr=3e-3, final_lr=3e-4, evals=6)
 #: steps each layout continues the reference for
 STEPS = 20
 
