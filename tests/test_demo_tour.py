@@ -6,6 +6,7 @@ any CPU)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from plait import checkpoint
 from plait.demo.gpt import FLOAT64_BOUND, GPTDemoConfig, validate
 from plait.demo.layouts import upcycle
-from plait.demo.reference import Reference, Schedule, lr_at
+from plait.demo.reference import Reference, Schedule, fastest_threads, lr_at
 from plait.demo.tour import LEGEND, Row, Tour, _print, bubble_note, stops, table, tour
 from plait.models import GPT
 
@@ -38,6 +39,12 @@ def test_the_learning_rate_warms_up_then_decays_to_the_continuations_rate():
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
     assert lrs[-1] == pytest.approx(1e-3)
     assert stops()[0].config.lr == pytest.approx(Schedule().final_lr)
+
+
+def test_the_reference_trains_on_one_thread_or_every_core_whichever_is_faster():
+    before = torch.get_num_threads()
+    assert fastest_threads(GPTDemoConfig(**SMALL), repeats=1) in {1, os.cpu_count()}
+    torch.set_num_threads(before)
 
 
 def test_upcycling_starts_every_expert_as_the_dense_mlp():
