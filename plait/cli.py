@@ -373,7 +373,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             seed=args.seed,
             name=args.name or "",
-            dtype=args.dtype,
+            dtype=args.dtype or "float32",
         )
         options = ("heads", "width", "seq_len", "experts", "batch_size")
         config = fit_defaults(config, given={k for k in options if getattr(args, k) is not None})
@@ -406,7 +406,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         slow_worker=_slow_worker(args.slow_worker),
         max_staleness=args.max_staleness,
         evals_per_epoch=args.evals_per_epoch,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         reproducible=args.reproducible,
         microbatch_size=args.microbatch_size if args.microbatch_size is not None else 8,
     )
@@ -495,8 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--dtype",
         choices=["float32", "float64"],
-        default="float32",
-        help="of the model; float64 makes --check exact on any CPU",
+        default=None,
+        help="of the model (default float32; --tour: the layouts' continuations, default "
+        "float64); float64 makes --check exact on any CPU",
     )
     demo.add_argument(
         "--reproducible",

@@ -316,7 +316,7 @@ def global_batch(config: GPTDemoConfig, tokens: torch.Tensor, step: int) -> tupl
     return token_batches(tokens, batch=config.batch_size, seq_len=config.seq_len, seed=seed)
 
 
-def _held_out(config: GPTDemoConfig, tokens: torch.Tensor) -> tuple[Any, Any]:
+def held_out_windows(config: GPTDemoConfig, tokens: torch.Tensor) -> tuple[Any, Any]:
     """About 16 held-out windows, a multiple of the global batch (so that it splits into
     micro-batches and over ranks as a training batch does)."""
     rows = config.batch_size * max(1, round(16 / config.batch_size))
@@ -374,7 +374,7 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     t = build(config, mesh, tracer)
     a, b = t.rows
     lead = world.rank == 0
-    x_held, y_held = _held_out(config, held_tokens)
+    x_held, y_held = held_out_windows(config, held_tokens)
     evals = config.eval_points
     marks = {round(config.steps * (k + 1) / evals) for k in range(evals)}
     history: list[Point] = []

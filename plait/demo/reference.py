@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from plait import checkpoint
-from plait.demo.gpt import PROMPT, GPTDemoConfig, corpus, global_batch
-from plait.models import GPT, CharTokenizer, token_batches
+from plait.demo.gpt import PROMPT, GPTDemoConfig, corpus, global_batch, held_out_windows
+from plait.models import GPT, CharTokenizer
 from plait.models.gpt import loss
 
 
@@ -49,14 +49,10 @@ def lr_at(step: int, s: Schedule) -> float:
     return s.final_lr + (s.peak_lr - s.final_lr) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-#: held-out windows for the loss per character (x seq_len characters)
-HELD_OUT_WINDOWS = 64
-
-
 def held_out_loss(model: GPT, config: GPTDemoConfig, tokens: torch.Tensor) -> float:
-    """Mean cross-entropy in nats per character over :data:`HELD_OUT_WINDOWS` fixed windows
-    of the held-out text (never trained on)."""
-    x, y = token_batches(tokens, batch=HELD_OUT_WINDOWS, seq_len=config.seq_len, seed=1)
+    """Mean cross-entropy in nats per character over the held-out windows every layout
+    measures too (:func:`plait.demo.gpt.held_out_windows`: never trained on)."""
+    x, y = held_out_windows(config, tokens)
     model.eval()
     with torch.no_grad():
         value = float(loss(model(x), y))

@@ -6,7 +6,10 @@
 2. Each layout loads that checkpoint on 4 local ranks and trains a short continuation
    (``steps``, at the reference's final learning rate, on the batches after it), checked
    against the dense GPT continued in one process (:func:`plait.demo.gpt.run` with
-   ``check``):
+   ``check``). The continuations run in float64 (the float32 checkpoint loads exactly), so
+   the check holds to 1e-8 on any CPU; in float32 (``dtype``) the bound is measured from
+   the oracle's own sensitivity to summation order, and Adam's fresh moments make it loose
+   (about 1e-2 over 20 steps):
 
 ====================  ============================================================
 DDP dp4               ``Mesh(dp=4)``: every rank a replica, gradients all-reduced
@@ -21,9 +24,8 @@ MoE ep4               ``Mesh(ep=4)``: 4 experts in every second block, upcycled
    ``runs/tour-<time>/``: ``tour.png`` (loss against step and wall time, memory and bytes
    per layout), ``schedule.png`` (the pipeline's last step as it ran) and ``timeline.png``
    (DDP's last step: compute and communication per rank, from the tracer).
-4. A verdict: PASS when every layout ended within what rounding explains of one process
-   (float32: a bound measured from the oracle's own sensitivity; float64: 1e-8), else FAIL
-   and exit code 1.
+4. A verdict: PASS when every layout ended within what rounding explains of one process,
+   else FAIL and exit code 1.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def stops(
     *,
     steps: int = STEPS,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str = "float64",
     init: str = "",
     first_step: int = 0,
     lr: float = SCHEDULE.final_lr,
@@ -223,7 +225,7 @@ def tour(
     steps: int = STEPS,
     schedule: reference.Schedule = SCHEDULE,
     out_dir: Path = Path("runs"),
-    dtype: str = "float32",
+    dtype: str = "float64",
     model: dict[str, Any] | None = None,
 ) -> Tour:
     """Train the reference, continue it under every layout with ``--check``, print the
@@ -231,7 +233,7 @@ def tour(
     stamp = time.strftime("%H%M%S")
     folder = out_dir / f"tour-{stamp}"
     folder.mkdir(parents=True, exist_ok=True)
-    ref_config = replace(stops(model=model, dtype=dtype)[0].config, steps=schedule.steps)
+    ref_config = replace(stops(model=model, dtype="float32")[0].config, steps=schedule.steps)
     print(
         f"plait demo --tour\n\n1. the reference: the GPT ({ref_config.layers} layers, width "
         f"{ref_config.width}, sequence {ref_config.seq_len}) learns Python's documentation "
@@ -257,8 +259,8 @@ def tour(
         lr=schedule.final_lr,
     )  # fmt: skip
     print(
-        f"2. five layouts on 4 ranks each load it and continue for {steps} steps, each "
-        f"checked against one process\n",
+        f"2. five layouts on 4 ranks each load it and continue for {steps} steps in {dtype}, "
+        f"each checked against one process\n",
         flush=True,
     )
     done: list[tuple[str, GPTDemoReport]] = []
@@ -360,6 +362,6 @@ def main(args: Any) -> int:
     schedule = SCHEDULE if ref_steps is None else replace(SCHEDULE, steps=ref_steps)
     result = tour(
         steps=steps, schedule=schedule, out_dir=Path(args.out),
-        dtype=getattr(args, "dtype", "float32"),
+        dtype=getattr(args, "dtype", None) or "float64",
     )  # fmt: skip
     return 0 if result.passed and math.isfinite(result.reference.held_out_nats) else 1
