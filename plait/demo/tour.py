@@ -175,7 +175,8 @@ def table(rows: list[Row]) -> str:
 #: the table's legend, two lines
 LEGEND = (
     "step ms: wall time per step, 4 ranks sharing this machine's cores; params/rank: the "
-    "largest rank's parameters (x4 with gradients and Adam); sent/step: bytes rank 0 sends.\n"
+    "largest rank's parameters, in the run's dtype (x4 with gradients and Adam); sent/step: "
+    "what rank 0 sends.\n"
     "bubble: idle share of the pipeline's ranks in its last step, measured / simulated / "
     "formula; loss: nats per character; diff: largest parameter difference to one process."
 )
@@ -189,8 +190,14 @@ def bubble_note(stop: Stop, r: Row, cores: int) -> str:
         f"{stop.name}: {p} stages and {m} micro-batches: the formula (p-1)/(m+p-1) = "
         f"{p - 1}/{m + p - 1} = {_pct(r.bubble_formula)} is the fill and the drain, when a "
         f"stage has no micro-batch yet or any more; with the measured action times the "
-        f"simulator gives {_pct(r.bubble_simulated)}."
+        f"simulator gives {_pct(r.bubble_simulated)}"
     )
+    if (r.bubble_simulated or 0.0) > (r.bubble_formula or 0.0) + 0.03:
+        note += (
+            f" (the formula assumes equal stages; the embedding, {c.layers} blocks and the "
+            f"head cut {p} ways are not, and the slowest sets the pace)"
+        )
+    note += "."
     if cores < p and r.bubble_on_cores is not None:
         note += (
             f" Measured {_pct(r.bubble)}: the {p} ranks share {cores} cores, so a rank also "
