@@ -65,12 +65,18 @@ def timeline_png(spans: Sequence[Span], path: Path, *, title: str) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds since the step began")
     ax.set_title(title, fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*_COMPUTE.values(), _COMM)]
-    ax.legend(handles, [*_COMPUTE, "communication"], fontsize=7, loc="lower right", ncol=4)
+    colours = (*_COMPUTE.values(), _OTHER, _COMM)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours]
+    names = [*_COMPUTE, "other (e.g. waiting for gradients)", "communication"]
+    ax.legend(handles, names, fontsize=7, loc="lower right", ncol=5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+#: the wall-time panel plots the running mean of this many steps (each step's batch differs)
+WALL_MEAN = 5
 
 
 def _smooth(values: Sequence[float], k: int) -> list[float]:
@@ -111,14 +117,14 @@ def tour_png(
     for name, rep in layouts:
         x = range(n + 1, n + 1 + len(rep.losses))
         steps.plot(x, rep.losses, "o-", ms=3, lw=1, label=name)
-        wall.plot(rep.step_ends, rep.losses, "o-", ms=3, lw=1, label=name)
+        wall.plot(rep.step_ends, _smooth(rep.losses, WALL_MEAN), lw=1.5, label=name)
     steps.set_title("the continuations against the step\n(the dense layouts overlap: the same "
                     "function, checked against one process)", fontsize=10)  # fmt: skip
     steps.set_xlabel("step")
     steps.set_ylabel("training loss (nats per character)")
     steps.legend(fontsize=7)
-    wall.set_title("the continuations against wall time\n(4 ranks sharing this machine's cores)",
-                   fontsize=10)  # fmt: skip
+    wall.set_title(f"the continuations against wall time (mean of {WALL_MEAN} steps)\n"
+                   "(4 ranks sharing this machine's cores)", fontsize=10)  # fmt: skip
     wall.set_xlabel("seconds since the layout's first step")
     wall.set_ylabel("training loss (nats per character)")
     wall.legend(fontsize=7)

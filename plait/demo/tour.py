@@ -301,6 +301,7 @@ def _write(
             "held_out_bits_per_char": t.reference.held_out_bits,
             "train_seconds": t.reference.train_seconds,
             "history": t.reference.history,
+            "losses": t.reference.losses,
             "text": t.text,
         },
         "passed": t.passed,
