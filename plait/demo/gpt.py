@@ -48,7 +48,10 @@ import torch
 import plait
 from plait import comm
 from plait.demo import layouts
+from plait.demo.pictures import timeline_png
 from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
+from plait.strategies.pipeline.draw import draw_png
+from plait.strategies.pipeline.report import slots_from_spans
 from plait.trace import Tracer, write_chrome
 
 PROMPT = "The assert statement"
@@ -583,9 +586,6 @@ def _draw_schedule(
 ) -> None:
     """The pipeline's last step as run: each rank's forwards and backwards in measured time
     (:func:`plait.strategies.pipeline.draw.draw_png`)."""
-    from plait.strategies.pipeline.draw import draw_png
-    from plait.strategies.pipeline.report import slots_from_spans
-
     slots = slots_from_spans([sp for r in results for sp in last_step(r)])
     draw_png(
         slots, str(path), p=config.pp, unit="seconds since the step began",
@@ -699,8 +699,6 @@ def run(
         text=sample(state, config),
         moe=lead["moe"],
     )
-    from plait.demo.pictures import timeline_png
-
     timeline_png(
         [sp for r in results for sp in last_step(r)], run_dir / "timeline.png",
         title=f"plait: the last step of {describe(config)}",

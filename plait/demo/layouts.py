@@ -19,7 +19,8 @@ one-process oracle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,8 +60,6 @@ def start_model(config: GPTDemoConfig) -> GPT:
     if not config.moe:
         checkpoint.load(config.init, model=model, rng=False)
         return model
-    from dataclasses import replace
-
     dense = GPT(replace(config.model_config(), moe=None))
     checkpoint.load(config.init, model=dense, rng=False)
     return upcycle(dense.state_dict(), model)
@@ -69,8 +68,6 @@ def start_model(config: GPTDemoConfig) -> GPT:
 def upcycle(dense: dict[str, torch.Tensor], model: GPT) -> GPT:
     """``model`` (a MoE GPT) with every tensor of ``dense`` it shares by name, and every
     expert ``blocks.<i>.mlp.experts.<e>.<rest>`` set to the dense ``blocks.<i>.mlp.<rest>``."""
-    import re
-
     state = model.state_dict()
     for key in state:
         source = re.sub(r"\.mlp\.experts\.\d+\.", ".mlp.", key)

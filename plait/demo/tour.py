@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -39,8 +40,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from plait import checkpoint
 from plait.demo import reference
 from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, check_passed, run
+from plait.demo.pictures import tour_png
+from plait.models import GPT
 
 #: the GPT of the tour: 0.37M parameters, which on 2 cores learn words in about 2 minutes
 MODEL: dict[str, Any] = {"width": 96, "layers": 3, "heads": 4, "seq_len": 128, "batch_size": 32}
@@ -248,11 +252,7 @@ def tour(
         flush=True,
     )
     ref = reference.train(ref_config, schedule, root=folder / "reference")
-    from plait.models import GPT
-
     model_ = GPT(ref_config.model_config())
-    from plait import checkpoint
-
     checkpoint.load(ref.root, model=model_, rng=False)
     text = reference.write(model_, ref_config, chars=300)
     print(
@@ -290,8 +290,6 @@ def _write(
     out_dir: Path,
     stamp: str,
 ) -> None:
-    from plait.demo.pictures import tour_png
-
     (t.folder / "tour.md").write_text(table(t.rows) + "\n\n" + LEGEND + "\n")
     saved = {
         "rows": [asdict(r) for r in t.rows],
@@ -320,8 +318,6 @@ def _write(
 
 
 def _print(t: Tour, all_stops: list[Stop]) -> None:
-    import os
-
     print("3. the layouts side by side\n")
     print(table(t.rows))
     print("\n" + LEGEND + "\n")
