@@ -87,7 +87,7 @@ def test_a_failed_check_prints_fail(capsys: pytest.CaptureFixture[str], tmp_path
     assert "FAIL: PP pp4 1f1b ended 1.0e-03 from one process" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_short_tour_learns_continues_every_layout_and_writes_the_pictures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
