@@ -286,6 +286,7 @@ def _demo(args: argparse.Namespace) -> int:
             ("--ep", args.ep != 1),
             ("--experts", args.experts is not None),
             ("--evals", args.evals is not None),
+            ("--reference-steps", args.reference_steps is not None),
         )
         if used
     ]
@@ -308,6 +309,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_gpt(args: argparse.Namespace) -> int:
+    if args.reference_steps is not None:
+        print("plait demo: --reference-steps is an option of --tour", file=sys.stderr)
+        return 2
     from plait.demo.gpt import (
         GPTDemoConfig,
         GPTDemoOptionError,
@@ -369,7 +373,7 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             seed=args.seed,
             name=args.name or "",
-            dtype=args.dtype,
+            dtype=args.dtype or "float32",
         )
         options = ("heads", "width", "seq_len", "experts", "batch_size")
         config = fit_defaults(config, given={k for k in options if getattr(args, k) is not None})
@@ -402,7 +406,7 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
         slow_worker=_slow_worker(args.slow_worker),
         max_staleness=args.max_staleness,
         evals_per_epoch=args.evals_per_epoch,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         reproducible=args.reproducible,
         microbatch_size=args.microbatch_size if args.microbatch_size is not None else 8,
     )
@@ -470,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--tour",
         action="store_true",
-        help="the GPT on 4 ranks under DDP, TP, PP, PTD-P and MoE, one table and one plot",
+        help="the GPT learns in one process, then DDP, TP, PP, PTD-P and MoE continue it on "
+        "4 ranks, each checked against one process; a table and pictures",
     )
     demo.add_argument(
         "--strategy",
@@ -490,8 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--dtype",
         choices=["float32", "float64"],
-        default="float32",
-        help="of the model; float64 makes --check exact on any CPU",
+        default=None,
+        help="of the model (default float32; --tour: the layouts' continuations, default "
+        "float64); float64 makes --check exact on any CPU",
     )
     demo.add_argument(
         "--reproducible",
@@ -517,7 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         help="tp ranks as a q x q (2d), d x q x q (2.5d) or q^3 (3d) grid",
     )
     gpt.add_argument("--tp-depth", type=int, default=2, help="2.5d: depth d (default 2)")
-    gpt.add_argument("--steps", type=int, default=None, help="default 150")
+    gpt.add_argument("--steps", type=int, default=None, help="default 150 (--tour: 20 per layout)")
+    gpt.add_argument(
+        "--reference-steps",
+        type=int,
+        default=None,
+        help="--tour: steps the reference trains in one process before the layouts (600)",
+    )
     gpt.add_argument("--seq-len", type=int, default=None, help="default 64")
     gpt.add_argument("--width", type=int, default=None, help="default 64")
     gpt.add_argument("--layers", type=int, default=None, help="default 2")

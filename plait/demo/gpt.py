@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -47,7 +48,10 @@ import torch
 import plait
 from plait import comm
 from plait.demo import layouts
+from plait.demo.pictures import timeline_png
 from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
+from plait.strategies.pipeline.draw import draw_png
+from plait.strategies.pipeline.report import slots_from_spans
 from plait.trace import Tracer, write_chrome
 
 PROMPT = "The assert statement"
@@ -84,6 +88,11 @@ class GPTDemoConfig:
     ep: int = 1
     experts: int = 4
     dtype: str = "float32"  # of the model; "float64" makes --check exact on any CPU
+    # a plait checkpoint root holding the dense GPT to start from (the tour's reference);
+    # "" starts from the seeded initialisation. With moe the MoE blocks are upcycled: every
+    # expert starts as a copy of the dense MLP it replaces (layouts.start_model)
+    init: str = ""
+    first_step: int = 0  # the step number of the first step (its batch): after init, its step
 
     @property
     def eval_points(self) -> int:
@@ -195,6 +204,8 @@ def validate(config: GPTDemoConfig) -> None:
     algorithms = ("auto", *comm.ALGORITHMS)
     if c.algorithm not in algorithms:
         raise bad(f"--algorithm must be one of {', '.join(algorithms)}, got {c.algorithm!r}")
+    if c.init and not Path(c.init).is_dir():
+        raise bad(f"--init must be a plait checkpoint root (a directory), got {c.init!r}")
     if c.name and (c.name in (".", "..") or "/" in c.name or "\\" in c.name):
         raise bad(f"--name must be a plain folder name (no '/', not '..'), got {c.name!r}")
 
@@ -302,13 +313,13 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def global_batch(config: GPTDemoConfig, tokens: torch.Tensor, step: int) -> tuple[Any, Any]:
-    """Step ``step``'s global batch (inputs, next tokens), the same on every rank."""
-    return token_batches(
-        tokens, batch=config.batch_size, seq_len=config.seq_len, seed=config.seed * 100_003 + step
-    )
+    """Step ``step``'s global batch (inputs, next tokens), the same on every rank; counted
+    from ``config.first_step`` (a run continuing a checkpoint draws the batches after it)."""
+    seed = config.seed * 100_003 + config.first_step + step
+    return token_batches(tokens, batch=config.batch_size, seq_len=config.seq_len, seed=seed)
 
 
-def _held_out(config: GPTDemoConfig, tokens: torch.Tensor) -> tuple[Any, Any]:
+def held_out_windows(config: GPTDemoConfig, tokens: torch.Tensor) -> tuple[Any, Any]:
     """About 16 held-out windows, a multiple of the global batch (so that it splits into
     micro-batches and over ranks as a training batch does)."""
     rows = config.batch_size * max(1, round(16 / config.batch_size))
@@ -366,14 +377,17 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     t = build(config, mesh, tracer)
     a, b = t.rows
     lead = world.rank == 0
-    x_held, y_held = _held_out(config, held_tokens)
+    x_held, y_held = held_out_windows(config, held_tokens)
     evals = config.eval_points
     marks = {round(config.steps * (k + 1) / evals) for k in range(evals)}
     history: list[Point] = []
+    losses: list[float] = []  # this rank's loss at every step
+    ends: list[float] = []  # seconds since the start at the end of every step
     loads: list[dict[str, Any]] = []
     comm.reset_stats()
     start = last = time.perf_counter()
-    last_step_ns = 0
+    last_step_ns = last_step_end_ns = 0  # the last training step (the held-out pass after it
+    # is a whole pipeline step too: kept out of the bubble and the timeline)
     since, loss_sum = 0, 0.0
     bar = _progress(config, show=lead)
     for step in range(config.steps):
@@ -383,11 +397,13 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
         loss = t.step(x[a:b], y[a:b])
         with tracer.span("optimizer step", stream="compute"):
             t.optimizer.step()
+        last_step_end_ns = time.perf_counter_ns()
         if config.moe:
             from plait import moe
 
             loads.append(moe.collect(t.model))
-        loss_sum += loss.item()
+        losses.append(loss.item())
+        loss_sum += losses[-1]
         since += 1
         bar.update(1)
         if step + 1 in marks:
@@ -414,13 +430,17 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
                     flush=True,
                 )
             since, loss_sum, last = 0, 0.0, time.perf_counter()
+        ends.append(time.perf_counter() - start)
     bar.close()
     train_s = time.perf_counter() - start
     sent = _dimension_bytes(mesh)  # training only: full_state_dict below gathers over tp
     return {
         "history": [asdict(p) for p in history],
+        "losses": losses,
+        "ends": ends,
         "spans": tracer.spans(),
         "last_step_ns": last_step_ns,
+        "last_step_end_ns": last_step_end_ns,
         "state": t.state(),
         "bytes_by_dim": sent,
         "param_bytes": sum(p.numel() * p.element_size() for p in t.model.parameters()),
@@ -446,7 +466,8 @@ def _progress(config: GPTDemoConfig, show: bool) -> Any:
 
 def _oracle_key(config: GPTDemoConfig) -> tuple[Any, ...]:
     """What the one-process run depends on (the layout does not enter)."""
-    return (config.model_config(), config.steps, config.batch_size, config.lr, config.seed)
+    c = config
+    return (c.model_config(), c.steps, c.batch_size, c.lr, c.seed, c.init, c.first_step)
 
 
 _ORACLES: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
@@ -461,7 +482,7 @@ def oracle(config: GPTDemoConfig, *, pieces: int = 1) -> dict[str, torch.Tensor]
     if key in _ORACLES:
         return _ORACLES[key]
     train_tokens, _ = corpus()
-    model = GPT(config.model_config())
+    model = layouts.start_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     from plait.models.gpt import loss
 
@@ -522,6 +543,10 @@ class GPTDemoReport:
     bytes_by_dim: dict[str, Any] = field(default_factory=dict)
     param_bytes_per_rank: list[int] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
+    # every step: the training loss (mean over the ranks' rows) and the seconds since the
+    # start at its end (rank 0's clock, evaluations included)
+    losses: list[float] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)
     text: str = ""
     max_param_diff: float | None = None
     check_bound: float | None = None  # --check: the difference rounding explains
@@ -530,21 +555,46 @@ class GPTDemoReport:
     moe: list[dict[str, Any]] = field(default_factory=list)  # --moe: stats per step
 
 
+def last_step(result: dict[str, Any]) -> list[Any]:
+    """One rank's spans of its last training step (forward, backward, optimizer step)."""
+    a, b = result["last_step_ns"], result["last_step_end_ns"]
+    return [sp for sp in result["spans"] if sp.start_ns >= a and sp.end_ns <= b]
+
+
 def _bubble(config: GPTDemoConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     """The last step's bubble: measured from every rank's spans, simulated with the measured
     action times, and the formula."""
     from plait.strategies.pipeline import bubble_report
     from plait.strategies.pipeline.schedules import build
 
-    spans = [sp for r in results for sp in r["spans"] if sp.start_ns >= r["last_step_ns"]]
-    rep = bubble_report(build(config.schedule, p=config.pp, m=config.m), spans)
+    spans = [sp for r in results for sp in last_step(r)]
+    cores = float(min(os.cpu_count() or config.pp, config.pp))
+    rep = bubble_report(build(config.schedule, p=config.pp, m=config.m), spans, cores=cores)
     print(rep.describe())
     return {
         "measured": rep.measured,
         "simulated": rep.simulated,
         "formula": rep.formula,
+        "on_cores": rep.simulated_on_cores,  # the simulator with the ranks sharing the cores
+        "cores": rep.cores,
         "step_seconds": rep.step_seconds,
     }
+
+
+def _draw_schedule(
+    config: GPTDemoConfig, results: list[dict[str, Any]], path: Path, bubble: dict[str, Any]
+) -> None:
+    """The pipeline's last step as run: each rank's forwards and backwards in measured time
+    (:func:`plait.strategies.pipeline.draw.draw_png`)."""
+    slots = slots_from_spans([sp for r in results for sp in last_step(r)])
+    draw_png(
+        slots, str(path), p=config.pp, unit="seconds since the step began",
+        title=(
+            f"plait: {config.schedule} on {config.pp} stages, {config.m} micro-batches, the last "
+            f"step as measured; bubble {bubble['measured']:.0%} measured, "
+            f"{bubble['formula']:.0%} by the formula (p-1)/(m+p-1)"
+        ),
+    )  # fmt: skip
 
 
 def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -643,11 +693,21 @@ def run(
         bytes_by_dim=lead["bytes_by_dim"],
         param_bytes_per_rank=[r["param_bytes"] for r in results],
         history=history,
+        # every layout's ranks hold equal shares of the batch, or each the whole batch's loss
+        losses=[sum(per) / len(per) for per in zip(*(r["losses"] for r in results), strict=True)],
+        step_ends=lead["ends"],
         text=sample(state, config),
         moe=lead["moe"],
     )
+    timeline_png(
+        [sp for r in results for sp in last_step(r)], run_dir / "timeline.png",
+        title=f"plait: the last step of {describe(config)}",
+    )  # fmt: skip
+    pictures = ["timeline.png"]
     if config.pp > 1 and config.tp == 1 and config.dp == 1:
         report.bubble = _bubble(config, results)
+        _draw_schedule(config, results, run_dir / "schedule.png", report.bubble)
+        pictures.append("schedule.png")
     if config.moe:
         from plait import moe
 
@@ -694,8 +754,8 @@ def run(
                 f"from itself (rounding Adam amplified); bound = {SPREAD_FACTOR:g} x that + "
                 f"{FLOAT32_FLOOR:g}. --dtype float64 checks to {FLOAT64_BOUND:g} on any CPU"
             )
-    extra = ", moe_load.png" if config.moe else ""
-    print(f"wrote {run_dir}/report.json, trace.json, curves.png{extra}")
+    pictures += ["moe_load.png"] if config.moe else []
+    print(f"wrote {run_dir}/report.json, trace.json, curves.png, {', '.join(pictures)}")
     if not math.isfinite(report.final_loss):
         print("the loss diverged; lower --lr", file=sys.stderr)
     return report

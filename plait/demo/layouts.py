@@ -11,11 +11,16 @@ and the group over which the ranks' losses are averaged.
 - :func:`pipeline`: ``Mesh(pp)``, :class:`plait.strategies.pipeline.PipelineParallel`;
 - :func:`composed`: ``Mesh(pp, dp, tp)``, :func:`plait.strategies.compose.compose`;
 - :func:`experts`: ``Mesh(ep, dp)``, ``plait.prepare(strategy="ep")``.
+
+Every builder splits the dense GPT of :func:`start_model`: the seeded initialisation, or
+the checkpoint ``config.init`` (the tour's reference), the same on every rank and in the
+one-process oracle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,8 +48,37 @@ class Trainer:
     loss_group: Any  # the group over which the ranks' mean losses are averaged
 
 
+def start_model(config: GPTDemoConfig) -> GPT:
+    """The dense GPT every layout starts from. With ``config.init``: the plait checkpoint
+    there (:func:`plait.checkpoint.load`, collective over the world when one is running).
+    A MoE GPT is upcycled from a dense checkpoint: every expert of an MoE block starts as a
+    copy of the MLP it replaces, the gate keeps its seeded initialisation (so the MoE model
+    starts near the dense one's function and learns to route from there)."""
+    model = GPT(config.model_config())
+    if not config.init:
+        return model
+    if not config.moe:
+        checkpoint.load(config.init, model=model, rng=False)
+        return model
+    dense = GPT(replace(config.model_config(), moe=None))
+    checkpoint.load(config.init, model=dense, rng=False)
+    return upcycle(dense.state_dict(), model)
+
+
+def upcycle(dense: dict[str, torch.Tensor], model: GPT) -> GPT:
+    """``model`` (a MoE GPT) with every tensor of ``dense`` it shares by name, and every
+    expert ``blocks.<i>.mlp.experts.<e>.<rest>`` set to the dense ``blocks.<i>.mlp.<rest>``."""
+    state = model.state_dict()
+    for key in state:
+        source = re.sub(r"\.mlp\.experts\.\d+\.", ".mlp.", key)
+        if source in dense:
+            state[key] = dense[source]
+    model.load_state_dict(state)
+    return model
+
+
 def tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
-    dense = GPT(config.model_config())
+    dense = start_model(config)
     model, opt = plait.prepare(
         dense,
         torch.optim.Adam(dense.parameters(), lr=config.lr),
@@ -89,7 +123,7 @@ def pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
     from plait.models.gpt import pipeline_plan
     from plait.strategies.pipeline import PipelineParallel
 
-    dense = GPT(config.model_config())
+    dense = start_model(config)
     pipe = PipelineParallel(
         dense,
         plan=pipeline_plan(dense),
@@ -123,7 +157,7 @@ def composed(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
     (:func:`plait.strategies.compose.compose`; it takes this rank's dp rows itself)."""
     from plait.strategies.compose import compose
 
-    dense = GPT(config.model_config())
+    dense = start_model(config)
     ptdp = compose(
         dense,
         torch.optim.Adam(dense.parameters(), lr=config.lr),
@@ -161,7 +195,7 @@ def batch_rank(model: torch.nn.Module) -> int:
 
 
 def experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
-    dense = GPT(config.model_config())
+    dense = start_model(config)
     model, opt = plait.prepare(
         dense, torch.optim.Adam(dense.parameters(), lr=config.lr), strategy="ep", mesh=mesh
     )

@@ -1,55 +1,116 @@
-"""``plait demo --tour``: the reference GPT trained on 4 local ranks under five layouts.
+"""``plait demo --tour``: the reference GPT learns to write, then five layouts continue it.
 
-One after the other, each a real multi-process run of :mod:`plait.demo.gpt` on the same
-text, the same global batches and the same seed, checked against the dense GPT trained in
-one process:
+1. The dense GPT (:data:`MODEL`) trains in this process on Python's documentation until it
+   writes words (:mod:`plait.demo.reference`: warm-up, cosine decay, every core), and is
+   saved as a plait checkpoint.
+2. Each layout loads that checkpoint on 4 local ranks and trains a short continuation
+   (``steps``, at the reference's final learning rate, on the batches after it), checked
+   against the dense GPT continued in one process (:func:`plait.demo.gpt.run` with
+   ``check``). The continuations run in float64 (the float32 checkpoint loads exactly), so
+   the check holds to 1e-8 on any CPU; in float32 (``dtype``) the bound is measured from
+   the oracle's own sensitivity to summation order, and Adam's fresh moments make it loose
+   (about 1e-2 over 20 steps):
 
 ====================  ============================================================
-DDP                   ``Mesh(dp=4)``: every rank a replica, gradients all-reduced
-TP                    ``Mesh(tp=4)``: heads, MLP, embedding and head split four ways
-PP                    ``Mesh(pp=4)``: four stages, 1F1B over 8 micro-batches
+DDP dp4               ``Mesh(dp=4)``: every rank a replica, gradients all-reduced
+TP tp4                ``Mesh(tp=4)``: heads, MLP, embedding and head split four ways
+PP pp4 1f1b           ``Mesh(pp=4)``: four stages, 1F1B over 8 micro-batches
 PTD-P pp2 x tp2       ``Mesh(pp=2, dp=1, tp=2)``: two stages, each tensor-parallel
-MoE ep4               ``Mesh(ep=4)``: a 4-expert GShard MoE in every second block
+MoE ep4               ``Mesh(ep=4)``: 4 experts in every second block, upcycled
 ====================  ============================================================
 
-It ends with one table (layout, step time, parameters per rank, bytes rank 0 sent per
-step, the pipeline bubble, final loss, largest parameter difference to one process) and
-one plot of the training loss of every layout against the step, written with the table to
-``runs/tour-<time>/`` beside each layout's own run folder.
+3. One table (with a two-line legend, the pipeline bubble measured, simulated and by the
+   formula, one sentence per layout on what it trades), and pictures beside it in
+   ``runs/tour-<time>/``: ``tour.png`` (loss against step and wall time, memory and bytes
+   per layout), ``schedule.png`` (the pipeline's last step as it ran) and ``timeline.png``
+   (DDP's last step: compute and communication per rank, from the tracer).
+4. A verdict: PASS when every layout ended within what rounding explains of one process,
+   else FAIL and exit code 1.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, run
+from plait import checkpoint
+from plait.demo import reference
+from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, check_passed, run
+from plait.demo.pictures import tour_png
+from plait.models import GPT
+
+#: the GPT of the tour: 0.37M parameters, which on 2 cores learn words in about 2 minutes
+MODEL: dict[str, Any] = {"width": 96, "layers": 3, "heads": 4, "seq_len": 128, "batch_size": 32}
+#: the reference's training (steps, learning-rate schedule)
+SCHEDULE = reference.Schedule(steps=600, warmup=30, peak_lr=3e-3, final_lr=3e-4, evals=6)
+#: steps each layout continues the reference for
+STEPS = 20
 
 
 @dataclass(frozen=True)
 class Stop:
-    """One layout of the tour."""
+    """One layout of the tour and what it trades, in one sentence."""
 
     name: str
     config: GPTDemoConfig
+    trade: str
 
 
-def stops(*, steps: int = 40, seed: int = 0, dtype: str = "float32") -> list[Stop]:
+def stops(
+    *,
+    steps: int = STEPS,
+    seed: int = 0,
+    dtype: str = "float64",
+    init: str = "",
+    first_step: int = 0,
+    lr: float = SCHEDULE.final_lr,
+    model: dict[str, Any] | None = None,
+) -> list[Stop]:
     """The tour's layouts on 4 ranks (plain data: print it, test it without processes)."""
     base = GPTDemoConfig(
-        world_size=4, tp=1, steps=steps, evals=min(4, steps), seed=seed, batch_size=16,
-        dtype=dtype,
+        world_size=4, tp=1, steps=steps, evals=min(2, steps), seed=seed, dtype=dtype, lr=lr,
+        init=init, first_step=first_step, **(MODEL if model is None else model),
     )  # fmt: skip
     return [
-        Stop("DDP dp4", replace(base)),
-        Stop("TP tp4", replace(base, tp=4)),
-        Stop("PP pp4 1f1b", replace(base, pp=4, microbatches=8)),
-        Stop("PTD-P pp2 x tp2", replace(base, pp=2, tp=2, microbatches=4)),
-        Stop("MoE ep4", replace(base, moe=True, ep=4)),
+        Stop(
+            "DDP dp4",
+            replace(base),
+            "every rank holds the whole model and a quarter of the batch, and all-reduces "
+            "the gradients once a step: the fewest bytes of the dense layouts, the most memory",
+        ),
+        Stop(
+            "TP tp4",
+            replace(base, tp=4),
+            "every rank holds a quarter of every layer but sees the whole batch, and "
+            "all-reduces activations in every block, forward and backward: the least memory, "
+            "the most bytes (it wants the fastest link)",
+        ),
+        Stop(
+            "PP pp4 1f1b",
+            replace(base, pp=4, microbatches=8),
+            "every rank holds a quarter of the layers and passes activations to the next "
+            "stage only: little memory and few bytes, paid for by the bubble",
+        ),
+        Stop(
+            "PTD-P pp2 x tp2",
+            replace(base, pp=2, tp=2, microbatches=4),
+            "two stages, each split over two ranks: memory as low as TP's, bytes and bubble "
+            "between TP's and PP's (Megatron's recipe for models no single scheme fits)",
+        ),
+        Stop(
+            "MoE ep4",
+            replace(base, moe=True, ep=4),
+            "a different model: 4 experts in every second block, one per rank, each token "
+            "sent to 2 of them and back (all-to-all): more parameters at the same compute per "
+            "token",
+        ),
     ]
 
 
@@ -60,71 +121,155 @@ class Row:
     param_mib_per_rank: float  # the largest rank's
     mib_sent_per_step: float  # rank 0, every mesh dimension together
     bubble: float | None  # the last step's, measured (pipeline only)
+    bubble_simulated: float | None  # the simulator with the measured action times
+    bubble_on_cores: float | None  # the same, the ranks sharing this machine's cores
+    bubble_formula: float | None  # (p - 1) / (m + p - 1) for 1F1B
     final_loss: float
+    held_out_loss: float
     max_param_diff: float
-    check_bound: float  # the difference --check accepts (measured in float32)
+    check_bound: float  # the difference --check accepts
+    passed: bool = False
 
 
 def row(name: str, report: GPTDemoReport) -> Row:
     c = report.config
     sent = sum(sum(r.values()) for r in report.bytes_by_dim.values())
+    b = report.bubble or {}
     return Row(
         layout=name,
         step_ms=1e3 * report.train_seconds / c.steps,
         param_mib_per_rank=max(report.param_bytes_per_rank) / 2**20,
         mib_sent_per_step=sent / 2**20 / c.steps,
-        bubble=report.bubble.get("measured") if report.bubble else None,
+        bubble=b.get("measured"),
+        bubble_simulated=b.get("simulated"),
+        bubble_on_cores=b.get("on_cores"),
+        bubble_formula=b.get("formula"),
         final_loss=report.final_loss,
+        held_out_loss=report.held_out_loss,
         max_param_diff=report.max_param_diff if report.max_param_diff is not None else -1.0,
         check_bound=report.check_bound if report.check_bound is not None else -1.0,
+        passed=report.max_param_diff is not None and check_passed(report),
     )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def table(rows: list[Row]) -> str:
     head = (
-        "| layout | step ms | params per rank (MiB) | sent per step, rank 0 (MiB) | bubble "
-        "| final loss | max diff vs one process (bound) |\n|---|---|---|---|---|---|---|"
+        "| layout | step ms | params/rank MiB | sent/step MiB | bubble meas / sim / formula "
+        "| loss | held-out | diff vs 1 process (bound) |\n|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
-        bubble = "-" if r.bubble is None else f"{r.bubble:.0%}"
+        bubble = (
+            "-"
+            if r.bubble is None
+            else f"{_pct(r.bubble)} / {_pct(r.bubble_simulated)} / {_pct(r.bubble_formula)}"
+        )
         lines.append(
-            f"| {r.layout} | {r.step_ms:.1f} | {r.param_mib_per_rank:.3f} | "
-            f"{r.mib_sent_per_step:.3f} | {bubble} | {r.final_loss:.4f} | "
-            f"{r.max_param_diff:.1e} ({r.check_bound:.0e}) |"
+            f"| {r.layout} | {r.step_ms:.0f} | {r.param_mib_per_rank:.2f} | "
+            f"{r.mib_sent_per_step:.2f} | {bubble} | {r.final_loss:.3f} | "
+            f"{r.held_out_loss:.3f} | {r.max_param_diff:.1e} ({r.check_bound:.0e}) |"
         )
     return "\n".join(lines)
 
 
-def _plot(reports: list[tuple[str, GPTDemoReport]], path: Path) -> None:
-    import matplotlib
+#: the table's legend, two lines
+LEGEND = (
+    "step ms: wall time per step, 4 ranks sharing this machine's cores; params/rank: the "
+    "largest rank's parameters, in the run's dtype (x4 with gradients and Adam); sent/step: "
+    "what rank 0 sends.\n"
+    "bubble: idle share of the pipeline's ranks in its last step, measured / simulated / "
+    "formula; loss: nats per character; diff: largest parameter difference to one process."
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rep in reports:
-        steps = [h["step"] for h in rep.history]
-        ax.plot(steps, [h["loss"] for h in rep.history], "o-", label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per character)")
-    ax.set_title(
-        "plait tour: the same GPT on 4 ranks\n(the dense layouts compute the same function: "
-        "their curves overlap)",
-        fontsize=10,
+def bubble_note(stop: Stop, r: Row, cores: int) -> str:
+    """Why the pipeline's measured bubble is what it is, in two sentences."""
+    c = stop.config
+    p, m = c.pp, c.m
+    note = (
+        f"{stop.name}: {p} stages and {m} micro-batches: the formula (p-1)/(m+p-1) = "
+        f"{p - 1}/{m + p - 1} = {_pct(r.bubble_formula)} is the fill and the drain, when a "
+        f"stage has no micro-batch yet or any more; with the measured action times the "
+        f"simulator gives {_pct(r.bubble_simulated)}"
     )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    if (r.bubble_simulated or 0.0) > (r.bubble_formula or 0.0) + 0.03:
+        note += (
+            f" (the formula assumes equal stages; the embedding, {c.layers} blocks and the "
+            f"head cut {p} ways are not, and the slowest sets the pace)"
+        )
+    note += "."
+    if cores < p and r.bubble_on_cores is not None:
+        note += (
+            f" Measured {_pct(r.bubble)}: the {p} ranks share {cores} cores, so a rank also "
+            f"waits for a core (the simulator on {cores} cores: {_pct(r.bubble_on_cores)}); "
+            f"with a core per rank it approaches the simulated value."
+        )
+    else:
+        note += (
+            f" Measured {_pct(r.bubble)}: the rest is Python between the actions and the "
+            f"messages between stages."
+        )
+    return note
 
 
-def tour(*, steps: int = 40, out_dir: Path = Path("runs"), dtype: str = "float32") -> list[Row]:
-    """Run every stop with ``--check``, print and write the table and the plot."""
+@dataclass
+class Tour:
+    """What the tour left: the rows, the reference and where the files are."""
+
+    rows: list[Row]
+    reference: reference.Reference
+    folder: Path
+    text: str  # what the reference writes
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+
+def tour(
+    *,
+    steps: int = STEPS,
+    schedule: reference.Schedule = SCHEDULE,
+    out_dir: Path = Path("runs"),
+    dtype: str = "float64",
+    model: dict[str, Any] | None = None,
+) -> Tour:
+    """Train the reference, continue it under every layout with ``--check``, print the
+    table and write the pictures."""
     stamp = time.strftime("%H%M%S")
     folder = out_dir / f"tour-{stamp}"
-    all_stops = stops(steps=steps, dtype=dtype)
-    print(f"plait demo --tour: {len(all_stops)} layouts of the GPT on 4 local ranks\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    ref_config = replace(stops(model=model, dtype="float32")[0].config, steps=schedule.steps)
+    print(
+        f"plait demo --tour\n\n1. the reference: the GPT ({ref_config.layers} layers, width "
+        f"{ref_config.width}, sequence {ref_config.seq_len}) learns Python's documentation "
+        f"in one process, {schedule.steps} steps of {ref_config.batch_size} windows\n",
+        flush=True,
+    )
+    ref = reference.train(ref_config, schedule, root=folder / "reference")
+    model_ = GPT(ref_config.model_config())
+    checkpoint.load(ref.root, model=model_, rng=False)
+    text = reference.write(model_, ref_config, chars=300)
+    print(
+        f"\nthe reference after {ref.step} steps ({ref.train_seconds:.0f} s): held-out loss "
+        f"{ref.held_out_nats:.3f} nats = {ref.held_out_bits:.2f} bits per character; it "
+        f"writes:\n\n{text}\n\nsaved as a plait checkpoint: {ref.root}\n",
+        flush=True,
+    )
+    all_stops = stops(
+        steps=steps, dtype=dtype, init=ref.root, first_step=ref.step, model=model,
+        lr=schedule.final_lr,
+    )  # fmt: skip
+    print(
+        f"2. five layouts on 4 ranks each load it and continue for {steps} steps in {dtype}, "
+        f"each checked against one process\n",
+        flush=True,
+    )
     done: list[tuple[str, GPTDemoReport]] = []
     for i, stop in enumerate(all_stops, 1):
         print(f"=== {i}/{len(all_stops)}: {stop.name} ===", flush=True)
@@ -132,27 +277,95 @@ def tour(*, steps: int = 40, out_dir: Path = Path("runs"), dtype: str = "float32
         done.append((stop.name, run(config, check=True, out_dir=out_dir)))
         print(flush=True)
     rows = [row(name, rep) for name, rep in done]
-    folder.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
-    (folder / "tour.md").write_text(text + "\n")
-    (folder / "tour.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    _plot(done, folder / "tour.png")
-    print(text)
+    result = Tour(rows, ref, folder, text)
+    _write(result, done, all_stops, out_dir, stamp)
+    _print(result, all_stops)
+    return result
+
+
+def _write(
+    t: Tour,
+    done: list[tuple[str, GPTDemoReport]],
+    all_stops: list[Stop],
+    out_dir: Path,
+    stamp: str,
+) -> None:
+    (t.folder / "tour.md").write_text(table(t.rows) + "\n\n" + LEGEND + "\n")
+    saved = {
+        "rows": [asdict(r) for r in t.rows],
+        "reference": {
+            "steps": t.reference.step,
+            "held_out_nats_per_char": t.reference.held_out_nats,
+            "held_out_bits_per_char": t.reference.held_out_bits,
+            "train_seconds": t.reference.train_seconds,
+            "history": t.reference.history,
+            "losses": t.reference.losses,
+            "text": t.text,
+        },
+        "passed": t.passed,
+    }
+    (t.folder / "tour.json").write_text(json.dumps(saved, indent=1))
+    tour_png(t.folder / "tour.png", reference=t.reference, layouts=done, rows=t.rows)
+    t.files = ["tour.md", "tour.json", "tour.png"]
+    for i, stop in enumerate(all_stops, 1):  # the pictures of single layouts, beside it
+        run_dir = out_dir / f"tour-{stamp}-{i}"
+        if stop.name.startswith("DDP"):
+            shutil.copy(run_dir / "timeline.png", t.folder / "timeline.png")
+            t.files.append("timeline.png")
+        if stop.config.pp > 1 and (run_dir / "schedule.png").exists():
+            shutil.copy(run_dir / "schedule.png", t.folder / "schedule.png")
+            t.files.append("schedule.png")
+
+
+def _print(t: Tour, all_stops: list[Stop]) -> None:
+    print("3. the layouts side by side\n")
+    print(table(t.rows))
+    print("\n" + LEGEND + "\n")
+    for stop, r in zip(all_stops, t.rows, strict=True):
+        print(f"- {stop.name}: {stop.trade}.")
+        if r.bubble is not None:
+            print("  " + bubble_note(stop, r, os.cpu_count() or 1))
+    print(f"\npictures in {t.folder}/:")
+    print("  tour.png      loss against step and wall time; memory and bytes per layout")
+    if "schedule.png" in t.files:
+        print("  schedule.png  the pipeline's last step as it ran (forwards blue, backwards green)")
+    if "timeline.png" in t.files:
+        print("  timeline.png  DDP's last step: compute and communication per rank")
+    first = t.folder.name
     print(
-        "\nstep ms: wall time per training step (evaluations included) on this machine; "
-        "max diff: float32 parameters against the dense GPT trained in one process; bound: "
-        "10x how far that one process lands from itself with the batch summed in two halves"
+        f"  every layout's own folder {first}-<1..5>/: trace.json (open it in "
+        f"https://ui.perfetto.dev or chrome://tracing), curves.png, timeline.png; the MoE's "
+        f"moe_load.png shows tokens per expert over training\n"
     )
-    print(f"wrote {folder}/tour.md, tour.json, tour.png")
-    return rows
+    worst = max(t.rows, key=lambda r: r.max_param_diff / r.check_bound if r.check_bound > 0 else 1)
+    if t.passed:
+        print(
+            f"PASS: all {len(t.rows)} layouts match one process (largest parameter difference "
+            f"{worst.max_param_diff:.1e}, {worst.layout}, bound {worst.check_bound:.0e}); the "
+            f"reference reaches {t.reference.held_out_nats:.3f} nats per held-out character"
+        )
+    else:
+        bad = [r for r in t.rows if not r.passed]
+        print(
+            "FAIL: "
+            + "; ".join(
+                f"{r.layout} ended {r.max_param_diff:.1e} from one process (bound "
+                f"{r.check_bound:.0e})"
+                for r in bad
+            ),
+            file=sys.stderr,
+        )
+    if not math.isfinite(t.reference.held_out_nats):
+        print("the reference diverged", file=sys.stderr)
 
 
 def main(args: Any) -> int:
     """Exit code 1 when any layout ended farther from one process than rounding explains."""
-    steps = args.steps if args.steps is not None else 40
-    rows = tour(steps=steps, out_dir=Path(args.out), dtype=getattr(args, "dtype", "float32"))
-    bad = [r.layout for r in rows if not 0 <= r.max_param_diff <= r.check_bound]
-    if bad:
-        print(f"plait demo --tour: --check failed for {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    steps = args.steps if args.steps is not None else STEPS
+    ref_steps = getattr(args, "reference_steps", None)
+    schedule = SCHEDULE if ref_steps is None else replace(SCHEDULE, steps=ref_steps)
+    result = tour(
+        steps=steps, schedule=schedule, out_dir=Path(args.out),
+        dtype=getattr(args, "dtype", None) or "float64",
+    )  # fmt: skip
+    return 0 if result.passed and math.isfinite(result.reference.held_out_nats) else 1
