@@ -46,12 +46,16 @@ from typing import Any
 import torch
 
 import plait
-from plait import comm
+from plait import comm, moe
 from plait.demo import layouts
 from plait.demo.pictures import timeline_png
-from plait.models import GPT, CharTokenizer, GPTConfig, python_docs, token_batches
+from plait.models import GPT, CharTokenizer, GPTConfig, MoEConfig, python_docs, token_batches
+from plait.models.gpt import loss
+from plait.strategies.pipeline import bubble_report
 from plait.strategies.pipeline.draw import draw_png
 from plait.strategies.pipeline.report import slots_from_spans
+from plait.strategies.pipeline.schedules import build, default_chunks
+from plait.strategies.tensor.grid import grid_mesh, grid_shape
 from plait.trace import Tracer, write_chrome
 
 PROMPT = "The assert statement"
@@ -108,7 +112,6 @@ class GPTDemoConfig:
         return self.microbatches if self.microbatches is not None else 2 * self.pp
 
     def model_config(self) -> GPTConfig:
-        from plait.models import MoEConfig
 
         return GPTConfig(
             vocab=CharTokenizer().vocab,
@@ -152,8 +155,6 @@ def validate(config: GPTDemoConfig) -> None:
     if c.tp_mode not in ("1d", "2d", "2.5d", "3d"):
         raise bad(f"--tp-mode must be one of 1d, 2d, 2.5d, 3d, got {c.tp_mode!r}")
     if c.tp_mode != "1d":
-        from plait.strategies.tensor.grid import grid_shape
-
         try:
             dims = grid_shape(c.tp_mode, c.tp, depth=c.tp_depth if c.tp_mode == "2.5d" else None)
         except ValueError as exc:
@@ -220,8 +221,6 @@ def fit_defaults(config: GPTDemoConfig, *, given: set[str]) -> GPTDemoConfig:
     c = config
     side, parts = c.tp, 1
     if c.tp_mode != "1d":
-        from plait.strategies.tensor.grid import grid_shape
-
         try:
             side = grid_shape(c.tp_mode, c.tp, depth=c.tp_depth if c.tp_mode == "2.5d" else None)[
                 "row"
@@ -279,7 +278,6 @@ def _validate_pp_moe(c: GPTDemoConfig) -> None:
             raise bad(f"--schedule must be one of {', '.join(SCHEDULES)}, got {c.schedule!r}")
         if c.m < 1:
             raise bad(f"--microbatches must be at least 1, got {c.m}")
-        from plait.strategies.pipeline.schedules import build, default_chunks
 
         stages = c.pp * default_chunks(c.schedule)
         if c.layers + 2 < stages:
@@ -356,8 +354,6 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     validate(config)
     world = plait.world()
     if config.tp_mode != "1d":  # the tp ranks as a 2D / 2.5D / 3D grid, dp outside it
-        from plait.strategies.tensor.grid import grid_mesh
-
         depth = config.tp_depth if config.tp_mode == "2.5d" else None
         mesh = grid_mesh(config.tp_mode, config.tp, depth=depth, dp=config.dp)
     else:
@@ -399,8 +395,6 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
             t.optimizer.step()
         last_step_end_ns = time.perf_counter_ns()
         if config.moe:
-            from plait import moe
-
             loads.append(moe.collect(t.model))
         losses.append(loss.item())
         loss_sum += losses[-1]
@@ -484,7 +478,6 @@ def oracle(config: GPTDemoConfig, *, pieces: int = 1) -> dict[str, torch.Tensor]
     train_tokens, _ = corpus()
     model = layouts.start_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    from plait.models.gpt import loss
 
     for step in range(config.steps):
         x, y = global_batch(config, train_tokens, step)
@@ -564,8 +557,6 @@ def last_step(result: dict[str, Any]) -> list[Any]:
 def _bubble(config: GPTDemoConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     """The last step's bubble: measured from every rank's spans, simulated with the measured
     action times, and the formula."""
-    from plait.strategies.pipeline import bubble_report
-    from plait.strategies.pipeline.schedules import build
 
     spans = [sp for r in results for sp in last_step(r)]
     cores = float(min(os.cpu_count() or config.pp, config.pp))
@@ -709,8 +700,6 @@ def run(
         _draw_schedule(config, results, run_dir / "schedule.png", report.bubble)
         pictures.append("schedule.png")
     if config.moe:
-        from plait import moe
-
         loads = [{k: moe.MoEStats(**v) for k, v in step.items()} for step in lead["moe"]]
         moe.plot_tokens_per_expert(loads, run_dir / "moe_load.png", title=_label(config))
     if check:

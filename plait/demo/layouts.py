@@ -28,6 +28,10 @@ import torch
 import plait
 from plait import checkpoint, comm
 from plait.models import GPT
+from plait.models.gpt import loss as gpt_loss
+from plait.models.gpt import pipeline_plan
+from plait.strategies.compose import compose
+from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.tensor import loss_fn
 from plait.trace import Tracer
 
@@ -120,8 +124,6 @@ def tensor_parallel(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer
 
 
 def pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
-    from plait.models.gpt import pipeline_plan
-    from plait.strategies.pipeline import PipelineParallel
 
     dense = start_model(config)
     pipe = PipelineParallel(
@@ -155,7 +157,6 @@ def pipeline(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
 def composed(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
     """PTD-P: tensor parallelism over tp, the pipeline over pp, gradients averaged over dp
     (:func:`plait.strategies.compose.compose`; it takes this rank's dp rows itself)."""
-    from plait.strategies.compose import compose
 
     dense = start_model(config)
     ptdp = compose(
@@ -200,7 +201,6 @@ def experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
         dense, torch.optim.Adam(dense.parameters(), lr=config.lr), strategy="ep", mesh=mesh
     )
     assert opt is not None
-    from plait.models.gpt import loss as gpt_loss
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with tracer.span("forward", stream="compute"):
