@@ -268,6 +268,10 @@ class Channel:
         if flagged is not None:  # the watchdog ended this wait, or a peer's did
             recorder.dump(f"{type(flagged).__name__}: {flagged}")
             return flagged
+        mismatch = watchdog.mismatch_on_board(group, self.call)
+        if mismatch is not None:  # a message of another size failed before any watchdog looked
+            watchdog.fail(group, mismatch)
+            return mismatch
         if peer is None:  # a backend collective: any other rank of the group
             others = [r for r in group.ranks if r != group.global_rank]
             whom = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"

@@ -280,6 +280,24 @@ def _diagnose(g: Group, peer: int | None, call: Call, waited: float) -> Collecti
     return _check_heartbeats(g, peer, call, waited)
 
 
+def mismatch_on_board(g: Group, call: Call) -> CollectiveError | None:
+    """The mismatch the progress board shows for ``call`` (ranks at the same sequence number
+    with another collective or signature), or None. Called on a failed send or receive: a
+    peer that sent a message of another size can make this rank's receive fail before
+    either watchdog has looked, and the board still names the cause. One store read."""
+    if not g.check or call.algorithm == "p2p":
+        return None
+    try:
+        board = progress.read_full(g)
+    except Exception:
+        return None
+    board[g.global_rank] = (call.seq, call.collective, call.sig, call.desc)
+    same = {r: v for r, v in board.items() if v[0] == call.seq and v[1]}
+    if any((v[1], v[2]) != (call.collective, call.sig) for v in same.values()):
+        return _mismatch(g, call, same)
+    return None
+
+
 def _mismatch(g: Group, call: Call, same: dict[int, tuple[int, str, str, str]]) -> CollectiveError:
     counts: dict[tuple[str, str], list[int]] = {}
     for r, v in sorted(same.items()):
