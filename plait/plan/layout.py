@@ -157,7 +157,7 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         )
     if job.seq > model.seq_len and model.positions == "learned":
         raise LayoutError(
-            f"seq={job.seq} exceeds the model's position table, seq_len={model.seq_len}"
+            f"seq={job.seq} exceeds the model's seq_len={model.seq_len} (its position table)"
         )
     _check_cp(model, job, lay)
     if lay.tp_mode not in TP_MODES:
