@@ -65,6 +65,27 @@ def _step(kind: str, tensors: list[torch.Tensor], group: Any) -> None:
     (out * g).sum().backward()
 
 
+def _saved_bytes(kind: str, tensors: list[torch.Tensor], group: Any) -> int:
+    """Bytes autograd keeps for the backward of one step's attention (each storage once):
+    what a model keeps per attention layer, whatever the transient buffers of the step."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    q, k, v, _ = tensors
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if kind == "sdpa":
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        else:
+            fn = ring_attention if kind == "ring" else ulysses_attention
+            out = fn(*leaves, group=group, causal=True, balanced=True)
+    del out
+    return sum(storages.values())
+
+
 def _slowest(seconds: float, group: Any) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     comm.all_reduce(t, "max", group=group)
@@ -99,6 +120,8 @@ def measure(seqs: list[int], steps: int, heads: int, dim: int) -> list[dict[str,
                 [float(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])]
             )
             comm.all_reduce(peak, "max", group=group)
+            saved = torch.tensor([float(_saved_bytes(kind, tensors, group))])
+            comm.all_reduce(saved, "max", group=group)
             rows.append(
                 {
                     "cp": group.size,
@@ -106,21 +129,24 @@ def measure(seqs: list[int], steps: int, heads: int, dim: int) -> list[dict[str,
                     "kernel": "one process (SDPA)" if kind == "sdpa" else kind,
                     "step_ms": statistics.median(times) * 1e3,
                     "peak_mib": float(peak) / 2**20,
+                    "saved_mib": float(saved) / 2**20,
                 }
             )
     return rows
 
 
-def _table(rows: list[dict[str, Any]], base: dict[int, float]) -> str:
+def _table(rows: list[dict[str, Any]], base: dict[int, float], saved: dict[int, float]) -> str:
     lines = [
-        "| seq | cp | kernel | step (ms) | peak memory per rank (MiB) | peak / (cp 1 SDPA / cp) |",
-        "|---|---|---|---|---|---|",
+        "| seq | cp | kernel | step (ms) | peak memory per rank (MiB) | peak / (cp 1 SDPA / cp) "
+        "| saved for backward (MiB) | saved / (cp 1 SDPA / cp) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["seq"], r["cp"], r["kernel"])):
         ratio = r["peak_mib"] / (base[r["seq"]] / r["cp"])
+        kept = r["saved_mib"] / (saved[r["seq"]] / r["cp"])
         lines.append(
             f"| {r['seq']} | {r['cp']} | {r['kernel']} | {r['step_ms']:.1f} | "
-            f"{r['peak_mib']:.1f} | {ratio:.2f} |"
+            f"{r['peak_mib']:.1f} | {ratio:.2f} | {r['saved_mib']:.2f} | {kept:.2f} |"
         )
     return "\n".join(lines)
 
@@ -160,8 +186,12 @@ def main() -> None:
             )[0]
         print(f"cp {cp} done", flush=True)
     base = {r["seq"]: r["peak_mib"] for r in rows if r["cp"] == 1 and r["kernel"].startswith("one")}
+    saved = {
+        r["seq"]: r["saved_mib"] for r in rows if r["cp"] == 1 and r["kernel"].startswith("one")
+    }
     if not base:
         base = {r["seq"]: r["peak_mib"] for r in rows if r["cp"] == min(args.cps)}
+        saved = {r["seq"]: r["saved_mib"] for r in rows if r["cp"] == min(args.cps)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
@@ -169,7 +199,7 @@ def main() -> None:
         f"# Context parallelism: one causal attention layer, heads {args.heads} x "
         f"{args.head_dim}, batch 1, float32, forward + backward; transport "
         f"{os.environ.get('PLAIT_TRANSPORT', 'auto')}\n\n"
-        + _table(rows, base)
+        + _table(rows, base, saved)
         + "\n\nCausal work per rank (chunk pairs of 2cp chunks, `ring_work`):\n\n"
         + _work(sorted(set(args.cps) | {8}))
         + "\n"

@@ -229,6 +229,16 @@ def refusals() -> dict[str, str]:
             attention_mask=torch.tensor([[0] + [1] * (SEQ // 2 - 1)]),
         ),
         "sliding_window": lambda: mistral(input_ids=ids, position_ids=pos),
+        "pp_in_cp": lambda: plait.prepare(
+            _gpt(), None, strategy="cp", mesh=plait.Mesh(cp=plait.world().size, pp=1)
+        ),
+        "cp_in_pipeline": lambda: plait.prepare(
+            _gpt(),
+            None,
+            strategy="pipeline",
+            mesh=plait.Mesh(pp=1, cp=plait.world().size),
+            microbatches=2,
+        ),
         "odd_tokens": lambda: ring_attention(
             *[torch.zeros(1, 2, 3, 4, dtype=torch.float64)] * 3, group=mesh.group("cp")
         ),

@@ -120,3 +120,5 @@ def test_bad_input_is_refused_by_name(ranks):
         assert "padding attention_mask" in got["hf_padding"]
         assert "sliding_window=4" in got["sliding_window"]
         assert "holds 3 tokens, not two equal chunks" in got["odd_tokens"]
+        assert "has dimensions ['pp']" in got["pp_in_cp"]
+        assert "context parallelism inside pipeline stages" in got["cp_in_pipeline"]

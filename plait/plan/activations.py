@@ -49,6 +49,19 @@ with ``k`` key/value heads), ``f`` the MLP's inner width::
 For GPT (``q = kv = h``, ``f = 4h``) the split part is ``e (4h + 8h) = 24 h`` with ``e = 2``:
 the paper's formula. A norm's statistics (``b s`` values) are not counted.
 
+Context parallelism over ``c`` ranks (:mod:`plait.strategies.context`): each rank holds
+``s / c`` tokens of every tensor above, so every per-token term is divided by ``c``. The
+attention core never holds a score matrix under cp: ring attention merges blockwise
+partials with the online softmax and keeps, like a fused kernel, the fp32 log-sum-exp of
+its own rows, ``4 a s b / c``; Ulysses runs the (fused, or not) kernel on ``a / c`` heads of
+the whole sequence, which is the same ``1 / c`` of the one-rank figure. So per rank::
+
+    cp      per_layer(s, cp) = per_layer(s / c) with the core (ring: 4 a s b / c;
+            Ulysses: the one-rank core / c)
+
+The ring's keys and values of the block in flight are communication buffers
+(:mod:`plait.plan.buffers`), held for one layer at a time, not per layer.
+
 A pipeline rank keeps the blocks of its chunks for every micro-batch in flight (forward
 done, backward not), at most (in chunk-micro-batches, the first rank being the worst)::
 
@@ -106,26 +119,29 @@ def per_layer_bytes(
     ffn: int = 0,
     gated: bool = False,
     flash: bool = False,
+    cp: int = 1,
+    context: str = "ring",
 ) -> float:
     """Bytes one block keeps for one micro-batch (module doc). ``q`` and ``kv``: the query
     and key/value widths (``a d`` and ``k d``; default ``h``, no grouped-query attention),
     ``ffn`` the MLP's inner width (default ``4 h``), ``gated`` a SwiGLU MLP, ``flash`` a
-    fused attention that keeps no ``s x s`` tensor (module doc, "Other shapes")."""
+    fused attention that keeps no ``s x s`` tensor (module doc, "Other shapes"); ``cp``
+    context-parallel ranks over the sequence, ``context`` their attention (module doc)."""
     e, k = element_bytes, mask_bytes
-    sbh = s * b * h
+    tokens = s * b / cp  # this rank's
     if recompute == "full":
-        return e * sbh / (t if sp or tp_mode != "1d" else 1)
+        return e * tokens * h / (t if sp or tp_mode != "1d" else 1)
     q, kv, f = q or h, kv or h, ffn or 4 * h
     replicated = (4 * e + 2 * k) * h  # 10 h: two norm inputs, QKV and fc1 inputs, 2 masks
     # Q, K, V, the output projection's input; the MLP's saved inner tensors
     split = e * (2 * q + 2 * kv) + (3 if gated else 2) * e * f  # 24 h for GPT
-    if flash:  # the log-sum-exp, fp32, per head and token; the scores are recomputed
-        quadratic = 4.0 * a * s * b
+    if flash or (cp > 1 and context == "ring"):
+        # the log-sum-exp, fp32, per head and token of this rank; the scores are recomputed
+        quadratic = 4.0 * a * tokens
     elif recompute == "selective":
         quadratic = 0.0
     else:
-        quadratic = (2 * e + k) * a * s * s * b  # 5 a s^2 b
-    tokens = s * b
+        quadratic = (2 * e + k) * a * s * s * b / cp  # 5 a s^2 b (Ulysses: a / cp heads)
     if tp_mode != "1d" or sp:
         return ((replicated + split) * tokens + quadratic) / t
     return replicated * tokens + (split * tokens + quadratic) / t
@@ -152,6 +168,8 @@ def model_layer_bytes(
         ffn=model.ffn,
         gated=model.gated,
         flash=job.flash_attention,
+        cp=layout.cp,
+        context=layout.context,
     )
 
 
@@ -180,7 +198,7 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     of every micro-batch in flight, the embedding; the head too when it sits there: one
     stage, or the V placement) or the last (its blocks and the head), whichever is more."""
     lay = layout
-    s, b, h = job.seq, lay.microbatch, model.hidden
+    s, b, h = job.seq / lay.cp, lay.microbatch, model.hidden  # this rank's tokens
     e = job.element_bytes
     k = 1 if job.dropout else 0
     per = model_layer_bytes(model, job, lay)

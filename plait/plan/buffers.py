@@ -10,6 +10,13 @@ Per rank, ``e`` bytes per 16-bit element, ``b s h`` one micro-batch's activation
     pipeline        2 e b s h / t  a send and a receive buffer (SP or scatter/gather:
                                    ``/t``; the whole activation otherwise)
     experts         2 k e b s h    the all-to-all's dispatch and combine buffers (top-k)
+    ring (cp)       6 KV           backward, at a step j >= 1: the K/V block in use and the
+                                   next one arriving, and of dK/dV this step's share, the
+                                   running sum arriving, the one leaving, the rank's own
+                                   (forward holds two); KV = 2 e b (s/c) kv / t, the keys'
+                                   and values' width kv (grouped-query: kv heads x head_dim)
+    Ulysses (cp)    e b (s/c)      the head-split q, k, v an all-to-all receives into
+                    (q + 2 kv)/t   while the sequence-split ones are alive
 
 These are allocations that come and go; the planner counts them at their peak, together.
 The allocator's fragmentation is the device's ``memory_reserve`` (10% on the GPU presets),
@@ -27,9 +34,15 @@ BUCKET_BYTES = 25e6  # torch DDP's default bucket_cap_mb
 def buffer_bytes(model: ModelSpec, job: Job, layout: Layout) -> float:
     """Peak communication-buffer bytes on one rank (module doc)."""
     lay, e = layout, job.element_bytes
-    act = lay.microbatch * job.seq * model.hidden * e
+    act = lay.tokens(job) * model.hidden * e
     total = 0.0
-    if lay.data_shards > 1:
+    if lay.cp > 1:
+        kv, q = model.kv * model.hd / lay.tp, model.heads * model.hd / lay.tp
+        if lay.context == "ring":
+            total += 6 * 2 * e * lay.tokens(job) * kv
+        else:
+            total += e * lay.tokens(job) * (q + 2 * kv)
+    if lay.replicas > 1:
         if lay.zero == 3:
             split, whole = model.block_split(moe=False)
             total += 3 * e * (split / lay.tp + whole)

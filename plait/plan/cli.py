@@ -199,6 +199,10 @@ def _add_layout_args(lay: Any) -> None:
     s.add_argument("--pp", type=_ints, default=None)
     s.add_argument("--dp", type=_ints, default=None)
     s.add_argument("--ep", type=_ints, default=None)
+    s.add_argument("--cp", type=_ints, default=None, help="context parallelism: ranks per sequence")
+    s.add_argument(
+        "--context", type=_words, default=("ring", "ulysses"), help="cp's attention: ring,ulysses"
+    )
     s.add_argument("--microbatch", type=_ints, default=(1, 2, 4, 8))
     s.add_argument("--schedules", type=_words, default=("1f1b", "interleaved"))
     s.add_argument("--chunks", type=_ints, default=(2, 3, 4), help="v for interleaved")
@@ -338,6 +342,8 @@ def _search(args: argparse.Namespace) -> Any:
         pp=args.pp,
         dp=args.dp,
         ep=args.ep,
+        cp=args.cp,
+        contexts=args.context,
         microbatch=args.microbatch,
         schedules=args.schedules,
         chunks=args.chunks,

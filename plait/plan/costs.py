@@ -6,6 +6,8 @@ cost on a :class:`~plait.plan.hardware.Cluster`: the pieces :mod:`plait.plan.tim
   when it has a calibration (:mod:`plait.plan.measure.calibrate`), else :func:`ring_seconds`;
 - :func:`gemm_slowdown`: how much slower tensor-parallel shards' matmuls run (measured);
 - :func:`dp_seconds`: the data-parallel group's collectives per ZeRO stage;
+- :func:`context_layer`: context parallelism's bytes and exposed seconds per attention layer
+  (the ring's transfers against its blockwise attention, Ulysses' four all-to-alls);
 - :func:`critical_path`: a pipeline schedule played by the pipeline simulator with
   per-action costs (used on ranks that share cores);
 - :func:`tp_calls`, :func:`pipeline_actions`, :func:`param_tensors`: what a rank has of the
@@ -153,6 +155,58 @@ def dp_seconds(
     return units * (2 * cost("all_gather", unit) + cost("reduce_scatter", unit))
 
 
+def context_layer(
+    cluster: Cluster,
+    *,
+    context: str,
+    c: int,
+    tokens: float,
+    q_width: float,
+    kv_width: float,
+    element_bytes: int,
+    step_seconds: float,
+    passes: int,
+    inter_node: bool,
+) -> tuple[float, float]:
+    """(bytes one rank sends, seconds on the critical path) of one attention layer under
+    context parallelism over ``c`` ranks, for one micro-batch of ``tokens`` tokens per rank,
+    forward and backward; ``passes`` is 2 (forward, backward) or 3 (full recomputation runs
+    the forward again). ``q_width``, ``kv_width``: this rank's query and key/value widths
+    (heads x head_dim, over tp).
+
+    Ring (:mod:`plait.strategies.context.ring_attention`): ``KV = 2 tokens kv e`` bytes, a
+    rank's keys and values. Forward: ``c - 1`` steps, each sends KV to the next rank while
+    the block of the step is computed: ``(c-1)/c * 2 s kv e`` per sequence and layer.
+    Backward: ``c - 1`` steps, each sends K/V again and the running dK/dV (2 KV). The
+    transfer of a step is assumed to overlap fully with that step's blockwise attention,
+    ``step_seconds`` forward (twice that backward), on separate engines (copy and compute),
+    so a step costs ``max(transfer, compute)`` and the exposed part is::
+
+        (c - 1) [max(0, p2p(KV) - f) + max(0, p2p(2 KV) - 2 f)]      (+ forward again)
+
+    Ulysses (:mod:`plait.strategies.context.ulysses`): forward all-to-alls of q, k, v to
+    head-split and of the output back (``tokens (2 q + 2 kv) e`` bytes, ``(c-1)/c`` of it
+    sent), backward the same four on the gradients; not overlapped (the attention needs
+    them)."""
+    if c <= 1:
+        return 0.0, 0.0
+    e = element_bytes
+    if context == "ring":
+        kv = 2 * tokens * kv_width * e
+        fwd = collective_seconds(cluster, "p2p", 2, kv, inter_node=inter_node)
+        bwd = collective_seconds(cluster, "p2p", 2, 2 * kv, inter_node=inter_node)
+        exposed = max(0.0, fwd - step_seconds) + max(0.0, bwd - 2 * step_seconds)
+        exposed += (passes - 2) * max(0.0, fwd - step_seconds)
+        return (c - 1) * kv * (passes + 1), (c - 1) * exposed
+    sizes = (q_width, kv_width, kv_width, q_width)
+    one = sum(
+        collective_seconds(cluster, "all_to_all", c, tokens * w * e, inter_node=inter_node)
+        for w in sizes
+    )
+    sent = (c - 1) / c * tokens * sum(sizes) * e
+    return passes * sent, passes * one
+
+
 def tp_calls(lay: Layout, dense: int, moe: int, first: bool, last: bool) -> int:
     """Tensor-parallel (1D) collectives one rank calls per micro-batch, forward and
     backward, holding ``dense`` and ``moe`` blocks (and the embedding if ``first``, the
@@ -203,6 +257,7 @@ def param_tensors(
 __all__ = [
     "SIMULATE_ACTIONS",
     "collective_seconds",
+    "context_layer",
     "critical_path",
     "dp_seconds",
     "gemm_slowdown",

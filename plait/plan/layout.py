@@ -1,12 +1,17 @@
 """A training job and a parallel layout, and the rules a layout must obey.
 
-A :class:`Layout` places ``world = dp * tp * pp * ep`` ranks on the grid of
-:class:`plait.Mesh` (innermost first: ``tp, ep, dp, pp``; PTD-P's order, tensor ranks
-adjacent, pipeline stages furthest apart). Each pipeline rank holds ``v`` chunks of
+A :class:`Layout` places ``world = dp * tp * cp * pp * ep`` ranks on the grid of
+:class:`plait.Mesh` (innermost first: ``tp, cp, ep, dp, pp``; PTD-P's and Megatron's order,
+tensor ranks adjacent, pipeline stages furthest apart). Each pipeline rank holds ``v`` chunks of
 ``layers / (pp * v)`` blocks; the global batch of ``global_batch`` sequences is cut into
 ``dp * ep`` data shards (expert-parallel ranks see different tokens: the dense part of the
 model is data-parallel over ``dp * ep``, each expert over ``dp``), each shard into
 ``m = global_batch / (dp * ep * microbatch)`` micro-batches of ``microbatch`` sequences.
+Context parallelism (``cp``, :mod:`plait.strategies.context`) cuts every sequence into
+``cp`` pieces of ``seq / cp`` tokens, one per cp rank (``context="ring"``: keys and values
+travel around the cp ring; ``"ulysses"``: all-to-alls to split heads instead): the cp ranks
+of a data shard see the same sequences, so gradients are averaged over ``dp * ep * cp``
+ranks (:attr:`Layout.replicas`), which ZeRO shards over.
 
 :func:`check` refuses a layout the model, the job or the schedule cannot take, naming the
 constraint and what to change (``"tp=3 does not divide heads=16"``).
@@ -23,6 +28,7 @@ from plait.plan.tensor_costs import grid_of
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 PRECISIONS = ("mixed", "fp32")
+CONTEXTS = ("ring", "ulysses")
 
 
 class LayoutError(ValueError):
@@ -83,10 +89,22 @@ class Layout:
     sp: bool = False  # sequence parallelism over tp (1D only)
     tp_mode: str = "1d"
     depth: int = 1  # 2.5D only: tp = depth * q * q
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks
+    context: str = "ring"  # cp's attention: "ring" or "ulysses" (read when cp > 1)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.cp * self.pp * self.ep
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense parameters (outside tp and pp), over which the
+        gradients are averaged and ZeRO shards: ``dp * ep * cp``."""
+        return self.dp * self.ep * self.cp
+
+    def tokens(self, job: Job) -> int:
+        """Tokens of one micro-batch on one rank: ``microbatch * seq / cp``."""
+        return self.microbatch * job.seq // self.cp
 
     @property
     def data_shards(self) -> int:
@@ -101,12 +119,16 @@ class Layout:
         if self.tp_mode != "1d":
             depth = f",d{self.depth}" if self.tp_mode == "2.5d" else ""
             parts[-1] += f"({self.tp_mode}{depth})"
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         parts.append(f"pp{self.pp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         text = "x".join(parts)
         if self.pp > 1:
             text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
+        if self.cp > 1:
+            text += f" {self.context}"
         text += f" b{self.microbatch}"
         if self.zero:
             text += f" zero{self.zero}"
@@ -123,17 +145,21 @@ class Layout:
 def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = None) -> None:
     """Raise :class:`LayoutError` naming the first constraint ``layout`` breaks."""
     lay = layout
-    for name in ("dp", "tp", "pp", "ep", "v", "microbatch", "depth"):
+    for name in ("dp", "tp", "cp", "pp", "ep", "v", "microbatch", "depth"):
         value = getattr(lay, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise LayoutError(f"{name}={value!r} must be a whole number >= 1")
     if world is not None and lay.world != world:
         raise LayoutError(
-            f"dp*tp*pp*ep = {lay.dp}*{lay.tp}*{lay.pp}*{lay.ep} = {lay.world} ranks, but the "
+            f"dp*tp*cp*pp*ep = {lay.dp}*{lay.tp}*{lay.cp}*{lay.pp}*{lay.ep} = {lay.world} "
+            f"ranks, but the "
             f"cluster has {world}; change a degree so the product is {world}"
         )
-    if job.seq > model.seq_len:
-        raise LayoutError(f"seq={job.seq} exceeds the model's seq_len={model.seq_len}")
+    if job.seq > model.seq_len and model.positions == "learned":
+        raise LayoutError(
+            f"seq={job.seq} exceeds the model's seq_len={model.seq_len} (its position table)"
+        )
+    _check_cp(model, job, lay)
     if lay.tp_mode not in TP_MODES:
         raise LayoutError(f"tp_mode={lay.tp_mode!r}; use one of {list(TP_MODES)}")
     if lay.tp_mode == "1d":
@@ -209,4 +235,33 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         )
 
 
-__all__ = ["PRECISIONS", "SCHEDULES", "TP_MODES", "Job", "Layout", "LayoutError", "check"]
+def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
+    """The context-parallel constraints (:mod:`plait.strategies.context` refuses the same)."""
+    if lay.context not in CONTEXTS:
+        raise LayoutError(f"context={lay.context!r}; use one of {list(CONTEXTS)}")
+    if lay.cp == 1:
+        return
+    if lay.tp_mode != "1d":
+        raise LayoutError(f"cp={lay.cp} with tp_mode={lay.tp_mode!r}: cp composes with 1D tp")
+    if lay.context == "ring" and job.seq % (2 * lay.cp):
+        raise LayoutError(
+            f"cp={lay.cp} (ring): seq={job.seq} must divide into 2*cp = {2 * lay.cp} equal "
+            f"chunks (the load-balanced causal layout)"
+        )
+    if lay.context == "ulysses" and (model.heads % (lay.tp * lay.cp) or job.seq % lay.cp):
+        raise LayoutError(
+            f"cp={lay.cp} (ulysses): tp*cp = {lay.tp * lay.cp} must divide heads="
+            f"{model.heads} and cp the seq={job.seq}"
+        )
+
+
+__all__ = [
+    "CONTEXTS",
+    "PRECISIONS",
+    "SCHEDULES",
+    "TP_MODES",
+    "Job",
+    "Layout",
+    "LayoutError",
+    "check",
+]

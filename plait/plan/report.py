@@ -44,7 +44,7 @@ def format_table(result: SearchResult, *, top: int = 10) -> str:
     lines = [format_header(result.model, result.job, result.cluster), ""]
     head = (
         f"{'#':>3}  {'layout':<54}{'mem/rank':>11}{'states':>10}{'activ.':>10}"
-        f"{'step':>11}{'MFU':>7}{'bubble':>8}{'tp':>10}{'pp':>10}{'dp':>10}"
+        f"{'step':>11}{'MFU':>7}{'bubble':>8}{'tp':>10}{'cp':>10}{'pp':>10}{'dp':>10}"
     )
     lines.append(head)
     for i, p in enumerate(result.plans[:top], 1):
@@ -54,7 +54,8 @@ def format_table(result: SearchResult, *, top: int = 10) -> str:
             f"{i:>3}  {p.layout.label():<54}{p.memory_bytes / GB:>8.2f} GB"
             f"{p.states.total_bytes / GB:>7.2f} GB{p.activations.total / GB:>7.2f} GB"
             f"{_fmt_s(t.total):>11}{t.mfu:>7.1%}{t.bubble:>8.1%}"
-            f"{_fmt_s(comm['tp']):>10}{_fmt_s(comm['pp']):>10}{_fmt_s(t.dp_exposed):>10}"
+            f"{_fmt_s(comm['tp']):>10}{_fmt_s(comm['cp']):>10}{_fmt_s(comm['pp']):>10}"
+            f"{_fmt_s(t.dp_exposed):>10}"
         )
     if not result.plans:
         lines.append("  (no layout fits in memory)")
@@ -69,7 +70,7 @@ def format_table(result: SearchResult, *, top: int = 10) -> str:
     )
     lines.append(
         "mem/rank = model states + activations + communication buffers of the largest "
-        "rank; tp/pp/dp: seconds of communication per step on the critical path"
+        "rank; tp/cp/pp/dp: seconds of communication per step on the critical path"
     )
     return "\n".join(lines)
 
@@ -79,8 +80,9 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
     lay, t, st, ac = plan.layout, plan.time, plan.states, plan.activations
     m = t.microbatches
     lines = [
-        f"layout {lay.label()}: {lay.world} ranks = dp {lay.dp} x tp {lay.tp} x pp {lay.pp}"
-        f" x ep {lay.ep}; {m} micro-batches of {lay.microbatch} sequences per data shard",
+        f"layout {lay.label()}: {lay.world} ranks = dp {lay.dp} x tp {lay.tp} x cp {lay.cp}"
+        f" x pp {lay.pp} x ep {lay.ep}; {m} micro-batches of {lay.microbatch} sequences per "
+        "data shard",
         "",
         "memory per rank (the largest rank, pipeline rank " + str(st.rank) + ")",
         f"  parameters     {_fmt_bytes(st.params_bytes):>12}   {st.formula}",
@@ -95,6 +97,8 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
         f"{cluster.peak_flops / 1e12:.4g} TFLOP/s x {cluster.efficiency:.2f})",
         f"  tp comm        {_fmt_s(t.tp_per_mb):>12}",
         f"  ep comm        {_fmt_s(t.ep_per_mb):>12}",
+        f"  cp comm        {_fmt_s(t.cp_per_mb):>12}   exposed (ring: the transfer beyond "
+        "each step's blockwise attention; Ulysses: its all-to-alls)",
         f"  pp p2p         {_fmt_s(t.pp_per_mb):>12}",
         f"  per micro-batch{_fmt_s(t.per_microbatch):>12}",
         "step",

@@ -1,8 +1,10 @@
 """Enumerate the layouts of a job on a cluster, keep those that fit, rank them by time.
 
-Every factorisation ``world = dp * tp * pp * ep`` (``tp`` dividing the heads, ``pp * v``
-the layers, ``ep`` the experts) is crossed with the micro-batch size, the schedule and its
-chunks, the ZeRO stage, recomputation and sequence parallelism of :class:`SearchSpace`.
+Every factorisation ``world = dp * tp * cp * pp * ep`` (``tp`` dividing the heads, ``pp *
+v`` the layers, ``ep`` the experts, ``cp`` the sequence: context parallelism with ring
+attention or Ulysses, :data:`SearchSpace.contexts`) is crossed with the micro-batch size,
+the schedule and its chunks, the ZeRO stage, recomputation and sequence parallelism of
+:class:`SearchSpace`.
 A layout :func:`plait.plan.layout.check` refuses is counted with its reason; the others
 are evaluated (:func:`evaluate`: model states, activations, step time) and those whose
 memory per rank fits the device (``Cluster.usable_memory``) are ranked by predicted step
@@ -15,6 +17,7 @@ the costs (``benchmarks/plan_validate.py`` checks that it does on the 1T / 3072-
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +39,8 @@ class SearchSpace:
     pp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None
     dp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    contexts: tuple[str, ...] = ("ring", "ulysses")  # cp's attention, when cp > 1
     microbatch: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     chunks: tuple[int, ...] = (2, 3, 4)  # v for "interleaved" ("zbv", "dualpipev" always 2)
@@ -109,40 +114,57 @@ def divisors(n: int) -> list[int]:
 
 def layouts(model: ModelSpec, job: Job, world: int, space: SearchSpace) -> Iterator[Layout]:
     """Every combination of ``space`` on ``world`` ranks (unchecked)."""
+    for tp, cp, pp, ep in _degrees(model, world, space):
+        dp = world // (tp * cp * pp * ep)
+        for context, (mode, depth), (sched, v) in itertools.product(
+            space.contexts if cp > 1 else ("ring",),
+            _tp_modes(tp, space),
+            _schedules(pp, space),
+        ):
+            for sp, zero, b, rc in itertools.product(
+                space.sp if (tp > 1 and mode == "1d") else (False,),
+                space.zero if dp * ep * cp > 1 else (0,),
+                space.microbatch,
+                space.recompute,
+            ):
+                if rc == "selective" and job.flash_attention:
+                    continue  # fused attention: what it recomputes
+                yield Layout(
+                    dp=dp,
+                    tp=tp,
+                    cp=cp,
+                    pp=pp,
+                    ep=ep,
+                    v=v,
+                    schedule=sched,
+                    microbatch=b,
+                    zero=zero,
+                    recompute=rc,
+                    sp=sp,
+                    tp_mode=mode,
+                    depth=depth,
+                    context=context,
+                )
+
+
+def _degrees(
+    model: ModelSpec, world: int, space: SearchSpace
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(tp, cp, pp, ep)`` of ``space`` whose product divides ``world`` (dp the rest)."""
 
     def pick(given: tuple[int, ...] | None, n: int) -> list[int]:
         return [d for d in divisors(n) if given is None or d in given]
 
     for tp in pick(space.tp, world):
-        for pp in pick(space.pp, world // tp):
-            for ep in pick(space.ep, world // (tp * pp)):
-                dp = world // (tp * pp * ep)
-                if space.dp is not None and dp not in space.dp:
-                    continue
-                if ep > 1 and not model.experts:
-                    continue
-                for mode, depth in _tp_modes(tp, space):
-                    for sp in space.sp if (tp > 1 and mode == "1d") else (False,):
-                        for sched, v in _schedules(pp, space):
-                            for zero in space.zero if dp * ep > 1 else (0,):
-                                for b in space.microbatch:
-                                    for rc in space.recompute:
-                                        if rc == "selective" and job.flash_attention:
-                                            continue  # fused attention: what it recomputes
-                                        yield Layout(
-                                            dp=dp,
-                                            tp=tp,
-                                            pp=pp,
-                                            ep=ep,
-                                            v=v,
-                                            schedule=sched,
-                                            microbatch=b,
-                                            zero=zero,
-                                            recompute=rc,
-                                            sp=sp,
-                                            tp_mode=mode,
-                                            depth=depth,
-                                        )
+        for cp in pick(space.cp, world // tp):
+            for pp in pick(space.pp, world // (tp * cp)):
+                for ep in pick(space.ep, world // (tp * cp * pp)):
+                    dp = world // (tp * cp * pp * ep)
+                    if space.dp is not None and dp not in space.dp:
+                        continue
+                    if ep > 1 and not model.experts:
+                        continue
+                    yield tp, cp, pp, ep
 
 
 def _tp_modes(tp: int, space: SearchSpace) -> list[tuple[str, int]]:

@@ -22,10 +22,12 @@ Pipeline rank ``r`` holds the blocks of its stages (stage ``c p + r`` for chunk 
 the head. The result is for the rank whose model states are largest.
 
 Then each kind of state is counted by :func:`plait.plan.memory.estimate` (the ZeRO
-paper's bytes per parameter), with the dense parameters replicated over the ``dp * ep``
-ranks that see different tokens and the expert parameters over ``dp``::
+paper's bytes per parameter), with the dense parameters replicated over the ``dp * ep * cp``
+ranks that see different tokens and the expert parameters over ``dp * cp`` (the cp ranks
+see different pieces of the same sequences; Megatron's distributed optimizer shards over
+dp x cp too)::
 
-    bytes = estimate(D, n = dp * ep, zero) + estimate(X, n = dp, zero)
+    bytes = estimate(D, n = dp * ep * cp, zero) + estimate(X, n = dp * cp, zero)
 
 ``zero``: 0 is ``"ddp"``, 1-3 are ``"zero1"``-``"zero3"`` (3 = FSDP).
 
@@ -170,15 +172,15 @@ def rank_states(model: ModelSpec, job: Job, layout: Layout) -> list[ModelStates]
                 optimizer=job.optimizer,
                 precision=job.precision,
             )
-            for count, n in ((dense, layout.data_shards), (expert, layout.dp))
+            for count, n in ((dense, layout.replicas), (expert, layout.dp * layout.cp))
             if count
         ]
         params = sum(e.params_bytes for e in parts)
         grads = sum(e.grads_bytes for e in parts)
         optim = sum(e.optimizer_bytes for e in parts)
-        formula = f"dense D={dense:,} over n={layout.data_shards}: {parts[0].formula}"
+        formula = f"dense D={dense:,} over n={layout.replicas}: {parts[0].formula}"
         if expert:
-            formula += f"; experts X={expert:,} over n={layout.dp}: {parts[-1].formula}"
+            formula += f"; experts X={expert:,} over n={layout.dp * layout.cp}: {parts[-1].formula}"
         if job.optimizer in ("adam", "adamw"):
             optim += 4 * counters[r]
             formula += f"; + 4 x {counters[r]} Adam step counters"

@@ -5,7 +5,7 @@ One optimizer step of ``m`` micro-batches on a pipeline of ``p`` ranks (Narayana
 2021, Eq. 1, generalised to any schedule through its bubble fraction ``beta``)::
 
     step     = m * t_mb / (1 - beta)  +  (1 - overlap.dp) * t_dp
-    t_mb     = t_compute + (1 - overlap.tp) (t_tp + t_ep) + (1 - overlap.pp) t_pp
+    t_mb     = t_compute + (1 - overlap.tp) (t_tp + t_ep) + t_cp + (1 - overlap.pp) t_pp
 
 taken on the slowest pipeline rank (the one with the most blocks, or the head).
 
@@ -21,9 +21,16 @@ constant cannot serve both a 22B and a 1T model; two can (benchmarks/plan_valida
 A fused attention (``Job.flash_attention``) adds ``2 s a d`` FLOPs per token and block
 (the backward's recomputed scores).
 
-Communication, ``S`` the micro-batch's activation ``b s h`` in bytes, groups laid out
-as :class:`plait.Mesh` does (``tp`` innermost, then ``ep``, ``dp``, ``pp``; a group is on
-the slow inter-node link as soon as it spans two nodes):
+Context parallelism (``cp = c``): a rank computes ``b s / c`` tokens of each sequence
+(every per-token FLOP and byte below is of those tokens; the attention core still sees the
+whole sequence's keys, ``4 s h`` per token); ``t_cp`` is the exposed part of the ring's
+transfers or Ulysses' all-to-alls (:func:`plait.plan.costs.context_layer`: a ring step's
+transfer is assumed hidden behind that step's blockwise attention, ``1/c`` of the rank's
+attention core, up to its length).
+
+Communication, ``S`` the micro-batch's activation ``b s h / c`` in bytes, groups laid out
+as :class:`plait.Mesh` does (``tp`` innermost, then ``cp``, ``ep``, ``dp``, ``pp``; a group
+is on the slow inter-node link as soon as it spans two nodes):
 
 =====  ==========================================  ==========================================
 group  what, per micro-batch (forward + backward)   cost (ring; alpha, beta of the group's link)
@@ -38,6 +45,11 @@ tp     1D: per block 4 all-reduces of S (2 with       ``2(t-1) alpha + 2(t-1)/t 
        not counted)
 ep     per MoE block 4 all-to-alls of ``top_k S``     ``(ep-1) alpha + (ep-1)/ep top_k S/beta``
        (dispatch and combine, and their gradients)
+cp     ring: per block ``(c-1)`` sends of K/V     ``alpha + KV/beta`` a step, hidden up
+       (``KV = 2 b s kv e / (c t)``) forward,      to the step's attention (see above)
+       ``(c-1)`` of 2 KV backward; Ulysses: per
+       block 4 all-to-alls forward, 4 backward   ``(c-1) alpha + (c-1)/c X/beta`` each
+       (q, k, v, the output; their gradients)
 pp     2 v point-to-point messages of S/t             ``alpha + S/(t beta)`` each, + an
        (PTD-P's scatter/gather; SP's shard):          all-gather over tp without SP
        activations forward, gradients back; S         (``Job.pp_scatter_gather=False``:
@@ -46,8 +58,8 @@ dp     per step: the gradients, all-reduced (ZeRO     ``2(n-1) alpha + 2(n-1)/n 
        1-2: reduce-scatter + all-gather, the same     ZeRO-3: per unit ``3 (n-1) alpha +
        bytes; ZeRO-3, per unit (each block, and the   3 (n-1)/n G_u/beta``
        root): all-gathers in forward and backward,
-       a reduce-scatter); dense over dp*ep, experts
-       over dp
+       a reduce-scatter); dense over dp*ep*cp,
+       experts over dp*cp
 =====  ==========================================  ==========================================
 
 The bubble ``beta``: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(vm+p-1)``,
@@ -101,6 +113,7 @@ from plait.plan.activations import model_layer_bytes
 from plait.plan.costs import (
     SIMULATE_ACTIONS,
     collective_seconds,
+    context_layer,
     critical_path,
     dp_seconds,
     gemm_slowdown,
@@ -164,18 +177,26 @@ class StepTime:
     runtime_per_mb: float = 0.0  # the pipeline runtime's own work, in compute_per_mb
     tp_calls_per_mb: int = 0  # tensor-parallel collectives per micro-batch (slowest rank)
     strategy: float = 0.0  # DDP's, ZeRO's or FSDP's own work per step (calibrated)
+    cp_per_mb: float = 0.0  # context parallelism's exposed seconds per micro-batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def spans_nodes(layout: Layout, group: str, cluster: Cluster) -> bool:
-    """Whether ``group``'s members sit on more than one node (Mesh order tp, ep, dp, pp)."""
-    sizes = {"tp": layout.tp, "ep": layout.ep, "dp": layout.dp, "pp": layout.pp}
+    """Whether ``group``'s members sit on more than one node (Mesh order tp, cp, ep, dp,
+    pp)."""
+    sizes = {
+        "tp": layout.tp,
+        "cp": layout.cp,
+        "ep": layout.ep,
+        "dp": layout.dp,
+        "pp": layout.pp,
+    }
     stride = 1
-    order = ("tp", "ep", "dp", "pp")
-    if group == "dpep":  # the dense gradients' group: ep and dp together
-        stride, size = layout.tp, layout.ep * layout.dp
+    order = ("tp", "cp", "ep", "dp", "pp")
+    if group == "dpep":  # the dense gradients' group: cp, ep and dp together
+        stride, size = layout.tp, layout.replicas
     else:
         for name in order[: order.index(group)]:
             stride *= sizes[name]
@@ -214,7 +235,7 @@ def _tp_block_seconds(
     inter = spans_nodes(layout, "tp", cluster)
     lat, bw = cluster.link(inter)
     e = job.element_bytes
-    tokens = layout.microbatch * job.seq
+    tokens = layout.tokens(job)
     size = tokens * model.hidden * e
     if layout.tp_mode == "1d":
         n = 2 if moe else 4
@@ -259,7 +280,7 @@ def _tp_head_grid(
     c = linear_cost(
         layout.tp_mode,
         ranks=layout.tp,
-        tokens=layout.microbatch * job.seq,
+        tokens=layout.tokens(job),
         in_features=model.hidden,
         out_features=model.vocab,
         depth=layout.depth if layout.tp_mode == "2.5d" else None,
@@ -281,7 +302,7 @@ def step_time(
     ov = overlap or Overlap()
     lay, s = layout, job.seq
     e = job.element_bytes
-    tokens = lay.microbatch * s
+    tokens = lay.tokens(job)  # this rank's
     m = lay.microbatches(job)
     mult = 3.0 + (1.0 if lay.recompute == "full" else 0.0)
     core = 4 * s * model.hidden
@@ -304,8 +325,24 @@ def step_time(
     if cluster.elementwise_passes:
         moved = cluster.elementwise_passes * model_layer_bytes(model, job, lay, recompute="none")
         elementwise = moved * (4 / 3 if lay.recompute == "full" else 1) / cluster.hbm_bandwidth
+    # context parallelism per block: the ring's step hides behind 1/c of the rank's
+    # attention core (forward, 4 s q_width FLOPs per token, over tp)
+    q_w, kv_w = model.heads * model.hd / lay.tp, model.kv * model.hd / lay.tp
+    step_s = 4 * s * model.heads * model.hd * tokens * per_flop / lay.cp
+    cp_bytes_one, cp_one = context_layer(
+        cluster,
+        context=lay.context,
+        c=lay.cp,
+        tokens=tokens,
+        q_width=q_w,
+        kv_width=kv_w,
+        element_bytes=e,
+        step_seconds=step_s,
+        passes=3 if lay.recompute == "full" else 2,
+        inter_node=spans_nodes(lay, "cp", cluster),
+    )
     worst = (0.0, 0.0, 0.0, 0.0, 0.0)  # (total, compute, tp, ep, tp bytes) per micro-batch
-    tp_bytes_mb = ep_bytes_mb = 0.0
+    tp_bytes_mb = ep_bytes_mb = cp_mb = cp_bytes_mb = 0.0
     calls_mb = 0
     cal = cluster.calibration
     call_s = cal.tp_call_seconds(lay.tp) if cal is not None else 0.0
@@ -344,10 +381,11 @@ def step_time(
             blocks = dense + moe + (1 if (first or last) else 0)
             compute += blocks * cluster.calibration.block_overhead
         ep_s = moe * ep_one
-        total = compute + (1 - ov.tp) * (tp_s + ep_s)
+        total = compute + (1 - ov.tp) * (tp_s + ep_s) + (dense + moe) * cp_one
         if total > worst[0]:
             worst = (total, compute, tp_s, ep_s, tp_b)
             tp_bytes_mb, ep_bytes_mb, calls_mb = tp_b, moe * ep_one_bytes, calls
+            cp_mb, cp_bytes_mb = (dense + moe) * cp_one, (dense + moe) * cp_bytes_one
     _, compute_mb, tp_mb, ep_mb, _ = worst
     runtime_mb = 0.0
     if cal is not None and lay.pp > 1:  # the runtime's own work per action it runs
@@ -369,7 +407,7 @@ def step_time(
                 * collective_seconds(cluster, "all_gather", lay.tp, act, inter_node=tp_inter)
             )
             pp_bytes_mb += 2 * lay.v * (lay.tp - 1) / lay.tp * act
-    per_mb = compute_mb + (1 - ov.tp) * (tp_mb + ep_mb) + (1 - ov.pp) * pp_s
+    per_mb = compute_mb + (1 - ov.tp) * (tp_mb + ep_mb) + cp_mb + (1 - ov.pp) * pp_s
     beta = bubble(lay.schedule, p=lay.pp, m=m, v=lay.v, simulate=simulate_bubble)
     pipeline = m * per_mb / (1 - beta)
     speedup = cluster.alone_speedup
@@ -378,7 +416,7 @@ def step_time(
         # the longer of all the work at the shared speed (no idle core) and the schedule's
         # critical path with each busy rank at up to a whole core: played by the pipeline
         # simulator (messages' latency on the path) when small, else the bubble formula.
-        comm_mb = (1 - ov.tp) * (tp_mb + ep_mb)
+        comm_mb = (1 - ov.tp) * (tp_mb + ep_mb) + cp_mb
         one_msg = (1 - ov.pp) * pp_s / (2 * lay.v)
         figures = cal.pipeline_figures(lay.schedule, lay.pp) if cal is not None else None
         played = None
@@ -406,7 +444,7 @@ def step_time(
     grad_bytes = e if job.precision == "mixed" else 4
     zero3 = 1.5 if lay.zero == 3 else 1.0
     dense, expert = max(rank_params(model, lay), key=lambda x: x[0] + x[1])
-    dp_dense_n, dp_exp_n = lay.data_shards, lay.dp
+    dp_dense_n, dp_exp_n = lay.replicas, lay.dp * lay.cp
     # ZeRO-3 / FSDP gathers and reduces per unit: each block, and the root (the rest)
     units = sum(rank_contents(model, lay)[0][:2]) + 1 if lay.zero == 3 else 1
     dp_s = dp_seconds(
@@ -426,7 +464,7 @@ def step_time(
         updated = dense / (dp_dense_n if lay.zero else 1) + expert / (dp_exp_n if lay.zero else 1)
         optimizer = adam.seconds(updated)
     own = 0.0
-    if cal is not None and lay.data_shards > 1:
+    if cal is not None and lay.replicas > 1:
         tensors = max(param_tensors(model, lay, *held) for held in rank_contents(model, lay))
         grads = (dense + expert) * grad_bytes
         if lay.zero in (1, 2) and cal.zero is not None:
@@ -443,8 +481,9 @@ def step_time(
     comm = (
         GroupComm("tp", lay.tp, spans_nodes(lay, "tp", cluster), m * tp_bytes_mb, m * tp_mb),
         GroupComm("ep", lay.ep, spans_nodes(lay, "ep", cluster), m * ep_bytes_mb, m * ep_mb),
+        GroupComm("cp", lay.cp, spans_nodes(lay, "cp", cluster), m * cp_bytes_mb, m * cp_mb),
         GroupComm("pp", lay.pp, spans_nodes(lay, "pp", cluster), m * pp_bytes_mb, m * pp_s),
-        GroupComm("dp", lay.data_shards, spans_nodes(lay, "dpep", cluster), dp_b, dp_s),
+        GroupComm("dp", lay.replicas, spans_nodes(lay, "dpep", cluster), dp_b, dp_s),
     )
     return StepTime(
         compute_mb,
@@ -467,6 +506,7 @@ def step_time(
         runtime_mb,
         calls_mb,
         own,
+        cp_mb,
     )
 
 

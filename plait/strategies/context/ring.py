@@ -48,7 +48,10 @@ class Shift:
                 f"group {g.name!r}) could not {self.what}: {exc}"
             ) from exc
         self.channel.call.commit()
-        return self.received
+        # the sent blocks are free once sent; keeping them here would hold a third K/V
+        # block (or dK/dV sum) alive while the caller posts the next step
+        received, self.sent, self.received, self.pending = self.received, [], [], []
+        return received
 
 
 def shift(tensors: list[torch.Tensor], group: Group, *, kind: str, what: str) -> Shift:

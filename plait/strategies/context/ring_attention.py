@@ -159,6 +159,8 @@ class _RingAttention(torch.autograd.Function):
                 pairs += 1
             if nxt is not None:
                 kv = nxt.wait()
+                nxt = None
+            del ks, vs
         WORK[(c, r)] = pairs
         # every query chunk sees at least its own diagonal chunk, so both are set
         out = torch.cat([acc[0][0], acc[1][0]], dim=2)  # type: ignore[index]
@@ -196,15 +198,17 @@ class _RingAttention(torch.autograd.Function):
                 dvs[j].add_(g[2])
                 del g
             mine = [_fold(dk, kv_heads), _fold(dv, kv_heads)]
+            del dk, dv, dks, dvs  # before the next buffers are allocated
             if step == 0:
                 own = mine
             else:
                 if incoming is not None:
                     mine = [a.add_(b) for a, b in zip(incoming.wait(), mine, strict=True)]
                 incoming = shift(mine, group, kind="cp_dkv", what="pass dK/dV home")
-            del dk, dv, dks, dvs, mine
+            del mine, ke, ve, ks, vs
             if nxt is not None:
                 kv = nxt.wait()
+                nxt = None
         if incoming is not None:  # the received buffers are this rank's: add in place
             own = [b.add_(a) for a, b in zip(own, incoming.wait(), strict=True)]
         return dq, own[0], own[1], None, None, None, None

@@ -123,6 +123,14 @@ class PipelineParallel(nn.Module):
         model = module
         super().__init__()
         if not isinstance(group, Group):
+            shape = getattr(group, "shape", {})
+            if isinstance(shape, dict) and shape.get("cp", 1) > 1:
+                # the stages would run whole sequences on every cp rank, silently
+                raise ValueError(
+                    f"PipelineParallel: the mesh {group!r} has cp={shape['cp']}; context "
+                    f"parallelism inside pipeline stages is not supported yet: use "
+                    f"strategy 'cp' (with dp, tp) or a mesh without cp"
+                )
             group = group.group("pp")  # a Mesh
         self.group = group
         self.check_finite = check_policy(check_finite)
