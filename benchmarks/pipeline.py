@@ -110,6 +110,7 @@ def _plait(cfg: GPTConfig, name: str, group: Any, m: int, tracer: Tracer) -> Any
         group=group,
         schedule=name,
         microbatches=m,
+        split="schedule",  # the cut fitted to the schedule, as torch's stages get below
         plan=pipeline_plan(model),
         tracer=tracer,
     )
@@ -135,7 +136,7 @@ def _torch(cfg: GPTConfig, name: str, p: int, rank: int, m: int, batch: int) -> 
     placement = v_placement(p) if name in V_SHAPED else loop_placement(p, v)
     gpt = GPT(cfg)
     layers = layers_of(gpt, pipeline_plan(gpt))
-    part = partition(layers, p * v, schedule=build(name, p=p, m=m))  # plait's cut
+    part = partition(layers, p * v, by="schedule", schedule=build(name, p=p, m=m))  # plait's
     mb = batch // m
     ids = torch.zeros(mb, cfg.seq_len, dtype=torch.long)
     # example tensors; requires_grad tells torch which outputs get gradients back

@@ -130,9 +130,7 @@ def measure_shm(sizes: list[int], reps: int) -> list[dict[str, float]]:
                 "bytes": nbytes,
                 "gloo_exchange_ms": _median_ms(partial(_exchange, out, back, peer), reps),
                 "shm_exchange_ms": _median_ms(partial(_shm_exchange, ch, out, back, peer), reps),
-                "gloo_ping_pong_ms": _median_ms(
-                    partial(_ping_pong, out, back, rank, peer), reps
-                ),
+                "gloo_ping_pong_ms": _median_ms(partial(_ping_pong, out, back, rank, peer), reps),
                 "shm_ping_pong_ms": _median_ms(
                     partial(_shm_ping_pong, out, back, rank, peer), reps
                 ),

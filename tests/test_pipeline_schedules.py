@@ -28,7 +28,7 @@ from plait.strategies.pipeline import (
     validate,
 )
 from plait.strategies.pipeline.schedules import add_comms, default_chunks, one_f_one_b
-from plait.strategies.pipeline.split import Stage
+from plait.strategies.pipeline.split import Stage, _simulated
 from plait.trace import Span
 
 PS = (1, 2, 3, 4, 8)
@@ -320,6 +320,22 @@ def test_partition_keeps_dense_names_and_function():
         assert "stage 0" in str(part) and "params (" in str(part)
     part = partition(layers, 3, by="params")
     assert max(part.params) < sum(part.params) * 0.5
+
+
+def test_a_cut_fitted_to_the_schedule_shortens_its_simulated_step():
+    # GPT with 6 blocks in ZBV's 4 stages at p = 2: the balanced cut's simulated makespan
+    # falls when a layer moves; "params" keeps the balanced cut (what the planner models)
+    model = small_gpt(layers=6)
+    layers = layers_of(model, pipeline_plan(model))
+    sched = build("zbv", p=2, m=4)
+    weights = [float(x.numel()) for x in layers]
+    plain = partition(layers, 4, by="params")
+    fitted = partition(layers, 4, by="schedule", schedule=sched)
+    assert partition(layers, 4, by="params", schedule=sched).bounds == plain.bounds
+    assert fitted.bounds != plain.bounds
+    assert _simulated(weights, fitted.bounds, sched) < _simulated(weights, plain.bounds, sched)
+    with pytest.raises(ValueError, match="by='schedule' needs the schedule"):
+        partition(layers, 4, by="schedule")
 
 
 def test_partition_refusals():

@@ -92,13 +92,15 @@ class PipelineParallel(nn.Module):
     ``schedule``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``,
     ``"zbv"``, ``"dualpipev"``) or a :class:`Schedule` for ``p = group.size``. ``chunks``:
     stages per rank (default: 2 for interleaved, zbv and dualpipev, else 1). ``split``:
-    ``"params"``, ``"time"`` (needs ``sample``, one micro-batch of inputs) or the layer
-    indices where stages 1.. start. ``loss_fn``: ``(output, target) -> mean loss`` of a
-    micro-batch; overrides the plan's loss. ``recompute``: keep only each stage's input
-    between forward and backward. ``check_finite``: ``"raise"`` (default, as DDP),
+    ``"params"`` (balanced by parameters, the default: the memory per rank the planner models),
+    ``"schedule"`` (that cut moved while the schedule's simulated makespan falls: what
+    zero-bubble V schedules gain most from), ``"time"`` (needs ``sample``, one micro-batch of
+    inputs) or the layer indices where stages 1.. start. ``loss_fn``: ``(output, target) -> mean
+    loss`` of a micro-batch; overrides the plan's loss. ``recompute``: keep only each stage's
+    input between forward and backward. ``check_finite``: ``"raise"`` (default, as DDP),
     ``"skip"`` (every rank drops the step's gradients) or None (a loss scaler handles
-    overflows): a non-finite stage output or gradient is found on every rank after the
-    backward, naming the rank, stage, micro-batch and parameter.
+    overflows): a non-finite stage output or gradient is found on every rank after the backward,
+    naming the rank, stage, micro-batch and parameter.
     """
 
     @accepts_model(method=True)

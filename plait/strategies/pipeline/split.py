@@ -197,10 +197,12 @@ def partition(
     schedule: Any = None,
 ) -> Partition:
     """Group ``layers`` into ``stages`` contiguous stages (see the module docstring);
-    ``context``: the plan's, for ``by="time"`` over contextual layers. ``schedule`` (a
-    :class:`~.actions.Schedule` with that many stages): the balanced cut (``"params"``,
-    ``"time"``) is then moved a layer at a time while the schedule's simulated makespan
-    falls (stage costs proportional to the weights)."""
+    ``context``: the plan's, for ``by="time"`` over contextual layers. ``by="schedule"``
+    (with ``schedule``, a :class:`~.actions.Schedule` with that many stages): the cut
+    balanced by parameters, then moved a layer at a time while the schedule's simulated
+    makespan falls (stage costs proportional to the parameters; a V-shaped schedule's
+    stages are visited in another order than a balanced cut assumes). ``"params"`` and
+    ``"time"`` keep the balanced cut, whose memory per rank the planner models."""
     n = len(layers)
     if stages < 1 or stages > n:
         raise ValueError(
@@ -209,16 +211,20 @@ def partition(
         )
     seconds = None
     if isinstance(by, str):
-        if by == "params":
+        if by in ("params", "schedule"):
+            if by == "schedule" and schedule is None:
+                raise ValueError("pipeline: split by='schedule' needs the schedule")
             weights = [float(layer.numel()) for layer in layers]
         elif by == "time":
             if sample is None:
                 raise ValueError("pipeline: split by='time' needs sample= (one micro-batch)")
             weights = layer_seconds(layers, sample, context=context)
         else:
-            raise ValueError(f"pipeline: by={by!r}; use 'params', 'time' or a list of points")
+            raise ValueError(
+                f"pipeline: by={by!r}; use 'params', 'time', 'schedule' or a list of points"
+            )
         bounds = _balanced(weights, stages)
-        if schedule is not None and stages > 1:
+        if by == "schedule" and stages > 1:
             bounds = _for_schedule(weights, bounds, schedule)
         if by == "time":
             seconds = tuple(sum(weights[a:b]) for a, b in bounds)
