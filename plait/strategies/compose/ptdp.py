@@ -79,6 +79,13 @@ all    (loss scaling) one scalar all-reduce (max) of the     (see :mod:`.scaling
        found-inf flag per group of the mesh
 =====  ====================================================  ==================================
 
+Reproducible mode (``reproducible=True``, tp = 1): each replica's pipeline sums its
+contiguous block of micro-batches on the fixed tree and ``sync_gradients`` adds the
+replicas' sums by a tree-ordered all-reduce over dp, so the parameters are bitwise those of
+one process on the same ``dp * microbatches`` micro-batches (:mod:`.reproducible`, which
+also names what is refused: tp > 1, ZeRO, MoE, a scaler, a non-mean loss, a tied head on
+two stages; then accumulation and ``clip_grad_norm_``).
+
 Gradient accumulation: several ``step`` calls before ``optimizer.step()`` leave the
 gradient of the mean loss over the union of their batches (the average is taken, and the
 dp all-reduce sent, once, when ``clip_grad_norm_`` or ``optimizer.step()`` first needs
@@ -110,7 +117,6 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
-from plait.strategies.compose.reproducible import check_reproducible, tree_average
 from plait.strategies.compose.dense import (
     Counted,
     DenseGroup,
@@ -130,6 +136,7 @@ from plait.strategies.compose.experts import (
     expert_owner,
     shard_experts,
 )
+from plait.strategies.compose.reproducible import check_reproducible, tree_average
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
@@ -687,7 +694,10 @@ def compose(
     parameter of the model, in any number of groups, not stepped; it is re-created on this
     rank's shards as ``.optimizer``: same class and constructor defaults, one group per
     group, each group's entries kept (``lr``, ``weight_decay``, ...). Refuses, naming the
-    constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
+    constraint, what the mesh cannot build (:mod:`.check`). ``reproducible``: bitwise the
+    same parameters as one process for every dp x pp layout (tp = 1, zero=0, no MoE, a
+    mean loss, one ``step`` per optimizer step; :mod:`.reproducible`). Collective over the
+    mesh.
     """
     model = module
     return PTDP(
