@@ -7,7 +7,7 @@ sizes 1, 2, 4 and 8, every all-reduce algorithm, the shared-memory and the gloo 
 DDP, ZeRO-1/2, FSDP, pipelines of depth 2 and 4 under six schedules (depth 1 is the
 oracle), an elastic restart from 4 ranks to 2, and a float32 Hugging Face Llama. PTD-P
 (dp x pp, tp=1) trains plait's GPT (dp2 x pp2 under 1F1B and ZB-H1, dp1 x pp2, dp4 x pp1)
-and the Llama (dp1 x pp2, dp2 x pp1) against their one-process oracles.
+and the Llama (dp2 x pp2) against their one-process oracles.
 Cases of one world size share one visit of the ranks.
 """
 
@@ -46,6 +46,12 @@ def oracle() -> dict[str, torch.Tensor]:
 def gpt_oracle() -> dict[str, torch.Tensor]:
     """One process, the GPT's 8 micro-batches of 2 sequences on the tree (PTD-P cases)."""
     return fns.train_gpt_oracle()
+
+
+@pytest.fixture(scope="module")
+def llama_oracle() -> dict[str, torch.Tensor]:
+    """One process, the float32 Llama's 4 micro-batches of 2 sequences on the tree."""
+    return fns.train_llama("none", world=False)
 
 
 def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
@@ -198,7 +204,7 @@ DP_CASES = [("ddp", {"algorithm": a}) for a in ALGORITHMS] + [
 ]
 
 
-def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle, gpt_oracle):
+def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle, gpt_oracle, llama_oracle):
     results = ranks(2, fns.cases, DP_CASES, timeout=300)
     for per_rank in results:
         for case, got in zip(DP_CASES, per_rank, strict=True):
@@ -211,19 +217,15 @@ def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle, gpt_ora
     for per_rank in ranks(2, fns.by_hand_cases, by_hand, timeout=300):
         for strategy, got in zip(by_hand, per_rank, strict=True):
             _equal(got, oracle, ("by hand, dp 2", strategy))
-    llama = fns.train_llama("none", world=False)
     for per_rank in ranks(2, fns.llama_cases, ["ddp", "fsdp"], timeout=300):
         for strategy, got in zip(["ddp", "fsdp"], per_rank, strict=True):
-            _equal(got, llama, ("llama dp 2", strategy))
-    # PTD-P on 2 ranks: the GPT and the Llama as dp1 x pp2, the Llama as dp2 x pp1
-    specs = [("gpt", 2, 1, "1f1b"), ("llama", 2, 1, "1f1b"), ("llama", 1, 2, "1f1b")]
-    per_rank = ranks(2, fns.ptdp_cases, specs, timeout=300)
-    for i, spec in enumerate(specs):
-        want = gpt_oracle if spec[0] == "gpt" else llama
-        _equal(_merged([r[i] for r in per_rank]), want, ("ptdp", spec))
+            _equal(got, llama_oracle, ("llama dp 2", strategy))
+    # PTD-P dp1 x pp2: the GPT's one-process tree (dp2 x pp2 and dp4 x pp1 on 4 ranks)
+    per_rank = ranks(2, fns.ptdp_cases, [("gpt", 2, 1, "1f1b")], timeout=300)
+    _equal(_merged([r[0] for r in per_rank]), gpt_oracle, "ptdp dp1 x pp2")
 
 
-def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, gpt_oracle, tmp_path):
+def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, gpt_oracle, llama_oracle, tmp_path):
     cases = [("ddp", {"algorithm": "ring"}), ("ddp", {"algorithm": "halving_doubling"})]
     cases += [("zero1", {}), ("zero2", {}), ("fsdp", {})]
     for per_rank in ranks(4, fns.cases, cases, timeout=300):
@@ -235,9 +237,11 @@ def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, gpt_oracle, tmp_
         _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 4", schedule))
     # PTD-P dp2 x pp2 under two schedules and dp4 x pp1: the GPT's one-process tree
     specs = [("gpt", 2, 2, "1f1b"), ("gpt", 2, 2, "zb-h1"), ("gpt", 1, 4, "1f1b")]
+    specs += [("llama", 2, 2, "1f1b")]
     per_rank = ranks(4, fns.ptdp_cases, specs, timeout=300)
     for i, spec in enumerate(specs):
-        _equal(_merged([r[i] for r in per_rank]), gpt_oracle, ("ptdp", spec))
+        want = gpt_oracle if spec[0] == "gpt" else llama_oracle
+        _equal(_merged([r[i] for r in per_rank]), want, ("ptdp", spec))
     refusals = ranks(4, fns.ptdp_refusals, timeout=300)[0]
     for got, want in zip(
         refusals,
