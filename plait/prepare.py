@@ -331,8 +331,9 @@ def prepare(
     ``loss = runner.step(x, y); optimizer.step()`` on this rank's contiguous block of the
     global batch (``runner.block(x)``); ``"pipeline"`` keeps its ``step`` and sums its
     ``microbatches`` (a power of two) on the same tree; ``threads=`` (default 1) pins the
-    intra-op threads. Strategies that split a matmul's reduction (tp, ep, cp, ptdp) and
-    ps, naive are refused by name.
+    intra-op threads. ``"ptdp"`` keeps its ``step`` too, for dp x pp with tp=1 (its
+    refusals: :mod:`plait.strategies.compose.reproducible`). Strategies that split a
+    matmul's reduction (tp, ep, cp) and ps, naive are refused by name.
 
     Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
@@ -391,7 +392,7 @@ def _reproducible(
             f"plait.prepare(strategy={strategy!r}, reproducible=True) is refused: "
             f"{REPRODUCIBLE_REFUSED[strategy]}. The mode supports {list(REPRODUCIBLE)}"
         )
-    if strategy == "pipeline":
+    if strategy in ("pipeline", "ptdp"):  # each keeps its step(x, y); ptdp with tp=1 only
         return STRATEGIES[strategy](model, optimizer, reproducible=True, **options)
     mode = {k: options.pop(k) for k in ("microbatch_size", "loss_fn", "threads") if k in options}
     missing = [k for k in ("microbatch_size", "loss_fn") if k not in mode]

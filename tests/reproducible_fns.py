@@ -7,6 +7,7 @@ returns its full parameters; the test compares them with ``torch.equal``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,6 +15,9 @@ from torch import nn
 
 import plait
 from plait import checkpoint
+from plait.models import GPT, GPTConfig, gpt
+from plait.models.gpt import MoEConfig
+from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, ZeroOptimizer
 from plait.strategies.fsdp import full_state_dict, fully_shard
 from plait.strategies.reproducible import ReproducibleRunner
@@ -220,3 +224,147 @@ def train_by_hand(strategy: str) -> dict[str, torch.Tensor]:
 
 def by_hand_cases(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
     return [train_by_hand(s) for s in strategies]
+
+
+# --- PTD-P: dp x pp with tp = 1 ---------------------------------------------------------
+# M = 8 micro-batches of 2 sequences each step: dp * microbatches = 8 in every layout
+SEQS, SEQ_MICROBATCH, PTDP_STEPS = 16, 2, 3
+
+
+def gpt_config() -> GPTConfig:
+    """A float32 GPT of 2 blocks (4 pipeline layers), untied, no dropout."""
+    return GPTConfig(vocab=13, layers=2, heads=4, width=16, seq_len=8)
+
+
+def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, 13, (SEQS, 9), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def train_gpt_oracle() -> dict[str, torch.Tensor]:
+    """One process: the GPT's M micro-batches on the tree (``strategy="none"``)."""
+    threads = torch.get_num_threads()
+    model = GPT(gpt_config())
+    runner, optimizer = plait.prepare(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        strategy="none",
+        reproducible=True,
+        microbatch_size=SEQ_MICROBATCH,
+        loss_fn=gpt.loss,  # the pipeline plan's loss with tp = 1
+    )
+    assert optimizer is not None
+    try:
+        for step in range(PTDP_STEPS):
+            runner.step(*gpt_batch(step))
+            optimizer.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def mean_plans(model: nn.Module, kind: str, **options: Any) -> Any:
+    """The family's plans, the pipeline loss made a mean over each micro-batch (a Hugging
+    Face causal LM counts its loss items over the global batch: refused by the mode)."""
+    plan = plan_for(model, kind, **options)
+    if kind != "pipeline":
+        return plan
+    return replace(plan, loss=llama_logits_loss, reduction="mean", items=None)
+
+
+def llama_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def llama_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def train_ptdp(
+    model_name: str, pp: int, dp: int, schedule: str = "1f1b"
+) -> dict[str, torch.Tensor]:
+    """``prepare(strategy="ptdp", reproducible=True)`` on ``Mesh(pp, dp, tp=1)``: the GPT on
+    16 sequences (or the Llama on 8) a step, M = 8 (Llama: 4) micro-batches of 2 over the
+    replicas; the dense state afterwards."""
+    threads = torch.get_num_threads()
+    llama = model_name == "llama"
+    model = make_llama() if llama else GPT(gpt_config())
+    total = 4 if llama else SEQS // SEQ_MICROBATCH
+    ptdp, optimizer = plait.prepare(
+        model,
+        (torch.optim.AdamW if llama else torch.optim.Adam)(model.parameters(), lr=0.01),
+        strategy="ptdp",
+        reproducible=True,
+        mesh=plait.Mesh(pp=pp, dp=dp, tp=1),
+        schedule=schedule,
+        microbatches=total // dp,
+        **({"plans": mean_plans} if llama else {}),
+    )
+    try:
+        for step in range(3 if llama else PTDP_STEPS):
+            optimizer.zero_grad()
+            if llama:
+                x = llama_batch(step)
+                ptdp.step(x, x)
+            else:
+                ptdp.step(*gpt_batch(step))
+            optimizer.step()
+        return {k: v.clone() for k, v in ptdp.full_state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ptdp_cases(specs: list[tuple[str, int, int, str]]) -> list[dict[str, torch.Tensor]]:
+    """``[(model, pp, dp, schedule), ...]`` in one visit of the ranks."""
+    return [train_ptdp(*spec) for spec in specs]
+
+
+def ptdp_refusals() -> list[str]:
+    """On 4 ranks, what ``prepare(strategy="ptdp", reproducible=True)`` refuses: tp=2,
+    zero=1, MoE blocks, a tied head on two stages (at construction); then, on a built
+    dp2 x pp2, a second step before the optimizer's and ``clip_grad_norm_``. Each error's
+    text ('NOT REFUSED' where none came)."""
+    layouts: list[dict[str, Any]] = [
+        {"mesh": plait.Mesh(pp=1, dp=2, tp=2)},
+        {"zero": 1},
+        {"config": {"moe": MoEConfig(num_experts=4, top_k=2)}},
+        {"config": {"tied": True}},
+    ]
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for options in layouts:
+            model = GPT(replace(gpt_config(), **options.pop("config", {})))
+            options.setdefault("mesh", plait.Mesh(pp=2, dp=2, tp=1))
+            try:
+                plait.prepare(
+                    model,
+                    torch.optim.Adam(model.parameters(), lr=0.01),
+                    strategy="ptdp",
+                    reproducible=True,
+                    microbatches=4,
+                    **options,
+                )
+                out.append("NOT REFUSED")
+            except ValueError as exc:
+                out.append(str(exc))
+        model = GPT(gpt_config())
+        ptdp, _ = plait.prepare(
+            model,
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            strategy="ptdp",
+            reproducible=True,
+            mesh=plait.Mesh(pp=2, dp=2, tp=1),
+            microbatches=4,
+        )
+        ptdp.step(*gpt_batch(0))
+        for act in (lambda: ptdp.step(*gpt_batch(1)), lambda: ptdp.clip_grad_norm_(1.0)):
+            try:
+                act()
+                out.append("NOT REFUSED")
+            except ValueError as exc:
+                out.append(str(exc))
+        return out
+    finally:
+        torch.set_num_threads(threads)

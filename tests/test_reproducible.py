@@ -5,7 +5,9 @@ global batches of 16 (micro-batches of 2, M=8) and must give ``torch.equal`` par
 the single-process oracle (``strategy="none"``, same micro-batches): data-parallel world
 sizes 1, 2, 4 and 8, every all-reduce algorithm, the shared-memory and the gloo transport,
 DDP, ZeRO-1/2, FSDP, pipelines of depth 2 and 4 under six schedules (depth 1 is the
-oracle), an elastic restart from 4 ranks to 2, and a float32 Hugging Face Llama.
+oracle), an elastic restart from 4 ranks to 2, and a float32 Hugging Face Llama. PTD-P
+(dp x pp, tp=1) trains plait's GPT (dp2 x pp2 under 1F1B and ZB-H1, dp1 x pp2, dp4 x pp1)
+and the Llama (dp2 x pp2) against their one-process oracles.
 Cases of one world size share one visit of the ranks.
 """
 
@@ -19,6 +21,7 @@ import torch
 
 import plait
 from plait import RankPool
+from plait.strategies.compose.reproducible import check_reproducible
 from plait.strategies.fsdp import fully_shard
 from plait.strategies.reproducible import (
     LayoutError,
@@ -37,6 +40,18 @@ ALGORITHMS += ["native", "shm"]
 @pytest.fixture(scope="module")
 def oracle() -> dict[str, torch.Tensor]:
     return fns.train("none", world=False)
+
+
+@pytest.fixture(scope="module")
+def gpt_oracle() -> dict[str, torch.Tensor]:
+    """One process, the GPT's 8 micro-batches of 2 sequences on the tree (PTD-P cases)."""
+    return fns.train_gpt_oracle()
+
+
+@pytest.fixture(scope="module")
+def llama_oracle() -> dict[str, torch.Tensor]:
+    """One process, the float32 Llama's 4 micro-batches of 2 sequences on the tree."""
+    return fns.train_llama("none", world=False)
 
 
 def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: Any) -> None:
@@ -87,11 +102,35 @@ def test_layouts_that_cannot_split_the_tree_are_refused_by_name():
         microbatch_count(16, 2, 3)
 
 
-@pytest.mark.parametrize("strategy", ["tp", "ep", "cp", "ptdp", "ps", "naive"])
+@pytest.mark.parametrize("strategy", ["tp", "ep", "cp", "ps", "naive"])
 def test_prepare_refuses_strategies_the_mode_cannot_keep_bitwise(strategy):
     model = fns.make_model()
     with pytest.raises(ValueError, match=f"strategy='{strategy}', reproducible=True.* refused"):
         plait.prepare(model, None, strategy=strategy, reproducible=True)
+
+
+PTDP_LAYOUT = {"pp": 2, "dp": 2, "tp": 1, "ep": 1, "microbatches": 4, "zero": 0}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tp": 2}, "tp=2 is refused: tensor parallelism"),
+        ({"ep": 2}, "MoE blocks are refused"),
+        ({"moe": True}, "MoE blocks are refused"),
+        ({"zero": 1}, "zero=1 is refused"),
+        ({"scaler": True}, "a loss scaler is refused"),
+        ({"reduction": "items"}, "reduction='items'.*mean over each micro-batch"),
+        ({"tied": "tok.weight"}, r"tied parameter \(tok.weight.*pp=1"),
+        ({"microbatches": 3}, "microbatches=3 per replica and dp=2 must be powers of two"),
+        ({"dp": 3}, "must be powers of two"),
+    ],
+)
+def test_ptdp_refuses_by_name_what_cannot_follow_the_tree(change, message):
+    base = {**PTDP_LAYOUT, "moe": False, "scaler": False, "reduction": "mean"}
+    check_reproducible(**base)  # dp2 x pp2, tp=1, a mean loss: accepted
+    with pytest.raises(ValueError, match=message):
+        check_reproducible(**{**base, **change})
 
 
 def test_prepare_asks_for_the_microbatch_size_and_the_loss():
@@ -165,7 +204,7 @@ DP_CASES = [("ddp", {"algorithm": a}) for a in ALGORITHMS] + [
 ]
 
 
-def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle):
+def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle, gpt_oracle, llama_oracle):
     results = ranks(2, fns.cases, DP_CASES, timeout=300)
     for per_rank in results:
         for case, got in zip(DP_CASES, per_rank, strict=True):
@@ -178,13 +217,15 @@ def test_dp2_every_algorithm_zero_fsdp_pipeline_and_llama(ranks, oracle):
     for per_rank in ranks(2, fns.by_hand_cases, by_hand, timeout=300):
         for strategy, got in zip(by_hand, per_rank, strict=True):
             _equal(got, oracle, ("by hand, dp 2", strategy))
-    llama = fns.train_llama("none", world=False)
     for per_rank in ranks(2, fns.llama_cases, ["ddp", "fsdp"], timeout=300):
         for strategy, got in zip(["ddp", "fsdp"], per_rank, strict=True):
-            _equal(got, llama, ("llama dp 2", strategy))
+            _equal(got, llama_oracle, ("llama dp 2", strategy))
+    # PTD-P dp1 x pp2: the GPT's one-process tree (dp2 x pp2 and dp4 x pp1 on 4 ranks)
+    per_rank = ranks(2, fns.ptdp_cases, [("gpt", 2, 1, "1f1b")], timeout=300)
+    _equal(_merged([r[0] for r in per_rank]), gpt_oracle, "ptdp dp1 x pp2")
 
 
-def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, tmp_path):
+def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, gpt_oracle, llama_oracle, tmp_path):
     cases = [("ddp", {"algorithm": "ring"}), ("ddp", {"algorithm": "halving_doubling"})]
     cases += [("zero1", {}), ("zero2", {}), ("fsdp", {})]
     for per_rank in ranks(4, fns.cases, cases, timeout=300):
@@ -194,6 +235,27 @@ def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, tmp_path):
     per_rank = ranks(4, fns.pipeline_cases, schedules, timeout=300)
     for i, schedule in enumerate(schedules):
         _equal(_merged([r[i] for r in per_rank]), oracle, ("pp 4", schedule))
+    # PTD-P dp2 x pp2 under two schedules and dp4 x pp1: the GPT's one-process tree
+    specs = [("gpt", 2, 2, "1f1b"), ("gpt", 2, 2, "zb-h1"), ("gpt", 1, 4, "1f1b")]
+    specs += [("llama", 2, 2, "1f1b")]
+    per_rank = ranks(4, fns.ptdp_cases, specs, timeout=300)
+    for i, spec in enumerate(specs):
+        want = gpt_oracle if spec[0] == "gpt" else llama_oracle
+        _equal(_merged([r[i] for r in per_rank]), want, ("ptdp", spec))
+    refusals = ranks(4, fns.ptdp_refusals, timeout=300)[0]
+    for got, want in zip(
+        refusals,
+        [
+            "tp=2 is refused",
+            "zero=1 is refused",
+            "MoE blocks are refused",
+            "tied parameter (tok.weight",
+            "a second step before optimizer.step()",
+            "clip_grad_norm_ (reproducible=True) is refused",
+        ],
+        strict=True,
+    ):
+        assert want in got, got
     # elastic: 4 ranks save after step 2, 2 ranks resume and run steps 2..4
     root = str(tmp_path / "ckpt")
     for strategy in ("fsdp",):  # resharded optimizer state: the case a replica cannot hide

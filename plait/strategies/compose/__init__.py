@@ -8,6 +8,8 @@
   assembled from any layout.
 - ``experts``: MoE blocks, experts split over the mesh's ``ep`` dimension (carved out of
   data parallelism), the micro-batch bookkeeping that keeps them equal to one process.
+- ``reproducible``: ``reproducible=True`` for dp x pp (tp = 1): what is refused by name
+  and the tree-ordered reduction over dp that keeps one process's bits.
 - ``scaling``: loss scaling with :class:`plait.amp.DynamicLossScaler`, the found-inf flag
   agreed over the mesh.
 - ``state``: the dense model and optimizer state of any layout, checkpoints through

@@ -184,7 +184,7 @@ def check_layout(
             f"{microbatches} times a step; use zero=1 (Megatron's distributed optimizer) "
             f"with pp > 1, or pp=1 and microbatches=1 for ZeRO-2"
         )
-    shared = _shared_between_layers(layers)
+    shared = shared_between_layers(layers)
     if zero and pp > 1 and shared:
         raise ValueError(
             f"ptdp: zero={zero} with pp={pp} and a tied parameter ({shared}, held by layers "
@@ -196,7 +196,7 @@ def check_layout(
     return Sizes(pp, dp, tp, microbatches, zero, sequence_parallel, ep)
 
 
-def _shared_between_layers(layers: list[Any]) -> str | None:
+def shared_between_layers(layers: list[Any]) -> str | None:
     """The first parameter two pipeline layers share (a tied embedding and head), named as
     the first layer holds it, or None."""
     seen: dict[int, str] = {}

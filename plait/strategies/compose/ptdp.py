@@ -79,6 +79,13 @@ all    (loss scaling) one scalar all-reduce (max) of the     (see :mod:`.scaling
        found-inf flag per group of the mesh
 =====  ====================================================  ==================================
 
+Reproducible mode (``reproducible=True``, tp = 1): each replica's pipeline sums its
+contiguous block of micro-batches on the fixed tree and ``sync_gradients`` adds the
+replicas' sums by a tree-ordered all-reduce over dp, so the parameters are bitwise those of
+one process on the same ``dp * microbatches`` micro-batches (:mod:`.reproducible`, which
+also names what is refused: tp > 1, ZeRO, MoE, a scaler, a non-mean loss, a tied head on
+two stages; then accumulation and ``clip_grad_norm_``).
+
 Gradient accumulation: several ``step`` calls before ``optimizer.step()`` leave the
 gradient of the mean loss over the union of their batches (the average is taken, and the
 dp all-reduce sent, once, when ``clip_grad_norm_`` or ``optimizer.step()`` first needs
@@ -108,6 +115,7 @@ from plait.strategies.compose.check import (
     mesh_sizes,
     plan_source,
     resolve_plans,
+    shared_between_layers,
 )
 from plait.strategies.compose.dense import (
     Counted,
@@ -128,6 +136,7 @@ from plait.strategies.compose.experts import (
     expert_owner,
     shard_experts,
 )
+from plait.strategies.compose.reproducible import check_reproducible, tree_average
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
@@ -158,6 +167,7 @@ class PTDP:
         tp_mode: str = "1d",
         algorithm: str = "auto",
         check_finite: str | None = "raise",
+        reproducible: bool = False,
     ) -> None:
 
         _, _, tp, _ = mesh_sizes(mesh.shape)
@@ -179,6 +189,21 @@ class PTDP:
             tp_plan=tplan,
             pipeline_plan=dense_pipeline,
         )
+        self.reproducible = reproducible
+        if reproducible:
+            s = self.sizes
+            check_reproducible(
+                pp=s.pp,
+                dp=s.dp,
+                tp=s.tp,
+                ep=s.ep,
+                microbatches=microbatches,
+                zero=zero,
+                moe=bool(moe_layers(model)),
+                scaler=scaler is not None,
+                reduction=dense_pipeline.reduction,
+                tied=shared_between_layers(list(dense_pipeline.layers)),
+            )
         if optimizer.state:
             raise ValueError(
                 "ptdp re-creates the optimizer on this rank's shards: pass an optimizer that "
@@ -200,6 +225,7 @@ class PTDP:
             f"{[len(g.names) for g in self.dense_groups]} parameters",
             "loss scaling": scaler is not None,
             "algorithm": algorithm,
+            "reproducible": reproducible,
         }
         check_agreement(model, settings, mesh)
         self.mesh = mesh
@@ -246,6 +272,7 @@ class PTDP:
             chunks=chunks,
             plan=self._scaled(stages_plan),
             check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
+            reproducible=reproducible,
         )
         part = self.pipe.partition
         assert part.placement is not None
@@ -407,6 +434,13 @@ class PTDP:
         on every rank. Gradients accumulate (zero them with the
         optimizer). Collective over the whole mesh."""
         check_batch(inputs, targets, self.sizes)
+        if self.reproducible and self._pending:
+            raise ValueError(
+                "ptdp.step (reproducible=True): a second step before optimizer.step(); "
+                "accumulating two steps adds two trees one after the other, another order "
+                "than one process's single tree. Give one step the whole global batch (raise "
+                "microbatches, a power of two) and step the optimizer after each"
+            )
         if self.unscaler.found is not None:
             raise RuntimeError(
                 "ptdp.step: the gradients were already unscaled for this optimizer step "
@@ -467,9 +501,12 @@ class PTDP:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.sizes.dp > 1:
-            ops.all_reduce(flat, "sum", group=self.dp_group, algorithm=self.algorithm)
-        flat.div_(self.sizes.dp * k)
+        if self.reproducible:  # k == 1: the replicas' subtrees, added in dp-rank order
+            tree_average(flat, group=self.dp_group, algorithm=self.algorithm)
+        else:
+            if self.sizes.dp > 1:
+                ops.all_reduce(flat, "sum", group=self.dp_group, algorithm=self.algorithm)
+            flat.div_(self.sizes.dp * k)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
 
@@ -480,6 +517,13 @@ class PTDP:
         :mod:`.dense`). Collective over the whole mesh: the gradient sync if pending, then
         one scalar all-reduce over tp and pp (and dp under ZeRO)."""
         norm_type = float(norm_type)
+        if self.reproducible:
+            raise ValueError(
+                "ptdp.clip_grad_norm_ (reproducible=True) is refused: the global norm adds "
+                "each stage's squares over the pp group, an order that changes with pp, and "
+                "the clipping factor would carry it into every parameter; train without "
+                "clipping in this mode"
+            )
         if not norm_type > 0:
             raise ValueError(f"ptdp.clip_grad_norm_: norm_type must be positive, got {norm_type}")
         self.sync_gradients()
@@ -630,6 +674,7 @@ def compose(
     tp_mode: str = "1d",
     algorithm: str = "auto",
     check_finite: str | None = "raise",
+    reproducible: bool = False,
 ) -> PTDP:
     """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
     causal LM handed over whole, any model with plans) trained on ``mesh``
@@ -649,7 +694,10 @@ def compose(
     parameter of the model, in any number of groups, not stepped; it is re-created on this
     rank's shards as ``.optimizer``: same class and constructor defaults, one group per
     group, each group's entries kept (``lr``, ``weight_decay``, ...). Refuses, naming the
-    constraint, what the mesh cannot build (:mod:`.check`). Collective over the mesh.
+    constraint, what the mesh cannot build (:mod:`.check`). ``reproducible``: bitwise the
+    same parameters as one process for every dp x pp layout (tp = 1, zero=0, no MoE, a
+    mean loss, one ``step`` per optimizer step; :mod:`.reproducible`). Collective over the
+    mesh.
     """
     model = module
     return PTDP(
@@ -667,6 +715,7 @@ def compose(
         tp_mode=tp_mode,
         algorithm=algorithm,
         check_finite=check_finite,
+        reproducible=reproducible,
     )
 
 

@@ -64,13 +64,12 @@ from plait.strategies.reproducible.tree import LayoutError, Microbatches, microb
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # which strategies the mode supports, and how each reduces gradients
-SUPPORTED = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline")
+SUPPORTED = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "ptdp")
 REFUSED = {
     "tp": "tensor parallelism splits each matmul's reduction over ranks, so its bits change "
     "with the tp size",
     "ep": "expert parallelism changes which tokens share an expert's matmul with the ep size",
     "cp": "context parallelism splits attention's softmax sums over ranks",
-    "ptdp": "it composes tensor parallelism (see tp)",
     "ps": "the parameter server applies updates as they arrive",
     "naive": "use strategy 'ddp' (the same all-reduce, bucketed)",
 }
