@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "--reference-steps",
         type=int,
         default=None,
-        help="--tour: steps the reference trains in one process before the layouts (600)",
+        help="--tour: steps the reference trains in one process before the layouts (1000)",
     )
     gpt.add_argument("--seq-len", type=int, default=None, help="default 64")
     gpt.add_argument("--width", type=int, default=None, help="default 64")

@@ -32,11 +32,11 @@ from plait.models.gpt import loss
 class Schedule:
     """How long and how fast the reference trains."""
 
-    steps: int = 600
+    steps: int = 1000
     warmup: int = 30
     peak_lr: float = 3e-3
     final_lr: float = 3e-4
-    evals: int = 6  # progress lines (each with a held-out loss and a line of text)
+    evals: int = 10  # progress lines (each with a held-out loss and a line of text)
     threads: int = 0  # torch threads; 0: one or every core, whichever measures faster
 
 

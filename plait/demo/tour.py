@@ -49,7 +49,7 @@ from plait.models import GPT
 #: the GPT of the tour: 0.37M parameters, which on 2 cores learn words in about 2 minutes
 MODEL: dict[str, Any] = {"width": 96, "layers": 3, "heads": 4, "seq_len": 128, "batch_size": 32}
 #: the reference's training (steps, learning-rate schedule)
-SCHEDULE = reference.Schedule(steps=600, warmup=30, peak_lr=3e-3, final_lr=3e-4, evals=6)
+SCHEDULE = reference.Schedule(steps=1000, warmup=30, peak_lr=3e-3, final_lr=3e-4, evals=10)
 #: steps each layout continues the reference for
 STEPS = 20
 
