@@ -50,6 +50,7 @@ from plait.strategies.compose import prepare_ptdp
 from plait.strategies.context.style import prepare_cp
 from plait.strategies.fsdp import fully_shard, shard_param_groups
 from plait.strategies.moe import moe_layers, prepare_ep
+from plait.strategies.moe.stacked import gather_router_logits
 from plait.strategies.pipeline import prepare_pipeline
 from plait.strategies.ps import ParameterServer
 from plait.strategies.reproducible.runner import REFUSED as REPRODUCIBLE_REFUSED
@@ -153,7 +154,10 @@ def _fsdp(name: str) -> Callable[..., Prepared]:
 
 
 def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
-    """Tensor parallelism with the plan of the model's family when none is given."""
+    """Tensor parallelism with the plan of the model's family when none is given. Under
+    sequence parallelism, a model whose family has an MoE plan with routers (Mixtral,
+    Qwen-MoE: each rank routes its slice of the sequence) gets its router logits gathered
+    over the group for its auxiliary loss (:func:`gather_router_logits`)."""
     if options.get("plan") is None:
         mode = options.get("mode", "1d")
         extra: dict[str, Any] = {"mode": mode} if mode != "1d" else {}
@@ -162,7 +166,15 @@ def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
         options["plan"] = plan_for(model, "tp", **extra)
     elif options.get("sequence_parallel"):
         raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")
-    return _prepare_tp(model, optimizer, **options)
+    prepared, optimizer = _prepare_tp(model, optimizer, **options)
+    info = getattr(prepared, "plait_tensor_parallel", None)
+    if info is not None and info.sequence_parallel and not moe_layers(prepared):
+        moe = plan_for(prepared, "moe")
+        if moe is not None:
+            gather_router_logits(
+                prepared, moe, group=info.group, algorithm=info.algorithm, replicated_loss=True
+            )
+    return prepared, optimizer
 
 
 def _ep(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:

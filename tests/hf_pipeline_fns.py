@@ -85,7 +85,53 @@ def same_layout(family: str) -> nn.Module:
     return cls(cfg).to(torch.float64)  # type: ignore[no-any-return]
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+def moe(family: str, tied: bool, *, vocab: int = 97, aux: bool = False) -> nn.Module:
+    """A tiny Mixtral, Qwen2-MoE (shared expert; layer 1 a dense MLP) or Qwen3-MoE (q/k
+    norms), 4 experts, top-2; the load-balancing loss on with ``aux`` (the pipeline
+    refuses it)."""
+    import transformers as hf
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "num_experts_per_tok": 2,
+        "output_router_logits": aux,
+        "router_aux_loss_coef": 0.1,
+        "tie_word_embeddings": tied,
+    }
+    if family == "mixtral":
+        cfg: Any = hf.MixtralConfig(**common, num_local_experts=4, router_jitter_noise=0.0)
+        cls: Any = hf.MixtralForCausalLM
+    elif family == "qwen2_moe":
+        cfg = hf.Qwen2MoeConfig(
+            **common, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+            num_experts=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+        )  # fmt: skip
+        cls = hf.Qwen2MoeForCausalLM
+    else:
+        cfg = hf.Qwen3MoeConfig(
+            **common, head_dim=8, moe_intermediate_size=24, num_experts=4,
+            norm_topk_prob=True, decoder_sparse_step=1,
+        )  # fmt: skip
+        cls = hf.Qwen3MoeForCausalLM
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # the loop over experts: float64 works
+    torch.manual_seed(0)
+    return cls(cfg).to(torch.float64)  # type: ignore[no-any-return]
+
+
+MODELS = {
+    "llama": llama,
+    "gpt2": gpt2,
+    "mixtral": lambda tied: moe("mixtral", tied),
+    "qwen2_moe": lambda tied: moe("qwen2_moe", tied),
+    "qwen3_moe": lambda tied: moe("qwen3_moe", tied),
+}
 EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
 
 

@@ -31,6 +31,7 @@ class Case:
     microbatches: int = 2
     accumulate: int = 1
     zero: int = 0
+    sequence_parallel: bool = False
     via_compose: bool = False  # compose(..., plans=plan_for) instead of plait.prepare
 
     @property
@@ -39,6 +40,7 @@ class Case:
         extra = ["tied"] if self.tied else []
         extra += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
+        extra += ["sp"] if self.sequence_parallel else []
         extra += ["compose"] if self.via_compose else []
         return "-".join([self.family, dims, self.schedule, *extra])
 
@@ -76,6 +78,7 @@ def train(case: Case) -> dict[str, Any]:
         "schedule": case.schedule,
         "microbatches": case.microbatches,
         "zero": case.zero,
+        "sequence_parallel": case.sequence_parallel,
     }
     if case.via_compose:
         ptdp = compose(model, opt, mesh=mesh, plans=plan_for, **options)

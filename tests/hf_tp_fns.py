@@ -105,6 +105,10 @@ def titan(*, kv_heads: int, seed: int = 0) -> nn.Module:
 
 
 def build(family: str, *, tied: bool, kv_heads: int) -> nn.Module:
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):  # the load-balancing loss on
+        from tests.hf_pipeline_fns import moe
+
+        return moe(family, tied, vocab=VOCAB, aux=True)
     if family == "gpt2":
         return gpt2(tied=tied)
     if family == "qwen3":

@@ -193,6 +193,24 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     reduce-scatter, ``lm_head`` all-gathers the sequence and its
     logits (full logits returned, as without it).
     """
+    prefix = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
+    return decoder_tp_plan(
+        model, sequence_parallel=sequence_parallel, dense_mlps=(f"{prefix}layers.*.mlp",)
+    )
+
+
+def decoder_tp_plan(
+    model: nn.Module,
+    *,
+    sequence_parallel: bool,
+    dense_mlps: tuple[str, ...],
+    whole: tuple[str, ...] = (),
+) -> TensorPlan:
+    """The Llama-layout plan (:func:`tp_plan`) with the gated MLPs at ``dense_mlps``
+    (patterns) split and the modules at ``whole`` (an MoE block) kept whole on every
+    rank: their input is replicated, so each rank computes the same output and the same
+    gradients (under sequence parallelism each rank runs them on its slice of the
+    sequence and their gradients are summed over the group, style ``"sequence"``)."""
     config = _config(model)
     prefix = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
     layers = f"{prefix}layers.*"
@@ -206,11 +224,16 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
         f"{layers}.self_attn.k_proj": gathered,
         f"{layers}.self_attn.v_proj": gathered,
         f"{layers}.self_attn.o_proj": "rowwise",
-        f"{layers}.mlp": "gather",
-        f"{layers}.mlp.gate_proj": gathered,
-        f"{layers}.mlp.up_proj": gathered,
-        f"{layers}.mlp.down_proj": "rowwise",
     }
+    for mlp in dense_mlps:
+        styles |= {
+            mlp: "gather",
+            f"{mlp}.gate_proj": gathered,
+            f"{mlp}.up_proj": gathered,
+            f"{mlp}.down_proj": "rowwise",
+        }
+    for block in whole:
+        styles[block] = "sequence" if sequence_parallel else "replicate"
     names = {n for n, _ in model.named_modules()}
     for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head's vector
         if f"{prefix}layers.0.self_attn.{norm}" in names:

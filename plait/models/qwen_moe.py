@@ -8,27 +8,46 @@ code, which expert parallelism keeps: the router renormalises the top-k weights 
 expert scaled by ``sigmoid(shared_expert_gate(x))``, which every rank computes on its own
 tokens (its parameters are dense: averaged over every rank); layers listed in
 ``mlp_only_layers`` or off the ``decoder_sparse_step`` keep a dense MLP.
+
+``tp_plan`` / ``pipeline_plan``: Mixtral's (:func:`plait.models.mixtral.moe_tp_plan`,
+:func:`~plait.models.mixtral.moe_pipeline_plan`): attention and the dense MLPs split, each
+sparse block (with its shared expert) whole on every tensor-parallel rank; the pipeline
+refuses the load-balancing loss.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from plait.models.mixtral import stacked_experts_plan
+from plait.models.mixtral import moe_pipeline_plan, moe_tp_plan, stacked_experts_plan
 from plait.strategies.moe.plan import MoEPlan
+from plait.strategies.pipeline import PipelinePlan
+from plait.strategies.tensor.plan import TensorPlan
+
+
+def _kind(model: nn.Module) -> str:
+    for cls in type(model).__mro__:
+        if cls.__name__.startswith("Qwen3Moe"):
+            return "Qwen3Moe"
+        if cls.__name__.startswith("Qwen2Moe"):
+            return "Qwen2Moe"
+    raise ValueError(
+        f"moe plan: {type(model).__name__} is neither a Qwen2-MoE nor a Qwen3-MoE model"
+    )
 
 
 def moe_plan(model: nn.Module) -> MoEPlan:
     """The MoE-block plan of a Qwen2-MoE or Qwen3-MoE model (module docstring)."""
-    for cls in type(model).__mro__:
-        if cls.__name__.startswith("Qwen3Moe"):
-            return stacked_experts_plan(
-                model, experts="Qwen3MoeExperts", router="Qwen3MoeTopKRouter"
-            )
-        if cls.__name__.startswith("Qwen2Moe"):
-            return stacked_experts_plan(
-                model, experts="Qwen2MoeExperts", router="Qwen2MoeTopKRouter"
-            )
-    raise ValueError(
-        f"moe plan: {type(model).__name__} is neither a Qwen2-MoE nor a Qwen3-MoE model"
-    )
+    kind = _kind(model)
+    return stacked_experts_plan(model, experts=f"{kind}Experts", router=f"{kind}TopKRouter")
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
+    """The tensor-parallel plan of a Qwen2-MoE or Qwen3-MoE model (module docstring)."""
+    return moe_tp_plan(model, experts=f"{_kind(model)}Experts", sequence_parallel=sequence_parallel)
+
+
+def pipeline_plan(model: nn.Module) -> PipelinePlan:
+    """The pipeline plan of a Qwen2-MoE or Qwen3-MoE causal LM (module docstring)."""
+    _kind(model)
+    return moe_pipeline_plan(model)

@@ -276,9 +276,12 @@ def _check_moe(model: nn.Module, *, ep: int, zero: int, sequence_parallel: bool)
     if not layers:
         if ep > 1:
             raise ValueError(
-                f"ptdp: the mesh has ep={ep} but the {type(model).__name__} has no MoE blocks "
-                f"(plait.moe.MoE layers); build it with MoE blocks (plait's GPT: "
-                f"GPTConfig(moe=MoEConfig(...))) or drop ep from the mesh"
+                f"ptdp: the mesh has ep={ep} but the {type(model).__name__} has no "
+                f"plait.moe.MoE layers, the only MoE blocks PTD-P splits over ep. A model's "
+                f"own sparse blocks (Hugging Face Mixtral, Qwen-MoE) run whole on their "
+                f"pipeline stage: drop ep from the mesh, or split their experts with "
+                f"strategy='ep' (mesh=Mesh(ep=.., dp=..)); plait's GPT takes "
+                f"GPTConfig(moe=MoEConfig(...))"
             )
         return
     bad = next((n for n, m in layers.items() if m.num_experts % ep), None)

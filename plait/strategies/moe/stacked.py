@@ -148,10 +148,36 @@ class _AuxState:
     gather: bool = False
 
 
-def gather_router_logits(model: nn.Module, plan: MoEPlan, *, group: Group, algorithm: str) -> None:
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def gather_router_logits(
+    model: nn.Module,
+    plan: MoEPlan,
+    *,
+    group: Group,
+    algorithm: str,
+    replicated_loss: bool = False,
+) -> None:
     """Make the router logits that ``model``'s auxiliary loss reads those of the global
     batch (module docstring), in training forwards where ``plan.aux_loss_on`` says the loss
-    is computed. Registers hooks; collective in every such forward."""
+    is computed. Registers hooks; collective in every such forward.
+
+    ``replicated_loss``: every rank of ``group`` computes the same loss from the gathered
+    logits (tensor parallelism with sequence parallelism, each rank's router seeing its
+    slice of the sequence), so the ``n`` copies of a rank's logits' gradient are averaged,
+    not summed. The auxiliary losses these models compute are means over the rows, so the
+    gathered rows' order (rank-major, not one process's row-major) does not change them."""
     if not plan.routers or group.size == 1:
         return
     state = _AuxState()
@@ -183,10 +209,16 @@ def gather_router_logits(model: nn.Module, plan: MoEPlan, *, group: Group, algor
     def swap(module: nn.Module, args: Any, output: Any) -> Any:
         if not state.gather:
             return None
+
+        def gathered(x: torch.Tensor) -> torch.Tensor:
+            if replicated_loss:
+                x = _ScaleGradient.apply(x, 1.0 / group.size)
+            return gather_rows(x, group, algorithm)
+
         i = plan.logits_index
         if not isinstance(output, tuple):
-            return gather_rows(output, group, algorithm)
-        return (*output[:i], gather_rows(output[i], group, algorithm), *output[i + 1 :])
+            return gathered(output)
+        return (*output[:i], gathered(output[i]), *output[i + 1 :])
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True, always_call=True)

@@ -1,0 +1,43 @@
+"""A Hugging Face Mixtral trained with PTD-P (pipeline x tensor parallel), handed over whole.
+
+    plait run -n 4 examples/mixtral_ptdp.py         # pp 2 x tp 2
+    plait run -n 2 examples/mixtral_ptdp.py         # pp 2
+
+The family's pipeline plan cuts the decoder layers into two stages (each sparse block on
+its layer's stage); its tensor-parallel plan splits the attention over the ``tp`` ranks
+and keeps each sparse block (router and experts) whole on every one of them: splitting the
+experts is expert parallelism's job (``examples/mixtral_ep.py``). The load-balancing loss
+is off (``output_router_logits=False``): the pipeline refuses it, since it multiplies
+means over every layer's router logits of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from _common import adamw, batch, tokens
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import plait
+
+plait.init()
+torch.manual_seed(0)  # every rank builds the same model
+config = MixtralConfig(
+    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+)  # fmt: skip
+model = MixtralForCausalLM(config)
+mesh = plait.Mesh(pp=2, dp=1, tp=plait.world().size // 2)
+ptdp, opt = plait.prepare(
+    model, adamw(model), strategy="ptdp", mesh=mesh, schedule="1f1b", microbatches=4
+)
+data = tokens()
+for step in range(20):
+    x = batch(data, step, batch=8, seq=64)  # every rank passes the same global batch
+    loss = ptdp.step(x, x)  # Hugging Face labels: the model shifts them itself
+    norm = ptdp.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    if plait.world().rank == 0 and step % 5 == 4:
+        print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+plait.shutdown()

@@ -1,0 +1,52 @@
+"""Rank functions for tests/test_hf_moe_layouts.py: the refusals of Hugging Face MoE models
+under the model-parallel strategies (the training runs reuse the pipeline, tensor and PTD-P
+tests' rank functions with the MoE families)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plait
+from tests.hf_pipeline_fns import moe, optimizer
+
+
+def _refusal(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "NOT REFUSED"
+
+
+def refusals() -> dict[str, str]:
+    """Every rank's error for: the load-balancing loss under pipeline and PTD-P, ep in a
+    PTD-P mesh on the model's own sparse blocks, router jitter under tensor parallelism."""
+    n = plait.world().size
+
+    def aux_pipeline() -> None:
+        model = moe("mixtral", False, aux=True)
+        opt = optimizer(list(model.named_parameters()))
+        plait.prepare(model, opt, strategy="pipeline", mesh=plait.Mesh(pp=n))
+
+    def aux_ptdp() -> None:
+        model = moe("qwen2_moe", False, aux=True)
+        opt = optimizer(list(model.named_parameters()))
+        plait.prepare(model, opt, strategy="ptdp", mesh=plait.Mesh(pp=n, dp=1, tp=1))
+
+    def ep_in_ptdp() -> None:
+        model = moe("mixtral", False)
+        opt = optimizer(list(model.named_parameters()))
+        plait.prepare(model, opt, strategy="ptdp", mesh=plait.Mesh(pp=1, ep=n, dp=1, tp=1))
+
+    def jitter_tp() -> None:
+        model = moe("mixtral", False)
+        for layer in model.model.layers:
+            layer.mlp.jitter_noise = 0.01
+        plait.prepare(model, strategy="tp", mesh=plait.Mesh(tp=n))
+
+    return {
+        "aux_pipeline": _refusal(aux_pipeline),
+        "aux_ptdp": _refusal(aux_ptdp),
+        "ep_in_ptdp": _refusal(ep_in_ptdp),
+        "jitter_tp": _refusal(jitter_tp),
+    }

@@ -1,0 +1,124 @@
+"""Hugging Face MoE models (Mixtral, Qwen2-MoE with a shared expert and a dense layer,
+Qwen3-MoE with q/k norms) handed whole to the model-parallel strategies, against one
+process on the global batch: pipeline (1F1B and ZB-H1), tensor parallelism with and without
+sequence parallelism (the load-balancing loss on: the router logits gathered over the
+sequence), PTD-P (pp x tp, pp x tp with sequence parallelism, pp x dp with ZeRO-1). Each
+run: float64, 3 AdamW steps with two parameter groups, 2 accumulation micro-steps where the
+rank functions do, clipping active. The refusals name what to change.
+
+Tolerance 1e-8 in float64 (observed ~1e-15); the pipeline's and PTD-P's losses are Hugging
+Face's float32 loss values, compared at 1e-6 as in tests/test_hf_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests import hf_moe_layouts_fns as fns  # noqa: E402
+from tests import hf_pipeline_fns as pipe_fns  # noqa: E402
+from tests import hf_ptdp_fns as ptdp_fns  # noqa: E402
+from tests import hf_tp_fns as tp_fns  # noqa: E402
+from tests.test_hf_tp import _same  # noqa: E402
+
+TOL = {"rtol": 1e-8, "atol": 1e-8}
+SPARSE = {  # the parameter of a sparse block's experts, and of an attention projection
+    "mixtral": "model.layers.0.mlp.experts.gate_up_proj",
+    "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
+    "qwen3_moe": "model.layers.1.mlp.experts.down_proj",
+}
+
+
+@functools.cache
+def pipeline_oracle(family: str) -> dict:
+    return pipe_fns.oracle(family, False)
+
+
+@pytest.mark.parametrize(
+    ("family", "schedule"), [("mixtral", "1f1b"), ("qwen2_moe", "zb-h1"), ("qwen3_moe", "1f1b")]
+)
+def test_pipeline_matches_one_process(ranks, family, schedule):
+    want = pipeline_oracle(family)
+    state: dict[str, torch.Tensor] = {}
+    for res in ranks(2, pipe_fns.train, family, False, schedule, 2, timeout=180):
+        assert "model.layers.0" in res["partition"].splitlines()[0]
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6
+        )
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(want["norms"]), **TOL)
+        assert min(res["norms"]) > pipe_fns.MAX_NORM
+        state |= res["state"]
+    assert set(state) == set(want["state"])
+    for key, value in want["state"].items():
+        torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("family", "sequence_parallel"),
+    [
+        ("mixtral", False),
+        ("qwen2_moe", False),
+        ("qwen3_moe", False),
+        ("mixtral", True),
+        ("qwen2_moe", True),
+    ],
+)
+def test_tensor_parallel_matches_one_process(ranks, family, sequence_parallel):
+    """Attention (and Qwen2-MoE's dense layer) split, each sparse block whole on both ranks;
+    the load-balancing loss on (under sequence parallelism its router logits gathered)."""
+    want = tp_fns.oracle(family=family, tied=False)
+    results = ranks(
+        2, tp_fns.train, family=family, tied=False, sequence_parallel=sequence_parallel,
+        timeout=180,
+    )  # fmt: skip
+    for res in results:
+        _same(res, want)
+        assert res["sequence_parallel"] == sequence_parallel
+        local, dense = res["local_numel"], res["dense_numel"]
+        assert local[SPARSE[family]] == dense[SPARSE[family]]  # the experts whole
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert 2 * local[q] == dense[q]  # the attention split
+        if family == "qwen2_moe":  # layer 1 is dense: its MLP split as Llama's
+            up = "model.layers.1.mlp.up_proj.weight"
+            assert 2 * local[up] == dense[up]
+
+
+PTDP_CASES = [
+    ptdp_fns.Case(family="mixtral"),
+    ptdp_fns.Case(family="mixtral", pp=1, dp=2, tp=2, sequence_parallel=True),
+    ptdp_fns.Case(family="qwen2_moe", schedule="zb-h1", accumulate=2),
+    ptdp_fns.Case(family="qwen3_moe", pp=2, dp=2, tp=1, zero=1),
+]
+
+
+@pytest.mark.parametrize("case", PTDP_CASES, ids=lambda c: c.name)
+def test_ptdp_matches_one_process(ranks, case):
+    want = ptdp_fns.oracle(case)
+    for res in ranks(case.pp * case.dp * case.tp, ptdp_fns.train, case, timeout=240):
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6
+        )
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(want["norms"]), **TOL)
+        assert min(res["norms"]) > ptdp_fns.MAX_NORM
+        assert set(res["state"]) == set(want["state"])
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                res["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}"
+            )
+
+
+def test_refusals_name_what_to_change(ranks):
+    for res in ranks(2, fns.refusals, timeout=120):
+        assert "output_router_logits=True" in res["aux_pipeline"]
+        assert "output_router_logits=False" in res["aux_pipeline"]
+        assert "strategy 'ep'" in res["aux_pipeline"]
+        assert "Qwen2MoeForCausalLM" in res["aux_ptdp"]
+        assert "output_router_logits=True" in res["aux_ptdp"]
+        assert "ep=2" in res["ep_in_ptdp"] and "strategy='ep'" in res["ep_in_ptdp"]
+        assert "MixtralForCausalLM" in res["ep_in_ptdp"]
+        assert "jitter" in res["jitter_tp"] and "router_jitter_noise=0" in res["jitter_tp"]
+        assert "model.layers.0.mlp" in res["jitter_tp"]
