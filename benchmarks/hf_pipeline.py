@@ -1,6 +1,7 @@
 """plait's pipeline against torch.distributed.pipelining on the same Hugging Face Llama.
 
     .venv/bin/python benchmarks/hf_pipeline.py                  # pp 2, 1f1b, a minute or two
+    .venv/bin/python benchmarks/hf_pipeline.py --family mixtral --name hf_pipeline_mixtral
     .venv/bin/python benchmarks/hf_pipeline.py --quick --out /tmp/pp   # smoke test
 
 Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank. The model
@@ -14,7 +15,11 @@ random init), a global batch of 16 sequences in m = 8 micro-batches, Adam. Varia
   every stage, Hugging Face's loss with ``num_items_in_batch``;
 - ``torch Schedule1F1B``: ``PipelineStage`` over the *same* stage modules (the plan's
   :class:`~plait.strategies.pipeline.Stage`, same cut), explicit shapes, ``Schedule1F1B``
-  with Hugging Face's loss (mean per micro-batch, ``scale_grads=True``).
+  with Hugging Face's loss (mean per micro-batch, ``scale_grads=True``);
+- with ``--family mixtral`` (a ``MixtralForCausalLM`` of 4 experts, top 2, MLP 512 each,
+  no load-balancing loss in the two above) also ``plait 1f1b +aux``: the load-balancing loss
+  on, kept exactly by the statistics pass (one forward without autograd per step), the
+  cost of that pass read as ``+aux / plait``.
 
 Step time: warm-up steps, then the variants take turns step by step (rotating order); a
 step is ``zero_grad`` + the schedule's step + ``optimizer.step()`` after a barrier, its time
@@ -38,9 +43,19 @@ import plait
 from plait import comm
 
 
-def _model(args: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(args: dict[str, Any], aux: bool = False) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
+    if args["family"] == "mixtral":
+        mixtral = MixtralConfig(
+            vocab_size=args["vocab"], hidden_size=args["hidden"],
+            intermediate_size=2 * args["hidden"], num_hidden_layers=args["layers"],
+            num_attention_heads=args["heads"], num_key_value_heads=max(1, args["heads"] // 2),
+            max_position_embeddings=args["seq"], num_local_experts=4, num_experts_per_tok=2,
+            output_router_logits=aux, attn_implementation="eager",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return MixtralForCausalLM(mixtral)
     cfg = LlamaConfig(
         vocab_size=args["vocab"],
         hidden_size=args["hidden"],
@@ -61,8 +76,8 @@ def _batch(step: int, args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]
     return ids, ids.clone()
 
 
-def _plait(args: dict[str, Any], p: int) -> Any:
-    model = _model(args)
+def _plait(args: dict[str, Any], p: int, aux: bool = False) -> Any:
+    model = _model(args, aux)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     pipe, popt = plait.prepare(
         model, opt, strategy="pipeline", mesh=plait.Mesh(pp=p),
@@ -82,11 +97,11 @@ def _plait(args: dict[str, Any], p: int) -> Any:
 def _torch(args: dict[str, Any], p: int, rank: int) -> Any:
     from torch.distributed import pipelining as tpp
 
-    from plait.models.llama import pipeline_plan
+    from plait.models.plans import plan_for
     from plait.strategies.pipeline import Stage, partition
 
     model = _model(args)
-    plan = pipeline_plan(model)
+    plan = plan_for(model, "pipeline")
     layers = list(plan.layers)
     a, b = partition(layers, p).bounds[rank]
     stage = Stage(layers[a:b], rank, context=plan.context, context_modules=plan.context_modules)
@@ -127,18 +142,23 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
     world = plait.world()
     p = world.size
     variants = {"plait 1f1b": _plait(args, p), "torch Schedule1F1B": _torch(args, p, world.rank)}
-    dense = _model(args)
+    if args["family"] == "mixtral":
+        variants["plait 1f1b +aux"] = _plait(args, p, aux=True)
     x, y = _batch(0, args)
+    want = {}
     with torch.no_grad():
-        want = float(dense(input_ids=x, labels=y).loss)
+        for aux in (False, True):
+            want[aux] = float(_model(args, aux)(input_ids=x, labels=y).loss)
     for name, step in variants.items():
         got = step(x, y)
-        if abs(got - want) > 1e-4 * abs(want):
-            raise AssertionError(f"{name}: first loss {got} differs from one process's {want}")
+        want_loss = want["+aux" in name]
+        if abs(got - want_loss) > 1e-4 * abs(want_loss):
+            raise AssertionError(f"{name}: first loss {got} differs from one process's {want_loss}")
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args["warmup"] + args["steps"]):
-        for name in names[i % 2 :] + names[: i % 2]:
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
             x, y = _batch(i + 1, args)
             comm.barrier(group=world)
             t0 = time.perf_counter()
@@ -153,6 +173,7 @@ def run_rank(args: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--family", choices=("llama", "mixtral"), default="llama")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -179,13 +200,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     row = {"pp": args["pp"], "m": args["m"], **{f"{k} ms": 1e3 * v for k, v in med.items()}}
     row["plait / torch"] = ratio
+    head = "| model | pp | m | plait 1f1b (ms) | torch Schedule1F1B (ms) | plait / torch |"
+    cells = (
+        f"| {args['family']} | {args['pp']} | {args['m']} | {1e3 * med['plait 1f1b']:.1f} | "
+        f"{1e3 * med['torch Schedule1F1B']:.1f} | {ratio:.2f} |"
+    )
+    if "plait 1f1b +aux" in med:
+        row["+aux / plait"] = med["plait 1f1b +aux"] / med["plait 1f1b"]
+        head += " plait 1f1b +aux (ms) | +aux / plait |"
+        cells += f" {1e3 * med['plait 1f1b +aux']:.1f} | {row['+aux / plait']:.2f} |"
     (out / f"{args['name']}.json").write_text(json.dumps({"args": args, "row": row}, indent=1))
-    lines = [
-        "| pp | m | plait 1f1b (ms) | torch Schedule1F1B (ms) | plait / torch |",
-        "| --- | --- | --- | --- | --- |",
-        f"| {args['pp']} | {args['m']} | {1e3 * med['plait 1f1b']:.1f} | "
-        f"{1e3 * med['torch Schedule1F1B']:.1f} | {ratio:.2f} |",
-    ]
+    lines = [head, "|" + " --- |" * head.count(" |"), cells]
     (out / f"{args['name']}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

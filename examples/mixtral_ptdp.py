@@ -7,8 +7,8 @@ The family's pipeline plan cuts the decoder layers into two stages (each sparse 
 its layer's stage); its tensor-parallel plan splits the attention over the ``tp`` ranks
 and keeps each sparse block (router and experts) whole on every one of them: splitting the
 experts is expert parallelism's job (``examples/mixtral_ep.py``). The load-balancing loss
-is off (``output_router_logits=False``): the pipeline refuses it, since it multiplies
-means over every layer's router logits of the whole batch.
+is on: it multiplies means over every layer's router outputs of the whole batch, so each
+step first runs the batch forward without autograd to sum them (one extra forward).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ torch.manual_seed(0)  # every rank builds the same model
 config = MixtralConfig(
     vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+    num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
 )  # fmt: skip
 model = MixtralForCausalLM(config)
 mesh = plait.Mesh(pp=2, dp=1, tp=plait.world().size // 2)

@@ -131,6 +131,10 @@ MODELS = {
     "mixtral": lambda tied: moe("mixtral", tied),
     "qwen2_moe": lambda tied: moe("qwen2_moe", tied),
     "qwen3_moe": lambda tied: moe("qwen3_moe", tied),
+    # the load-balancing loss on (kept under the pipeline by a statistics pass)
+    "mixtral+aux": lambda tied: moe("mixtral", tied, aux=True),
+    "qwen2_moe+aux": lambda tied: moe("qwen2_moe", tied, aux=True),
+    "qwen3_moe+aux": lambda tied: moe("qwen3_moe", tied, aux=True),
 }
 EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
 

@@ -1,10 +1,13 @@
 """Hugging Face MoE models (Mixtral, Qwen2-MoE with a shared expert and a dense layer,
 Qwen3-MoE with q/k norms) handed whole to the model-parallel strategies, against one
-process on the global batch: pipeline (1F1B and ZB-H1), tensor parallelism with and without
-sequence parallelism (the load-balancing loss on: the router logits gathered over the
-sequence), PTD-P (pp x tp, pp x tp with sequence parallelism, pp x dp with ZeRO-1). Each
-run: float64, 3 AdamW steps with two parameter groups, 2 accumulation micro-steps where the
-rank functions do, clipping active. The refusals name what to change.
+process on the global batch: pipeline (1F1B, ZB-H1, interleaved; pp 2 and 4), tensor
+parallelism with and without sequence parallelism, PTD-P (pp x tp, dp x tp with sequence
+parallelism, pp x dp with accumulation, pp x dp with ZeRO-1). The families' load-balancing
+loss is on in most runs (``+aux``): under tensor parallelism with sequence parallelism its
+router logits are gathered over the sequence; under the pipeline and PTD-P a statistics
+pass sums the routers' counts over the batch first. Each run: float64, 3 AdamW steps with
+two parameter groups, 2 accumulation micro-steps where the rank functions do, clipping
+active. The refusals name what to change.
 
 Tolerance 1e-8 in float64 (observed ~1e-15); the pipeline's and PTD-P's losses are Hugging
 Face's float32 loss values, compared at 1e-6 as in tests/test_hf_pipeline.py.
@@ -31,6 +34,7 @@ SPARSE = {  # the parameter of a sparse block's experts, and of an attention pro
     "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
     "qwen3_moe": "model.layers.1.mlp.experts.down_proj",
 }
+SPARSE |= {f"{k}+aux": v for k, v in SPARSE.items()}
 
 
 @functools.cache
@@ -39,13 +43,19 @@ def pipeline_oracle(family: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("family", "schedule"), [("mixtral", "1f1b"), ("qwen2_moe", "zb-h1"), ("qwen3_moe", "1f1b")]
+    ("family", "schedule", "pp", "m"),
+    [
+        ("mixtral", "1f1b", 2, 2),
+        ("mixtral+aux", "1f1b", 2, 2),
+        ("mixtral+aux", "interleaved", 2, 4),
+        ("qwen2_moe+aux", "zb-h1", 2, 2),
+        ("qwen3_moe+aux", "1f1b", 4, 4),
+    ],
 )
-def test_pipeline_matches_one_process(ranks, family, schedule):
+def test_pipeline_matches_one_process(ranks, family, schedule, pp, m):
     want = pipeline_oracle(family)
     state: dict[str, torch.Tensor] = {}
-    for res in ranks(2, pipe_fns.train, family, False, schedule, 2, timeout=180):
-        assert "model.layers.0" in res["partition"].splitlines()[0]
+    for res in ranks(pp, pipe_fns.train, family, False, schedule, m, timeout=180):
         torch.testing.assert_close(
             torch.tensor(res["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6
         )
@@ -89,9 +99,10 @@ def test_tensor_parallel_matches_one_process(ranks, family, sequence_parallel):
 
 PTDP_CASES = [
     ptdp_fns.Case(family="mixtral"),
-    ptdp_fns.Case(family="mixtral", pp=1, dp=2, tp=2, sequence_parallel=True),
+    ptdp_fns.Case(family="mixtral+aux", pp=1, dp=2, tp=2, sequence_parallel=True),
     ptdp_fns.Case(family="qwen2_moe", schedule="zb-h1", accumulate=2),
-    ptdp_fns.Case(family="qwen3_moe", pp=2, dp=2, tp=1, zero=1),
+    ptdp_fns.Case(family="qwen2_moe+aux", pp=2, dp=2, tp=1, accumulate=2),
+    ptdp_fns.Case(family="qwen3_moe+aux", pp=2, dp=2, tp=1, zero=1),
 ]
 
 
@@ -113,11 +124,14 @@ def test_ptdp_matches_one_process(ranks, case):
 
 def test_refusals_name_what_to_change(ranks):
     for res in ranks(2, fns.refusals, timeout=120):
-        assert "output_router_logits=True" in res["aux_pipeline"]
-        assert "output_router_logits=False" in res["aux_pipeline"]
-        assert "strategy 'ep'" in res["aux_pipeline"]
-        assert "Qwen2MoeForCausalLM" in res["aux_ptdp"]
-        assert "output_router_logits=True" in res["aux_ptdp"]
+        assert "router jitter noise" in res["jitter_pipeline"]
+        assert "router_jitter_noise=0" in res["jitter_pipeline"]
+        assert "model.layers.0.mlp" in res["jitter_pipeline"]
+        # set after wrapping: the two forwards routed differently, named on every rank
+        assert "RuntimeError" in res["jitter_after_wrap"]
+        assert "load-balancing loss" in res["jitter_after_wrap"]
+        assert "[0, 1]" in res["jitter_after_wrap"]
+        assert "not deterministic" in res["jitter_after_wrap"]
         assert "ep=2" in res["ep_in_ptdp"] and "strategy='ep'" in res["ep_in_ptdp"]
         assert "MixtralForCausalLM" in res["ep_in_ptdp"]
         assert "jitter" in res["jitter_tp"] and "router_jitter_noise=0" in res["jitter_tp"]

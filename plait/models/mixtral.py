@@ -18,12 +18,13 @@ block (router and experts) stays whole on each rank, which runs it on the replic
 over the group). Splitting the experts is expert parallelism's job (``strategy="ep"``).
 
 ``pipeline_plan(model)``: the Llama plan's layers (the layout is the same); each sparse
-block runs on its stage. The load-balancing loss is refused (module docstring of
-:func:`pipeline_plan`).
+block runs on its stage; the load-balancing loss, when on, kept exactly through a
+statistics pass (:func:`load_balancing_loss`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch.nn import functional as F
 from plait.models import llama
 from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.pipeline import PipelinePlan
+from plait.strategies.pipeline.batch_loss import BatchLoss
 from plait.strategies.tensor.plan import TensorPlan
 
 _MASKED = (
@@ -133,32 +135,93 @@ def moe_tp_plan(model: nn.Module, *, experts: str, sequence_parallel: bool = Fal
     )
 
 
-def moe_pipeline_plan(model: nn.Module) -> PipelinePlan:
+def load_balancing_loss(model: nn.Module, *, router: str) -> BatchLoss:
+    """Hugging Face's load-balancing loss of a Mixtral-style model under a pipeline, as a
+    :class:`~plait.strategies.pipeline.batch_loss.BatchLoss` over its routers (class
+    ``router``, output ``(logits, top-k weights, indices)``).
+
+    The model computes, over every router call ``l`` of the batch (rows ``t``, experts
+    ``e``, ``k`` choices per row, ``N`` rows over all calls, ``p = softmax(logits)``)::
+
+        aux = E * sum_e (c_e / N) * (P_e / N),   c_e = #{(l, t, j): topk(p_lt)_j = e},
+                                                 P_e = sum_{l,t} p_lte
+
+    and adds ``router_aux_loss_coef * aux``. ``c`` carries no gradient, so once the
+    statistics pass has summed ``(c, P, N)`` over the batch, call ``l``'s share is
+    ``coef * E * sum_e (c_e / N) * (sum_t p_lte / N)``, computed in float32 as the model
+    computes its loss. Statistics per call: ``[c (E), P (E), rows]``."""
+    config: Any = getattr(model, "config")  # noqa: B009
+    coef = float(config.router_aux_loss_coef)
+    k = int(config.num_experts_per_tok)
+    routers = [m for m in model.modules() if type(m).__name__ == router]
+    if not routers:
+        raise ValueError(
+            f"pipeline plan for {type(model).__name__}: the load-balancing loss reads the "
+            f"routers (class {router}), and the model has none"
+        )
+    E = int(getattr(routers[0], "num_experts"))  # noqa: B009
+
+    def probabilities(output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = output[0]
+        p = torch.softmax(logits, dim=-1)
+        return p, torch.topk(p, k, dim=-1).indices
+
+    def statistics(output: Any) -> torch.Tensor:
+        p, chosen = probabilities(output)
+        counts = torch.bincount(chosen.reshape(-1), minlength=E).to(torch.float64)
+        rows = torch.tensor([p.shape[0]], dtype=torch.float64, device=p.device)
+        return torch.cat([counts, p.detach().to(torch.float64).sum(0), rows])
+
+    def share(output: Any, totals: torch.Tensor) -> torch.Tensor:
+        p, _ = probabilities(output)
+        n = totals[2 * E].to(torch.float32)
+        tokens = totals[:E].to(torch.float32) / n
+        return coef * E * torch.sum(tokens * (p.float().sum(0) / n))
+
+    def value(totals: torch.Tensor) -> torch.Tensor:
+        n = totals[2 * E].to(torch.float32)
+        tokens, probs = totals[:E].to(torch.float32) / n, totals[E : 2 * E].to(torch.float32) / n
+        return coef * E * torch.sum(tokens * probs)
+
+    return BatchLoss(
+        modules=tuple(routers),
+        size=2 * E + 1,
+        statistics=statistics,
+        share=share,
+        value=value,
+        carrier=1,  # the top-k weights: the block combines the experts' outputs with them
+        name=f"{type(model).__name__}'s load-balancing loss",
+    )
+
+
+def moe_pipeline_plan(model: nn.Module, *, router: str) -> PipelinePlan:
     """The pipeline plan of a Llama-layout MoE causal LM handed over whole: the Llama plan
     (:func:`plait.models.llama.pipeline_plan`), each sparse block on its layer's stage.
 
-    Refused: the load-balancing loss (``config.output_router_logits=True``). Hugging Face's
-    loss concatenates the router logits of every layer of the whole batch and multiplies
-    two means over them (the tokens each expert got, the probability it was given), so no
-    stage can compute its share before the batch's last layer has run, while the pipeline
-    starts backward passes before then. Pipeline training of these models drops it (set
-    ``output_router_logits=False``) or trains with ``strategy="ep"``, ``"ddp"`` or
-    ``"fsdp"``, which keep it."""
+    With ``config.output_router_logits=True`` the model's load-balancing loss is kept,
+    exactly: it multiplies two means over every layer's router outputs of the whole batch,
+    which no stage holds before the pipeline's first backward, so each step first runs the
+    batch forward without autograd to sum the routers' statistics
+    (:func:`load_balancing_loss`, :mod:`plait.strategies.pipeline.batch_loss`): one extra
+    forward per step."""
     config: Any = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            f"pipeline plan for {type(model).__name__}: config.output_router_logits=True "
-            f"(the load-balancing loss) is refused: it multiplies means over every layer's "
-            f"router logits of the whole batch, which no pipeline stage holds before the "
-            f"backward passes start. Set model.config.output_router_logits=False for "
-            f"strategy 'pipeline'/'ptdp', or keep it with strategy 'ep', 'ddp' or 'fsdp'"
-        )
     if not hasattr(model, "lm_head"):
         raise ValueError(
             f"pipeline plan for {type(model).__name__}: the pipeline trains a causal LM "
             f"(...ForCausalLM) handed over whole; the bare model has no head or loss"
         )
-    return llama.pipeline_plan(model)  # type: ignore[no-any-return]
+    plan = llama.pipeline_plan(model)
+    if getattr(config, "output_router_logits", False):
+        noisy = next((n for n, m in model.named_modules() if getattr(m, "jitter_noise", 0.0)), None)
+        if noisy is not None:
+            raise ValueError(
+                f"pipeline plan for {type(model).__name__}: {noisy} draws router jitter noise "
+                f"while the load-balancing loss is on; the pipeline computes that loss from "
+                f"a first forward of the batch and needs the same routing in the second. "
+                f"Set config.router_jitter_noise=0 or output_router_logits=False"
+            )
+        plan = replace(plan, batch_loss=load_balancing_loss(model, router=router))
+    return plan  # type: ignore[no-any-return]
 
 
 def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
@@ -168,4 +231,4 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
 
 def pipeline_plan(model: nn.Module) -> PipelinePlan:
     """Mixtral's pipeline plan (module docstring)."""
-    return moe_pipeline_plan(model)
+    return moe_pipeline_plan(model, router="MixtralTopKRouter")

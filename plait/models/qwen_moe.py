@@ -12,7 +12,7 @@ tokens (its parameters are dense: averaged over every rank); layers listed in
 ``tp_plan`` / ``pipeline_plan``: Mixtral's (:func:`plait.models.mixtral.moe_tp_plan`,
 :func:`~plait.models.mixtral.moe_pipeline_plan`): attention and the dense MLPs split, each
 sparse block (with its shared expert) whole on every tensor-parallel rank; the pipeline
-refuses the load-balancing loss.
+keeps the load-balancing loss through a statistics pass.
 """
 
 from __future__ import annotations
@@ -49,5 +49,4 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
 
 def pipeline_plan(model: nn.Module) -> PipelinePlan:
     """The pipeline plan of a Qwen2-MoE or Qwen3-MoE causal LM (module docstring)."""
-    _kind(model)
-    return moe_pipeline_plan(model)
+    return moe_pipeline_plan(model, router=f"{_kind(model)}TopKRouter")

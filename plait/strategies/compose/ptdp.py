@@ -274,6 +274,12 @@ class PTDP:
             check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
             reproducible=reproducible,
         )
+        if self.pipe.batch_loss is not None:
+            # a loss term over the whole batch (an MoE load-balancing loss): its statistics
+            # summed over the stages, the replicas and, under sequence parallelism, the
+            # tensor-parallel ranks' slices of the sequence
+            sp_group = [self.tp_group] if sequence_parallel and self.sizes.tp > 1 else []
+            self.pipe.batch_loss_groups = [self.pp_group, *sp_group, self.batch_group]
         part = self.pipe.partition
         assert part.placement is not None
         self.index = DenseIndex.record(dense, layers, part.bounds, part.placement)
@@ -459,6 +465,10 @@ class PTDP:
         self._loss_scale = self.scaler.scale_value if self.scaler is not None else 1.0
         if self.moe is not None:
             self.moe.start(pending=self._pending, loss_scale=self._loss_scale)
+        # a batch loss term's shares carry the loss's factor (replicas averaged, scale);
+        # its value is added once per replica, summed over them below
+        self.pipe.batch_loss_factor = self.sizes.replicas * self._loss_scale
+        self.pipe.batch_loss_value_factor = self._loss_scale
         try:
             loss = self.pipe.step(
                 inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]

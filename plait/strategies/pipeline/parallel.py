@@ -60,6 +60,8 @@ from plait.strategies.data_parallel.grad_sync import (
 )
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
 from plait.strategies.pipeline.agree import agree
+from plait.strategies.pipeline.batch_loss import BatchLossHooks, statistics_pass
+from plait.strategies.pipeline.batch_loss import totals as batch_totals
 from plait.strategies.pipeline.deferred import SplitReport
 from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
 from plait.strategies.pipeline.runtime import Runtime
@@ -206,6 +208,15 @@ class PipelineParallel(nn.Module):
                 if s in mine
             }
         )
+        # a loss term over the whole batch (batch_loss.py): hooks on this rank's modules;
+        # a caller composing more groups (PTD-P) extends the groups and sets the factors
+        self.batch_loss: BatchLossHooks | None = None
+        self.batch_loss_groups: list[Group] = [group]
+        self.batch_loss_factor = 1.0  # the gradient its shares carry (the loss's factor)
+        self.batch_loss_value_factor = 1.0  # its value's factor in the returned loss
+        if plan is not None and plan.batch_loss is not None:
+            self.batch_loss = BatchLossHooks(plan.batch_loss, rank=group.global_rank)
+            self.batch_loss.install(list(self.stages.values()))
         tied = self._tied(layers, part, sched, rank)
         self._place(tied)
         # every parameter of the whole model in forward order, with its stage: names in
@@ -322,12 +333,29 @@ class PipelineParallel(nn.Module):
                 )
         xs = list(inputs.chunk(m))
         ys: list[torch.Tensor | None] = list(targets.chunk(m))
-        loss = self.runtime.step(xs, ys)
+        hooks = self.batch_loss
+        if hooks is not None:
+            hooks.reset(next(self.parameters()).device)
+            statistics_pass(self.runtime, xs, hooks)
+            hooks.totals = batch_totals(hooks, self.batch_loss_groups)
+            hooks.factor = self.batch_loss_factor
+            hooks.mode = "attach"
+        try:
+            loss = self.runtime.step(xs, ys)
+        finally:
+            if hooks is not None:
+                hooks.mode = "off"
         self.steps += 1
+        if hooks is not None:
+            hooks.verify(self.group)
         if self.check_finite is not None:
             self._check_finite()
         last = self.schedule.placement[self.schedule.stages - 1]
         ops.broadcast(loss, last, group=self.group)
+        if hooks is not None:
+            assert hooks.totals is not None
+            term = hooks.spec.value(hooks.totals).detach().to(loss)
+            loss = loss + term * self.batch_loss_value_factor
         return loss
 
     def _check_finite(self) -> None:

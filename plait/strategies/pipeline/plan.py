@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.strategies.pipeline.batch_loss import BatchLoss
 from plait.strategies.pipeline.split import Layer
 
 REDUCTIONS = ("mean", "items")
@@ -65,7 +66,9 @@ class PipelinePlan:
     input activation (None: no layer needs one). ``context_modules``: modules the context
     uses (a rotary embedding: buffers only), registered under their dense names in every
     stage that computes it, so ``.to(device)`` moves them. ``loss`` / ``reduction`` /
-    ``items``: the model's own loss (module docstring). ``name``: the family, for messages.
+    ``items``: the model's own loss (module docstring). ``batch_loss``: a term added to it
+    that reads the whole batch at once (an MoE load-balancing loss;
+    :mod:`~plait.strategies.pipeline.batch_loss`). ``name``: the family, for messages.
     """
 
     layers: tuple[Layer, ...]
@@ -74,6 +77,7 @@ class PipelinePlan:
     items: Callable[[torch.Tensor], torch.Tensor] | None = None
     context: Callable[[torch.Tensor], Any] | None = None
     context_modules: tuple[tuple[str, nn.Module], ...] = ()
+    batch_loss: BatchLoss | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
