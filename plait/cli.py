@@ -285,6 +285,8 @@ def _demo(args: argparse.Namespace) -> int:
             ("--moe", args.moe),
             ("--ep", args.ep != 1),
             ("--experts", args.experts is not None),
+            ("--cp", args.cp != 1),
+            ("--context", args.context is not None),
             ("--evals", args.evals is not None),
             ("--reference-steps", args.reference_steps is not None),
         )
@@ -342,13 +344,21 @@ def _demo_gpt(args: argparse.Namespace) -> int:
     if cnn_only:
         print(
             f"plait demo: {', '.join(cnn_only)}: not options of --model gpt (its layouts: "
-            f"dp x tp with plait DDP over dp, --pp, --moe --ep)",
+            f"dp x tp with plait DDP over dp, --pp, --moe --ep, --cp)",
             file=sys.stderr,
         )
         return 2
-    nproc = args.nproc if args.nproc is not None else (args.pp if args.pp > 1 else 2)
+    if args.context is not None and args.cp <= 1:
+        print(
+            f"plait demo: --context {args.context} applies to context parallelism: add --cp 2 "
+            f"(or more), or drop --context",
+            file=sys.stderr,
+        )
+        return 2
+    multiple = args.pp if args.pp > 1 else args.cp * (args.tp or 1) if args.cp > 1 else 2
+    nproc = args.nproc if args.nproc is not None else multiple
     base = GPTDemoConfig()
-    default_tp = 1 if (args.pp > 1 or args.moe) else nproc
+    default_tp = 1 if (args.pp > 1 or args.moe or args.cp > 1) else nproc
     try:
         config = GPTDemoConfig(
             world_size=nproc,
@@ -359,6 +369,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
             moe=args.moe,
             ep=args.ep,
             experts=args.experts if args.experts is not None else base.experts,
+            cp=args.cp,
+            context=args.context or base.context,
             evals=args.evals if args.evals is not None else base.evals,
             sequence_parallel=args.sp,
             tp_mode=args.tp_mode,
@@ -468,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         "--nproc",
         type=int,
         default=None,
-        help="ranks (default 4; 1 for --strategy none; 2 for --model gpt)",
+        help="ranks (default 4; 1 for --strategy none; 2 for --model gpt: pp with --pp, cp x tp "
+        "with --cp)",
     )
     demo.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
     demo.add_argument(
@@ -512,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         "powers of two, -n dividing batch/m)",
     )
     gpt = demo.add_argument_group(
-        "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep)"
+        "the GPT (--model gpt): Mesh(dp=n/tp, tp=tp), or Mesh(pp=n), or Mesh(ep=ep, dp=n/ep), "
+        "or Mesh(dp=n/(cp*tp), cp=cp, tp=tp)"
     )
     gpt.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: n)")
     gpt.add_argument("--sp", action="store_true", help="sequence parallelism over tp")
@@ -545,6 +559,15 @@ def main(argv: list[str] | None = None) -> int:
     gpt.add_argument("--moe", action="store_true", help="GShard MoE in every second block")
     gpt.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     gpt.add_argument("--experts", type=int, default=None, help="experts per MoE layer (4)")
+    gpt.add_argument(
+        "--cp", type=int, default=1, help="context-parallel size: the sequence split over cp"
+    )
+    gpt.add_argument(
+        "--context",
+        choices=["ring", "ulysses"],
+        default=None,
+        help="with --cp: ring attention (default) or Ulysses all-to-all",
+    )
     ps = demo.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--ps-mode", choices=["sync", "async", "ssp"], default="sync")
     ps.add_argument("--servers", type=int, default=1, help="server ranks (0..S-1)")

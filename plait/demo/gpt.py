@@ -17,7 +17,11 @@ PipelineParallel`), and the report adds the measured bubble of the last step bes
 simulated one and the formula. With ``moe`` every second MLP is a GShard mixture of
 ``experts`` experts, the world is ``Mesh(ep=ep, dp=n/ep)`` (:mod:`plait.moe`, ``strategy="ep"``),
 and the report adds the load statistics and ``moe_load.png`` (tokens per expert over training).
-Composing pp, tp and ep with each other is not supported by the demo (refused up front).
+With ``cp`` the world is ``Mesh(dp=n/(cp*tp), cp=cp, tp=tp)``: context parallelism
+(``context`` ring or Ulysses attention over cp, :mod:`plait.demo.context`), and the report
+adds the attention bytes counted on cp against the formula (a difference fails the demo).
+Composing pp, tp and ep with each other, or cp with pp or ep, is not supported by the demo
+(refused up front).
 
 The leading rank prints progress (a tqdm bar on a terminal, one line per evaluation point
 otherwise): training loss, held-out loss and tokens per second. At the end the parent
@@ -47,7 +51,7 @@ import torch
 
 import plait
 from plait import comm, moe
-from plait.demo import layouts
+from plait.demo import context, layouts
 from plait.demo.pictures import timeline_png
 from plait.models import GPT, CharTokenizer, GPTConfig, MoEConfig, python_docs, token_batches
 from plait.models.gpt import loss
@@ -97,6 +101,9 @@ class GPTDemoConfig:
     # expert starts as a copy of the dense MLP it replaces (layouts.start_model)
     init: str = ""
     first_step: int = 0  # the step number of the first step (its batch): after init, its step
+    # context parallelism: Mesh(dp=n/(cp*tp), cp=cp, tp=tp), attention "ring" or "ulysses"
+    cp: int = 1
+    context: str = "ring"
 
     @property
     def eval_points(self) -> int:
@@ -105,7 +112,7 @@ class GPTDemoConfig:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.ep)
+        return self.world_size // (self.tp * self.pp * self.ep * self.cp)
 
     @property
     def m(self) -> int:
@@ -125,6 +132,8 @@ class GPTDemoConfig:
         )
 
     def mesh_shape(self) -> dict[str, int]:
+        if self.cp > 1:
+            return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
         if self.pp > 1 and (self.tp > 1 or self.dp > 1):
             return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         if self.pp > 1:
@@ -143,6 +152,7 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"-n/--nproc must be at least 1, got {c.world_size}")
     if c.ep != 1 and not c.moe:
         raise bad("--ep applies to --moe only")
+    context.validate_cp(c)
     if c.pp > 1 or c.moe:
         _validate_pp_moe(c)
     elif c.tp < 1 or c.world_size % c.tp:
@@ -183,11 +193,13 @@ def validate(config: GPTDemoConfig) -> None:
         raise bad(f"--sp: --seq-len {c.seq_len} must be divisible by --tp {c.tp}")
     if c.steps < 1:
         raise bad(f"--steps must be at least 1, got {c.steps}")
-    rows = c.world_size // (c.tp * c.pp)  # ranks that take their own rows of a batch
+    rows = c.world_size // (c.tp * c.pp * c.cp)  # ranks that take their own rows of a batch
     if c.batch_size < rows or c.batch_size % rows:
+        cp = f" / --cp {c.cp}" if c.cp > 1 else ""
         raise bad(
             f"--batch-size (global) must be a multiple of the {rows} ranks that each take "
-            f"their own rows (-n {c.world_size} / --tp {c.tp} / --pp {c.pp}), got {c.batch_size}"
+            f"their own rows (-n {c.world_size} / --tp {c.tp} / --pp {c.pp}{cp}), got "
+            f"{c.batch_size}"
         )
     if c.pp > 1 and c.batch_size % (c.m * c.dp):
         raise bad(
@@ -234,17 +246,19 @@ def fit_defaults(config: GPTDemoConfig, *, given: set[str]) -> GPTDemoConfig:
         return -(-value // k) * k
 
     changes: dict[str, Any] = {}
-    heads = c.heads if "heads" in given else math.lcm(c.heads, side)
+    heads = c.heads if "heads" in given else context.fitted_heads(c, math.lcm(c.heads, side))
     changes["heads"] = heads
     if "width" not in given:
         changes["width"] = up(c.width, math.lcm(heads, side * side if c.tp_mode != "1d" else 1))
     if "seq_len" not in given and c.sequence_parallel and c.tp > 1:
         changes["seq_len"] = up(c.seq_len, c.tp)
+    if "seq_len" not in given and c.cp > 1:
+        changes["seq_len"] = up(c.seq_len, 2 * c.cp)
     if "experts" not in given and c.moe and c.ep >= 1:
         changes["experts"] = up(c.experts, c.ep)
-    ranks = c.tp * c.pp * c.ep
+    ranks = c.tp * c.pp * c.ep * c.cp
     if "batch_size" not in given and ranks >= 1 and c.world_size % ranks == 0:
-        k = max(1, c.world_size // (c.tp * c.pp))
+        k = max(1, c.world_size // (c.tp * c.pp * c.cp))
         if c.pp > 1 and c.m >= 1:
             k = math.lcm(k, c.m * c.dp)
         if c.tp_mode != "1d":
@@ -362,7 +376,9 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     tracer = Tracer(rank=world.rank)
     composed = config.pp > 1 and (config.tp > 1 or config.dp > 1)
     build = (
-        layouts.composed
+        layouts.context
+        if config.cp > 1
+        else layouts.composed
         if composed
         else layouts.pipeline
         if config.pp > 1
@@ -465,6 +481,7 @@ def _oracle_key(config: GPTDemoConfig) -> tuple[Any, ...]:
 
 
 _ORACLES: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+_ORACLE_LOSSES: dict[tuple[Any, ...], list[float]] = {}
 
 
 def oracle(config: GPTDemoConfig, *, pieces: int = 1) -> dict[str, torch.Tensor]:
@@ -478,15 +495,25 @@ def oracle(config: GPTDemoConfig, *, pieces: int = 1) -> dict[str, torch.Tensor]
     train_tokens, _ = corpus()
     model = layouts.start_model(config)
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-
+    losses = []
     for step in range(config.steps):
         x, y = global_batch(config, train_tokens, step)
         opt.zero_grad()
+        losses.append(0.0)
         for xs, ys in zip(x.chunk(pieces), y.chunk(pieces), strict=True):
-            (loss(model(xs), ys) * (len(xs) / len(x))).backward()
+            piece = loss(model(xs), ys) * (len(xs) / len(x))
+            piece.backward()
+            losses[-1] += float(piece.detach())
         opt.step()
     _ORACLES[key] = model.state_dict()
+    _ORACLE_LOSSES[key] = losses
     return _ORACLES[key]
+
+
+def oracle_losses(config: GPTDemoConfig) -> list[float]:
+    """Every step's global-batch loss of :func:`oracle` (trained first if it was not)."""
+    oracle(config)
+    return _ORACLE_LOSSES[(*_oracle_key(config), 1)]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -546,6 +573,9 @@ class GPTDemoReport:
     oracle_spread: float | None = None  # float32: the oracle against itself, another order
     bubble: dict[str, Any] = field(default_factory=dict)  # --pp: the last step's
     moe: list[dict[str, Any]] = field(default_factory=list)  # --moe: stats per step
+    # --cp: the attention bytes on cp, counted per rank and by the formula (context.check)
+    cp_bytes: dict[str, Any] = field(default_factory=dict)
+    max_loss_diff: float | None = None  # --check: the largest per-step loss difference
 
 
 def last_step(result: dict[str, Any]) -> list[Any]:
@@ -609,7 +639,10 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def describe(config: GPTDemoConfig) -> str:
     c = config
-    if c.pp > 1 and (c.tp > 1 or c.dp > 1):
+    if c.cp > 1:
+        tp = f" x tp {c.tp}" if c.tp > 1 else ""
+        how = f"dp {c.dp} x cp {c.cp}{tp} ({c.context} attention)"
+    elif c.pp > 1 and (c.tp > 1 or c.dp > 1):
         sp = " + sequence parallelism" if c.sequence_parallel else ""
         how = f"pp {c.pp} x dp {c.dp} x tp {c.tp}{sp} ({c.schedule}, {c.m} micro-batches)"
     elif c.pp > 1:
@@ -635,7 +668,10 @@ FLOAT32_FLOOR = 1e-5
 
 def check_passed(report: GPTDemoReport) -> bool:
     """False when ``--check`` found the run farther from one process than rounding explains
-    (``report.check_bound``, see :func:`check_bound`)."""
+    (``report.check_bound``, see :func:`check_bound`), or when cp's counted attention bytes
+    differ from the formula (``report.cp_bytes``)."""
+    if report.cp_bytes and not report.cp_bytes["agree"]:
+        return False
     if report.max_param_diff is None:
         return True
     bound = report.check_bound if report.check_bound is not None else FLOAT64_BOUND
@@ -643,6 +679,8 @@ def check_passed(report: GPTDemoReport) -> bool:
 
 
 def _label(c: GPTDemoConfig) -> str:
+    if c.cp > 1:
+        return f"gpt-dp{c.dp}-cp{c.cp}-{c.context}" + (f"-tp{c.tp}" if c.tp > 1 else "")
     if c.pp > 1 and (c.tp > 1 or c.dp > 1):
         return f"gpt-pp{c.pp}-dp{c.dp}-tp{c.tp}-{c.schedule}"
     if c.pp > 1:
@@ -702,8 +740,14 @@ def run(
     if config.moe:
         loads = [{k: moe.MoEStats(**v) for k, v in step.items()} for step in lead["moe"]]
         moe.plot_tokens_per_expert(loads, run_dir / "moe_load.png", title=_label(config))
+    if config.cp > 1:
+        rows = held_out_windows(config, corpus()[1])[0].shape[0]
+        sent = [r["bytes_by_dim"] for r in results]
+        report.cp_bytes = context.check(config, sent, held_out_rows=rows)
     if check:
         report.max_param_diff = max_diff(state, oracle(config))
+        want = oracle_losses(config)
+        report.max_loss_diff = max(abs(a - b) for a, b in zip(report.losses, want, strict=True))
         report.check_bound, report.oracle_spread = check_bound(config)
     (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=1, default=str))
     _plot(history, run_dir / "curves.png", f"plait: {describe(config)}")
@@ -716,6 +760,8 @@ def run(
         if total < 1024 * config.steps:  # the loss averages: a few bytes a step
             continue
         print(f"sent on {dim:<13} {total / 2**20 / config.steps:.3f} MiB per step by rank 0")
+    if report.cp_bytes:
+        print("\n".join(context.report_lines(config, report.cp_bytes, report.bytes_by_dim)))
     if report.bubble:
         b = report.bubble
         print(
@@ -737,6 +783,7 @@ def run(
             f"--check: largest parameter difference to one process on the global batch: "
             f"{report.max_param_diff:.2e} ({verdict}: bound {report.check_bound:.1e})"
         )
+        print(f"  largest per-step loss difference to one process: {report.max_loss_diff:.2e}")
         if report.oracle_spread is not None:
             print(
                 f"  float32: one process summed in two halves lands {report.oracle_spread:.2e} "

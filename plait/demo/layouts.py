@@ -10,7 +10,9 @@ and the group over which the ranks' losses are averaged.
   2D/2.5D/3D grid) and plait DDP over ``dp``;
 - :func:`pipeline`: ``Mesh(pp)``, :class:`plait.strategies.pipeline.PipelineParallel`;
 - :func:`composed`: ``Mesh(pp, dp, tp)``, :func:`plait.strategies.compose.compose`;
-- :func:`experts`: ``Mesh(ep, dp)``, ``plait.prepare(strategy="ep")``.
+- :func:`experts`: ``Mesh(ep, dp)``, ``plait.prepare(strategy="ep")``;
+- :func:`context`: ``Mesh(dp, cp, tp)``, ``plait.prepare(strategy="cp")`` (ring or Ulysses
+  attention over cp, tensor parallelism over tp first, gradients averaged over cp x dp).
 
 Every builder splits the dense GPT of :func:`start_model`: the seeded initialisation, or
 the checkpoint ``config.init`` (the tour's reference), the same on every rank and in the
@@ -31,6 +33,8 @@ from plait.models import GPT
 from plait.models.gpt import loss as gpt_loss
 from plait.models.gpt import pipeline_plan
 from plait.strategies.compose import compose
+from plait.strategies.context import shard_sequence
+from plait.strategies.data_parallel.naive import NaiveDataParallel
 from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.tensor import loss_fn
 from plait.trace import Tracer
@@ -231,4 +235,56 @@ def experts(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
         model,
         (b * rows, (b + 1) * rows),
         plait.world(),
+    )
+
+
+def context(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
+    """Context parallelism: each cp rank feeds two chunks of every window of its dp replica's
+    rows (:func:`plait.strategies.context.shard_sequence`, the causal load-balanced layout)
+    and attention runs as ``config.context`` (ring or Ulysses) over cp. The loss of a rank
+    is the mean over its tokens; the cp x dp ranks hold equal numbers of tokens, so their
+    average is the global batch's loss (and the gradient average is its gradient)."""
+    dense = start_model(config)
+    run, opt = plait.prepare(
+        dense,
+        torch.optim.Adam(dense.parameters(), lr=config.lr),
+        strategy="cp",
+        mesh=mesh,
+        context=config.context,
+        algorithm=config.algorithm,
+    )
+    assert opt is not None and isinstance(run, NaiveDataParallel)
+    loss_of = loss_fn(dense)  # the vocab-parallel loss where tp splits the head
+    group = run.group  # the cp x dp ranks that average gradients (and the loss)
+
+    def shard(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return shard_sequence(x, mesh)[0], shard_sequence(y, mesh)[0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        xs, ys = shard(x, y)
+        with tracer.span("forward", stream="compute"):
+            loss = loss_of(run(xs), ys)
+        with tracer.span("backward", stream="compute"):
+            loss.backward()
+        return loss
+
+    def held_out(x: torch.Tensor, y: torch.Tensor) -> float:
+        # this dp replica's rows, this cp rank's chunks; the mean over the cp x dp ranks
+        n = x.shape[0] // config.dp
+        d = mesh.rank("dp")
+        xs, ys = shard(x[d * n : (d + 1) * n], y[d * n : (d + 1) * n])
+        with torch.no_grad():
+            mine = loss_of(run(xs), ys).detach().to(torch.float64).reshape(1)
+        comm.all_reduce(mine, "avg", group=group, algorithm="auto")
+        return float(mine)
+
+    d, rows = mesh.rank("dp"), config.batch_size // config.dp
+    return Trainer(
+        step,
+        held_out,
+        lambda: checkpoint.full_state_dict(dense),
+        opt,
+        dense,
+        (d * rows, (d + 1) * rows),
+        group,
     )
