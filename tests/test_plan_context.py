@@ -42,13 +42,13 @@ def test_activations_per_rank_are_one_cp_th() -> None:
     # per token of one block, e = 2, no masks, h = 64: replicated 4e h = 512, split
     # e (2q + 2kv) + 2 e f = 2 (128 + 128) + 4 * 256 = 1536; 2048 B per token
     common = dict(s=1024, b=1, h=64, a=4, mask_bytes=0)
-    one = per_layer_bytes(**common)  # unfused: + 4 a s^2 b (e = 2, no dropout)
-    assert one == 2048 * 1024 + 4 * 4 * 1024 * 1024
+    one = per_layer_bytes(**common)  # unfused: + e a s^2 b (e = 2, no dropout)
+    assert one == 2048 * 1024 + 2 * 4 * 1024 * 1024
     # ring, cp 4: 256 tokens, and the fp32 log-sum-exp of its rows: 4 a 256
     assert per_layer_bytes(**common, cp=4) == 2048 * 256 + 4 * 4 * 256
     # Ulysses, cp 4: the unfused kernel on a / 4 heads of the whole sequence
     ulysses = per_layer_bytes(**common, cp=4, context="ulysses")
-    assert ulysses == 2048 * 256 + 4 * 4 * 1024 * 1024 / 4 == one / 4
+    assert ulysses == 2048 * 256 + 2 * 4 * 1024 * 1024 / 4 == one / 4
     # fused attention at cp 1 vs ring at cp 4: exactly a quarter
     assert per_layer_bytes(**common, cp=4) == per_layer_bytes(**common, flash=True) / 4
     # full recomputation keeps the block's input of this rank's tokens

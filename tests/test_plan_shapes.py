@@ -31,16 +31,20 @@ def test_gqa_swiglu_fused_attention_by_hand() -> None:
     m = hf.load("llama3-8b")
     job = Job(global_batch=1, seq=8192, dropout=False, flash_attention=True)
     s, h, q, kv, f = 8192, 4096, 4096, 1024, 14336
-    whole = 4 * 2 * h  # two norm inputs, q/k/v and MLP inputs
-    split = 2 * (2 * q + 2 * kv) + 3 * 2 * f  # Q K V, out-proj input; gate, up, down input
+    # two RMSNorms: fp32 input, normalised input, output (the q/k/v and MLP inputs)
+    whole = 2 * (4 + 2 * 2) * h
+    # Q K V, out-proj input (fused attention); SwiGLU: gate, silu(gate), up, down input
+    split = 2 * (2 * q + 2 * kv) + 4 * 2 * f
     lse = 4 * 32  # fp32 log-sum-exp per head and token
     assert model_layer_bytes(m, job, Layout()) == s * (whole + split + lse)
     # tp 2 without SP: the whole part stays, the rest halves
     lay = Layout(tp=2)
     assert model_layer_bytes(m, job, lay) == s * whole + s * (split + lse) / 2
-    # unfused attention keeps the scores: (2e + k) a s^2 = 4 * 32 * s^2 without dropout
+    # unfused (eager) attention repeats K and V to the queries' width and keeps the fp32
+    # softmax and its bf16 cast: (4 + e) a s^2 = 6 * 32 * s^2 without dropout
     unfused = replace(job, flash_attention=False)
-    assert model_layer_bytes(m, unfused, Layout()) == s * (whole + split) + 4 * 32 * s * s
+    eager_split = 2 * 4 * q + 4 * 2 * f
+    assert model_layer_bytes(m, unfused, Layout()) == s * (whole + eager_split) + 6 * 32 * s * s
 
 
 def test_buffers_by_hand() -> None:

@@ -28,26 +28,52 @@ rest by ``t``; sequence parallelism divides the replicated part too. The grid mo
 block's input, ``e s b h`` (``/t`` with sequence parallelism: Megatron checkpoints the
 sequence-sharded input; the paper's Table 2 writes ``2 s b h``).
 
-Other shapes (Llama, Mistral, Qwen: :mod:`plait.plan.hf`), per token of one block, ``q = a d``
-the queries' width, ``kv`` the keys' and values' (grouped-query attention: ``kv = k d``
-with ``k`` key/value heads), ``f`` the MLP's inner width::
+Without dropout (``k = 0``) there is no dropout output: the softmax output is the tensor the
+product with V keeps, ``e a s^2 b`` (the formula above with ``k = 1`` is the paper's).
 
-    kept whole by 1D TP   (4e + 2k) h        as above (two norm inputs, the inputs of the
-                                             q/k/v projection and of the MLP, two masks)
-    split by TP           e (2 q + 2 kv)     Q and K after RoPE (RoPE's backward needs only
-                                             cos and sin), V, the output projection's input
-                          2 e f              GeLU MLP: the activation's and fc2's inputs
-                          3 e f              SwiGLU: the gate's and up projection's outputs
-                                             and the down projection's input (a fused
-                                             SwiGLU, Megatron's; eager PyTorch also keeps
-                                             silu(gate), one more e f)
-    attention core        (2e + k) a s       unfused: the scores' softmax, its mask and
-                                             dropout output (per token: a s per head row)
+Other shapes (Llama, Mistral, Qwen, GPT-2: :mod:`plait.plan.hf`), per token of one block,
+``q = a d`` the queries' width, ``kv`` the keys' and values' (grouped-query attention:
+``kv = k d`` with ``k`` key/value heads), ``f`` the MLP's inner width, as PyTorch's autograd
+keeps them for the Hugging Face modules (measured with ``saved_tensors_hooks`` in
+tests/test_plan_activations.py, to within the norms' statistics)::
+
+    kept whole by 1D TP   (4e + 2k) h        LayerNorm: as above (two norm inputs, the inputs
+                                             of the q/k/v projection and of the MLP, 2 masks)
+                          2 (4 + 2e) h       RMSNorm (HF's, PyTorch's): each of the two keeps
+                                             its input cast to fp32 (4 h; the input itself at
+                                             e = 4), the normalised input before the weight
+                                             (e h, for the weight's gradient) and its output,
+                                             the next projection's input (e h)
+    split by TP           e (2 q + 2 kv)     fused attention: Q and K after RoPE (RoPE's
+                                             backward needs only cos and sin), V, the
+                                             kernel's output (the output projection's input)
+                          4 e q              unfused (eager): repeat_kv copies K and V to the
+                                             queries' width for the two products (GQA keeps
+                                             no saving there), Q, the output projection's input
+                          (4 + e) (q + kv)   q/k RMSNorm per head (Qwen3): fp32 input and
+                                             normalised input of queries and keys
+                          (n + 1) e f        MLP: the activation keeps ``n`` tensors of width
+                                             f (a fused GeLU or SiLU kernel: its input, n = 1;
+                                             HF's ``gelu_new``, GPT-2's, in Python ops: 4),
+                                             fc2's input 1
+                          + 2 e f            SwiGLU: the activation's output and the up
+                                             projection's output, kept by their product
+                                             (gated: 4 e f; a fused SwiGLU, Megatron's, 3 e f)
+    attention core        e a s              unfused, softmax in the activation dtype (GPT-2,
+                                             Megatron): its output, which the product with V
+                                             keeps too; with dropout + (e + k) a s (mask and
+                                             dropout output: the paper's 2e + k)
+                          (4 + e) a s        HF's Llama family computes the softmax in fp32
+                                             (4 a s) and keeps its cast to e too (4 a s at e = 4)
                           4 a                fused (``Job.flash_attention``, FlashAttention,
                                              PyTorch's SDPA): the fp32 log-sum-exp only
 
-For GPT (``q = kv = h``, ``f = 4h``) the split part is ``e (4h + 8h) = 24 h`` with ``e = 2``:
-the paper's formula. A norm's statistics (``b s`` values) are not counted.
+For GPT (LayerNorm, fused GeLU, ``q = kv = h``, ``f = 4h``) the split part is
+``e (4h + 8h) = 24 h`` with ``e = 2``: the paper's formula. Not counted: a norm's statistics
+(``4 b s`` bytes each), RoPE's cos and sin (``s d``, shared by every block). A mixture-of-
+experts block is counted as a dense block of ``ffn`` (its ``top_k`` experts' activations and
+the gathered token copies are not: tests/test_plan_activations.py measures how far below
+a Mixtral block this is).
 
 Context parallelism over ``c`` ranks (:mod:`plait.strategies.context`): each rank holds
 ``s / c`` tokens of every tensor above, so every per-token term is divided by ``c``. The
@@ -71,9 +97,12 @@ done, backward not), at most (in chunk-micro-batches, the first rank being the w
 
 (checked against :func:`plait.strategies.pipeline.simulate.peak_per_rank` in the tests).
 The first rank also keeps the embedding's dropout mask ``k s b h`` per micro-batch in
-flight; the rank with the head keeps, for one micro-batch, the final LayerNorm and head
-inputs ``2e s b h`` (``/t`` with SP) and the logits in the activation dtype plus an fp32
-softmax, ``(e + 4) s b V / t``.
+flight; the rank with the head keeps, for one micro-batch, the final norm's saved tensors
+and the head's input (LayerNorm ``2e s b h``, RMSNorm ``(4 + 2e) s b h``; ``/t`` with SP),
+the fp32 log-softmax of the loss (``4 s b V / t``, the cross-entropy's saved output) and
+the logits in the activation dtype (``e s b V / t``: autograd does not save them, but the
+model returns them and a loop that holds its output, ``out.loss.backward()``, keeps them
+through the backward), ``(e + 4) s b V / t`` in all.
 """
 
 from __future__ import annotations
@@ -121,27 +150,45 @@ def per_layer_bytes(
     flash: bool = False,
     cp: int = 1,
     context: str = "ring",
+    norm: str = "layernorm",
+    qk_norm: bool = False,
+    activation: str = "gelu",
+    softmax_fp32: bool = False,
 ) -> float:
     """Bytes one block keeps for one micro-batch (module doc). ``q`` and ``kv``: the query
     and key/value widths (``a d`` and ``k d``; default ``h``, no grouped-query attention),
     ``ffn`` the MLP's inner width (default ``4 h``), ``gated`` a SwiGLU MLP, ``flash`` a
     fused attention that keeps no ``s x s`` tensor (module doc, "Other shapes"); ``cp``
-    context-parallel ranks over the sequence, ``context`` their attention (module doc)."""
+    context-parallel ranks over the sequence, ``context`` their attention (module doc);
+    ``norm``, ``qk_norm``, ``activation`` and ``softmax_fp32`` as :class:`ModelSpec`'s."""
     e, k = element_bytes, mask_bytes
     tokens = s * b / cp  # this rank's
     if recompute == "full":
         return e * tokens * h / (t if sp or tp_mode != "1d" else 1)
     q, kv, f = q or h, kv or h, ffn or 4 * h
-    replicated = (4 * e + 2 * k) * h  # 10 h: two norm inputs, QKV and fc1 inputs, 2 masks
-    # Q, K, V, the output projection's input; the MLP's saved inner tensors
-    split = e * (2 * q + 2 * kv) + (3 if gated else 2) * e * f  # 24 h for GPT
-    if flash or (cp > 1 and context == "ring"):
+    fused = flash or (cp > 1 and context == "ring")
+    # two norms (their inputs, RMSNorm's fp32 copy and normalised input) and the inputs of
+    # the q/k/v projection and of the MLP; two dropout masks: 10 h for GPT (e 2, k 1)
+    norms = 2 * (4 + 2 * e) if norm == "rmsnorm" else 4 * e
+    replicated = norms * h + 2 * k * h
+    # Q, K, V, the output projection's input: eager attention repeats K and V to q's width
+    attention = e * (2 * q + 2 * kv) if fused else 4 * e * q
+    if qk_norm:
+        attention += (4 + e) * (q + kv)
+    kept_by_activation = 4 if activation == "gelu_new" else 1
+    mlp = (kept_by_activation + 1 + (2 if gated else 0)) * e * f  # 8 e h for GPT
+    split = attention + mlp  # 24 h for GPT
+    if fused:
         # the log-sum-exp, fp32, per head and token of this rank; the scores are recomputed
         quadratic = 4.0 * a * tokens
     elif recompute == "selective":
         quadratic = 0.0
     else:
-        quadratic = (2 * e + k) * a * s * s * b / cp  # 5 a s^2 b (Ulysses: a / cp heads)
+        # the softmax output (fp32 and its cast with softmax_fp32); with dropout its mask
+        # and output: 5 a s^2 b for GPT (e 2, k 1), Ulysses: a / cp heads
+        softmax = (4 + (e if e < 4 else 0)) if softmax_fp32 else e
+        per_score = softmax + (e + k if k else 0)
+        quadratic = per_score * a * s * s * b / cp
     if tp_mode != "1d" or sp:
         return ((replicated + split) * tokens + quadratic) / t
     return replicated * tokens + (split * tokens + quadratic) / t
@@ -170,6 +217,10 @@ def model_layer_bytes(
         flash=job.flash_attention,
         cp=layout.cp,
         context=layout.context,
+        norm=model.norm,
+        qk_norm=model.qk_norm,
+        activation=model.activation,
+        softmax_fp32=model.softmax_fp32,
     )
 
 
@@ -205,7 +256,8 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     m = lay.microbatches(job)
     chunk_layers = model.layers // (lay.pp * lay.v)
     shard = lay.tp if (lay.sp or lay.tp_mode != "1d") else 1
-    head = 2 * e * s * b * h / shard + (e + 4) * s * b * model.vocab / lay.tp
+    final_norm = (4 + 2 * e) if model.norm == "rmsnorm" else 2 * e  # with the head's input
+    head = final_norm * s * b * h / shard + (e + 4) * s * b * model.vocab / lay.tp
     first_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v)
     embedding = k * s * b * h / shard * min(first_flying, m)
     head_on_first = lay.pp == 1 or lay.schedule in ("zbv", "dualpipev")

@@ -182,6 +182,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
             seq_len=int(cfg["n_positions"]),
             ffn_hidden=int(_get(cfg, "n_inner", default=4 * h)),
             tied=bool(cfg.get("tie_word_embeddings", True)),
+            activation=str(cfg.get("activation_function", "gelu_new")),
             name=label,
         )
     heads = int(cfg["num_attention_heads"])
@@ -203,6 +204,8 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
         qkv_bias=kind in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
         bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=kind in ("qwen3", "qwen3_moe"),
+        activation=str(cfg.get("hidden_act", "silu")),
+        softmax_fp32=True,  # eager_attention_forward: softmax(..., dtype=torch.float32)
         name=label,
     )
     if kind in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):

@@ -70,6 +70,11 @@ class ModelSpec:
     positions: str = "learned"  # "learned" (a table of seq_len rows) or "rope" (none)
     expert_ffn: int = 0  # an expert's inner width (0: ffn_hidden)
     shared_ffn: int = 0  # a shared expert's inner width beside the routed ones (Qwen-MoE)
+    # What the implementation keeps for backward (plait.plan.activations), not the shape:
+    # "gelu_new" is Hugging Face's tanh GeLU written in Python ops (GPT-2's default), which
+    # keeps four tensors where a fused kernel ("gelu", "silu", ...) keeps its input only
+    activation: str = "gelu"
+    softmax_fp32: bool = False  # unfused attention's softmax computed in fp32 (HF's Llama)
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_mult"):
