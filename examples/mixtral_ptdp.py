@@ -1,17 +1,22 @@
-"""A Hugging Face Mixtral trained with PTD-P (pipeline x tensor parallel), handed over whole.
+"""A Hugging Face Mixtral trained with PTD-P (pipeline x tensor x expert parallel), handed
+over whole.
 
     plait run -n 4 examples/mixtral_ptdp.py         # pp 2 x tp 2
+    plait run -n 4 examples/mixtral_ptdp.py --ep 2  # pp 2 x ep 2
     plait run -n 2 examples/mixtral_ptdp.py         # pp 2
 
 The family's pipeline plan cuts the decoder layers into two stages (each sparse block on
 its layer's stage); its tensor-parallel plan splits the attention over the ``tp`` ranks
-and keeps each sparse block (router and experts) whole on every one of them: splitting the
-experts is expert parallelism's job (``examples/mixtral_ep.py``). The load-balancing loss
+and keeps each sparse block (router and experts) whole on every one of them; with ``--ep``
+each rank of a stage keeps ``E/ep`` of its layers' experts and the chosen tokens travel to
+them and back (the batch is cut over the ep ranks, as over data ranks). The load-balancing loss
 is on: it multiplies means over every layer's router outputs of the whole batch, so each
 step first runs the batch forward without autograd to sum them (one extra forward).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from _common import adamw, batch, tokens
@@ -19,6 +24,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import plait
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--ep", type=int, default=1)
+ep = parser.parse_args().ep
 plait.init()
 torch.manual_seed(0)  # every rank builds the same model
 config = MixtralConfig(
@@ -27,7 +35,7 @@ config = MixtralConfig(
     num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
 )  # fmt: skip
 model = MixtralForCausalLM(config)
-mesh = plait.Mesh(pp=2, dp=1, tp=plait.world().size // 2)
+mesh = plait.Mesh(pp=2, dp=1, ep=ep, tp=plait.world().size // (2 * ep))
 ptdp, opt = plait.prepare(
     model, adamw(model), strategy="ptdp", mesh=mesh, schedule="1f1b", microbatches=4
 )

@@ -21,8 +21,8 @@ def _refusal(fn: Any) -> str:
 def refusals() -> dict[str, str]:
     """Every rank's error for: router jitter with the load-balancing loss under the
     pipeline (at wrap time, and when set after wrapping: the statistics pass and the
-    training forward then route differently), ep in a PTD-P mesh on the model's own sparse
-    blocks, router jitter under tensor parallelism."""
+    training forward then route differently), the model's own experts over ep with sequence
+    parallelism in PTD-P, router jitter under tensor parallelism."""
     n = plait.world().size
 
     def jitter_pipeline() -> None:
@@ -39,10 +39,13 @@ def refusals() -> dict[str, str]:
         ids, labels = batch(0, 97)
         pipe.step(ids, labels)
 
-    def ep_in_ptdp() -> None:
+    def ep_in_ptdp() -> None:  # experts over ep with sequence parallelism: not composed
         model = moe("mixtral", False)
         opt = optimizer(list(model.named_parameters()))
-        plait.prepare(model, opt, strategy="ptdp", mesh=plait.Mesh(pp=1, ep=n, dp=1, tp=1))
+        plait.prepare(
+            model, opt, strategy="ptdp", mesh=plait.Mesh(pp=1, ep=n, dp=1, tp=1),
+            sequence_parallel=True,
+        )  # fmt: skip
 
     def jitter_tp() -> None:
         model = moe("mixtral", False)

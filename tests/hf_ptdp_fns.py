@@ -27,6 +27,7 @@ class Case:
     pp: int = 2
     dp: int = 1
     tp: int = 2
+    ep: int = 1  # the model's own experts split over ep (carved out of data parallelism)
     schedule: str = "1f1b"
     microbatches: int = 2
     accumulate: int = 1
@@ -35,8 +36,13 @@ class Case:
     via_compose: bool = False  # compose(..., plans=plan_for) instead of plait.prepare
 
     @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp * self.ep
+
+    @property
     def name(self) -> str:
         dims = "x".join(f"{d}{n}" for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)))
+        dims += f"xep{self.ep}" if self.ep > 1 else ""
         extra = ["tied"] if self.tied else []
         extra += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
@@ -73,7 +79,7 @@ def train(case: Case) -> dict[str, Any]:
     optimizer state (or the refusal's text), assembled on every rank."""
     model = MODELS[case.family](case.tied)
     opt = optimizer(list(model.named_parameters()))
-    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
     options: dict[str, Any] = {
         "schedule": case.schedule,
         "microbatches": case.microbatches,
@@ -140,24 +146,30 @@ def refused_on_ranks() -> str:
     return "NOT REFUSED"
 
 
-def _layout(mesh: plait.Mesh) -> Any:
-    model = MODELS["llama"](False)
+def _layout(mesh: plait.Mesh, family: str = "llama") -> Any:
+    model = MODELS[family](False)
     opt = optimizer(list(model.named_parameters()))
     ptdp, _ = plait.prepare(model, opt, strategy="ptdp", mesh=mesh, microbatches=2)
     return ptdp
 
 
-def save_then_load(root: str) -> dict[str, Any]:
-    """A Llama trained one step on pp2 x tp2 and saved through plait.checkpoint; loaded into
-    a fresh dp2 x tp2 layout. The largest difference between their dense states (model and
-    AdamW's two groups), and the loaded layout's parameter groups."""
-    saving = _layout(plait.Mesh(pp=2, dp=1, tp=2))
+def save_then_load(
+    root: str,
+    family: str = "llama",
+    saved: dict[str, int] | None = None,
+    loaded: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A model trained one step on the ``saved`` mesh (default pp2 x tp2) and saved through
+    plait.checkpoint; loaded into a fresh layout on the ``loaded`` mesh (default dp2 x tp2).
+    The largest difference between their dense states (model and AdamW's two groups), and
+    the loaded layout's parameter groups."""
+    saving = _layout(plait.Mesh(**(saved or {"pp": 2, "dp": 1, "tp": 2})), family)
     ids, labels = batch(0, 97)
     saving.step(ids, labels)
     saving.optimizer.step()
     saving.save(root, step=1)
     want = saving.state_dict()
-    loading = _layout(plait.Mesh(pp=1, dp=2, tp=2))
+    loading = _layout(plait.Mesh(**(loaded or {"pp": 1, "dp": 2, "tp": 2})), family)
     loading.load(root)
     got = loading.state_dict()
     diffs = [(got["model"][k] - v).abs().max().item() for k, v in want["model"].items()]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from plait.strategies.moe.layer import moe_layers
+from plait.strategies.moe.stacked import containers as stacked_containers
 from plait.strategies.pipeline.schedules import default_chunks
 
 DIMS = ("pp", "dp", "tp")
@@ -149,7 +150,13 @@ def check_layout(
         tp_plan, pipeline_plan = resolve_plans(
             model, plans=plans, tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan
         )
-    _check_moe(model, ep=ep, zero=zero, sequence_parallel=sequence_parallel)
+    _check_moe(
+        model,
+        ep=ep,
+        zero=zero,
+        sequence_parallel=sequence_parallel,
+        own=plan_source(model, plans)("moe") if ep > 1 and not moe_layers(model) else None,
+    )
     if zero not in ZERO_STAGES:
         raise ValueError(f"ptdp: zero={zero!r}; use 0 (plain averaging over dp), 1 or 2")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -269,18 +276,22 @@ def check_tensor_sizes(model: nn.Module, plan: Any, tp: int) -> None:
             )
 
 
-def _check_moe(model: nn.Module, *, ep: int, zero: int, sequence_parallel: bool) -> None:
-    """The model's MoE blocks (:class:`plait.moe.MoE` layers) against the ``ep`` dimension
-    (see :mod:`.experts`)."""
+def _check_moe(
+    model: nn.Module, *, ep: int, zero: int, sequence_parallel: bool, own: Any = None
+) -> None:
+    """The model's MoE blocks (:class:`plait.moe.MoE` layers, or the model's own sparse
+    blocks its MoE plan ``own`` names) against the ``ep`` dimension (see :mod:`.experts`)."""
     layers = moe_layers(model)
+    if not layers and ep > 1 and own is not None:
+        _check_own_moe(model, own, ep=ep, zero=zero, sequence_parallel=sequence_parallel)
+        return
     if not layers:
         if ep > 1:
             raise ValueError(
-                f"ptdp: the mesh has ep={ep} but the {type(model).__name__} has no "
-                f"plait.moe.MoE layers, the only MoE blocks PTD-P splits over ep. A model's "
-                f"own sparse blocks (Hugging Face Mixtral, Qwen-MoE) run whole on their "
-                f"pipeline stage: drop ep from the mesh, or split their experts with "
-                f"strategy='ep' (mesh=Mesh(ep=.., dp=..)); plait's GPT takes "
+                f"ptdp: the mesh has ep={ep} but the {type(model).__name__} has no MoE "
+                f"blocks PTD-P can split over ep: no plait.moe.MoE layers and no MoE plan "
+                f"(plait.moe.MoEPlan) for its own sparse blocks; drop ep from the mesh, give "
+                f"the model an MoE plan (plait_plan('moe')), or build plait's GPT with "
                 f"GPTConfig(moe=MoEConfig(...))"
             )
         return
@@ -317,6 +328,39 @@ def _check_moe(model: nn.Module, *, ep: int, zero: int, sequence_parallel: bool)
                 f"> 0) is not composed yet; use bias_update_rate=0 (the GShard auxiliary "
                 f"loss balances)"
             )
+
+
+def _check_own_moe(
+    model: nn.Module, plan: Any, *, ep: int, zero: int, sequence_parallel: bool
+) -> None:
+    """The model's own stacked-expert blocks (an MoE plan, :mod:`plait.strategies.moe.stacked`)
+    against ``ep``: containers found, ``ep`` dividing every expert count, no ZeRO and no
+    sequence parallelism with them."""
+    boxes = stacked_containers(model, plan)
+    if not boxes:
+        raise ValueError(
+            f"ptdp: ep={ep}: the {type(model).__name__}'s MoE plan names expert containers "
+            f"of class {' / '.join(plan.experts)}, and the model has none"
+        )
+    for name, box in boxes.items():
+        num = getattr(box, plan.num_experts, None)
+        if not isinstance(num, int) or num % ep:
+            raise ValueError(
+                f"ptdp: ep={ep} does not divide the {plan.num_experts}={num} of expert "
+                f"container {name!r}; choose ep dividing it"
+            )
+    if sequence_parallel:
+        raise ValueError(
+            f"ptdp: sequence parallelism with experts split over ep={ep} is not composed: "
+            f"each tensor-parallel rank would dispatch its slice of the sequence; use "
+            f"sequence_parallel=False, or ep=1 (the sparse blocks then run whole per stage)"
+        )
+    if zero:
+        raise ValueError(
+            f"ptdp: zero={zero} with ep={ep}: ZeRO shards one gradient over the dp group, but "
+            f"expert gradients average over dp and the others over dp x ep; use zero=0 with "
+            f"expert parallelism, or ep=1"
+        )
 
 
 def check_batch(inputs: torch.Tensor, targets: torch.Tensor, sizes: Sizes) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 
 from plait.comm import ops
 from plait.comm.group import Group
-from plait.strategies.compose.experts import gather_experts
+from plait.strategies.compose.experts import gather_experts, gather_stacked
 from plait.strategies.pipeline.split import Layer
 from plait.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from plait.strategies.tensor.parallelize import full_state_dict as tp_full_state
@@ -111,12 +111,13 @@ def count_params(
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            split = p.shape != index.shapes[name][0]
+            expert = id(p) in experts
+            # a stacked expert tensor holds E/ep experts: split over ep, replicated over tp
+            split = p.shape != index.shapes[name][0] and not expert
             counted = split or tp_rank == 0
             peer = tied_peers.get(id(p))
             if peer is not None and peer < pp_rank:
                 counted = False
-            expert = id(p) in experts
             if not expert and ep_rank != 0:
                 counted = False
             out.append(Counted(name, p, split, counted, expert))
@@ -185,12 +186,14 @@ def assemble(
     algorithm: str,
     ep_group: Group | None = None,
     expert_owner: dict[str, int] | None = None,
+    stacked: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
     """The dense model's state dict, keys in the dense order, on every rank.
 
     Collective over the tp group (each tensor-parallel layer's ``full_state``), the ep
     group when ``ep_group`` is given (``expert_owner``: key -> ep rank of every expert
-    tensor of this rank's stages) and the pp
+    tensor of this rank's stages; ``stacked``: the dense names of stacked expert tensors,
+    each all-gathered along dimension 0) and the pp
     group (one broadcast per stage rank and dtype)."""
 
     local: dict[str, torch.Tensor] = {}
@@ -199,6 +202,8 @@ def assemble(
     if ep_group is not None and expert_owner:
         wanted = {k: index.shapes[k] for k in expert_owner}
         gather_experts(local, wanted, expert_owner, ep_group=ep_group, algorithm=algorithm)
+    if ep_group is not None and stacked:
+        gather_stacked(local, stacked, ep_group=ep_group, algorithm=algorithm)
     return broadcast_stages(
         local, index.shapes, index.owner, pp_group=pp_group, algorithm=algorithm
     )

@@ -43,7 +43,10 @@ from torch import nn
 
 from plait.comm import ops
 from plait.comm.group import Group
+from plait.strategies.moe import stacked
 from plait.strategies.moe.layer import MoE, moe_layers
+from plait.strategies.moe.plan import MoEPlan
+from plait.strategies.tensor.mappings import all_gather_dim
 
 
 def shard_experts(model: nn.Module, *, ep_group: Group | None) -> set[int]:
@@ -59,6 +62,32 @@ def shard_experts(model: nn.Module, *, ep_group: Group | None) -> set[int]:
             moe.experts = nn.ModuleDict({k: moe.experts[k] for k in keep})
             moe.expert_group = ep_group
     return {id(q) for moe in moe_layers(model).values() for q in moe.experts.parameters()}
+
+
+def shard_stacked(
+    model: nn.Module, plan: MoEPlan, *, ep_group: Group, algorithm: str
+) -> tuple[set[int], list[str]]:
+    """The model's own sparse blocks (Hugging Face Mixtral, Qwen-MoE: experts stacked in
+    one tensor per weight, :mod:`plait.strategies.moe.stacked`): keep this ep rank's
+    ``E/ep`` experts of every container (slices of dimension 0) and route through
+    ``ep_group``. Returns the ids of the expert parameters and the dense names of the
+    stacked tensors. No communication."""
+    names = [f"{n}.{w}" for n in stacked.containers(model, plan) for w in plan.stacked]
+    replaced = stacked.split(model, plan, group=ep_group, algorithm=algorithm)
+    return {id(p) for p in replaced.values()}, names
+
+
+@torch.no_grad()
+def gather_stacked(
+    local: dict[str, torch.Tensor], keys: Sequence[str], *, ep_group: Group, algorithm: str
+) -> None:
+    """Replace each stacked expert tensor of ``keys`` held in ``local`` by the whole
+    tensor (every ep rank's experts, concatenated along dimension 0 in ep-rank order).
+    Collective over ``ep_group``: one all-gather per tensor; every ep rank of a stage holds
+    the same keys."""
+    for key in keys:
+        if key in local:
+            local[key] = all_gather_dim(local[key].detach(), 0, ep_group, algorithm)
 
 
 def expert_owner(key: str, layers: dict[str, MoE], ep: int) -> int | None:

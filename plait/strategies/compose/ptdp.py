@@ -135,6 +135,7 @@ from plait.strategies.compose.experts import (
     average,
     expert_owner,
     shard_experts,
+    shard_stacked,
 )
 from plait.strategies.compose.reproducible import check_reproducible, tree_average
 from plait.strategies.compose.scaling import Unscaler, install
@@ -186,6 +187,7 @@ class PTDP:
             sequence_parallel=sequence_parallel,
             custom_plan=tp_plan is not None,
             tp_mode=tp_mode,
+            plans=plans,
             tp_plan=tplan,
             pipeline_plan=dense_pipeline,
         )
@@ -255,6 +257,15 @@ class PTDP:
         self.optimizer_class = type(optimizer)
         layers_moe = moe_layers(model)
         experts = shard_experts(model, ep_group=self.ep_group)
+        # the model's own sparse blocks (an MoE plan: stacked experts) split over ep
+        self.stacked: list[str] = []
+        if self.ep_group is not None and not layers_moe:
+            own_moe = plan_source(model, plans)("moe")
+            assert own_moe is not None  # check_layout refused ep > 1 without one
+            ids, self.stacked = shard_stacked(
+                model, own_moe, ep_group=self.ep_group, algorithm=algorithm
+            )
+            experts |= ids
         if self.sizes.tp > 1:
             parallelize(model, self.tp_group, tplan, algorithm=algorithm)
         # parameters whose shards are no contiguous slice of the dense tensor (state.py)
@@ -582,6 +593,7 @@ class PTDP:
             algorithm=self.algorithm,
             ep_group=self.ep_group,
             expert_owner=self.expert_owner,
+            stacked=self.stacked,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ model and ``type(opt)(groups)`` trained in one process would hold (the optimizer
 ``compose``: its parameter groups, each group's parameters in its order, indices counted
 across the groups one after the other). :func:`load_state_dict` takes such a pair (from
 any layout, or from one process) and keeps this rank's part: its stages, its tp slice
-(rows or columns, the vocabulary padding zero), its experts, and under ZeRO its dp range
+(rows or columns, the vocabulary padding zero), its experts (expert modules, or its ep
+rank's slice of stacked expert tensors), and under ZeRO its dp range
 of the optimizer state. Values are copied, never recomputed: a state saved from one layout
 and loaded into another is bitwise equal.
 
@@ -25,7 +26,8 @@ split part by part: Hugging Face GPT-2's ``Conv1D`` and ``c_attn``); their
 
 Communication (:func:`state_dict`): the model as :meth:`PTDP.full_state_dict`; for the
 optimizer, under ZeRO its consolidated ``state_dict`` (all-gathers over dp), then per
-tensor-parallel parameter one all-gather over tp of each per-element statistic, one
+tensor-parallel parameter one all-gather over tp of each per-element statistic (over ep
+along dimension 0 for stacked expert tensors), one
 broadcast per (ep rank, dtype) of the experts' statistics over ep, one per (pp rank,
 dtype) over pp. :func:`load_state_dict` sends nothing.
 """
@@ -145,10 +147,13 @@ def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
             )
         dense_shape = ptdp.index.shapes[n][0]
         d = _split_dim(c.param.shape, dense_shape)
+        # split over tp, or (stacked experts) over ep along dimension 0
+        over = ptdp.ep_group if n in ptdp.stacked else ptdp.tp_group
         for stat, (per_element, _, _) in kinds[n].items():
             value = entry[stat]
             if per_element and d is not None:
-                value = all_gather_dim(value, d, ptdp.tp_group, ptdp.algorithm)
+                assert over is not None
+                value = all_gather_dim(value, d, over, ptdp.algorithm)
                 value = value.narrow(d, 0, dense_shape[d])
             mine[f"{n}/{stat}"] = value.detach().clone()
     if ptdp.ep_group is not None:
@@ -189,9 +194,14 @@ def load_state_dict(
             f"{f' (and {len(wrong) - 5} more)' if len(wrong) > 5 else ''}; load a state of "
             f"the same configuration (vocabulary, width, layers)"
         )
+    ep_rank = ptdp.ep_group.rank if ptdp.ep_group is not None else 0
+
+    def rank_of(name: str) -> int:  # whose slice: the tp rank's, a stacked expert's ep rank
+        return ep_rank if name in ptdp.stacked else rank
+
     for c in ptdp.counted:
         dense = model[c.name]
-        c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank))
+        c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank_of(c.name)))
     for stage in ptdp.pipe.stages.values():
         persistent = set(stage.state_dict())  # not a rotary embedding's inv_freq
         for name, buf in stage.named_buffers():
@@ -214,7 +224,7 @@ def load_state_dict(
         if entry is None:
             continue
         local["state"][j] = {
-            stat: _local_slice(v, c.param.shape, rank)
+            stat: _local_slice(v, c.param.shape, rank_of(c.name))
             if isinstance(v, torch.Tensor)
             and v.shape == ptdp.index.shapes[c.name][0]
             and v.dim() > 0
