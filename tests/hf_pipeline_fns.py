@@ -166,7 +166,11 @@ def optimizer(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
 def oracle(family: str, tied: bool) -> dict[str, Any]:
     """One process on the global batch: the model's own labels= loss, ACCUMULATE backward
     passes per step, torch's clipping, AdamW with two groups."""
-    model = MODELS[family](tied)
+    return one_process(MODELS[family](tied))
+
+
+def one_process(model: nn.Module) -> dict[str, Any]:
+    """:func:`oracle` for a given model."""
     opt = optimizer(list(model.named_parameters()))
     losses, norms = [], []
     for step in range(STEPS):
@@ -183,7 +187,12 @@ def oracle(family: str, tied: bool) -> dict[str, Any]:
 
 def train(family: str, tied: bool, schedule: str, m: int) -> dict[str, Any]:
     """The same run through plait.prepare(strategy="pipeline") on Mesh(pp=world)."""
-    model = MODELS[family](tied)
+    return run(MODELS[family](tied), schedule, m)
+
+
+def run(model: nn.Module, schedule: str, m: int) -> dict[str, Any]:
+    """``model`` trained as :func:`oracle` trains it, through plait.prepare(strategy=
+    "pipeline") on Mesh(pp=world)."""
     opt = optimizer(list(model.named_parameters()))
     pipe, popt = plait.prepare(
         model, opt, strategy="pipeline", mesh=plait.Mesh(pp=plait.world().size),
