@@ -68,6 +68,11 @@ def prepare(family: str, strategy: str) -> Any:
         )  # fmt: skip
     elif strategy == "ep":
         out, opt = plait.prepare(model, opt, strategy="ep", mesh=plait.Mesh(ep=w))
+    elif strategy in ("ptdp", "ptdp-ep"):  # pp 2 x tp (or ep) w / 2
+        other = {"tp": w // 2} if strategy == "ptdp" else {"ep": w // 2, "tp": 1}
+        out, opt = plait.prepare(
+            model, opt, strategy="ptdp", mesh=plait.Mesh(pp=2, dp=1, **other), microbatches=2
+        )
     elif strategy == "fsdp":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -78,8 +83,8 @@ def prepare(family: str, strategy: str) -> Any:
 
 
 def forward(family: str, strategy: str, model: Any, x: torch.Tensor) -> torch.Tensor:
-    """The logits (the loss under a pipeline, whose step returns only that)."""
-    if strategy == "pipeline":
+    """The logits (the loss under a pipeline or PTD-P, whose step returns only that)."""
+    if strategy in ("pipeline", "ptdp", "ptdp-ep"):
         return model.step(x, x).detach()
     return logits(model, x)
 

@@ -33,6 +33,7 @@ FULL_CASES = [
     ("gpt2", "tp"),
     ("titan", "tp"),
     ("llama", "pipeline"),
+    ("gpt2", "pipeline"),  # the tied head on the last stage: read from the embedding's key
     ("mixtral", "ep"),
     ("llama", "fsdp"),
     ("llama", "zero1"),
@@ -114,12 +115,24 @@ def _files(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
-def test_load_pretrained_every_layout(ranks, tmp_path: Path):
+PTDP_LOAD_CASES = [("llama", "ptdp"), ("gpt2", "ptdp"), ("mixtral", "ptdp-ep")]
+
+
+@pytest.mark.parametrize(
+    ("world", "cases"), [(2, LOAD_CASES), (4, PTDP_LOAD_CASES)], ids=["2 ranks", "ptdp 4 ranks"]
+)
+def test_load_pretrained_every_layout(ranks, tmp_path: Path, world, cases):
+    """Each layout reads the files (PTD-P: Llama and GPT-2 on pp 2 x tp 2, Mixtral on
+    pp 2 x ep 2, each rank reading its stage's slices) and computes one process's output."""
+    _check_loads(ranks, tmp_path, world, cases)
+
+
+def _check_loads(ranks, tmp_path: Path, world: int, load_cases: list) -> None:
     files = _files(tmp_path)
-    cases = [(f, s, str(files[f])) for f, s in LOAD_CASES]
-    results = ranks(2, fns.loads, cases, timeout=300)
+    cases = [(f, s, str(files[f])) for f, s in load_cases]
+    results = ranks(world, fns.loads, cases, timeout=300)
     x = fns.ids()
-    for family, strategy in LOAD_CASES:
+    for family, strategy in load_cases:
         # the files as transformers reads them, into the model built as on the ranks
         # (from_pretrained computes the rotary table in float64, the ranks' in float32)
         want_state = (
@@ -129,7 +142,7 @@ def test_load_pretrained_every_layout(ranks, tmp_path: Path):
         )
         oracle = fns.build(family)
         oracle.load_state_dict(want_state)
-        if strategy == "pipeline":
+        if strategy in ("pipeline", "ptdp", "ptdp-ep"):
             # the model's own labels= loss, which transformers computes in float32 (the
             # pipeline's mean of two micro-batches' float32 losses); the state is bitwise
             want = oracle(input_ids=x, labels=x).loss.detach().double()
@@ -137,7 +150,7 @@ def test_load_pretrained_every_layout(ranks, tmp_path: Path):
             want = fns.logits(oracle, x)
         for rank, res in enumerate(results):
             got = res[f"{family}/{strategy}"]
-            tol = {"rtol": 1e-6, "atol": 0.0} if strategy == "pipeline" else TOL
+            tol = {"rtol": 1e-6, "atol": 0.0} if strategy.startswith("p") else TOL
             torch.testing.assert_close(
                 got["out"], want, **tol, msg=lambda m, c=(family, strategy): f"{c}: {m}"
             )

@@ -41,10 +41,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def pipeline_of(model: nn.Module) -> Any:
-    """``model`` if it is a :class:`~plait.strategies.pipeline.PipelineParallel`, else None."""
+def pipeline_of(model: Any) -> Any:
+    """``model`` if it is a :class:`~plait.strategies.pipeline.PipelineParallel`, a PTD-P
+    layout's pipeline (``compose``'s ``.pipe``), else None."""
 
-    return model if isinstance(model, PipelineParallel) else None
+    if isinstance(model, PipelineParallel):
+        return model
+    pipe = getattr(model, "pipe", None) if not isinstance(model, nn.Module) else None
+    return pipe if isinstance(pipe, PipelineParallel) else None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ pipeline                   the tensors of its stages, whole (under the dense nam
 expert parallel            its experts' rows ``first .. first + local`` of each stacked weight
                            (Hugging Face ``gate_up_proj``/``down_proj``); plait's own MoE
                            layers name their experts by global index: whole
+PTD-P (``compose``)        its pipeline's stages, each module as above (tensor-parallel
+                           layers, stacked experts split over ep)
 =========================  ==================================================================
 
 A fully sharded model (FSDP, ZeRO-3) keeps flat element ranges instead: see
@@ -69,6 +71,9 @@ def describe(model: nn.Module) -> str:
     parts = []
     if isinstance(model, DistributedDataParallel):
         parts.append("DDP")
+    mesh = getattr(inner, "mesh", None) if not isinstance(inner, nn.Module) else None
+    if mesh is not None:
+        parts.append(f"PTD-P on {dict(mesh.shape)}")
     pipe = pipeline_of(inner)
     if pipe is not None:
         g = pipe.group
@@ -96,7 +101,7 @@ def kept(model: nn.Module) -> list[Kept]:
     inner = unwrap(model)
     if isinstance(inner, FSDPModule):
         raise ValueError("kept: a fully sharded model keeps flat ranges (checkpoint.needs)")
-    pipe = pipeline_of(inner)
+    pipe = pipeline_of(inner)  # a pipeline, or a PTD-P layout's
     roots = list(pipe.stages.values()) if pipe is not None else [inner]
     out = []
     for root in roots:
@@ -174,7 +179,10 @@ def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
         return Kept(key, t, (n, module.embedding_dim), lambda read: _rows(read, lo, hi, n, 0))
     info = getattr(module, "plait_ep", None)
     where = placement(t) if isinstance(t, nn.Parameter) else None
-    if info is not None and where is not None and any(g is info.group for g in where.shard):
+    sharded = info is not None and where is not None and any(g is info.group for g in where.shard)
+    # under PTD-P the expert slices carry no placement: their first dimension says it
+    sliced = info is not None and t.dim() >= 1 and t.shape[0] == info.local < info.num_experts
+    if info is not None and (sharded or sliced):
         a, b = info.first, info.first + info.local
         full = (info.num_experts, *t.shape[1:])
         return Kept(key, t, full, lambda read: read((slice(a, b),)))

@@ -4,7 +4,8 @@
 ``model.safetensors.index.json`` and its shards (what ``save_pretrained(...,
 safe_serialization=True)`` writes), or one ``.safetensors`` file, into a model already
 prepared under any strategy (plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, tensor, pipeline or expert
-parallel). Each rank reads only the slices it keeps (``safe_open(...).get_slice(key)[...]``:
+parallel, PTD-P: the layout ``prepare(strategy="ptdp")`` returns, its ZeRO master copy
+refreshed). Each rank reads only the slices it keeps (``safe_open(...).get_slice(key)[...]``:
 ``kept.py`` says which; under FSDP the rows covering its flat ranges, ``needs.py``), so a
 rank of ``tp``, ``ep`` or FSDP over ``W`` reads about ``1/W`` of the split tensors.
 
@@ -40,7 +41,7 @@ from torch import nn
 
 from plait.checkpoint import agree
 from plait.checkpoint.files import write_bytes_atomic
-from plait.checkpoint.full import full_state_dict, unwrap
+from plait.checkpoint.full import full_state_dict, pipeline_of, unwrap
 from plait.checkpoint.kept import Kept, Read, describe, kept
 from plait.checkpoint.needs import _fully_sharded_ranges
 from plait.comm.group import Group
@@ -252,11 +253,11 @@ def load_pretrained(
     moves only from the files.
     """
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"load_pretrained: a {type(model).__name__} is not a module; for PTD-P (compose) "
-            f"load into the dense model before compose, or use its own save/load"
-        )
+    ptdp = not isinstance(model, nn.Module) and hasattr(model, "pipe")
+    if not isinstance(model, nn.Module) and not ptdp:
+        raise TypeError(f"load_pretrained: a {type(model).__name__} is not a module")
+    if ptdp and optimizer is None:  # PTD-P's own optimizer: a ZeRO master copy refreshed
+        optimizer = getattr(model, "optimizer", None)
     files = PretrainedFiles(path)
     layout = describe(model)
     sharded = isinstance(unwrap(model), FSDPModule)
@@ -264,6 +265,10 @@ def load_pretrained(
     by_tensor: dict[int, list[Kept]] = {}
     for k in entries:
         by_tensor.setdefault(id(k.tensor), []).append(k)
+    # a shared parameter's other key, when this rank holds it under one only (a tied head
+    # on the last pipeline stage, the embedding on the first)
+    pipe = pipeline_of(model if ptdp else unwrap(model))
+    aliases: dict[str, str] = dict(getattr(pipe, "aliases", {}))
     problems: list[str] = []
     consumed: set[str] = set()
     plan: list[tuple[Kept, Any]] = []
@@ -274,6 +279,8 @@ def load_pretrained(
                 (s for t in by_tensor[id(k.tensor)] if (s := source(files, t.key)) is not None),
                 None,
             )
+        if src is None and k.key in aliases:
+            src = source(files, aliases[k.key])
         if src is None:
             problems.append(f"{k.key!r}: model {k.full_shape}, not in the files")
             continue

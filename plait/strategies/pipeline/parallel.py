@@ -222,14 +222,19 @@ class PipelineParallel(nn.Module):
         # every parameter of the whole model in forward order, with its stage: names in
         # the non-finite message are the same on every rank
         self._names: list[tuple[str, int]] = []
-        seen: set[int] = set()
+        # the dense key of a shared parameter's later uses -> its first (a tied head ->
+        # the embedding), for readers of a checkpoint that stores it once
+        self.aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
         for s, (a, b) in enumerate(part.bounds):
             for layer in layers[a:b]:
                 for dotted, module in layer.modules:
                     for n, prm in module.named_parameters():
-                        if id(prm) not in seen:
-                            seen.add(id(prm))
+                        if id(prm) not in first:
+                            first[id(prm)] = f"{dotted}.{n}"
                             self._names.append((f"{dotted}.{n}", s))
+                        elif first[id(prm)] != f"{dotted}.{n}":
+                            self.aliases[f"{dotted}.{n}"] = first[id(prm)]
         index = {name: i for i, (name, _) in enumerate(self._names)}
         self._indexed = sorted(
             (index[n], prm)
