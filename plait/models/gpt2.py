@@ -38,11 +38,15 @@ def pipeline_plan(model: Any) -> Any:
     Layers: ``embed`` (``wte(ids) + wpe(0..s-1)``, then the embedding dropout),
     ``transformer.h.<i>`` (contextual), ``head`` (``ln_f`` then ``lm_head``; tied to
     ``wte`` by default: the pipeline sums the two stages' gradients). Context, recomputed on
-    each stage from the positions ``0..s-1``, never sent: the causal mask from the model's
-    own ``create_causal_mask``, as ``GPT2Model.forward`` builds it without padding.
-    ``step(input_ids, labels)``: unpadded ids, Hugging Face labels (unshifted, ``-100``
-    ignored); the loss is ``model.loss_function`` with ``num_items_in_batch`` counted over
-    the whole global batch. Refused: cross-attention (``add_cross_attention``).
+    each stage from the positions ``0..s-1`` and the micro-batch's rows of the
+    ``attention_mask`` (a per-micro-batch input, sliced on each rank), never sent: the
+    causal mask from the model's own ``create_causal_mask``, as ``GPT2Model.forward`` builds
+    it (the mask viewed as ``[rows, -1]``; the positions ``0..s-1`` on every row, padded or
+    not, as the model's forward without a cache). ``step(input_ids, labels)``: unpadded
+    ids, or ``step(input_ids, labels, attention_mask=mask)`` padded ones; Hugging Face
+    labels (unshifted, ``-100`` ignored; ``-100`` on the pads); the loss is
+    ``model.loss_function`` with ``num_items_in_batch`` counted over the whole global batch.
+    Refused: cross-attention (``add_cross_attention``).
     """
 
     base: Any = model.transformer
@@ -59,10 +63,12 @@ def pipeline_plan(model: Any) -> Any:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         return base.drop(base.wte(ids) + base.wpe(pos))  # type: ignore[no-any-return]
 
-    def context(h: torch.Tensor) -> _StageContext:
+    def context(h: torch.Tensor, attention_mask: torch.Tensor | None = None) -> _StageContext:
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(h.shape[0], -1)
         mask = make_mask(
-            config=cfg, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
+            config=cfg, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=pos
         )
         return _StageContext(pos, mask)
 
@@ -95,6 +101,7 @@ def pipeline_plan(model: Any) -> Any:
         reduction="items",
         items=causal_lm_items,
         context=context,
+        inputs=("attention_mask",),
         name=type(model).__name__,
     )
 

@@ -54,12 +54,16 @@ def pipeline_plan(model: Any) -> Any:
     (``model.norm`` then ``lm_head``; a tied ``lm_head`` is the embedding's weight, summed
     between the first and last stage by the pipeline). Context, **recomputed on each
     stage** from the micro-batch's positions ``0..s-1`` (the hidden state's shape, dtype and
-    device), never sent: the rotary ``(cos, sin)`` from ``model.rotary_emb`` and the causal
+    device) and its rows of the ``attention_mask`` (a per-micro-batch input, sliced on each
+    rank), never sent: the rotary ``(cos, sin)`` from ``model.rotary_emb`` and the causal
     mask(s) from the model's own ``create_causal_mask`` (and
     ``create_sliding_window_causal_mask`` for sliding-window layers: Mistral, Qwen2's
-    ``layer_types``), exactly as ``model.model.forward`` builds them without padding. So
-    ``step(input_ids, labels)`` takes unpadded ``input_ids`` (no ``attention_mask``) and
-    Hugging Face ``labels`` (unshifted; ``-100`` ignored). Loss: ``model.loss_function``
+    ``layer_types``), exactly as ``model.model.forward`` builds them: the padding mask
+    passed through, the positions ``0..s-1`` on every row, padded or not (the model's own
+    forward without a cache does the same). So ``step(input_ids, labels)`` takes unpadded
+    ``input_ids``, ``step(input_ids, labels, attention_mask=mask)`` a padded batch (its
+    ``labels`` ``-100`` on the pads), with Hugging Face ``labels`` (unshifted; ``-100``
+    ignored). Loss: ``model.loss_function``
     (Hugging Face's causal-LM loss, shift inside) with ``num_items_in_batch`` = the number
     of labels counted over the whole global batch, so the pipeline's loss is one process's
     mean even when ignored labels fall unevenly.
@@ -85,12 +89,12 @@ def pipeline_plan(model: Any) -> Any:
             f"plait.strategies.pipeline.plan)"
         )
 
-    def context(h: torch.Tensor) -> _StageContext:
+    def context(h: torch.Tensor, attention_mask: torch.Tensor | None = None) -> _StageContext:
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         kw = {
             "config": cfg,
             "inputs_embeds": h,
-            "attention_mask": None,
+            "attention_mask": attention_mask,
             "cache": None,
             "position_ids": pos,
         }
@@ -141,6 +145,7 @@ def pipeline_plan(model: Any) -> Any:
         items=causal_lm_items,
         context=context,
         context_modules=(("model.rotary_emb", base.rotary_emb),),
+        inputs=("attention_mask",),
         name=type(model).__name__,
     )
 

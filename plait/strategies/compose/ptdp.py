@@ -23,6 +23,11 @@ Any model with plans (DESIGN decision 7: PTD-P knows no model). A Hugging Face
     ptdp, opt = plait.prepare(model, torch.optim.AdamW(groups), strategy="ptdp",
                               mesh=plait.Mesh(pp=2, dp=1, tp=2), microbatches=4)
     loss = ptdp.step(input_ids, labels)                  # the model's own labels= loss
+    loss = ptdp.step(input_ids, labels, attention_mask=mask)   # a padded batch
+
+A padded batch's ``attention_mask`` (a per-micro-batch input of the pipeline plan,
+:mod:`plait.strategies.pipeline.plan`) is cut into each replica's rows as the ids are,
+then into micro-batches on every stage: no communication.
 
 ``plait.prepare`` passes ``plans=plait.models.plans.plan_for`` (the families plait knows);
 ``compose(model, opt, mesh=..., plans=plan_for)`` is the same. Without ``plans`` the model's
@@ -143,6 +148,7 @@ from plait.strategies.consistency import agree, describe_parameters, fingerprint
 from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline import PipelineParallel
+from plait.strategies.pipeline.plan import check_rows, given
 from plait.strategies.tensor import parallelize
 from plait.strategies.zero import ZeroOptimizer
 from plait.strategies.zero.groups import constructor_kwargs
@@ -444,13 +450,18 @@ class PTDP:
         return groups + ([self.ep_group] if self.ep_group else []) + [self.dp_group]
 
     # --- training ------------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **batch_inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """Forward and backward of this rank's dp rows of the global batch ``inputs`` /
         ``targets`` (the same on every rank) through the pipeline (the loss multiplied by
         the scaler's scale, if any); returns the mean loss over the global batch, unscaled,
-        on every rank. Gradients accumulate (zero them with the
-        optimizer). Collective over the whole mesh."""
+        on every rank. ``batch_inputs``: per-micro-batch inputs of the pipeline plan (a
+        padded batch's ``attention_mask=``), cut into the same rows (no communication).
+        Gradients accumulate (zero them with the optimizer). Collective over the whole mesh."""
         check_batch(inputs, targets, self.sizes)
+        extras = given(batch_inputs)
+        check_rows(extras, inputs.shape[0], where="ptdp.step")
         if self.reproducible and self._pending:
             raise ValueError(
                 "ptdp.step (reproducible=True): a second step before optimizer.step(); "
@@ -481,8 +492,9 @@ class PTDP:
         self.pipe.batch_loss_factor = self.sizes.replicas * self._loss_scale
         self.pipe.batch_loss_value_factor = self._loss_scale
         try:
+            mine = slice(d * rows, (d + 1) * rows)
             loss = self.pipe.step(
-                inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
+                inputs[mine], targets[mine], **{k: v[mine] for k, v in extras.items()}
             ).detach()
         finally:
             if self.moe is not None:
@@ -491,8 +503,10 @@ class PTDP:
         self._pending += 1
         return loss / (self.sizes.replicas * self._loss_scale)
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.step(inputs, targets)
+    def __call__(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **batch_inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.step(inputs, targets, **batch_inputs)
 
     @torch.no_grad()
     def sync_gradients(self) -> None:

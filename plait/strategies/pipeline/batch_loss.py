@@ -140,20 +140,32 @@ class BatchLossHooks:
         )
 
 
-def statistics_pass(runtime: Any, inputs: list[torch.Tensor], hooks: BatchLossHooks) -> None:
+def statistics_pass(
+    runtime: Any,
+    inputs: list[torch.Tensor],
+    hooks: BatchLossHooks,
+    extras: list[dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Every micro-batch forward through this rank's stages without autograd, stage by
     stage (each rank waits only for the activations of stages before its own, so the
-    order cannot deadlock); ``hooks`` add up the statistics (not those of the runtime's
-    shape probe, run first). Point to point over the pp group."""
-    _, in_shapes = runtime._agree_shapes(inputs[0])
+    order cannot deadlock), each with its per-micro-batch inputs ``extras`` (:mod:`.plan`);
+    ``hooks`` add up the statistics (not those of the runtime's shape probe, run first).
+    Point to point over the pp group."""
+    extras = extras or [{} for _ in inputs]
+    _, in_shapes = runtime._agree_shapes(inputs[0], extras[0])
     hooks.mode = "collect"
     try:
-        _forward_all(runtime, inputs, in_shapes)
+        _forward_all(runtime, inputs, in_shapes, extras)
     finally:
         hooks.mode = "off"
 
 
-def _forward_all(runtime: Any, inputs: list[torch.Tensor], in_shapes: Any) -> None:
+def _forward_all(
+    runtime: Any,
+    inputs: list[torch.Tensor],
+    in_shapes: Any,
+    extras: list[dict[str, torch.Tensor]],
+) -> None:
     device = inputs[0].device
     local: dict[tuple[int, int], torch.Tensor] = {}
     sends: list[Message] = []
@@ -181,7 +193,7 @@ def _forward_all(runtime: Any, inputs: list[torch.Tensor], in_shapes: Any) -> No
                             device=device,
                         )
                     )
-                y = runtime.stages[s](x)
+                y = runtime.stages[s](x, **extras[mb])
                 if s == last:
                     continue
                 if runtime._peer(s + 1) == runtime.rank:

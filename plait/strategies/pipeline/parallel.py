@@ -9,6 +9,7 @@
     for ids, labels in batches:
         opt.zero_grad()
         loss = pipe.step(ids, labels)   # every rank passes the same global batch
+                                        # (padded: pipe.step(ids, labels, attention_mask=mask))
         plait.clip_grad_norm_(pipe.parameters(), 1.0)   # the whole model's norm
         opt.step()
 
@@ -63,7 +64,12 @@ from plait.strategies.pipeline.agree import agree
 from plait.strategies.pipeline.batch_loss import BatchLossHooks, statistics_pass
 from plait.strategies.pipeline.batch_loss import totals as batch_totals
 from plait.strategies.pipeline.deferred import SplitReport
-from plait.strategies.pipeline.plan import PipelinePlan, fingerprint, stage_list_plan
+from plait.strategies.pipeline.plan import (
+    PipelinePlan,
+    fingerprint,
+    per_microbatch,
+    stage_list_plan,
+)
 from plait.strategies.pipeline.runtime import Runtime
 from plait.strategies.pipeline.schedules import build
 from plait.strategies.pipeline.split import Partition, Stage, layers_of, partition
@@ -167,6 +173,7 @@ class PipelineParallel(nn.Module):
         assert isinstance(model, nn.Module) or plan is not None
         layers = layers_of(cast(nn.Module, model), plan)
         self.plan = plan
+        self.plan_name = (plan.name if plan is not None else "") or type(model).__name__
         self._num_items: torch.Tensor | None = None
         self._mean_loss = True
         if loss_fn is None:
@@ -318,16 +325,15 @@ class PipelineParallel(nn.Module):
                 tied.append((param_of[key], ranks[0] if ranks[1] == rank else ranks[1]))
         return tied
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **batch_inputs: torch.Tensor | None
+    ) -> torch.Tensor:
         """One forward and backward of the global batch; returns the mean loss on every
         rank. Gradients accumulate into this rank's stages' ``.grad`` (zero them first).
+        ``batch_inputs``: the plan's per-micro-batch inputs (``attention_mask=``, :mod:`.plan`).
         Collective over the ``pp`` group: every rank passes the same batch."""
         m = self.schedule.m
-        if inputs.shape[0] % m:
-            raise ValueError(
-                f"pipeline: a batch of {inputs.shape[0]} does not split into microbatches={m} "
-                f"equal micro-batches; use a batch size that is a multiple of {m}"
-            )
+        extras = per_microbatch(self.plan, batch_inputs, rows=len(inputs), m=m, name=self.plan_name)
         if not self._mean_loss:
             assert self.plan is not None and self.plan.items is not None
             self._num_items = self.plan.items(targets)
@@ -341,12 +347,12 @@ class PipelineParallel(nn.Module):
         hooks = self.batch_loss
         if hooks is not None:
             hooks.reset(next(self.parameters()).device)
-            statistics_pass(self.runtime, xs, hooks)
+            statistics_pass(self.runtime, xs, hooks, extras)
             hooks.totals = batch_totals(hooks, self.batch_loss_groups)
             hooks.factor = self.batch_loss_factor
             hooks.mode = "attach"
         try:
-            loss = self.runtime.step(xs, ys)
+            loss = self.runtime.step(xs, ys, extras)
         finally:
             if hooks is not None:
                 hooks.mode = "off"
@@ -434,8 +440,10 @@ class PipelineParallel(nn.Module):
             prm.grad = None
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.step(inputs, targets)
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **batch_inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.step(inputs, targets, **batch_inputs)
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the dense model's names."""

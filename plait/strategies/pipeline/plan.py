@@ -27,6 +27,18 @@ micro-batch from its input activation ``x`` (its shape, dtype and device; for a 
 model the positions ``0..s-1``) before its first contextual layer. Only the activation
 crosses between stages, so the bytes per micro-batch stay ``b*s*h``.
 
+Per-micro-batch inputs (a padded batch's ``attention_mask``): a plan that names them in
+``inputs=("attention_mask",)`` lets ``step(ids, labels, attention_mask=mask)`` pass them
+through; its ``context`` then takes them as keywords, ``context(x, attention_mask=m_j)``,
+with ``m_j`` micro-batch ``j``'s rows, on every stage, in every forward of that micro-batch
+(the schedule's, a recomputation's before its backward, the shape probe's and a batch
+loss's statistics pass). Communication: **none**. Every rank holds the whole global batch
+(``step``'s contract), so each stage slices micro-batch ``j``'s rows locally, as the last
+stage slices the targets; nothing more crosses between stages. A plan without ``inputs``
+(plait's GPT, an ``nn.Sequential``, a list of stages) is called ``context(x)`` as before,
+and ``step`` refuses such keywords, naming the plan. A plan with a ``batch_loss`` refuses
+them too: the batch loss's statistics see every position of the batch, masked or not.
+
 Loss reductions:
 
 ``"mean"``   ``loss(output, target)`` is a mean over the micro-batch; the pipeline divides
@@ -43,7 +55,7 @@ Loss reductions:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +77,9 @@ class PipelinePlan:
     marked ``contextual`` read as their second argument, computed on each stage from its
     input activation (None: no layer needs one). ``context_modules``: modules the context
     uses (a rotary embedding: buffers only), registered under their dense names in every
-    stage that computes it, so ``.to(device)`` moves them. ``loss`` / ``reduction`` /
+    stage that computes it, so ``.to(device)`` moves them. ``inputs``: the names of the
+    per-micro-batch inputs ``context`` takes as keywords besides ``x`` (module docstring;
+    ``("attention_mask",)``). ``loss`` / ``reduction`` /
     ``items``: the model's own loss (module docstring). ``batch_loss``: a term added to it
     that reads the whole batch at once (an MoE load-balancing loss;
     :mod:`~plait.strategies.pipeline.batch_loss`). ``name``: the family, for messages.
@@ -75,8 +89,9 @@ class PipelinePlan:
     loss: Callable[..., torch.Tensor] | None = None
     reduction: str = "mean"
     items: Callable[[torch.Tensor], torch.Tensor] | None = None
-    context: Callable[[torch.Tensor], Any] | None = None
+    context: Callable[..., Any] | None = None
     context_modules: tuple[tuple[str, nn.Module], ...] = ()
+    inputs: tuple[str, ...] = ()
     batch_loss: BatchLoss | None = None
     name: str = ""
 
@@ -98,6 +113,13 @@ class PipelinePlan:
             raise ValueError(
                 f"pipeline plan {self.name!r}: layer {first!r} is contextual but the plan "
                 f"has no context= (input activation -> the state it reads)"
+            )
+
+        if self.inputs and self.context is None:
+            raise ValueError(
+                f"pipeline plan {self.name!r}: inputs={self.inputs} are read by the context, "
+                f"but the plan has no context= (input activation, **inputs -> the state the "
+                f"contextual layers read)"
             )
 
     def structure(self) -> str:
@@ -150,3 +172,63 @@ def refusal(model: nn.Module) -> str:
         f"**options) returning it for kind 'pipeline', or pass an nn.Sequential or a list "
         f"of stage modules"
     )
+
+
+# --- per-micro-batch inputs (module docstring): checked and cut by every rank, no message
+def given(batch_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The keywords that carry a value (``attention_mask=None`` is no input)."""
+    return {k: v for k, v in batch_inputs.items() if v is not None}
+
+
+def check_rows(batch_inputs: Mapping[str, Any], rows: int, *, where: str) -> None:
+    """Each input is a tensor of ``rows`` rows (the batch's), or ``where`` refuses it."""
+    for name, value in batch_inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"{where}: {name}= is {shape}; pass a tensor with the batch's {rows} rows "
+                f"first (the attention mask of input_ids: [batch, seq])"
+            )
+
+
+def per_microbatch(
+    plan: PipelinePlan | None,
+    batch_inputs: Mapping[str, torch.Tensor | None],
+    *,
+    rows: int,
+    m: int,
+    name: str,
+) -> list[dict[str, torch.Tensor]] | None:
+    """``batch_inputs`` (those not None) cut into ``m`` micro-batches (None without any),
+    after checking that the batch's ``rows`` split into ``m`` equal micro-batches, that
+    ``plan`` (None: an ``nn.Sequential``; ``name`` for messages) takes them and that each
+    has the batch's ``rows``."""
+    if rows % m:
+        raise ValueError(
+            f"pipeline: a batch of {rows} does not split into microbatches={m} equal "
+            f"micro-batches; use a batch size that is a multiple of {m}"
+        )
+    batch_inputs = given(batch_inputs)
+    if not batch_inputs:
+        return None
+    accepted: tuple[str, ...] = () if plan is None else plan.inputs
+    unknown = [k for k in batch_inputs if k not in accepted]
+    if unknown:
+        takes = f"it takes {list(accepted)}" if accepted else "it takes none"
+        raise ValueError(
+            f"pipeline: {unknown[0]}= given, but the pipeline plan of {name} has no such "
+            f"per-micro-batch input ({takes}); pass the batch without it (unpadded token ids), "
+            f"or give the plan inputs=({unknown[0]!r},) and a context(x, {unknown[0]}=...) "
+            f"that reads it (see plait.strategies.pipeline.plan)"
+        )
+    spec = None if plan is None else plan.batch_loss
+    if spec is not None:
+        raise ValueError(
+            f"pipeline: {next(iter(batch_inputs))}= with {spec.name}: the pipeline computes "
+            f"that batch loss from statistics of every position of the batch, masked or not; "
+            f"pass unpadded batches without it, or turn the batch loss off (a Hugging Face "
+            f"MoE model: config.output_router_logits=False)"
+        )
+    check_rows(batch_inputs, rows, where="pipeline")
+    pieces = {k: v.chunk(m) for k, v in batch_inputs.items()}
+    return [{k: p[j] for k, p in pieces.items()} for j in range(m)]

@@ -18,7 +18,9 @@ end of step                 broadcast of the mean loss           one scalar
 =========================  ==================================  ===========================
 
 Per-stage context (a plan's rotary embeddings and causal mask) is recomputed by each stage
-from its input activation's shape (:mod:`.plan`), never sent.
+from its input activation's shape (:mod:`.plan`), never sent; so are a micro-batch's
+per-micro-batch inputs (a padded batch's attention mask): every rank holds the whole batch
+and hands micro-batch ``j``'s rows to each forward of ``j`` (no message).
 
 Sends are started when the schedule says and never waited on until the end of the step
 (so they overlap the following compute); receives are posted where the schedule says (one
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,12 +76,15 @@ class _Ctx:
 
     x: torch.Tensor | None
     target: torch.Tensor | None = None
+    # the micro-batch's per-micro-batch inputs (plan.py), for a recomputation's forward
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
     y: torch.Tensor | None = None
     # the weight-gradient inputs I keeps for W, when this micro-batch's backward is split
     deferred: Deferred | None = None
 
 
 _Shapes = dict[int, tuple[torch.Size, torch.dtype]]
+Extras = list[dict[str, torch.Tensor]]  # per micro-batch: its per-micro-batch inputs
 
 
 class Runtime:
@@ -134,10 +139,13 @@ class Runtime:
         return self.schedule.placement[stage]
 
     # --- shapes, agreed once per input shape -------------------------------------------------
-    def _agree_shapes(self, first: torch.Tensor) -> tuple[_Shapes, _Shapes]:
-        """Output shape and dtype of every stage, for one micro-batch. Stage by stage:
-        a rank runs its stage on zeros of the incoming shape (no autograd) and sends the
-        output's shape to the next stage's rank."""
+    def _agree_shapes(
+        self, first: torch.Tensor, extras: dict[str, torch.Tensor] | None = None
+    ) -> tuple[_Shapes, _Shapes]:
+        """Output shape and dtype of every stage, for one micro-batch (``first``, with its
+        per-micro-batch inputs ``extras``). Stage by stage: a rank runs its stage on zeros
+        of the incoming shape (no autograd) and sends the output's shape to the next stage's
+        rank."""
         key = (tuple(first.shape), first.dtype)
         if key in self.shapes:
             return self.shapes[key]
@@ -167,7 +175,7 @@ class Runtime:
                     incoming = inp[s] = decode_meta(meta)
                 x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
-                y = self.stages[s](x)
+                y = self.stages[s](x, **(extras or {}))
             out[s] = (y.shape, y.dtype)
             incoming = out[s]
             if s < self.last and self._peer(s + 1) != self.rank:
@@ -184,13 +192,21 @@ class Runtime:
         return out, inp
 
     # --- one step -------------------------------------------------------------------------
-    def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor | None]) -> torch.Tensor:
-        """Run this rank's actions for the micro-batches ``inputs`` / ``targets``; returns
-        the sum of the micro-batch losses, each divided by ``m`` when ``mean_loss`` (on the
-        last stage's rank; zero elsewhere). Blocks on the neighbouring ranks (each wait bounded)."""
+    def step(
+        self,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor | None],
+        extras: Extras | None = None,
+    ) -> torch.Tensor:
+        """Run this rank's actions for the micro-batches ``inputs`` / ``targets`` (and
+        ``extras``: each micro-batch's per-micro-batch inputs, handed to every forward of it,
+        see :mod:`.plan`); returns the sum of the micro-batch losses, each divided by ``m``
+        when ``mean_loss`` (on the last stage's rank; zero elsewhere). Blocks on the
+        neighbouring ranks (each wait bounded)."""
         sched = self.schedule
         m = sched.m
-        out_shapes, in_shapes = self._agree_shapes(inputs[0])
+        extras = extras or [{} for _ in inputs]
+        out_shapes, in_shapes = self._agree_shapes(inputs[0], extras[0])
         ctx: dict[tuple[int, int], _Ctx] = {}
         local_act: dict[tuple[int, int], torch.Tensor] = {}
         local_grad: dict[tuple[int, int], torch.Tensor] = {}
@@ -266,7 +282,8 @@ class Runtime:
                     else:
                         x = self.link.wait(recv_act.pop((s, mb)))
                     with self._span(a):
-                        c = self._forward(s, mb, x, targets[mb] if s == self.last else None, m)
+                        target = targets[mb] if s == self.last else None
+                        c = self._forward(s, mb, x, target, m, extras[mb])
                     ctx[(s, mb)] = c
                     if self.watch_forward and self.nonfinite_forward is None:
                         self._watch(s, mb, x, c.y)
@@ -329,16 +346,22 @@ class Runtime:
 
     # --- compute --------------------------------------------------------------------------
     def _forward(
-        self, s: int, mb: int, x: torch.Tensor, target: torch.Tensor | None, m: int
+        self,
+        s: int,
+        mb: int,
+        x: torch.Tensor,
+        target: torch.Tensor | None,
+        m: int,
+        extras: dict[str, torch.Tensor],
     ) -> _Ctx:
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        c = _Ctx(x, target)
+        c = _Ctx(x, target, extras=extras)
         if (s, mb) in self.split:
             c.deferred = Deferred()
         if self.recompute:
             with torch.no_grad():
-                y = self.stages[s](x)
+                y = self.stages[s](x, **extras)
             c.y = self._loss(y, target, m) if s == self.last else y
             return c
         self._run(s, c, target, m)
@@ -353,7 +376,7 @@ class Runtime:
         """Forward with autograd; split layers keep W's inputs when the backward is split."""
         assert c.x is not None
         with self._deferring(s, c):
-            y = self.stages[s](c.x)
+            y = self.stages[s](c.x, **c.extras)
         c.y = self._loss(y, target, m) if s == self.last else y
 
     def _loss(self, y: torch.Tensor, target: torch.Tensor | None, m: int) -> torch.Tensor:

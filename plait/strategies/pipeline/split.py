@@ -279,7 +279,7 @@ class Stage(nn.Module):
         layers: Sequence[Layer],
         index: int,
         *,
-        context: Callable[[torch.Tensor], Any] | None = None,
+        context: Callable[..., Any] | None = None,
         context_modules: Sequence[tuple[str, nn.Module]] = (),
     ) -> None:
         super().__init__()
@@ -298,15 +298,17 @@ class Stage(nn.Module):
                 parent = getattr(parent, part)
             parent.add_module(parts[-1], module)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         """The layers in order; the context (rotary embeddings, mask) is computed once,
-        from the input of the first contextual layer, and passed to every contextual one."""
+        from the input of the first contextual layer and the micro-batch's per-micro-batch
+        ``inputs`` (a padded batch's ``attention_mask``, see :mod:`.plan`), and passed to
+        every contextual one. A stage without contextual layers ignores ``inputs``."""
         ctx: Any = None
         for run, contextual in zip(self._runs, self._contextual, strict=True):
             if contextual:
                 if ctx is None:
                     assert self._context is not None
-                    ctx = self._context(x)
+                    ctx = self._context(x, **inputs) if inputs else self._context(x)
                 x = run(x, ctx)
             else:
                 x = run(x)
