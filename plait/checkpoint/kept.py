@@ -120,7 +120,7 @@ def kept(model: nn.Module) -> list[Kept]:
             for name, t in named:
                 if t is not None:
                     key = f"{prefix}.{name}" if prefix else name
-                    out.append(_kept_one(module, name, key, t))
+                    out.append(kept_one(module, name, key, t))
     return out
 
 
@@ -141,7 +141,9 @@ def _rows(read: Read, lo: int, hi: int, n: int, dim: int) -> torch.Tensor:
     return got
 
 
-def _kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
+def kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
+    """The :class:`Kept` entry of tensor ``name`` of ``module`` (key ``key``): which part of
+    the full tensor this rank holds, by the module's kind (module docstring)."""
 
     if isinstance(module, ColumnParallelLinear):
         k, r = module.blocks, module.group.rank

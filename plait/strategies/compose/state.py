@@ -19,10 +19,13 @@ a PTD-P checkpoint is an ordinary plait checkpoint: it loads into one process, D
 or FSDP, and theirs load here (the dense model is held once per rank while saving or
 loading).
 
-Refused by name (:func:`refuse_unsliced`): layouts where tensor parallelism stores a
-shard that is not one slice of the dense tensor (a transposed linear or a fused projection
-split part by part: Hugging Face GPT-2's ``Conv1D`` and ``c_attn``); their
-:meth:`PTDP.full_state_dict` is right, their optimizer state would not be.
+Shards that are not one slice of the dense tensor (a transposed linear or a fused
+projection split part by part: Hugging Face GPT-2's ``Conv1D`` and ``c_attn``) are cut and
+assembled through an index map: the dense flat index of every element a rank holds,
+computed with the rule that slices the module's weight
+(:func:`plait.checkpoint.kept.kept_one`), so their optimizer statistics are gathered
+(one all-gather over tp of the values and one of the indices) and cut exactly as the
+weights are.
 
 Communication (:func:`state_dict`): the model as :meth:`PTDP.full_state_dict`; for the
 optimizer, under ZeRO its consolidated ``state_dict`` (all-gathers over dp), then per
@@ -35,12 +38,14 @@ dtype) over pp. :func:`load_state_dict` sends nothing.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait import checkpoint
+from plait.checkpoint.kept import kept_one
 from plait.strategies.compose.dense import broadcast_stages
 from plait.strategies.compose.experts import gather_experts
 from plait.strategies.tensor.mappings import all_gather_dim
@@ -89,20 +94,33 @@ def _canonical(ptdp: PTDP, name: str) -> str:
     return ptdp.aliases.get(name, name)
 
 
-def refuse_unsliced(ptdp: PTDP, what: str) -> None:
-    """Refuse, on every rank alike, the state of a layout whose shards are not contiguous
-    slices of the dense tensors (:func:`.dense.unsliced_parameters`): they would be cut or
-    assembled wrongly without a word."""
-    if ptdp.unsliced:
-        names = ptdp.unsliced
-        raise NotImplementedError(
-            f"ptdp.{what}: {names[:2]}{f' (and {len(names) - 2} more)' if len(names) > 2 else ''}"
-            f" are split by tensor parallelism as a transposed linear or a fused projection "
-            f"part by part (Hugging Face GPT-2's Conv1D, c_attn), so a rank's shard is not one "
-            f"slice of the dense tensor, and PTD-P's state is cut and assembled as such "
-            f"slices; saving or loading this layout's state is not supported yet. "
-            f"full_state_dict() gives the dense weights; or train with tp=1"
-        )
+def _held(ptdp: PTDP, name: str, param: torch.Tensor) -> torch.Tensor:
+    """For a parameter in :attr:`PTDP.unsliced`: the dense flat index + 1 of every element
+    this rank holds, in its shard's layout (0 where the shard holds padding). No
+    communication."""
+    shape = ptdp.index.shapes[name][0]
+    owner, _, attr = name.rpartition(".")
+    stage = next(st for st in ptdp.pipe.stages.values() if name in dict(st.named_parameters()))
+    rule = kept_one(stage.get_submodule(owner), attr, name, param)
+    numbers = torch.arange(1, math.prod(shape) + 1, device=param.device).view(shape)
+    return rule.build(lambda index: numbers[index]).to(torch.int64).contiguous()
+
+
+def _to_dense(ptdp: PTDP, name: str, value: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The dense tensor of an unsliced parameter's per-element statistic ``value``: every tp
+    rank's values put at their dense places (collective over tp: two all-gathers)."""
+    shape = ptdp.index.shapes[name][0]
+    values = all_gather_dim(value.reshape(-1), 0, ptdp.tp_group, ptdp.algorithm)
+    places = all_gather_dim(held.reshape(-1), 0, ptdp.tp_group, ptdp.algorithm)
+    flat = value.new_zeros(math.prod(shape) + 1)
+    flat[places] = values
+    return flat[1:].view(shape)
+
+
+def _from_dense(dense: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``dense`` by its index map (zeros on padding)."""
+    flat = torch.cat([dense.new_zeros(1), dense.reshape(-1)])
+    return flat[held]
 
 
 @torch.no_grad()
@@ -110,7 +128,6 @@ def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
     """The plain optimizer state dict over the dense model's parameters, its parameter
     groups as the optimizer given to ``compose`` had them (module docstring). Collective
     over the whole mesh."""
-    refuse_unsliced(ptdp, "state_dict")
     local = ptdp.optimizer.state_dict()
     names = ptdp.param_names
     index = {n: i for i, n in enumerate(names)}
@@ -149,9 +166,12 @@ def optimizer_state_dict(ptdp: PTDP) -> dict[str, Any]:
         d = _split_dim(c.param.shape, dense_shape)
         # split over tp, or (stacked experts) over ep along dimension 0
         over = ptdp.ep_group if n in ptdp.stacked else ptdp.tp_group
+        held = _held(ptdp, c.name, c.param) if c.name in ptdp.unsliced else None
         for stat, (per_element, _, _) in kinds[n].items():
             value = entry[stat]
-            if per_element and d is not None:
+            if per_element and held is not None:
+                value = _to_dense(ptdp, c.name, value, held)
+            elif per_element and d is not None:
                 assert over is not None
                 value = all_gather_dim(value, d, over, ptdp.algorithm)
                 value = value.narrow(d, 0, dense_shape[d])
@@ -178,7 +198,6 @@ def load_state_dict(
 ) -> None:
     """Keep this rank's part of a dense ``model`` state dict and (optionally) a dense
     ``optimizer`` state dict (module docstring). No communication (ZeRO keeps its range)."""
-    refuse_unsliced(ptdp, "load_state_dict")
     missing = [k for k in ptdp.index.shapes if k not in model]
     if missing:
         raise ValueError(f"ptdp.load_state_dict: the model state lacks {missing[:5]}")
@@ -199,9 +218,14 @@ def load_state_dict(
     def rank_of(name: str) -> int:  # whose slice: the tp rank's, a stacked expert's ep rank
         return ep_rank if name in ptdp.stacked else rank
 
+    def cut(name: str, dense: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if name in held:
+            return _from_dense(dense, held[name])
+        return _local_slice(dense, shape, rank_of(name))
+
+    held = {c.name: _held(ptdp, c.name, c.param) for c in ptdp.counted if c.name in ptdp.unsliced}
     for c in ptdp.counted:
-        dense = model[c.name]
-        c.param.copy_(_local_slice(dense.to(c.param.dtype), c.param.shape, rank_of(c.name)))
+        c.param.copy_(cut(c.name, model[c.name].to(c.param.dtype), c.param.shape))
     for stage in ptdp.pipe.stages.values():
         persistent = set(stage.state_dict())  # not a rotary embedding's inv_freq
         for name, buf in stage.named_buffers():
@@ -224,7 +248,7 @@ def load_state_dict(
         if entry is None:
             continue
         local["state"][j] = {
-            stat: _local_slice(v, c.param.shape, rank_of(c.name))
+            stat: cut(c.name, v, c.param.shape)
             if isinstance(v, torch.Tensor)
             and v.shape == ptdp.index.shapes[c.name][0]
             and v.dim() > 0
@@ -272,7 +296,6 @@ def save(ptdp: PTDP, root: str | Path, *, step: int, **options: Any) -> Path:
     arguments, e.g. ``scaler=``, ``keep_last=``); the committed directory. Collective
     over the mesh and the checkpoint's group."""
 
-    refuse_unsliced(ptdp, "save")
     state = state_dict(ptdp)
     model, opt = _dense_pair(ptdp)
     model.load_state_dict(state["model"])
@@ -286,7 +309,6 @@ def load(ptdp: PTDP, root: str | Path, **options: Any) -> Any:
     :func:`load_state_dict` into this layout; what ``load`` returned. Collective over the
     checkpoint's group (the load itself sends nothing for a plain model)."""
 
-    refuse_unsliced(ptdp, "load")
     model, opt = _dense_pair(ptdp)
     restored = checkpoint.load(root, model=model, optimizer=opt, **options)
     load_state_dict(ptdp, model.state_dict(), opt.state_dict() if opt.state else None)
