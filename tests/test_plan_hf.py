@@ -37,6 +37,15 @@ CASES = {
         shared_expert_intermediate_size=80,
         tie_word_embeddings=False,
     ),
+    # a dense MLP of intermediate_size in block 1, experts in blocks 0 and 2
+    "qwen2_moe-mlp-only-layers": TINY
+    | dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        mlp_only_layers=[1],
+    ),
     "qwen3_moe": TINY
     | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16),
     "gpt2": dict(n_embd=64, n_layer=3, n_head=8, n_positions=32, vocab_size=101),

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from plait.plan import hf
-from plait.plan.activations import model_layer_bytes, per_layer_bytes
+from plait.plan.activations import activation_memory, model_layer_bytes, per_layer_bytes
 from plait.plan.buffers import BUCKET_BYTES, buffer_bytes
 from plait.plan.cli import default_subcommand
 from plait.plan.hardware import a100
@@ -45,6 +45,56 @@ def test_gqa_swiglu_fused_attention_by_hand() -> None:
     unfused = replace(job, flash_attention=False)
     eager_split = 2 * 4 * q + 4 * 2 * f
     assert model_layer_bytes(m, unfused, Layout()) == s * (whole + eager_split) + 6 * 32 * s * s
+
+
+def test_mixture_of_experts_block_by_hand() -> None:
+    # Mixtral 8x7B: h 4096, 32 heads of 128, 8 kv heads, 8 experts of x 14336, top 2; bf16,
+    # fused attention, no dropout (module doc of plait.plan.activations, "mixture-of-experts")
+    m = hf.load("mixtral-8x7b")
+    job = Job(global_batch=1, seq=4096, dropout=False, flash_attention=True)
+    s, h, q, kv, x, e, E, k = 4096, 4096, 4096, 1024, 14336, 2, 8, 2
+    whole = 2 * (4 + 2 * e) * h  # the two RMSNorms (the MLP's input among them)
+    split = e * (2 * q + 2 * kv) + 4 * 32  # fused attention and its log-sum-exp
+    router = 4 * E + 8 * k + 4 * k + 4  # fp32 softmax, int64 top-k, renormalised weights
+    copy = 4 * e * x + 2 * e * h + 4 + 24  # SwiGLU, gathered input, down output, weight, ids
+    moe = router + k * copy
+    assert model_layer_bytes(m, job, Layout(), moe=True) == s * (whole + moe + split)
+    # the dense count of the same block (what the planner had): 4 e x in place of moe
+    assert model_layer_bytes(m, job, Layout()) == s * (whole + 4 * e * x + split)
+    # tp 2 without SP: the sparse block is whole on every rank, so are its tensors
+    assert model_layer_bytes(m, job, Layout(tp=2), moe=True) == s * (whole + moe) + s * split / 2
+    # with SP each rank routes its s / t tokens
+    sp = Layout(tp=2, sp=True)
+    assert model_layer_bytes(m, job, sp, moe=True) == s * (whole + moe + split) / 2
+    # expert parallelism: k s rows per rank on average, as without it (imbalance not modelled)
+    ep = Layout(ep=2)
+    assert model_layer_bytes(m, job, ep, moe=True) == model_layer_bytes(m, job, Layout(), moe=True)
+
+
+def test_dense_and_moe_blocks_per_pipeline_rank() -> None:
+    # Qwen2-MoE-like: 4 layers, block 0 dense (mlp_only_layers), a shared expert; pp 2 1F1B
+    # with 4 micro-batches: rank 0 holds blocks 0 (dense) and 1 (MoE) for 2 micro-batches,
+    # rank 1 blocks 2 and 3 (MoE) for 1, and the head
+    cfg = dict(
+        model_type="qwen2_moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=176, vocab_size=128, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=176,
+        mlp_only_layers=[0],
+    )  # fmt: skip
+    m = hf.from_hf_config(cfg)
+    assert [m.is_moe(i) for i in range(4)] == [False, True, True, True]
+    job = Job(global_batch=4, seq=32, dropout=False, flash_attention=True)
+    lay = Layout(pp=2, schedule="1f1b")
+    dense, moe = model_layer_bytes(m, job, lay), model_layer_bytes(m, job, lay, moe=True)
+    # the shared expert (SwiGLU 4 e g, its output and gate e h + e) and no renormalisation
+    e, h, x, g, E, k = 2, 64, 48, 176, 4, 2
+    per_token = 4 * E + 8 * k + k * (4 * e * x + 2 * e * h + 28) + 4 * e * g + e * h + e
+    assert moe - dense == 32 * (per_token - 4 * e * 176)
+    act = activation_memory(m, job, lay)
+    head = (4 + 2 * e) * 32 * h + (e + 4) * 32 * 128
+    first, last = 2 * (dense + moe), 2 * moe + head
+    assert act.total == max(first, last)
+    assert act.per_layer == dense and act.per_moe_layer == moe
 
 
 def test_buffers_by_hand() -> None:

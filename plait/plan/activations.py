@@ -70,10 +70,58 @@ tests/test_plan_activations.py, to within the norms' statistics)::
 
 For GPT (LayerNorm, fused GeLU, ``q = kv = h``, ``f = 4h``) the split part is
 ``e (4h + 8h) = 24 h`` with ``e = 2``: the paper's formula. Not counted: a norm's statistics
-(``4 b s`` bytes each), RoPE's cos and sin (``s d``, shared by every block). A mixture-of-
-experts block is counted as a dense block of ``ffn`` (its ``top_k`` experts' activations and
-the gathered token copies are not: tests/test_plan_activations.py measures how far below
-a Mixtral block this is).
+(``4 b s`` bytes each), RoPE's cos and sin (``s d``, shared by every block).
+
+A mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE, plait's GPT with ``experts``)
+keeps a dense block's attention and norms (the MLP's input among them); its MLP is replaced
+by a router over ``E`` experts, ``k = top_k`` routed copies of each token through experts of
+inner width ``x`` (``expert_ffn``: ``moe_intermediate_size``, Mixtral's
+``intermediate_size``) and, in Qwen2-MoE, a shared expert of width ``g``
+(``shared_expert_intermediate_size``) scaled by a sigmoid gate. Per token, as autograd keeps
+them for the Hugging Face blocks (their default grouped experts: the copies sorted by
+expert, gathered into one matrix, the expert MLPs as grouped products; measured in
+tests/test_plan_activations.py)::
+
+    router      4 E             the softmax in fp32, which its backward needs (the logits
+                                are not kept: neither the cast nor the router's projection,
+                                whose input is the MLP's, needs them)
+                8 k             the top-k choice's int64 indices
+                4 k + 4         renormalised weights (Mixtral; ``norm_topk_prob``): the fp32
+                                top-k values and their sum, kept by the division
+    per copy    (n + 1) e x     the expert's MLP, counted as the dense MLP above with width
+    (k copies)  + 2 e x gated   ``x`` (SwiGLU: 4 e x, the gate and up outputs, SiLU's
+                                output, the down projection's input)
+                2 e h           the gathered input (the up projection's weight gradient)
+                                and the down projection's output (kept by its product with
+                                the routing weight; the weighted copies are only summed
+                                back to their token, which keeps nothing)
+                4               the routing weight (fp32 in Mixtral; Qwen's router casts it
+                                to ``e``: counted as 4, 2 bytes a copy over in bf16)
+                24              three int64 indices: the sort by expert, its inverse, each
+                                copy's token
+    shared      (n + 1 + 2) e g the shared expert, a dense gated MLP of width ``g``
+                e h + e         its output and the sigmoid gate, kept by their product
+
+so a Mixtral block's MLP keeps, per token, ``4E + 12k + 4 + k (4 e x + 2 e h + 28)`` where
+the dense count has ``4 e x`` (the measured Mixtral block is 1.68 times its dense count).
+The dense blocks of an MoE model (``moe_every``, Qwen's ``mlp_only_layers``:
+``ModelSpec.dense_at``) keep the dense count of ``ffn``.
+
+Routing is dropless in the Hugging Face models: ``k b s`` copies per micro-batch, however
+they fall on the experts. plait's own MoE layer (GShard gating, ``plait.strategies.moe``)
+computes only the choices that fit each expert's capacity: ``k`` copies per token is its
+upper bound (nothing dropped); capacity is not modelled, and neither are its gating tensors,
+which the measurement does not cover. Tensor parallelism: plait's plans keep an MoE block's
+MLP whole on every tensor-parallel rank (plait's GPT leaves the MoE MLPs out of its tp plan;
+the Hugging Face MoE families' plan keeps each sparse block whole, shared expert included),
+which runs it on the replicated input: the MoE terms above are in the "kept whole by 1D TP"
+part, not divided by ``t``; under sequence parallelism each rank routes its own ``s / t``
+tokens (divided by ``t``, like the grid modes' approximation). Expert parallelism over
+``ep`` ranks: a rank routes its own tokens (the router's terms) and runs the copies the
+all-to-all brings it for its ``E / ep`` experts, ``k b s`` rows per micro-batch on average
+over the ranks, the same count as without ``ep``; the planner counts that mean (load
+imbalance, which makes the busiest expert rank hold more, is not modelled). The all-to-alls'
+dispatch and combine buffers are :mod:`plait.plan.buffers`'.
 
 Context parallelism over ``c`` ranks (:mod:`plait.strategies.context`): each rank holds
 ``s / c`` tokens of every tensor above, so every per-token term is divided by ``c``. The
@@ -89,7 +137,9 @@ The ring's keys and values of the block in flight are communication buffers
 (:mod:`plait.plan.buffers`), held for one layer at a time, not per layer.
 
 A pipeline rank keeps the blocks of its chunks for every micro-batch in flight (forward
-done, backward not), at most (in chunk-micro-batches, the first rank being the worst)::
+done, backward not), at most (in chunk-micro-batches, the first rank being the worst; a
+chunk counted as the mean of the rank's chunks when its dense and MoE blocks differ between
+them)::
 
     gpipe        m v               1f1b, zb-h1   min(p, m)
     interleaved  min(v p + p - 1, m v)   (Korthikanti: L (1 + (p-1)/(p v)) layers' worth)
@@ -112,20 +162,22 @@ from typing import Any
 
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec
+from plait.plan.states import rank_contents
 
 
 @dataclass(frozen=True)
 class ActivationMemory:
     """Bytes of saved activations on the worst pipeline rank (module doc)."""
 
-    per_layer: float  # one block, one micro-batch
+    per_layer: float  # one (dense) block, one micro-batch
     layers_per_chunk: int
     in_flight: int  # chunk-micro-batches held at the peak
-    blocks: float  # per_layer * layers_per_chunk * in_flight
+    blocks: float  # the rank's blocks per chunk (per_layer, per_moe_layer) * in_flight
     embedding: float
     head: float
     total: float
     formula: str
+    per_moe_layer: float = 0.0  # one mixture-of-experts block (0: the model has none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,13 +206,21 @@ def per_layer_bytes(
     qk_norm: bool = False,
     activation: str = "gelu",
     softmax_fp32: bool = False,
+    experts: int = 0,
+    top_k: int = 2,
+    expert_ffn: int = 0,
+    shared_ffn: int = 0,
+    norm_topk: bool = True,
 ) -> float:
     """Bytes one block keeps for one micro-batch (module doc). ``q`` and ``kv``: the query
     and key/value widths (``a d`` and ``k d``; default ``h``, no grouped-query attention),
     ``ffn`` the MLP's inner width (default ``4 h``), ``gated`` a SwiGLU MLP, ``flash`` a
     fused attention that keeps no ``s x s`` tensor (module doc, "Other shapes"); ``cp``
     context-parallel ranks over the sequence, ``context`` their attention (module doc);
-    ``norm``, ``qk_norm``, ``activation`` and ``softmax_fp32`` as :class:`ModelSpec`'s."""
+    ``norm``, ``qk_norm``, ``activation`` and ``softmax_fp32`` as :class:`ModelSpec`'s.
+    ``experts`` > 0: an MoE block, its MLP ``top_k`` routed copies through experts of
+    ``expert_ffn`` (default ``ffn``) and a shared expert of ``shared_ffn`` (module doc,
+    "A mixture-of-experts block")."""
     e, k = element_bytes, mask_bytes
     tokens = s * b / cp  # this rank's
     if recompute == "full":
@@ -170,13 +230,27 @@ def per_layer_bytes(
     # two norms (their inputs, RMSNorm's fp32 copy and normalised input) and the inputs of
     # the q/k/v projection and of the MLP; two dropout masks: 10 h for GPT (e 2, k 1)
     norms = 2 * (4 + 2 * e) if norm == "rmsnorm" else 4 * e
-    replicated = norms * h + 2 * k * h
+    replicated: float = norms * h + 2 * k * h
     # Q, K, V, the output projection's input: eager attention repeats K and V to q's width
     attention = e * (2 * q + 2 * kv) if fused else 4 * e * q
     if qk_norm:
         attention += (4 + e) * (q + kv)
-    kept_by_activation = 4 if activation == "gelu_new" else 1
-    mlp = (kept_by_activation + 1 + (2 if gated else 0)) * e * f  # 8 e h for GPT
+    per_width = (4 if activation == "gelu_new" else 1) + 1 + (2 if gated else 0)
+    if experts:
+        # kept whole on every tensor-parallel rank (module doc): replicated unless SP
+        replicated += moe_mlp_bytes(
+            h=h,
+            element_bytes=e,
+            experts=experts,
+            top_k=top_k,
+            expert_ffn=expert_ffn or f,
+            shared_ffn=shared_ffn,
+            per_width=per_width,
+            norm_topk=norm_topk,
+        )
+        mlp = 0
+    else:
+        mlp = per_width * e * f  # 8 e h for GPT
     split = attention + mlp  # 24 h for GPT
     if fused:
         # the log-sum-exp, fp32, per head and token of this rank; the scores are recomputed
@@ -194,11 +268,38 @@ def per_layer_bytes(
     return replicated * tokens + (split * tokens + quadratic) / t
 
 
+def moe_mlp_bytes(
+    *,
+    h: int,
+    element_bytes: int,
+    experts: int,
+    top_k: int,
+    expert_ffn: int,
+    shared_ffn: int = 0,
+    per_width: int = 4,
+    norm_topk: bool = True,
+) -> float:
+    """Bytes per token an MoE block's MLP keeps (module doc, "A mixture-of-experts block"):
+    the router, ``top_k`` routed copies, the shared expert. ``per_width``: what the dense
+    MLP keeps per element of its inner width (4 for SwiGLU with a fused SiLU)."""
+    e, k = element_bytes, top_k
+    router = 4 * experts + 8 * k + (4 * k + 4 if norm_topk else 0)
+    copy = per_width * e * expert_ffn + 2 * e * h + 4 + 3 * 8
+    shared = per_width * e * shared_ffn + e * h + e if shared_ffn else 0
+    return float(router + k * copy + shared)
+
+
 def model_layer_bytes(
-    model: ModelSpec, job: Job, layout: Layout, *, recompute: str | None = None
+    model: ModelSpec,
+    job: Job,
+    layout: Layout,
+    *,
+    recompute: str | None = None,
+    moe: bool = False,
 ) -> float:
     """:func:`per_layer_bytes` of one of ``model``'s blocks under ``layout`` (its query,
-    key/value and MLP widths, gated or not; ``job.flash_attention``)."""
+    key/value and MLP widths, gated or not; ``job.flash_attention``); ``moe``: one of its
+    mixture-of-experts blocks."""
     return per_layer_bytes(
         s=job.seq,
         b=layout.microbatch,
@@ -221,6 +322,11 @@ def model_layer_bytes(
         qk_norm=model.qk_norm,
         activation=model.activation,
         softmax_fp32=model.softmax_fp32,
+        experts=model.experts if moe else 0,
+        top_k=model.top_k,
+        expert_ffn=model.expert_ffn,
+        shared_ffn=model.shared_ffn,
+        norm_topk=model.norm_topk,
     )
 
 
@@ -253,26 +359,49 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     e = job.element_bytes
     k = 1 if job.dropout else 0
     per = model_layer_bytes(model, job, lay)
+    per_moe = model_layer_bytes(model, job, lay, moe=True) if model.moe_layers else 0.0
     m = lay.microbatches(job)
     chunk_layers = model.layers // (lay.pp * lay.v)
     shard = lay.tp if (lay.sp or lay.tp_mode != "1d") else 1
     final_norm = (4 + 2 * e) if model.norm == "rmsnorm" else 2 * e  # with the head's input
     head = final_norm * s * b * h / shard + (e + 4) * s * b * model.vocab / lay.tp
+    # per pipeline rank: its dense and MoE blocks over its v chunks (plait.plan.states)
+    if model.moe_layers:
+        contents = rank_contents(model, lay)
+        first_dense, first_moe = next((d, x) for d, x, first, _ in contents if first)
+        last_dense, last_moe = next((d, x) for d, x, _, last in contents if last)
+    else:  # every rank the same (and the search's hot path: no walk over the layers)
+        first_dense, first_moe = last_dense, last_moe = chunk_layers * lay.v, 0
+
+    def chunk(dense: int, moe: int) -> float:  # one chunk: the mean of the rank's
+        if not moe:
+            return per * (dense // lay.v)
+        return (per * dense + per_moe * moe) / lay.v
+
     first_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v)
     embedding = k * s * b * h / shard * min(first_flying, m)
     head_on_first = lay.pp == 1 or lay.schedule in ("zbv", "dualpipev")
-    first = (per * chunk_layers * first_flying, embedding, head if head_on_first else 0.0)
+    first_blocks = chunk(first_dense, first_moe) * first_flying
+    first = (first_blocks, embedding, head if head_on_first else 0.0)
     last_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v, last=True)
-    last = (per * chunk_layers * last_flying, 0.0, head)
-    flying, (blocks, emb, hd) = max(
-        ((first_flying, first), (last_flying, last)), key=lambda x: sum(x[1])
-    )
+    last = (chunk(last_dense, last_moe) * last_flying, 0.0, head)
+    (flying, (dense, moe)), (blocks, emb, hd) = max(
+        (((first_flying, (first_dense, first_moe)), first),
+         ((last_flying, (last_dense, last_moe)), last)),
+        key=lambda x: sum(x[1]),
+    )  # fmt: skip
     total = blocks + emb + hd
-    formula = (
-        f"{per:,.0f} B/layer x {chunk_layers} layers x {flying} in flight"
-        f" + embedding {emb:,.0f} + head {hd:,.0f}"
+    if not model.moe_layers:
+        layers = f"{per:,.0f} B/layer x {chunk_layers} layers"
+    else:  # the rank's blocks of each kind over its v chunks
+        kinds = [(per, "dense", dense), (per_moe, "MoE", moe)]
+        layers = " + ".join(f"{x:,.0f} B/{kind} layer x {n}" for x, kind, n in kinds if n)
+        if lay.v > 1:
+            layers = f"({layers}) / {lay.v} chunks"
+    formula = f"{layers} x {flying} in flight + embedding {emb:,.0f} + head {hd:,.0f}"
+    return ActivationMemory(
+        per, chunk_layers, flying, blocks, emb, hd, total, formula, per_moe_layer=per_moe
     )
-    return ActivationMemory(per, chunk_layers, flying, blocks, emb, hd, total, formula)
 
 
 __all__ = [
@@ -280,5 +409,6 @@ __all__ = [
     "activation_memory",
     "in_flight",
     "model_layer_bytes",
+    "moe_mlp_bytes",
     "per_layer_bytes",
 ]

@@ -13,17 +13,20 @@ llama, mistral, qwen2, qwen3    RoPE, RMSNorm, SwiGLU MLP of ``intermediate_size
 mixtral                         every layer a mixture of ``num_local_experts`` SwiGLU experts,
                                 top ``num_experts_per_tok``
 qwen2_moe, qwen3_moe            ``num_experts`` experts of ``moe_intermediate_size`` every
-                                ``decoder_sparse_step`` layers; qwen2_moe's shared expert
-                                (``shared_expert_intermediate_size``) and its gate
+                                ``decoder_sparse_step`` layers, but the ``mlp_only_layers``
+                                (a dense MLP of ``intermediate_size``); qwen2_moe's shared
+                                expert (``shared_expert_intermediate_size``) and its gate;
+                                ``norm_topk_prob`` (what the router keeps)
 gpt2                            learned positions, LayerNorm, GELU MLP of ``n_inner`` (4 h),
                                 biases everywhere, tied head
 ==============================  ==============================================================
 
 The parameter count equals ``sum(p.numel() for p in model.parameters())`` of the
 ``transformers`` model built from the same config (tests/test_plan_hf.py checks every family
-and every preset). What is not modelled is refused by name: per-layer sliding windows and
-``mlp_only_layers`` change no parameter count but are not timed differently; DeepSeek-style
-MLA attention is refused.
+and every preset). What is not modelled is refused by name, or said: per-layer sliding
+windows change no parameter count but are not timed differently; DeepSeek-style MLA
+attention is refused (``deepseek_v2``/``v3`` are not read, so neither are their
+``first_k_dense_replace`` and ``moe_layer_freq``).
 """
 
 from __future__ import annotations
@@ -224,12 +227,6 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
             moe_every=1,
         )
     if kind in ("qwen2_moe", "qwen3_moe"):
-        if cfg.get("mlp_only_layers"):
-            raise ValueError(
-                f"plan: {kind} with mlp_only_layers={cfg['mlp_only_layers']} (dense layers at "
-                f"chosen places) is not modelled; plait's spec puts an MoE every "
-                f"decoder_sparse_step layers"
-            )
         return ModelSpec(
             **common,
             experts=int(_get(cfg, "num_experts", "num_local_experts")),
@@ -237,6 +234,8 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
             moe_every=int(_get(cfg, "decoder_sparse_step", default=1)),
             expert_ffn=int(cfg["moe_intermediate_size"]),
             shared_ffn=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
+            dense_at=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            norm_topk=bool(cfg.get("norm_topk_prob", False)),
         )
     return ModelSpec(**common)
 

@@ -70,6 +70,10 @@ class ModelSpec:
     positions: str = "learned"  # "learned" (a table of seq_len rows) or "rope" (none)
     expert_ffn: int = 0  # an expert's inner width (0: ffn_hidden)
     shared_ffn: int = 0  # a shared expert's inner width beside the routed ones (Qwen-MoE)
+    dense_at: tuple[int, ...] = ()  # blocks kept dense off the moe_every rule (mlp_only_layers)
+    # the router renormalises its top-k weights (Mixtral; Qwen-MoE's norm_topk_prob), which
+    # keeps their fp32 values and sum for the backward (plait.plan.activations)
+    norm_topk: bool = True
     # What the implementation keeps for backward (plait.plan.activations), not the shape:
     # "gelu_new" is Hugging Face's tanh GeLU written in Python ops (GPT-2's default), which
     # keeps four tensors where a fused kernel ("gelu", "silu", ...) keeps its input only
@@ -77,6 +81,9 @@ class ModelSpec:
     softmax_fp32: bool = False  # unfused attention's softmax computed in fp32 (HF's Llama)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_at", tuple(sorted(set(self.dense_at))))
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.dense_at):
+            raise ValueError(f"ModelSpec: dense_at={self.dense_at} must list block indices >= 0")
         for field in ("layers", "hidden", "heads", "vocab", "seq_len", "ffn_mult"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -110,10 +117,15 @@ class ModelSpec:
             raise ValueError(f"ModelSpec: positions={self.positions!r}; use 'learned' or 'rope'")
 
     # --- structure ------------------------------------------------------------------------
+    def is_moe(self, index: int) -> bool:
+        """Whether block ``index`` (from 0) has a mixture of experts: blocks moe_every-1,
+        2 moe_every-1, ... unless listed in ``dense_at``."""
+        return self.experts > 0 and (index + 1) % self.moe_every == 0 and index not in self.dense_at
+
     @property
     def moe_layers(self) -> int:
-        """How many blocks have a mixture of experts (blocks moe_every-1, 2 moe_every-1, ...)."""
-        return self.layers // self.moe_every if self.experts else 0
+        """How many blocks have a mixture of experts (:meth:`is_moe`)."""
+        return sum(self.is_moe(i) for i in range(self.layers)) if self.experts else 0
 
     @property
     def dense_layers(self) -> int:

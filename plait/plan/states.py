@@ -98,7 +98,7 @@ def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool
     for s in range(stages):
         r = placement[s]
         for i in range(s * per_stage, (s + 1) * per_stage):
-            if model.experts and (i + 1) % model.moe_every == 0:
+            if model.experts and model.is_moe(i):  # experts first: a hot loop
                 moe[r] += 1
             else:
                 dense[r] += 1

@@ -13,8 +13,9 @@ taken on the slowest pipeline rank (the one with the most blocks, or the head).
 FLOPs for one micro-batch (:mod:`plait.plan.model`, recomputation included) shared by the
 ``t`` tensor-parallel ranks, and its memory-bound work (norms, activation functions,
 softmax, dropout, residual adds): ``Cluster.elementwise_passes`` times ``A``, the bytes
-a block saves without recomputation (:func:`plait.plan.activations.model_layer_bytes`),
-at the HBM's bandwidth, 4/3 of that with full recomputation (the forward runs twice).
+a block saves without recomputation (:func:`plait.plan.activations.model_layer_bytes`, an
+MoE block's own figure for the MoE blocks), at the HBM's bandwidth, 4/3 of that with full
+recomputation (the forward runs twice).
 The memory-bound share is what makes small GEMMs slow per FLOP: ``A / FLOPs`` per layer
 goes as ``1/h`` (and as ``a s / h^2`` for the unfused softmax), so one efficiency
 constant cannot serve both a 22B and a 1T model; two can (benchmarks/plan_validate.py).
@@ -321,10 +322,16 @@ def step_time(
     ep_one_bytes = ep_n * (lay.ep - 1) / lay.ep * ep_size if lay.ep > 1 else 0.0
 
     # memory-bound work per block and micro-batch (Cluster.elementwise_passes)
-    elementwise = 0.0
+    elementwise = elementwise_moe = 0.0
     if cluster.elementwise_passes:
-        moved = cluster.elementwise_passes * model_layer_bytes(model, job, lay, recompute="none")
-        elementwise = moved * (4 / 3 if lay.recompute == "full" else 1) / cluster.hbm_bandwidth
+        scale = cluster.elementwise_passes * (4 / 3 if lay.recompute == "full" else 1)
+
+        def passes(sparse: bool) -> float:
+            saved = model_layer_bytes(model, job, lay, recompute="none", moe=sparse)
+            return scale * saved / cluster.hbm_bandwidth
+
+        elementwise = passes(False)
+        elementwise_moe = passes(True) if model.moe_layers else 0.0
     # context parallelism per block: the ring's step hides behind 1/c of the rank's
     # attention core (forward, 4 s q_width FLOPs per token, over tp)
     q_w, kv_w = model.heads * model.hd / lay.tp, model.kv * model.hd / lay.tp
@@ -376,7 +383,7 @@ def step_time(
                 )
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
         compute = flops * tokens * per_flop * slow
-        compute += (dense + moe) * elementwise
+        compute += dense * elementwise + moe * elementwise_moe
         if cluster.calibration is not None:  # dispatch per block, the embedding and head one
             blocks = dense + moe + (1 if (first or last) else 0)
             compute += blocks * cluster.calibration.block_overhead
