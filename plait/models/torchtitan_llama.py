@@ -15,13 +15,24 @@ than split by a wrong plan. torchtitan is never imported here. The layout read::
 
 The attention infers its local head count from the widths (``view(bs, seqlen, -1,
 head_dim)``) and repeats key/value heads ``n_rep`` times.
+
+``pipeline_plan(model)``: ``tok_embeddings``, each ``layers.<i>(h, freqs_cis)``, then
+``norm`` and ``output``; every stage reads the model's rotary table (``freqs_cis``, rows
+``0..s-1``, never sent). The model returns logits and has no loss of its own: the plan's is
+torchtitan's, cross-entropy of the logits (16-bit ones upcast to float32) against labels already
+shifted by the data loader, ``-100`` ignored, its sum divided by the number of labels in the
+whole global batch (equal to the mean when none is ignored).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.nn import functional as F
+
+from plait.strategies.pipeline import Layer, PipelinePlan
 
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
@@ -29,18 +40,62 @@ from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 LAYOUT = ("tok_embeddings", "layers", "norm", "output")
 
 
+def _check_layout(model: nn.Module) -> None:
+    missing = [n for n in LAYOUT if not isinstance(getattr(model, n, None), nn.Module)]
+    if missing or not isinstance(getattr(model, "freqs_cis", None), torch.Tensor):
+        raise ValueError(
+            f"{type(model).__name__} is taken for torchtitan's Llama 3 by its class name, but "
+            f"it has no {missing or ['freqs_cis']}; pass plan= to plait.prepare (a "
+            f"TensorPlan or a PipelinePlan written for it)"
+        )
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any) -> torch.Tensor:
+    """torchtitan's cross-entropy on pre-shifted labels, summed, over the batch's items."""
+    wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    total = F.cross_entropy(wide, labels.flatten(0, 1), ignore_index=-100, reduction="sum")
+    return total / num_items
+
+
+def pipeline_plan(model: nn.Module) -> PipelinePlan:
+    """The pipeline plan of torchtitan's Llama 3 (module docstring)."""
+    _check_layout(model)
+    blocks: Any = getattr(model, "layers")  # noqa: B009
+    embed: Any = getattr(model, "tok_embeddings")  # noqa: B009
+    layers = [Layer("embed", (("tok_embeddings", embed),), embed)]
+    for name, block in blocks.items():
+        layers.append(
+            Layer(
+                f"layers.{name}",
+                ((f"layers.{name}", block),),
+                lambda x, table, b=block: b(x, table),
+                contextual=True,
+            )
+        )
+    norm: Any = getattr(model, "norm")  # noqa: B009
+    output: Any = getattr(model, "output")  # noqa: B009
+    layers.append(Layer("head", (("norm", norm), ("output", output)), lambda x: output(norm(x))))
+
+    def table(x: torch.Tensor) -> torch.Tensor:  # the rotary rows the blocks slice
+        freqs: torch.Tensor = getattr(model, "freqs_cis")  # noqa: B009
+        return freqs.to(x.device)
+
+    return PipelinePlan(
+        layers=tuple(layers),
+        loss=_loss,
+        reduction="items",
+        items=lambda labels: (labels != -100).sum(),
+        context=table,
+        name=type(model).__name__,
+    )
+
+
 def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:
     """The 1D tensor-parallel plan of torchtitan's Llama 3 (the one its ``apply_tp`` uses,
     with the output's logits gathered so the forward returns the full logits): ``wq/wk/wv``
     and ``w1/w3`` column-wise, ``wo`` and ``w2`` row-wise, the token embedding and the
     output by vocabulary; per-head ``q_norm``/``k_norm`` with their gradients summed."""
-    missing = [n for n in LAYOUT if not isinstance(getattr(model, n, None), nn.Module)]
-    if missing:
-        raise ValueError(
-            f"{type(model).__name__} is taken for torchtitan's Llama 3 by its class name, but "
-            f"it has no {missing}; pass plan= to plait.prepare (module paths -> 'colwise' / "
-            f"'rowwise' / 'vocab')"
-        )
+    _check_layout(model)
     if sequence_parallel:
         raise ValueError(
             "torchtitan Llama 3: sequence parallelism is not available yet; use "
