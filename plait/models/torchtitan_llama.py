@@ -33,7 +33,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from plait.strategies.pipeline import Layer, PipelinePlan
-
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
