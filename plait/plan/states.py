@@ -7,7 +7,15 @@ Which parameters (elements) a rank holds, 1D tensor parallelism over ``t`` ranks
                   whole    6 h                        proj and fc2 biases, two LayerNorms
     MoE block     sharded  4 h^2 + 3 h                the attention's, as above
                   whole    5 h + h E                  proj bias, LayerNorms, the gate
+                           (+ the shared expert       Qwen2-MoE's, and its gate)
                   experts  (E / ep) (2 f h^2 + (f + 1) h)   each expert whole on one ep rank
+
+An MoE block's sparse MLP is not split by tensor parallelism: plait's plans keep it whole
+on every tp rank (:func:`plait.models.gpt.tp_plan` leaves plait's MoE MLPs out,
+:func:`plait.models.mixtral.moe_tp_plan` keeps each Hugging Face sparse block whole, router,
+experts, shared expert and its gate; PTD-P's stacked experts are split over ep and
+replicated over tp), so its router and shared expert count whole on every tp rank and the
+routed experts are divided by ``ep`` only.
     embedding     ceil(V / t) h sharded (vocabulary-parallel), s h whole (positions)
     head          ceil(V / t) h sharded (unless tied), 2 h whole (final LayerNorm); a tied
                   head on another pipeline rank than the embedding keeps its own copy of
