@@ -11,12 +11,20 @@ from dataclasses import replace
 import pytest
 
 from plait.plan import hf
-from plait.plan.activations import activation_memory, model_layer_bytes, per_layer_bytes
+from plait.plan.activations import (
+    activation_memory,
+    model_layer_bytes,
+    per_layer_bytes,
+    rank_activations,
+)
 from plait.plan.buffers import BUCKET_BYTES, buffer_bytes
 from plait.plan.cli import default_subcommand
+from plait.plan.fit import breakdown
 from plait.plan.hardware import a100
 from plait.plan.layout import Job, Layout
 from plait.plan.model import ModelSpec, published
+from plait.plan.report import explain
+from plait.plan.search import evaluate
 from plait.plan.states import rank_params, rank_states
 from plait.plan.time import step_time
 
@@ -202,6 +210,48 @@ def test_memory_bound_term_adds_passes_over_activations() -> None:
     moved = 2.0 * model_layer_bytes(m, job, lay, recompute="none") * 4 / 3 / on.hbm_bandwidth
     extra = step_time(m, job, lay, on).compute_per_mb - step_time(m, job, lay, off).compute_per_mb
     assert math.isclose(extra, m.layers * moved, rel_tol=1e-9)
+
+
+def test_memory_per_rank_is_that_ranks_own_sum() -> None:
+    # plait's GPT (LayerNorm, GeLU, f 4h, learned positions, untied), h 64, 4 heads, V 4096,
+    # s 64; pp 4 1F1B, 4 micro-batches of 1, bf16 without dropout, mixed Adam, no dp.
+    m = ModelSpec(layers=4, hidden=64, heads=4, vocab=4096, seq_len=64)
+    job = Job(global_batch=4, seq=64, dropout=False)
+    lay = Layout(pp=4, schedule="1f1b")
+    h, s, V, e = 64, 64, 4096, 2
+    # one block's activations per micro-batch: two LayerNorm inputs 4e h, Q K V and the
+    # projection's input 4e h, GeLU's input and fc2's 2e 4h per token; softmax e a s^2
+    block = s * (4 * e * h + 4 * e * h + 2 * e * 4 * h) + e * 4 * s * s  # 163,840
+    head = 2 * e * s * h + (e + 4) * s * V  # final LayerNorm input, fp32 log-softmax, logits
+    acts = [4 * block, 3 * block, 2 * block, 1 * block + head]  # 1F1B: p - r in flight
+    # states: 16 bytes per parameter + 4 per Adam step counter (12 tensors a block)
+    params = 12 * h * h + 13 * h
+    states = [
+        16 * (params + V * h + s * h) + 4 * (12 + 2),  # the embedding (tokens, positions)
+        16 * params + 4 * 12,
+        16 * params + 4 * 12,
+        16 * (params + 2 * h + V * h) + 4 * (12 + 3),  # final LayerNorm, head
+    ]
+    buffers = 2 * s * h * e  # the pipeline's send and receive buffers
+    totals = [st + ac + buffers for st, ac in zip(states, acts, strict=True)]
+    # the largest states are rank 0's, the largest activations rank 3's: their sum
+    # (6,829,112 B) is no rank's; rank 3's own parts are the peak, 6,765,628 B
+    assert max(states) == states[0] and max(acts) == acts[3]
+    assert max(totals) == totals[3] == 6_765_628
+    plan = evaluate(m, job, lay, flat(4))
+    assert plan.memory_bytes == totals[3] and plan.rank == 3
+    assert plan.states.total_bytes == states[3] and plan.activations.total == acts[3]
+    assert plan.memory_bytes < max(states) + max(acts) + buffers
+    assert [a.total for a in rank_activations(m, job, lay)] == acts
+    assert [x.total_bytes for x in rank_states(m, job, lay)] == states
+    text = explain(plan, m, job, flat(4))
+    assert "pipeline rank 3 of 4" in text and "6.77 MB" in text
+    row = breakdown(plan, flat(4))
+    assert row.rank == 3 and row.needed == totals[3]
+
+
+def flat(n: int):  # type: ignore[no-untyped-def]
+    return replace(a100(1), devices_per_node=n, nodes=1)
 
 
 def test_default_subcommand() -> None:

@@ -101,12 +101,15 @@ def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool
         placement = [s if s < p else 2 * p - 1 - s for s in range(stages)]
     else:
         placement = [s % p for s in range(stages)]
+    if not model.experts:  # every rank v stages of dense blocks (the search's hot path)
+        first, last = placement[0], placement[-1]
+        return [(per_stage * v, 0, first == r, last == r) for r in range(p)]
     dense = [0] * p
     moe = [0] * p
     for s in range(stages):
         r = placement[s]
         for i in range(s * per_stage, (s + 1) * per_stage):
-            if model.experts and model.is_moe(i):  # experts first: a hot loop
+            if model.is_moe(i):
                 moe[r] += 1
             else:
                 dense[r] += 1
