@@ -116,12 +116,16 @@ def test_korthikanti_table_2() -> None:
         ("dualpipev", 2),
     ],
 )
-@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12)])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (4, 12)])
 def test_in_flight_matches_the_simulator(schedule: str, v: int, p: int, m: int) -> None:
     if schedule == "interleaved" and m % p:
         pytest.skip("interleaved needs m % p == 0")
+    if schedule == "dualpipev" and m < 2 * p:
+        pytest.skip("dualpipev needs m >= 2p")
     peaks = peak_per_rank(build(schedule, p=p, m=m, v=v))
     assert in_flight(schedule, p=p, m=m, v=v) == peaks[0]
+    # every rank (interleaved at m = p runs every forward first: m v on each rank)
+    assert [in_flight(schedule, p=p, m=m, v=v, rank=r) for r in range(p)] == list(peaks)
     if schedule not in ("zbv", "dualpipev"):  # the V puts the last stage on rank 0
         assert in_flight(schedule, p=p, m=m, v=v, last=True) == peaks[-1]
 

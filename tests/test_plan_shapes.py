@@ -11,12 +11,21 @@ from dataclasses import replace
 import pytest
 
 from plait.plan import hf
-from plait.plan.activations import activation_memory, model_layer_bytes, per_layer_bytes
+from plait.plan.activations import (
+    activation_memory,
+    model_layer_bytes,
+    per_layer_bytes,
+    rank_activations,
+)
 from plait.plan.buffers import BUCKET_BYTES, buffer_bytes
 from plait.plan.cli import default_subcommand
+from plait.plan.fit import breakdown
 from plait.plan.hardware import a100
 from plait.plan.layout import Job, Layout
-from plait.plan.model import published
+from plait.plan.model import ModelSpec, published
+from plait.plan.report import explain
+from plait.plan.search import evaluate
+from plait.plan.states import rank_params, rank_states
 from plait.plan.time import step_time
 
 
@@ -97,6 +106,91 @@ def test_dense_and_moe_blocks_per_pipeline_rank() -> None:
     assert act.per_layer == dense and act.per_moe_layer == moe
 
 
+QWEN2_MOE_TINY = dict(
+    model_type="qwen2_moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=176, vocab_size=128, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=176,
+    mlp_only_layers=[0],
+)  # fmt: skip
+
+
+def test_moe_block_states_are_whole_on_every_tp_rank() -> None:
+    # plait's tp plan of Qwen2-MoE (plait.models.qwen_moe.tp_plan = mixtral.moe_tp_plan)
+    # splits attention and the dense MLP of block 0 and keeps each sparse block whole:
+    # router, routed experts, shared expert and its gate. By hand, h 64, q 4 x 16 = 64,
+    # kv 2 x 16 = 32, SwiGLU without biases, q/k/v biases, two RMSNorms, untied head:
+    m = hf.from_hf_config(QWEN2_MOE_TINY)
+    h = 64
+    attention = h * (64 + 2 * 32) + 64 * h + (64 + 2 * 32)  # q/k/v/o weights, q/k/v bias
+    norms = 2 * h
+    dense_mlp = 3 * 176 * h
+    router, shared, shared_gate = h * 4, 3 * 176 * h, h
+    experts = 4 * 3 * 48 * h  # per MoE block
+    embedding = head = 128 * h
+    final_norm = h
+    # one rank of tp 2: attention, the dense MLP, embedding and head halve; the rest whole
+    dense_block = (attention + dense_mlp) // 2 + norms  # 23,232
+    moe_block = attention // 2 + norms + router + shared + shared_gate  # 40,448
+    want = dense_block + 3 * moe_block + (embedding + head) // 2 + final_norm
+    assert rank_params(m, Layout(tp=2)) == [(want, 3 * experts)]
+    assert want == 152_832  # (the old rule, the shared expert split: 102,144)
+    # expert parallelism divides the routed experts only; tp 1 holds the whole model
+    assert rank_params(m, Layout(tp=2, ep=2)) == [(want, 3 * experts // 2)]
+    ((d1, x1),) = rank_params(m, Layout())
+    assert d1 + x1 == m.num_params
+    # so the states of one tp 2 rank: 16 bytes per parameter (mixed, Adam), no ZeRO, and
+    # Adam's step counters (a tensor each: 1 per RMSNorm; 4 q/k/v/o + 3 biases; 3 per MLP;
+    # the router; the shared gate; 3 per expert; embedding, final norm, head)
+    job = Job(global_batch=2, seq=32)
+    tensors = (2 + 7 + 3) + 3 * (2 + 7 + 1 + 3 + 1 + 4 * 3) + 3
+    states = rank_states(m, job, Layout(tp=2))[0]
+    assert states.total_bytes == 16 * (want + 3 * experts) + 4 * tensors
+
+
+def test_plaits_gpt_moe_block_is_whole_on_every_tp_rank() -> None:
+    # plait.models.gpt.tp_plan splits attention and the dense MLPs only; an MoE block's
+    # gate and experts stay whole (PTD-P: experts split over ep, replicated over tp).
+    # h 16, 2 blocks (block 1 MoE, 4 experts of f = 4): by hand
+    m = ModelSpec(layers=2, hidden=16, heads=2, vocab=32, seq_len=8, experts=4, moe_every=2)
+    h = 16
+    attention_split = 3 * h * h + 3 * h + h * h  # qkv W and b, proj W
+    dense_split = attention_split + 4 * h * h + 4 * h + 4 * h * h  # fc1 W and b, fc2 W
+    whole = 2 * 2 * h + h  # two LayerNorms, proj bias
+    expert = 2 * 4 * h * h + 5 * h  # fc1, fc2 W and b
+    embedding = 32 // 2 * h + 8 * h  # vocabulary-parallel tokens, whole positions
+    head = 32 // 2 * h + 2 * h  # vocabulary-parallel head, whole final LayerNorm
+    dense_block = dense_split // 2 + whole + h  # + fc2 bias
+    moe_block = attention_split // 2 + whole + h * 4  # + the gate, whole
+    assert rank_params(m, Layout(tp=2)) == [
+        (dense_block + moe_block + embedding + head, 4 * expert)
+    ]
+
+
+def test_moe_mlp_flops_are_not_divided_by_tp() -> None:
+    # Mixtral 8x7B on 8 A100s, tp 8, no memory-bound term: every tp rank runs each sparse
+    # block whole (mixtral.moe_tp_plan), so only attention and the head are divided by 8.
+    # Forward FLOPs per token, h 4096, q 4096, kv 1024, 8 experts of 14336, top 2, s 4096:
+    m = hf.load("mixtral-8x7b")
+    job = Job(global_batch=1, seq=4096, dropout=False)
+    c = replace(a100(1), elementwise_passes=0.0)
+    h, q, kv, x, s, V, L = 4096, 4096, 1024, 14336, 4096, 32000, 32
+    attention = 2 * (h * (q + 2 * kv) + q * h) + 4 * s * q  # projections, QK^T and AV
+    mlp = 2 * 2 * 3 * x * h + 2 * h * 8  # top_k SwiGLU experts, the router
+    head = 2 * h * V
+    rate = c.peak_flops * c.efficiency
+    # forward + backward = 3 forwards; one micro-batch of 1 sequence
+    want = 3 * s * (L * (attention / 8 + mlp) + head / 8) / rate
+    got = step_time(m, job, Layout(tp=8), c).compute_per_mb
+    assert math.isclose(got, want, rel_tol=1e-12)
+    # under SP each rank routes its s / 8 tokens: everything is divided by 8
+    sp = step_time(m, job, Layout(tp=8, sp=True), c).compute_per_mb
+    assert math.isclose(sp, 3 * s * (L * (attention + mlp) + head) / 8 / rate, rel_tol=1e-12)
+    # full recomputation reruns the forward of both parts
+    full = step_time(m, job, Layout(tp=8, recompute="full"), c).compute_per_mb
+    want_full = s * (4 * L * (attention / 8 + mlp) + 3 * head / 8) / rate
+    assert math.isclose(full, want_full, rel_tol=1e-12)
+
+
 def test_buffers_by_hand() -> None:
     m = published("175B")
     job = Job(global_batch=64, seq=2048)
@@ -116,6 +210,48 @@ def test_memory_bound_term_adds_passes_over_activations() -> None:
     moved = 2.0 * model_layer_bytes(m, job, lay, recompute="none") * 4 / 3 / on.hbm_bandwidth
     extra = step_time(m, job, lay, on).compute_per_mb - step_time(m, job, lay, off).compute_per_mb
     assert math.isclose(extra, m.layers * moved, rel_tol=1e-9)
+
+
+def test_memory_per_rank_is_that_ranks_own_sum() -> None:
+    # plait's GPT (LayerNorm, GeLU, f 4h, learned positions, untied), h 64, 4 heads, V 4096,
+    # s 64; pp 4 1F1B, 4 micro-batches of 1, bf16 without dropout, mixed Adam, no dp.
+    m = ModelSpec(layers=4, hidden=64, heads=4, vocab=4096, seq_len=64)
+    job = Job(global_batch=4, seq=64, dropout=False)
+    lay = Layout(pp=4, schedule="1f1b")
+    h, s, V, e = 64, 64, 4096, 2
+    # one block's activations per micro-batch: two LayerNorm inputs 4e h, Q K V and the
+    # projection's input 4e h, GeLU's input and fc2's 2e 4h per token; softmax e a s^2
+    block = s * (4 * e * h + 4 * e * h + 2 * e * 4 * h) + e * 4 * s * s  # 163,840
+    head = 2 * e * s * h + (e + 4) * s * V  # final LayerNorm input, fp32 log-softmax, logits
+    acts = [4 * block, 3 * block, 2 * block, 1 * block + head]  # 1F1B: p - r in flight
+    # states: 16 bytes per parameter + 4 per Adam step counter (12 tensors a block)
+    params = 12 * h * h + 13 * h
+    states = [
+        16 * (params + V * h + s * h) + 4 * (12 + 2),  # the embedding (tokens, positions)
+        16 * params + 4 * 12,
+        16 * params + 4 * 12,
+        16 * (params + 2 * h + V * h) + 4 * (12 + 3),  # final LayerNorm, head
+    ]
+    buffers = 2 * s * h * e  # the pipeline's send and receive buffers
+    totals = [st + ac + buffers for st, ac in zip(states, acts, strict=True)]
+    # the largest states are rank 0's, the largest activations rank 3's: their sum
+    # (6,829,112 B) is no rank's; rank 3's own parts are the peak, 6,765,628 B
+    assert max(states) == states[0] and max(acts) == acts[3]
+    assert max(totals) == totals[3] == 6_765_628
+    plan = evaluate(m, job, lay, flat(4))
+    assert plan.memory_bytes == totals[3] and plan.rank == 3
+    assert plan.states.total_bytes == states[3] and plan.activations.total == acts[3]
+    assert plan.memory_bytes < max(states) + max(acts) + buffers
+    assert [a.total for a in rank_activations(m, job, lay)] == acts
+    assert [x.total_bytes for x in rank_states(m, job, lay)] == states
+    text = explain(plan, m, job, flat(4))
+    assert "pipeline rank 3 of 4" in text and "6.77 MB" in text
+    row = breakdown(plan, flat(4))
+    assert row.rank == 3 and row.needed == totals[3]
+
+
+def flat(n: int):  # type: ignore[no-untyped-def]
+    return replace(a100(1), devices_per_node=n, nodes=1)
 
 
 def test_default_subcommand() -> None:

@@ -19,7 +19,7 @@
 - :mod:`plait.plan.measure.execute`: a layout built on real ranks with plait's strategies.
 """
 
-from plait.plan.activations import ActivationMemory, activation_memory
+from plait.plan.activations import ActivationMemory, activation_memory, rank_activations
 from plait.plan.hardware import Cluster, a100, h100, local_cpu
 from plait.plan.layout import Job, Layout, LayoutError, check
 from plait.plan.memory import (
@@ -70,6 +70,7 @@ __all__ = [
     "measure_memory",
     "model_states",
     "published",
+    "rank_activations",
     "rank_states",
     "search",
     "step_time",

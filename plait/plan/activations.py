@@ -137,15 +137,18 @@ The ring's keys and values of the block in flight are communication buffers
 (:mod:`plait.plan.buffers`), held for one layer at a time, not per layer.
 
 A pipeline rank keeps the blocks of its chunks for every micro-batch in flight (forward
-done, backward not), at most (in chunk-micro-batches, the first rank being the worst; a
-chunk counted as the mean of the rank's chunks when its dense and MoE blocks differ between
+done, backward not), at most (in chunk-micro-batches, for pipeline rank ``r``; a chunk
+counted as the mean of the rank's chunks when its dense and MoE blocks differ between
 them)::
 
-    gpipe        m v               1f1b, zb-h1   min(p, m)
-    interleaved  min(v p + p - 1, m v)   (Korthikanti: L (1 + (p-1)/(p v)) layers' worth)
+    gpipe        m v               1f1b   min(p - r, m)     zb-h1   min(p, m)
+    interleaved  (v + 1) p - 1 - 2 r, m v when m = p (every forward first)
+                 (rank 0: Korthikanti's L (1 + (p-1)/(p v)) layers' worth)
     zbv          min(2 p, 2 m)     dualpipev    2 p + 1 (m >= 2 p: DualPipe's PP + 1)
 
-(checked against :func:`plait.strategies.pipeline.simulate.peak_per_rank` in the tests).
+(checked rank by rank against :func:`plait.strategies.pipeline.simulate.peak_per_rank` in
+the tests). :func:`rank_activations` counts every rank; :func:`activation_memory` is the
+rank that keeps the most.
 The first rank also keeps the embedding's dropout mask ``k s b h`` per micro-batch in
 flight; the rank with the head keeps, for one micro-batch, the final norm's saved tensors
 and the head's input (LayerNorm ``2e s b h``, RMSNorm ``(4 + 2e) s b h``; ``/t`` with SP),
@@ -167,7 +170,7 @@ from plait.plan.states import rank_contents
 
 @dataclass(frozen=True)
 class ActivationMemory:
-    """Bytes of saved activations on the worst pipeline rank (module doc)."""
+    """Bytes of saved activations on one pipeline rank (module doc)."""
 
     per_layer: float  # one (dense) block, one micro-batch
     layers_per_chunk: int
@@ -178,6 +181,7 @@ class ActivationMemory:
     total: float
     formula: str
     per_moe_layer: float = 0.0  # one mixture-of-experts block (0: the model has none)
+    rank: int = 0  # the pipeline rank (coordinate along pp) these are of
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -330,9 +334,15 @@ def model_layer_bytes(
     )
 
 
-def in_flight(schedule: str, *, p: int, m: int, v: int, last: bool = False) -> int:
-    """Chunk-micro-batches the first pipeline rank (``last``: the last one) holds at the
-    peak (module doc; the last rank: 1F1B 1, interleaved ``(v-1) p + 1``)."""
+def in_flight(
+    schedule: str, *, p: int, m: int, v: int, last: bool = False, rank: int | None = None
+) -> int:
+    """Chunk-micro-batches pipeline rank ``rank`` (default the first; ``last``: the last
+    one) holds at the peak (module doc; rank ``r`` of 1F1B ``min(p - r, m)``, of interleaved
+    ``(v + 1) p - 1 - 2 r``, or ``m v`` on every rank when ``m = p``: every forward first)."""
+    r = (p - 1 if last else 0) if rank is None else rank
+    if not 0 <= r < p:
+        raise ValueError(f"in_flight: rank={r} outside 0..{p - 1}")
     if p == 1 or schedule == "none":
         return 1
     if schedule == "gpipe":
@@ -340,9 +350,9 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, last: bool = False) -> i
     if schedule == "zb-h1":
         return min(p, m)
     if schedule == "1f1b":
-        return 1 if last else min(p, m)
+        return min(p - r, m)
     if schedule == "interleaved":
-        return min((v - 1) * p + 1 if last else v * p + p - 1, m * v)
+        return m * v if m <= p else min((v + 1) * p - 1 - 2 * r, m * v)
     if schedule == "zbv":
         return min(2 * p, 2 * m)
     if schedule == "dualpipev":
@@ -350,10 +360,12 @@ def in_flight(schedule: str, *, p: int, m: int, v: int, last: bool = False) -> i
     raise ValueError(f"in_flight: unknown schedule {schedule!r}")
 
 
-def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationMemory:
-    """Saved activations on the worst rank of ``layout``: the first pipeline rank (blocks
-    of every micro-batch in flight, the embedding; the head too when it sits there: one
-    stage, or the V placement) or the last (its blocks and the head), whichever is more."""
+def rank_activations(model: ModelSpec, job: Job, layout: Layout) -> list[ActivationMemory]:
+    """Saved activations of each pipeline rank of ``layout`` (its ``rank`` field): its
+    blocks (dense and MoE, over its ``v`` chunks: :func:`plait.plan.states.rank_contents`)
+    for the micro-batches it holds at the peak (:func:`in_flight` of that rank), the
+    embedding on the rank of stage 0, the head on the rank of the last stage (the first
+    rank under the V of ``zbv`` and ``dualpipev``)."""
     lay = layout
     s, b, h = job.seq / lay.cp, lay.microbatch, model.hidden  # this rank's tokens
     e = job.element_bytes
@@ -365,43 +377,39 @@ def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationM
     shard = lay.tp if (lay.sp or lay.tp_mode != "1d") else 1
     final_norm = (4 + 2 * e) if model.norm == "rmsnorm" else 2 * e  # with the head's input
     head = final_norm * s * b * h / shard + (e + 4) * s * b * model.vocab / lay.tp
-    # per pipeline rank: its dense and MoE blocks over its v chunks (plait.plan.states)
-    if model.moe_layers:
-        contents = rank_contents(model, lay)
-        first_dense, first_moe = next((d, x) for d, x, first, _ in contents if first)
-        last_dense, last_moe = next((d, x) for d, x, _, last in contents if last)
-    else:  # every rank the same (and the search's hot path: no walk over the layers)
-        first_dense, first_moe = last_dense, last_moe = chunk_layers * lay.v, 0
 
     def chunk(dense: int, moe: int) -> float:  # one chunk: the mean of the rank's
         if not moe:
             return per * (dense // lay.v)
         return (per * dense + per_moe * moe) / lay.v
 
-    first_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v)
-    embedding = k * s * b * h / shard * min(first_flying, m)
-    head_on_first = lay.pp == 1 or lay.schedule in ("zbv", "dualpipev")
-    first_blocks = chunk(first_dense, first_moe) * first_flying
-    first = (first_blocks, embedding, head if head_on_first else 0.0)
-    last_flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v, last=True)
-    last = (chunk(last_dense, last_moe) * last_flying, 0.0, head)
-    (flying, (dense, moe)), (blocks, emb, hd) = max(
-        (((first_flying, (first_dense, first_moe)), first),
-         ((last_flying, (last_dense, last_moe)), last)),
-        key=lambda x: sum(x[1]),
-    )  # fmt: skip
-    total = blocks + emb + hd
-    if not model.moe_layers:
-        layers = f"{per:,.0f} B/layer x {chunk_layers} layers"
-    else:  # the rank's blocks of each kind over its v chunks
-        kinds = [(per, "dense", dense), (per_moe, "MoE", moe)]
-        layers = " + ".join(f"{x:,.0f} B/{kind} layer x {n}" for x, kind, n in kinds if n)
-        if lay.v > 1:
-            layers = f"({layers}) / {lay.v} chunks"
-    formula = f"{layers} x {flying} in flight + embedding {emb:,.0f} + head {hd:,.0f}"
-    return ActivationMemory(
-        per, chunk_layers, flying, blocks, emb, hd, total, formula, per_moe_layer=per_moe
-    )
+    out = []
+    for r, (dense, moe, first, last) in enumerate(rank_contents(model, lay)):
+        flying = in_flight(lay.schedule, p=lay.pp, m=m, v=lay.v, rank=r)
+        blocks = chunk(dense, moe) * flying
+        emb = k * s * b * h / shard * min(flying, m) if first else 0.0
+        hd = head if last else 0.0
+        if not model.moe_layers:
+            layers = f"{per:,.0f} B/layer x {chunk_layers} layers"
+        else:  # the rank's blocks of each kind over its v chunks
+            kinds = [(per, "dense", dense), (per_moe, "MoE", moe)]
+            layers = " + ".join(f"{x:,.0f} B/{kind} layer x {n}" for x, kind, n in kinds if n)
+            if lay.v > 1:
+                layers = f"({layers}) / {lay.v} chunks"
+        formula = f"{layers} x {flying} in flight + embedding {emb:,.0f} + head {hd:,.0f}"
+        total = blocks + emb + hd
+        out.append(
+            ActivationMemory(
+                per, chunk_layers, flying, blocks, emb, hd, total, formula, per_moe, rank=r
+            )
+        )
+    return out
+
+
+def activation_memory(model: ModelSpec, job: Job, layout: Layout) -> ActivationMemory:
+    """Saved activations on the pipeline rank that keeps the most (:func:`rank_activations`;
+    the first rank on ties)."""
+    return max(rank_activations(model, job, layout), key=lambda a: a.total)
 
 
 __all__ = [
@@ -411,4 +419,5 @@ __all__ = [
     "model_layer_bytes",
     "moe_mlp_bytes",
     "per_layer_bytes",
+    "rank_activations",
 ]

@@ -1,7 +1,8 @@
 """``plait plan fit``: will it fit, per layout, with the headroom; the memory breakdown per
 rank as data, as a table and as a PNG bar chart (matplotlib, optional).
 
-The breakdown of a layout's largest rank, in bytes (:class:`MemoryBreakdown`)::
+The breakdown of a layout's largest rank (the pipeline rank whose own parts sum to the
+most; ``rank``), in bytes (:class:`MemoryBreakdown`)::
 
     parameters + gradients + optimizer states      plait.plan.states (the ZeRO paper)
     + activations                                  plait.plan.activations (Korthikanti)
@@ -43,6 +44,7 @@ class MemoryBreakdown:
     needed: float
     headroom: float
     fits: bool
+    rank: int = 0  # the pipeline rank these parts are of
 
     def parts(self) -> list[tuple[str, float]]:
         return [
@@ -71,26 +73,29 @@ def breakdown(plan: Plan, cluster: Cluster) -> MemoryBreakdown:
         needed=plan.memory_bytes,
         headroom=plan.headroom,
         fits=plan.fits,
+        rank=plan.rank,
     )
 
 
 def format_fit(rows: list[MemoryBreakdown]) -> str:
     """One line per layout: yes/no, headroom, and the breakdown in GB."""
     head = (
-        f"{'fits':<5}{'headroom':>11}  {'layout':<50}{'params':>8}{'grads':>8}{'optim':>8}"
+        f"{'fits':<5}{'headroom':>11}  {'layout':<50}{'rank':>5}{'params':>8}{'grads':>8}"
+        f"{'optim':>8}"
         f"{'activ.':>8}{'buffers':>9}{'needed':>9}{'usable':>9}"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"{'yes' if r.fits else 'no':<5}{r.headroom / GB:>+8.2f} GB  {r.layout:<50}"
-            f"{r.parameters / GB:>8.2f}{r.gradients / GB:>8.2f}{r.optimizer_states / GB:>8.2f}"
+            f"{r.rank:>5}{r.parameters / GB:>8.2f}{r.gradients / GB:>8.2f}"
+            f"{r.optimizer_states / GB:>8.2f}"
             f"{r.activations / GB:>8.2f}{r.communication_buffers / GB:>9.2f}"
             f"{r.needed / GB:>9.2f}{(r.device - r.fragmentation_margin) / GB:>9.2f}"
         )
     lines.append(
-        "GB per rank (the largest rank of each layout); usable = device memory less the "
-        "fragmentation margin"
+        "GB per rank (the largest rank of each layout: its pipeline rank, its own parts); "
+        "usable = device memory less the fragmentation margin"
     )
     return "\n".join(lines)
 

@@ -166,9 +166,13 @@ class ModelSpec:
 
     def block_split(self, moe: bool = False) -> tuple[int, int]:
         """One block's parameters as (split by 1D tensor parallelism, kept whole): the
-        projections and the q/k/v and up biases are split; the norms, the output biases,
-        the router and the shared expert's gate are whole (experts not included: EP
-        splits them). plait's GPT: ``((4 + 2 f) h^2 + (3 + f) h, 6 h)`` dense."""
+        projections and the q/k/v and up biases are split; the norms and the output biases
+        are whole. An MoE block's sparse MLP is whole on every tensor-parallel rank, as
+        plait's plans run it (:func:`plait.models.gpt.tp_plan` leaves it out,
+        :func:`plait.models.mixtral.moe_tp_plan` keeps each sparse block whole): the router
+        and Qwen2-MoE's shared expert and its gate are in the whole part (the routed experts
+        are not included: EP splits them, tp does not). plait's GPT: ``((4 + 2 f) h^2 +
+        (3 + f) h, 6 h)`` dense."""
         h = self.hidden
         q, kv = self.heads * self.hd, self.kv * self.hd
         split = self.attention_weights() + ((q + 2 * kv) if self.qkv_bias else 0)
@@ -177,12 +181,8 @@ class ModelSpec:
         if not moe:
             up, down = self._mlp_biases(self.ffn)
             return split + self._mlp_weights(self.ffn) + up, whole + down
-        whole += h * self.experts
-        if self.shared_ffn:
-            up, down = self._mlp_biases(self.shared_ffn)
-            split += self._mlp_weights(self.shared_ffn) + up
-            whole += down + h  # the shared expert's gate
-        return split, whole
+        # the sparse MLP, whole on every tp rank: the router, the shared expert and its gate
+        return split, whole + h * self.experts + self._shared_params()
 
     def attention_params(self) -> int:
         """The projections, their biases and the block's norms (``4 h^2 + 8 h`` for plait's
@@ -278,20 +278,27 @@ class ModelSpec:
         """Forward FLOPs per token of attention's two ``s x s`` products: ``4 s a d``."""
         return 4 * seq * self.heads * self.hd
 
+    def block_flops_split(self, seq: int, *, moe: bool) -> tuple[float, float]:
+        """:meth:`block_flops` as (split by 1D tensor parallelism, run whole by every tp
+        rank): the projections and the attention core are split, so is a dense MLP; an MoE
+        block's MLP (router, ``top_k`` experts, shared expert and gate) is whole on every
+        tp rank (plait's plans, :meth:`block_split`), on the replicated input."""
+        h = self.hidden
+        split = 2 * self.attention_weights() + self.attention_core_flops(seq)
+        if not moe:
+            return split + 2 * self._mlp_weights(self.ffn), 0.0
+        inner = self.expert_ffn or self.ffn
+        whole = self.top_k * 2 * self._mlp_weights(inner) + 2 * h * self.experts
+        if self.shared_ffn:
+            whole += 2 * self._mlp_weights(self.shared_ffn) + 2 * h
+        return split, whole
+
     def block_flops(self, seq: int, *, moe: bool) -> float:
         """Forward FLOPs per token of one block: ``2`` per weight of its projections and of
         the MLPs a token passes (``top_k`` experts, a shared one, the router), plus the
         attention core (``24 h^2 + 4 s h`` for plait's GPT, f = 4)."""
-        h = self.hidden
-        linears = 2 * self.attention_weights()
-        if not moe:
-            mlp = 2 * self._mlp_weights(self.ffn)
-        else:
-            inner = self.expert_ffn or self.ffn
-            mlp = self.top_k * 2 * self._mlp_weights(inner) + 2 * h * self.experts
-            if self.shared_ffn:
-                mlp += 2 * self._mlp_weights(self.shared_ffn) + 2 * h
-        return linears + mlp + self.attention_core_flops(seq)
+        split, whole = self.block_flops_split(seq, moe=moe)
+        return split + whole
 
     def flops_per_iteration(self, *, batch: int, seq: int, recompute: str = "none") -> float:
         """``flops_per_token * batch * seq``: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for a

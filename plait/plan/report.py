@@ -69,8 +69,9 @@ def format_table(result: SearchResult, *, top: int = 10) -> str:
         f"{result.refused} refused" + (f" (e.g. {result.refusals[0]})" if result.refusals else "")
     )
     lines.append(
-        "mem/rank = model states + activations + communication buffers of the largest "
-        "rank; tp/cp/pp/dp: seconds of communication per step on the critical path"
+        "mem/rank = model states + activations + communication buffers of the rank whose "
+        "sum is largest (states and activ. are that rank's); tp/cp/pp/dp: seconds of "
+        "communication per step on the critical path"
     )
     return "\n".join(lines)
 
@@ -84,11 +85,13 @@ def explain(plan: Plan, model: ModelSpec, job: Job, cluster: Cluster) -> str:
         f" x pp {lay.pp} x ep {lay.ep}; {m} micro-batches of {lay.microbatch} sequences per "
         "data shard",
         "",
-        "memory per rank (the largest rank, pipeline rank " + str(st.rank) + ")",
+        f"memory per rank (the largest rank, pipeline rank {plan.rank} of {lay.pp}: its own "
+        "states, activations and buffers)",
         f"  parameters     {_fmt_bytes(st.params_bytes):>12}   {st.formula}",
         f"  gradients      {_fmt_bytes(st.grads_bytes):>12}",
         f"  optimizer      {_fmt_bytes(st.optimizer_bytes):>12}",
         f"  activations    {_fmt_bytes(ac.total):>12}   {ac.formula}",
+        f"  buffers        {_fmt_bytes(plan.buffers):>12}   communication (plait.plan.buffers)",
         f"  total          {_fmt_bytes(plan.memory_bytes):>12}   of "
         f"{_fmt_bytes(plan.usable_bytes)} usable: {'fits' if plan.fits else 'DOES NOT FIT'}",
         "",
@@ -150,6 +153,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "states": plan.states.to_dict(),
         "activations": plan.activations.to_dict(),
         "buffers": plan.buffers,
+        "rank": plan.rank,
         "headroom": plan.headroom,
         "time": plan.time.to_dict(),
     }

@@ -9,7 +9,8 @@ A layout :func:`plait.plan.layout.check` refuses is counted with its reason; the
 are evaluated (:func:`evaluate`: model states, activations, step time) and those whose
 memory per rank fits the device (``Cluster.usable_memory``) are ranked by predicted step
 time, fastest first; ties go to less memory. Memory per rank is the model states, the
-saved activations and the communication buffers (:mod:`plait.plan.buffers`).
+saved activations and the communication buffers (:mod:`plait.plan.buffers`), each rank's
+own summed; a layout's is its largest rank's.
 
 No rule of thumb is built in: PTD-P's "tp inside a node, pp across nodes" must come out of
 the costs (``benchmarks/plan_validate.py`` checks that it does on the 1T / 3072-GPU case).
@@ -22,12 +23,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from plait.plan.activations import ActivationMemory, activation_memory
+from plait.plan.activations import ActivationMemory, rank_activations
 from plait.plan.buffers import buffer_bytes
 from plait.plan.hardware import Cluster
 from plait.plan.layout import Job, Layout, LayoutError, check
 from plait.plan.model import RECOMPUTE, ModelSpec
-from plait.plan.states import ModelStates, model_states
+from plait.plan.states import ModelStates, rank_states
 from plait.plan.time import Overlap, StepTime, step_time
 
 
@@ -52,7 +53,9 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class Plan:
-    """One layout, evaluated: memory per rank (the largest rank) and predicted step time."""
+    """One layout, evaluated: memory per rank and predicted step time. ``memory_bytes`` is
+    the largest rank's (pipeline rank ``rank``): its own model states, activations and
+    communication buffers, which ``states`` and ``activations`` are."""
 
     layout: Layout
     states: ModelStates
@@ -61,6 +64,7 @@ class Plan:
     usable_bytes: float
     time: StepTime
     buffers: float = 0.0  # communication buffers (plait.plan.buffers), in memory_bytes
+    rank: int = 0  # the pipeline rank of memory_bytes (states and activations are its own)
 
     @property
     def headroom(self) -> float:
@@ -100,12 +104,14 @@ def evaluate(
 ) -> Plan:
     """Memory and time of one layout; :class:`LayoutError` if it cannot run."""
     check(model, job, layout, world=cluster.devices)
-    states = model_states(model, job, layout)
-    acts = activation_memory(model, job, layout)
+    states = rank_states(model, job, layout)
+    acts = rank_activations(model, job, layout)
     t = step_time(model, job, layout, cluster, overlap=overlap, simulate_bubble=simulate_bubble)
     buffers = buffer_bytes(model, job, layout)
-    total = states.total_bytes + acts.total + buffers
-    return Plan(layout, states, acts, total, cluster.usable_memory, t, buffers)
+    # each pipeline rank's own parts; the plan's memory is the rank whose sum is largest
+    totals = [st.total_bytes + ac.total + buffers for st, ac in zip(states, acts, strict=True)]
+    r = max(range(len(totals)), key=totals.__getitem__)
+    return Plan(layout, states[r], acts[r], totals[r], cluster.usable_memory, t, buffers, rank=r)
 
 
 def divisors(n: int) -> list[int]:

@@ -7,7 +7,15 @@ Which parameters (elements) a rank holds, 1D tensor parallelism over ``t`` ranks
                   whole    6 h                        proj and fc2 biases, two LayerNorms
     MoE block     sharded  4 h^2 + 3 h                the attention's, as above
                   whole    5 h + h E                  proj bias, LayerNorms, the gate
+                           (+ the shared expert       Qwen2-MoE's, and its gate)
                   experts  (E / ep) (2 f h^2 + (f + 1) h)   each expert whole on one ep rank
+
+An MoE block's sparse MLP is not split by tensor parallelism: plait's plans keep it whole
+on every tp rank (:func:`plait.models.gpt.tp_plan` leaves plait's MoE MLPs out,
+:func:`plait.models.mixtral.moe_tp_plan` keeps each Hugging Face sparse block whole, router,
+experts, shared expert and its gate; PTD-P's stacked experts are split over ep and
+replicated over tp), so its router and shared expert count whole on every tp rank and the
+routed experts are divided by ``ep`` only.
     embedding     ceil(V / t) h sharded (vocabulary-parallel), s h whole (positions)
     head          ceil(V / t) h sharded (unless tied), 2 h whole (final LayerNorm); a tied
                   head on another pipeline rank than the embedding keeps its own copy of
@@ -93,12 +101,15 @@ def rank_contents(model: ModelSpec, layout: Layout) -> list[tuple[int, int, bool
         placement = [s if s < p else 2 * p - 1 - s for s in range(stages)]
     else:
         placement = [s % p for s in range(stages)]
+    if not model.experts:  # every rank v stages of dense blocks (the search's hot path)
+        first, last = placement[0], placement[-1]
+        return [(per_stage * v, 0, first == r, last == r) for r in range(p)]
     dense = [0] * p
     moe = [0] * p
     for s in range(stages):
         r = placement[s]
         for i in range(s * per_stage, (s + 1) * per_stage):
-            if model.experts and model.is_moe(i):  # experts first: a hot loop
+            if model.is_moe(i):
                 moe[r] += 1
             else:
                 dense[r] += 1

@@ -9,9 +9,13 @@ One optimizer step of ``m`` micro-batches on a pipeline of ``p`` ranks (Narayana
 
 taken on the slowest pipeline rank (the one with the most blocks, or the head).
 
-``t_compute = FLOPs / (t * peak * efficiency) + blocks * passes * A / hbm``: the rank's
-FLOPs for one micro-batch (:mod:`plait.plan.model`, recomputation included) shared by the
-``t`` tensor-parallel ranks, and its memory-bound work (norms, activation functions,
+``t_compute = (F_split / t + F_whole) / (peak * efficiency) + blocks * passes * A / hbm``:
+the rank's FLOPs for one micro-batch (:mod:`plait.plan.model`, recomputation included),
+``F_split`` those the ``t`` tensor-parallel ranks share (attention, dense MLPs, the head) and
+``F_whole`` an MoE block's MLP (router, routed experts, shared expert), which plait's plans
+run whole on every tp rank (:meth:`~plait.plan.model.ModelSpec.block_flops_split`; ``/t``
+under sequence parallelism, where each rank routes its own ``s/t`` tokens, and in the grid
+modes, an approximation), and its memory-bound work (norms, activation functions,
 softmax, dropout, residual adds): ``Cluster.elementwise_passes`` times ``A``, the bytes
 a block saves without recomputation (:func:`plait.plan.activations.model_layer_bytes`, an
 MoE block's own figure for the MoE blocks), at the HBM's bandwidth, 4/3 of that with full
@@ -221,11 +225,6 @@ def bubble(schedule: str, *, p: int, m: int, v: int = 1, simulate: bool = False)
     return formula_bubble(schedule, p, m, v)
 
 
-def _block_flops(model: ModelSpec, seq: int, moe: bool) -> float:
-    """Forward FLOPs per token of one block (module doc of plait.plan.model)."""
-    return model.block_flops(seq, moe=moe)
-
-
 def _tp_block_seconds(
     model: ModelSpec, job: Job, layout: Layout, cluster: Cluster, moe: bool
 ) -> tuple[float, float]:
@@ -308,6 +307,11 @@ def step_time(
     mult = 3.0 + (1.0 if lay.recompute == "full" else 0.0)
     core = 4 * s * model.hidden
     per_flop = 1.0 / (lay.tp * cluster.peak_flops * cluster.efficiency)
+    # an MoE block's MLP runs whole on every 1D tp rank (plait's plans): on the replicated
+    # input, or on the rank's s / t tokens under SP; the grid modes divide everything by t
+    whole_div = lay.tp if (lay.sp or lay.tp_mode != "1d") else 1
+    split_dense, _ = model.block_flops_split(s, moe=False)
+    split_moe, whole_moe = model.block_flops_split(s, moe=True) if model.experts else (0.0, 0.0)
     act = tokens * model.hidden * e
 
     tp_bytes_dense, tp_dense = _tp_block_seconds(model, job, lay, cluster, False)
@@ -354,8 +358,8 @@ def step_time(
     cal = cluster.calibration
     call_s = cal.tp_call_seconds(lay.tp) if cal is not None else 0.0
     for dense, moe, first, last in rank_contents(model, lay):
-        flops = dense * _block_flops(model, s, False) + moe * _block_flops(model, s, True)
-        flops *= mult
+        flops = (dense * split_dense + moe * split_moe) * mult  # split over tp
+        whole = moe * whole_moe * mult  # run by every tp rank (over whole_div)
         if lay.recompute == "selective" and not job.flash_attention:
             flops += (dense + moe) * core
         if job.flash_attention:  # the backward recomputes the scores, QK^T
@@ -382,7 +386,7 @@ def step_time(
                     cluster, "all_reduce", lay.tp, tokens * 4, inter_node=tp_inter
                 )
                 tp_b += 2 * (lay.tp - 1) / lay.tp * (act + 3 * tokens * 4)
-        compute = flops * tokens * per_flop * slow
+        compute = (flops * slow + whole * lay.tp / whole_div) * tokens * per_flop
         compute += dense * elementwise + moe * elementwise_moe
         if cluster.calibration is not None:  # dispatch per block, the embedding and head one
             blocks = dense + moe + (1 if (first or last) else 0)
