@@ -207,6 +207,9 @@ def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> tupl
     """PTD-P with the plans of the model's family (:func:`plait.models.plans.plan_for`:
     its tensor-parallel and pipeline plans) unless ``plans=`` is given."""
     options.setdefault("plans", plan_for)
+    shape = getattr(options.get("mesh"), "shape", {})
+    if isinstance(model, GPT) and isinstance(shape, dict) and shape.get("cp", 1) > 1:
+        options.setdefault("positions", "pos")  # plait's GPT embeds positions in "pos"
     return prepare_ptdp(model, optimizer, **options)
 
 

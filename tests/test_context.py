@@ -121,4 +121,5 @@ def test_bad_input_is_refused_by_name(ranks):
         assert "sliding_window=4" in got["sliding_window"]
         assert "holds 3 tokens, not two equal chunks" in got["odd_tokens"]
         assert "has dimensions ['pp']" in got["pp_in_cp"]
-        assert "context parallelism inside pipeline stages" in got["cp_in_pipeline"]
+        assert "the pipeline alone runs whole sequences" in got["cp_in_pipeline"]
+        assert "strategy 'ptdp'" in got["cp_in_pipeline"] and "strategy 'ptdp'" in got["pp_in_cp"]

@@ -103,7 +103,7 @@ def _layout(**kw):
     ("kwargs", "words"),
     [
         ({"shape": {"pp": 1, "dp": 4}}, ["Mesh(pp=.., dp=.., tp=..)", "size 1"]),
-        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "cp": 2}}, ["['cp']", "ep=.."]),
+        ({"shape": {"pp": 1, "dp": 1, "tp": 1, "xp": 2}}, ["['xp']", "ep=..", "cp=.."]),
         ({"shape": {"pp": 1, "dp": 1, "tp": 1, "ep": 2}}, ["ep=2", "no MoE blocks"]),
         ({"tp_mode": "2d"}, ["tp_mode='2d'", "tp_mode='1d'", "strategy='tp'"]),
         ({"shape": {"pp": 1, "dp": 1, "tp": 3}}, ["tp=3", "heads = 4"]),

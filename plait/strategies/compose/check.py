@@ -27,7 +27,7 @@ from plait.strategies.moe.stacked import containers as stacked_containers
 from plait.strategies.pipeline.schedules import default_chunks
 
 DIMS = ("pp", "dp", "tp")
-OPTIONAL_DIMS = ("ep",)  # expert parallelism, carved out of data parallelism
+OPTIONAL_DIMS = ("ep", "cp")  # expert parallelism (carved out of dp), context parallelism
 ZERO_STAGES = (0, 1, 2)
 
 
@@ -44,11 +44,18 @@ class Sizes:
     zero: int
     sequence_parallel: bool
     ep: int = 1
+    cp: int = 1
 
     @property
     def replicas(self) -> int:
         """How many slices the global batch is cut into: ``dp * ep``."""
         return self.dp * self.ep
+
+    @property
+    def averaged(self) -> int:
+        """How many ranks average the dense gradients and the loss: ``dp * ep * cp`` (a cp
+        rank holds other tokens of the same rows)."""
+        return self.replicas * self.cp
 
 
 def mesh_sizes(shape: dict[str, int]) -> tuple[int, int, int, int]:
@@ -60,7 +67,8 @@ def mesh_sizes(shape: dict[str, int]) -> tuple[int, int, int, int]:
         raise ValueError(
             f"ptdp: the mesh has dimensions {list(shape)}; build it as "
             f"Mesh(pp=.., dp=.., tp=..) with these three (size 1 where unused), plus ep=.. "
-            f"for MoE blocks" + (f"; {extra} are not composed here" if extra else "")
+            f"for MoE blocks and cp=.. for context parallelism"
+            + (f"; {extra} are not composed here" if extra else "")
         )
     return shape["pp"], shape["dp"], shape["tp"], shape.get("ep", 1)
 
@@ -200,7 +208,7 @@ def check_layout(
             f"ZeRO's gradient guards forbid; untie it (GPTConfig(tied=False), "
             f"tie_word_embeddings=False), use zero=0, or pp=1"
         )
-    return Sizes(pp, dp, tp, microbatches, zero, sequence_parallel, ep)
+    return Sizes(pp, dp, tp, microbatches, zero, sequence_parallel, ep, shape.get("cp", 1))
 
 
 def shared_between_layers(layers: list[Any]) -> str | None:

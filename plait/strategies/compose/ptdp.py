@@ -122,6 +122,9 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
+from plait.strategies.compose.context import apply as apply_context
+from plait.strategies.compose.context import average_group, check_context
+from plait.strategies.compose.context import shard as shard_context
 from plait.strategies.compose.dense import (
     Counted,
     DenseGroup,
@@ -175,6 +178,9 @@ class PTDP:
         algorithm: str = "auto",
         check_finite: str | None = "raise",
         reproducible: bool = False,
+        context: str = "ring",
+        balanced: bool = True,
+        positions: str | bool | None = None,
     ) -> None:
 
         _, _, tp, _ = mesh_sizes(mesh.shape)
@@ -198,6 +204,16 @@ class PTDP:
             pipeline_plan=dense_pipeline,
         )
         self.reproducible = reproducible
+        check_context(
+            cp=self.sizes.cp,
+            zero=zero,
+            sequence_parallel=sequence_parallel,
+            reproducible=reproducible,
+            moe=bool(moe_layers(model)) or self.sizes.ep > 1,
+            reduction=dense_pipeline.reduction,
+            name=type(model).__name__,
+        )
+        self.balanced = balanced
         if reproducible:
             s = self.sizes
             check_reproducible(
@@ -234,6 +250,7 @@ class PTDP:
             "loss scaling": scaler is not None,
             "algorithm": algorithm,
             "reproducible": reproducible,
+            "context": f"{context}, balanced={balanced}" if self.sizes.cp > 1 else None,
         }
         check_agreement(model, settings, mesh)
         self.mesh = mesh
@@ -248,6 +265,13 @@ class PTDP:
         )
         self.batch_rank = mesh.rank("dp") * self.sizes.ep + (
             mesh.rank("ep") if self.ep_group else 0
+        )
+        # the ranks averaging dense gradients and the loss: the batch group, and with
+        # context parallelism its cp ranks too (other tokens of the same rows; .context)
+        self.average_group: Group = (
+            average_group(mesh, ep=self.ep_group is not None)
+            if self.sizes.cp > 1
+            else self.batch_group
         )
         dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # the dense model's structure on the meta device: what save/load rebuild (state.py)
@@ -274,6 +298,8 @@ class PTDP:
             experts |= ids
         if self.sizes.tp > 1:
             parallelize(model, self.tp_group, tplan, algorithm=algorithm)
+        if self.sizes.cp > 1:  # each stage's attention over the cp group (.context)
+            apply_context(model, mesh, context=context, balanced=balanced, positions=positions)
         # parameters whose shards are no contiguous slice of the dense tensor (state.py)
         self.unsliced = unsliced_parameters(model)
         stages_plan = plan_source(model, plans)("pipeline")
@@ -296,7 +322,7 @@ class PTDP:
             # summed over the stages, the replicas and, under sequence parallelism, the
             # tensor-parallel ranks' slices of the sequence
             sp_group = [self.tp_group] if sequence_parallel and self.sizes.tp > 1 else []
-            self.pipe.batch_loss_groups = [self.pp_group, *sp_group, self.batch_group]
+            self.pipe.batch_loss_groups = [self.pp_group, *sp_group, self.average_group]
         part = self.pipe.partition
         assert part.placement is not None
         self.index = DenseIndex.record(dense, layers, part.bounds, part.placement)
@@ -489,19 +515,21 @@ class PTDP:
             self.moe.start(pending=self._pending, loss_scale=self._loss_scale)
         # a batch loss term's shares carry the loss's factor (replicas averaged, scale);
         # its value is added once per replica, summed over them below
-        self.pipe.batch_loss_factor = self.sizes.replicas * self._loss_scale
+        self.pipe.batch_loss_factor = self.sizes.averaged * self._loss_scale
         self.pipe.batch_loss_value_factor = self._loss_scale
         try:
             mine = slice(d * rows, (d + 1) * rows)
-            loss = self.pipe.step(
-                inputs[mine], targets[mine], **{k: v[mine] for k, v in extras.items()}
-            ).detach()
+            x, y = inputs[mine], targets[mine]
+            if self.sizes.cp > 1:  # this rank's part of every sequence
+                x = shard_context(x, self.mesh, balanced=self.balanced)
+                y = shard_context(y, self.mesh, balanced=self.balanced)
+            loss = self.pipe.step(x, y, **{k: v[mine] for k, v in extras.items()}).detach()
         finally:
             if self.moe is not None:
                 self.moe.finish()
-        ops.all_reduce(loss, "sum", group=self.batch_group, algorithm=self.algorithm)
+        ops.all_reduce(loss, "sum", group=self.average_group, algorithm=self.algorithm)
         self._pending += 1
-        return loss / (self.sizes.replicas * self._loss_scale)
+        return loss / (self.sizes.averaged * self._loss_scale)
 
     def __call__(
         self, inputs: torch.Tensor, targets: torch.Tensor, **batch_inputs: torch.Tensor | None
@@ -524,7 +552,15 @@ class PTDP:
             if k > 1:
                 self._sharded_unscale(1.0 / k)
             return
-        n = self.sizes.replicas * k
+        n = self.sizes.averaged * k
+        if self.sizes.cp > 1:  # no MoE, no ZeRO, no reproducible (.context)
+            average(
+                [c.param for c in self.counted],
+                self.average_group,
+                divide=n,
+                algorithm=self.algorithm,
+            )
+            return
         if self.moe is not None or self.sizes.ep > 1:
             # experts: over the dp ranks holding them; the rest over dp x ep (.experts)
             dense = [c.param for c in self.counted if not c.expert]
@@ -711,6 +747,9 @@ def compose(
     algorithm: str = "auto",
     check_finite: str | None = "raise",
     reproducible: bool = False,
+    context: str = "ring",
+    balanced: bool = True,
+    positions: str | bool | None = None,
 ) -> PTDP:
     """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
     causal LM handed over whole, any model with plans) trained on ``mesh``
@@ -732,8 +771,11 @@ def compose(
     group, each group's entries kept (``lr``, ``weight_decay``, ...). Refuses, naming the
     constraint, what the mesh cannot build (:mod:`.check`). ``reproducible``: bitwise the
     same parameters as one process for every dp x pp layout (tp = 1, zero=0, no MoE, a
-    mean loss, one ``step`` per optimizer step; :mod:`.reproducible`). Collective over the
-    mesh.
+    mean loss, one ``step`` per optimizer step; :mod:`.reproducible`). ``context`` /
+    ``balanced`` / ``positions``: with a ``cp`` dimension in the mesh, the attention kernel
+    (``"ring"`` or ``"ulysses"``), the causal load balancing, and the module embedding
+    position ids (plait's GPT: ``"pos"``, which ``prepare`` fills in) (:mod:`.context`).
+    Collective over the mesh.
     """
     model = module
     return PTDP(
@@ -752,6 +794,9 @@ def compose(
         algorithm=algorithm,
         check_finite=check_finite,
         reproducible=reproducible,
+        context=context,
+        balanced=balanced,
+        positions=positions,
     )
 
 

@@ -298,7 +298,8 @@ def _gradient_group(mesh: Any) -> Group:
     if other:
         raise ValueError(
             f"{WHO}: mesh {mesh!r} has dimensions {sorted(other)}; strategy 'cp' composes with "
-            f"'dp' and 'tp' only so far: use Mesh(tp=..., cp=..., dp=...)"
+            f"'dp' and 'tp': use Mesh(tp=..., cp=..., dp=...), or strategy 'ptdp' on "
+            f"Mesh(pp=..., dp=..., tp=..., cp=...) for pipeline stages with cp"
         )
     if "dp" not in names or mesh.size("dp") == 1:
         group: Group = mesh.group("cp")

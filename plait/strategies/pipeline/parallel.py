@@ -137,9 +137,10 @@ class PipelineParallel(nn.Module):
             if isinstance(shape, dict) and shape.get("cp", 1) > 1:
                 # the stages would run whole sequences on every cp rank, silently
                 raise ValueError(
-                    f"PipelineParallel: the mesh {group!r} has cp={shape['cp']}; context "
-                    f"parallelism inside pipeline stages is not supported yet: use "
-                    f"strategy 'cp' (with dp, tp) or a mesh without cp"
+                    f"PipelineParallel: the mesh {group!r} has cp={shape['cp']}; the pipeline "
+                    f"alone runs whole sequences: use strategy 'ptdp' on "
+                    f"Mesh(pp=..., dp=..., tp=..., cp=...) (the sequence split in every "
+                    f"stage), or a mesh without cp"
                 )
             group = group.group("pp")  # a Mesh
         self.group = group

@@ -1,0 +1,58 @@
+"""Context parallelism inside PTD-P (:mod:`plait.strategies.compose.context`): plait's GPT
+on a mesh with ``cp`` (the sequence split in every pipeline stage, each stage's attention
+ring or Ulysses over the cp group, gradients and loss averaged over dp x cp) equals one
+process on the whole sequences after 3 Adam steps: pp2 x cp2 (ring balanced, ring
+contiguous, Ulysses), tp2 x cp2 (pp 1), float64 (parameters 1e-8, losses 1e-10). The
+compositions it does not support are refused by name."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests import context_fns
+from tests import ptdp_context_fns as fns
+
+TOL = {"rtol": 1e-8, "atol": 1e-8}
+
+
+@functools.cache
+def oracle(dp: int) -> dict:
+    return context_fns.model_oracle("gpt", dp)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "context", "balanced"),
+    [
+        ({"pp": 2, "dp": 1, "tp": 1, "cp": 2}, "ring", True),
+        ({"pp": 2, "dp": 1, "tp": 1, "cp": 2}, "ring", False),
+        ({"pp": 2, "dp": 1, "tp": 1, "cp": 2}, "ulysses", True),
+        ({"pp": 1, "dp": 1, "tp": 2, "cp": 2}, "ring", True),
+    ],
+    ids=["pp2xcp2-ring", "pp2xcp2-ring-contiguous", "pp2xcp2-ulysses", "tp2xcp2-ring"],
+)
+def test_gpt_with_cp_inside_ptdp_matches_one_process(ranks, mesh, context, balanced):
+    want = oracle(mesh["dp"])
+    for res in ranks(4, fns.run, mesh, context, balanced, 2, timeout=240):
+        # the pipeline ran this rank's SEQ / cp tokens and the attention talked over cp
+        assert res["shapes"] == [(context_fns.BATCH // 2, context_fns.SEQ // 2)], res["shapes"]
+        assert res["sent"] > 0  # bytes on this rank's cp group
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(want["losses"]), rtol=1e-10, atol=1e-10
+        )
+        assert set(res["state"]) == set(want["state"])
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                res["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}"
+            )
+
+
+def test_what_cp_inside_ptdp_does_not_compose_is_refused(ranks):
+    mesh = {"pp": 2, "dp": 1, "tp": 1, "cp": 2}
+    for text in ranks(4, fns.refused, mesh, zero=1, timeout=120):
+        assert "cp=2" in text and "zero=1" in text, text
+    for text in ranks(4, fns.refused, {"pp": 1, "dp": 1, "tp": 2, "cp": 2},
+                      sequence_parallel=True, timeout=120):  # fmt: skip
+        assert "cp=2" in text and "sequence_parallel=False" in text, text
