@@ -17,7 +17,7 @@ from plait.plan.activations import (
     per_layer_bytes,
     rank_activations,
 )
-from plait.plan.buffers import BUCKET_BYTES, buffer_bytes
+from plait.plan.buffers import BUCKET_BYTES, buffer_bytes, gathered_unit
 from plait.plan.cli import default_subcommand
 from plait.plan.fit import breakdown
 from plait.plan.hardware import a100
@@ -200,6 +200,28 @@ def test_buffers_by_hand() -> None:
     assert buffer_bytes(m, job, Layout(tp=8, pp=8, schedule="1f1b")) == 2 * act / 8
     split, whole = m.block_split()
     assert buffer_bytes(m, job, Layout(dp=8, zero=3)) == 3 * 2 * (split + whole)
+
+
+def test_fsdp_buffer_is_the_largest_gathered_block_moe_included() -> None:
+    """plait's GPT, h 64, f 4, 4 experts, every 2nd block MoE (block 1), e = 2 bytes.
+    Dense block: qkv 3h^2 + 3h = 12,480, proj h^2 + h = 4,160, fc1 4h^2 + 4h = 16,640, fc2
+    4h^2 + h = 16,448, two LayerNorms 4h = 256: 49,984.
+    MoE block: attention 16,640 + LayerNorms 256 + router h E = 256: 17,152; one expert
+    2 f h^2 + (f + 1) h = 32,768 + 320 = 33,088, four local at ep 1: 132,352; 149,504 in all,
+    three times the dense block, which sized the buffer before."""
+    m = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32, experts=4, top_k=2)
+    job = Job(global_batch=8, seq=32)
+    assert sum(m.block_split()) == 49_984
+    assert gathered_unit(m, Layout(dp=4, zero=3)) == 149_504
+    # the used, the prefetched and the gradient: 3 x 2 B x 149,504
+    assert buffer_bytes(m, job, Layout(dp=4, zero=3)) == 897_024
+    # ep 2: two local experts, 17,152 + 66,176 = 83,328 (still above the dense 49,984)
+    assert gathered_unit(m, Layout(dp=2, ep=2, zero=3)) == 83_328
+    # tp 2: the attention's split part (16,576 of it) halves, the experts stay whole
+    assert gathered_unit(m, Layout(dp=2, tp=2, zero=3)) == 149_504 - 16_576 / 2
+    # no experts: the dense block
+    dense = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
+    assert gathered_unit(dense, Layout(dp=4, zero=3)) == 49_984
 
 
 def test_memory_bound_term_adds_passes_over_activations() -> None:
