@@ -209,6 +209,13 @@ def test_execute_supported_names_what_is_not_built() -> None:
     assert "micro-batch" in str(execute.supported(Layout(dp=4, microbatch=1), JOB))
     assert "recompute" in str(execute.supported(Layout(dp=4, microbatch=4, recompute="full"), JOB))
     assert "ZeRO-3" in str(execute.supported(Layout(dp=2, tp=2, zero=3, microbatch=8), JOB))
+    # cp: build has no context parallelism; refused by name, with what to use instead
+    why = execute.supported(Layout(dp=2, cp=2, context="ulysses", microbatch=4), JOB)
+    assert why is not None and why.startswith("cp=2 (context parallelism) is not built")
+    assert "strategy='cp', mesh=Mesh(cp=2, dp=2), context='ulysses'" in why
+    # build refuses it before it looks at the world or the model
+    with pytest.raises(ValueError, match=r"dp2xtp1xcp2xpp1 ring b4: cp=2 \(context"):
+        execute.build(None, Layout(dp=2, cp=2, microbatch=4), JOB, None, None)  # type: ignore[arg-type]
 
 
 def test_data_parallel_collectives_per_zero_stage() -> None:

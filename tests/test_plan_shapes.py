@@ -17,7 +17,7 @@ from plait.plan.activations import (
     per_layer_bytes,
     rank_activations,
 )
-from plait.plan.buffers import BUCKET_BYTES, buffer_bytes
+from plait.plan.buffers import BUCKET_BYTES, buffer_bytes, gathered_unit
 from plait.plan.cli import default_subcommand
 from plait.plan.fit import breakdown
 from plait.plan.hardware import a100
@@ -191,6 +191,48 @@ def test_moe_mlp_flops_are_not_divided_by_tp() -> None:
     assert math.isclose(full, want_full, rel_tol=1e-12)
 
 
+def test_flash_attention_runs_half_the_causal_square() -> None:
+    """Llama 3 8B on one A100, no memory-bound term, s 8192, one sequence. Forward FLOPs per
+    token and block: projections 2 (h (q + 2 kv) + q h) = 2 (4096 x 6144 + 4096^2) =
+    83,886,080; SwiGLU 2 x 3 f h = 6 x 14336 x 4096 = 352,321,536; attention core
+    QK^T and PV 4 s q = 4 x 8192 x 4096 = 134,217,728. The head 2 h V = 2 x 4096 x 128256.
+    Unfused (Megatron-LM's kernels): 3 passes of all of it. FlashAttention with the causal
+    mask runs half the core in each pass (the tiles above the diagonal are skipped) and its
+    backward recomputes Q K^T (half the core), itself half run: 3 x core / 2 + core / 4.
+    Without the skip (causal_skip=False): 3 x core + core / 2."""
+    m = hf.load("llama3-8b")
+    c = replace(a100(1), elementwise_passes=0.0)
+    s, h, L, V = 8192, 4096, 32, 128256
+    lin = 2 * (h * (4096 + 2 * 1024) + 4096 * h) + 2 * 3 * 14336 * h
+    core = 4 * s * 4096
+    assert (lin, core) == (436_207_616, 134_217_728)
+    head = 2 * h * V
+    rate = c.peak_flops * c.efficiency
+
+    def compute(job: Job) -> float:
+        return step_time(m, job, Layout(), c).compute_per_mb
+
+    unfused = Job(global_batch=1, seq=s, dropout=False)
+    want = s * (L * 3 * (lin + core) + 3 * head) / rate
+    assert math.isclose(compute(unfused), want, rel_tol=1e-12)
+    flash = replace(unfused, flash_attention=True)
+    assert flash.causal_skip and flash.causal_share == 0.5
+    want = s * (L * (3 * lin + 3 * core / 2 + core / 4) + 3 * head) / rate
+    assert math.isclose(compute(flash), want, rel_tol=1e-12)
+    whole = replace(flash, causal_skip=False)
+    assert whole.causal_share == 1.0
+    want = s * (L * (3 * lin + 3 * core + core / 2) + 3 * head) / rate
+    assert math.isclose(compute(whole), want, rel_tol=1e-12)
+    # full recomputation: the rerun forward's core is halved too (4 passes)
+    full = step_time(m, flash, Layout(recompute="full"), c).compute_per_mb
+    want = s * (L * (4 * lin + 4 * core / 2 + core / 4) + 3 * head) / rate
+    assert math.isclose(full, want, rel_tol=1e-12)
+    # MFU keeps the model FLOPs' formula (the whole square): the same for every kernel
+    mfu = step_time(m, flash, Layout(), c).model_flops
+    assert mfu == step_time(m, unfused, Layout(), c).model_flops
+    assert mfu == m.flops_per_iteration(batch=1, seq=s)
+
+
 def test_buffers_by_hand() -> None:
     m = published("175B")
     job = Job(global_batch=64, seq=2048)
@@ -200,6 +242,28 @@ def test_buffers_by_hand() -> None:
     assert buffer_bytes(m, job, Layout(tp=8, pp=8, schedule="1f1b")) == 2 * act / 8
     split, whole = m.block_split()
     assert buffer_bytes(m, job, Layout(dp=8, zero=3)) == 3 * 2 * (split + whole)
+
+
+def test_fsdp_buffer_is_the_largest_gathered_block_moe_included() -> None:
+    """plait's GPT, h 64, f 4, 4 experts, every 2nd block MoE (block 1), e = 2 bytes.
+    Dense block: qkv 3h^2 + 3h = 12,480, proj h^2 + h = 4,160, fc1 4h^2 + 4h = 16,640, fc2
+    4h^2 + h = 16,448, two LayerNorms 4h = 256: 49,984.
+    MoE block: attention 16,640 + LayerNorms 256 + router h E = 256: 17,152; one expert
+    2 f h^2 + (f + 1) h = 32,768 + 320 = 33,088, four local at ep 1: 132,352; 149,504 in all,
+    three times the dense block, which sized the buffer before."""
+    m = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32, experts=4, top_k=2)
+    job = Job(global_batch=8, seq=32)
+    assert sum(m.block_split()) == 49_984
+    assert gathered_unit(m, Layout(dp=4, zero=3)) == 149_504
+    # the used, the prefetched and the gradient: 3 x 2 B x 149,504
+    assert buffer_bytes(m, job, Layout(dp=4, zero=3)) == 897_024
+    # ep 2: two local experts, 17,152 + 66,176 = 83,328 (still above the dense 49,984)
+    assert gathered_unit(m, Layout(dp=2, ep=2, zero=3)) == 83_328
+    # tp 2: the attention's split part (16,576 of it) halves, the experts stay whole
+    assert gathered_unit(m, Layout(dp=2, tp=2, zero=3)) == 149_504 - 16_576 / 2
+    # no experts: the dense block
+    dense = ModelSpec(layers=2, hidden=64, heads=4, vocab=256, seq_len=32)
+    assert gathered_unit(dense, Layout(dp=4, zero=3)) == 49_984
 
 
 def test_memory_bound_term_adds_passes_over_activations() -> None:

@@ -3,9 +3,13 @@ states and the saved activations (the ZeRO paper's "residual states", section 3)
 
 Per rank, ``e`` bytes per 16-bit element, ``b s h`` one micro-batch's activation::
 
-    ZeRO-3 / FSDP   3 e U / t      the gathered unit being used, the next one prefetched,
+    ZeRO-3 / FSDP   3 e U          the gathered unit being used, the next one prefetched,
                                    and its gradient before the reduce-scatter (U: the
-                                   largest unit's parameters, one block)
+                                   largest block's parameters on this rank: a dense
+                                   block's split part / t and whole part; an MoE block's
+                                   attention / t, its norms, router and shared expert
+                                   whole, and its E / ep local experts, whole on every tp
+                                   rank, when that is larger)
     ZeRO 0-2        2 x 25 MB      gradient buckets in flight (DDP's default bucket)
     pipeline        2 e b s h / t  a send and a receive buffer (SP or scatter/gather:
                                    ``/t``; the whole activation otherwise)
@@ -31,6 +35,21 @@ from plait.plan.model import ModelSpec
 BUCKET_BYTES = 25e6  # torch DDP's default bucket_cap_mb
 
 
+def gathered_unit(model: ModelSpec, layout: Layout) -> float:
+    """Parameters of the largest block ZeRO-3 / FSDP gathers on one rank (module doc): of
+    the block kinds the model has, dense and MoE (an MoE block with its ``experts / ep``
+    local experts)."""
+    units = []
+    if model.dense_layers:
+        split, whole = model.block_split(moe=False)
+        units.append(split / layout.tp + whole)
+    if model.moe_layers:
+        split, whole = model.block_split(moe=True)
+        local = model.experts // layout.ep * model.mlp_params()
+        units.append(split / layout.tp + whole + local)
+    return max(units)
+
+
 def buffer_bytes(model: ModelSpec, job: Job, layout: Layout) -> float:
     """Peak communication-buffer bytes on one rank (module doc)."""
     lay, e = layout, job.element_bytes
@@ -44,8 +63,7 @@ def buffer_bytes(model: ModelSpec, job: Job, layout: Layout) -> float:
             total += e * lay.tokens(job) * (q + 2 * kv)
     if lay.replicas > 1:
         if lay.zero == 3:
-            split, whole = model.block_split(moe=False)
-            total += 3 * e * (split / lay.tp + whole)
+            total += 3 * e * gathered_unit(model, lay)
         else:
             total += 2 * BUCKET_BYTES
     if lay.pp > 1:
@@ -56,4 +74,4 @@ def buffer_bytes(model: ModelSpec, job: Job, layout: Layout) -> float:
     return total
 
 
-__all__ = ["BUCKET_BYTES", "buffer_bytes"]
+__all__ = ["BUCKET_BYTES", "buffer_bytes", "gathered_unit"]

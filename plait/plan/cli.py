@@ -188,8 +188,9 @@ def _add_layout_args(lay: Any) -> None:
         "--attention",
         choices=["fused", "unfused"],
         default=None,
-        help="fused (FlashAttention, SDPA: no s x s tensor kept; default for Hugging Face "
-        "configs) or unfused (Megatron 2022's, the default for gpt and 22B..1T)",
+        help="fused (FlashAttention, SDPA with a causal mask: no s x s tensor kept, the "
+        "masked half of the scores skipped; the default) or unfused (Megatron-LM 2021-2022's "
+        "whole s x s square, the default for 22B..1T)",
     )
     j.add_argument("--precision", default="mixed", help="mixed or fp32")
     j.add_argument("--optimizer", default="adam")
@@ -328,7 +329,11 @@ def _search(args: argparse.Namespace) -> Any:
     _check_size(model)
     cluster = _cluster(args)
     hf_model = model.positions == "rope" or model.norm == "rmsnorm"
-    fused = args.attention == "fused" or (args.attention is None and hf_model)
+    # fused unless asked: a modern GPU stack's causal FlashAttention (plait's GPT calls SDPA
+    # with is_causal=True, as Hugging Face's sdpa attention does); the published 22B..1T
+    # presets keep Megatron-LM's unfused kernel of the runs they reproduce
+    megatron = args.params is None and args.model in spec.PUBLISHED
+    fused = args.attention == "fused" or (args.attention is None and not megatron)
     job = Job(
         global_batch=args.batch or 8 * cluster.devices,
         seq=args.seq or min(model.seq_len, DEFAULT_MAX_SEQ),

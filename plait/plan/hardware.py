@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # al., torchtitan: every other row of each source) and checked on 12 others (its
 # results/plan_validate.md gives both errors). H100, H200 and B200 reuse them: no
 # published run on those was fitted, so their predictions are less sure.
-A100_EFFICIENCY = 0.68
+A100_EFFICIENCY = 0.69
 ELEMENTWISE_PASSES = 7.2
 
 

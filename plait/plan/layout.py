@@ -55,6 +55,13 @@ class Job:
     # fused attention (FlashAttention, PyTorch's SDPA): no s x s tensor kept; the backward
     # recomputes the scores (one more s x s product per head: half selective's extra FLOPs)
     flash_attention: bool = False
+    # with flash_attention: the kernel skips the tiles the causal mask hides entirely
+    # (FlashAttention-2's causal path, Dao 2023 section 3.1.1; PyTorch's SDPA with
+    # is_causal=True on its flash backend), so about half of the attention core's s x s
+    # products (QK^T, PV, the backward's and the recomputed scores) run: causal_share.
+    # False: a fused kernel that runs the whole square. An unfused attention (Megatron-LM's
+    # 2021-2022 baddbmm + fused masked softmax + bmm) runs the whole square whatever this says.
+    causal_skip: bool = True
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq < 1:
@@ -63,6 +70,14 @@ class Job:
             )
         if self.precision not in PRECISIONS:
             raise LayoutError(f"Job: precision={self.precision!r}; use one of {list(PRECISIONS)}")
+
+    @property
+    def causal_share(self) -> float:
+        """Share of the attention core's ``s x s`` FLOPs the kernel runs: 1/2 for a fused
+        kernel that skips the causal mask's hidden tiles (the diagonal's tiles, half masked,
+        add ``tile / 2s``: under 2% of the core at s >= 4096 with 128-wide tiles, not
+        counted), 1 otherwise."""
+        return 0.5 if self.flash_attention and self.causal_skip else 1.0
 
     @property
     def element_bytes(self) -> int:

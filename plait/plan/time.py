@@ -24,7 +24,11 @@ The memory-bound share is what makes small GEMMs slow per FLOP: ``A / FLOPs`` pe
 goes as ``1/h`` (and as ``a s / h^2`` for the unfused softmax), so one efficiency
 constant cannot serve both a 22B and a 1T model; two can (benchmarks/plan_validate.py).
 A fused attention (``Job.flash_attention``) adds ``2 s a d`` FLOPs per token and block
-(the backward's recomputed scores).
+(the backward's recomputed scores) and, with a causal mask, runs only the tiles the mask
+does not hide entirely (``Job.causal_share``, 1/2): every pass over the ``s x s`` products
+(forward, backward, a recomputed forward, the recomputed scores) costs half. These are the
+FLOPs the hardware runs; MFU keeps the model FLOPs' formula (the whole square), as the
+published runs report it.
 
 Context parallelism (``cp = c``): a rank computes ``b s / c`` tokens of each sequence
 (every per-token FLOP and byte below is of those tokens; the attention core still sees the
@@ -305,7 +309,9 @@ def step_time(
     tokens = lay.tokens(job)  # this rank's
     m = lay.microbatches(job)
     mult = 3.0 + (1.0 if lay.recompute == "full" else 0.0)
-    core = 4 * s * model.hidden
+    core = model.attention_core_flops(s)  # forward, per token: QK^T and PV, 4 s a d
+    # what the kernel skips of the causal square (Job.causal_share), in every pass over it
+    skipped = core * (1 - job.causal_share)
     per_flop = 1.0 / (lay.tp * cluster.peak_flops * cluster.efficiency)
     # an MoE block's MLP runs whole on every 1D tp rank (plait's plans): on the replicated
     # input, or on the rank's s / t tokens under SP; the grid modes divide everything by t
@@ -358,12 +364,12 @@ def step_time(
     cal = cluster.calibration
     call_s = cal.tp_call_seconds(lay.tp) if cal is not None else 0.0
     for dense, moe, first, last in rank_contents(model, lay):
-        flops = (dense * split_dense + moe * split_moe) * mult  # split over tp
+        flops = (dense * split_dense + moe * split_moe - (dense + moe) * skipped) * mult
         whole = moe * whole_moe * mult  # run by every tp rank (over whole_div)
         if lay.recompute == "selective" and not job.flash_attention:
             flops += (dense + moe) * core
         if job.flash_attention:  # the backward recomputes the scores, QK^T
-            flops += (dense + moe) * core / 2
+            flops += (dense + moe) * core / 2 * job.causal_share
         tp_s = dense * tp_dense + moe * tp_moe
         tp_b = dense * tp_bytes_dense + moe * tp_bytes_moe
         grid = lay.tp_mode != "1d"

@@ -19,8 +19,9 @@ anything else with ``pp``, ``tp``,      :func:`plait.strategies.compose.compose`
 :class:`Built` gives ``step()`` (forward and backward of this rank's rows of the global
 batch, every micro-batch), the optimizer, and ``held()``: the object
 :func:`plait.plan.memory.measure` reads for this rank's model states. Recomputation and
-2D/3D tensor modes, gradient accumulation without a pipeline, ZeRO-3 with tp or pp and
-expert parallelism with tp, pp or ZeRO are not built (:func:`supported` says why).
+2D/3D tensor modes, context parallelism (``cp > 1``), gradient accumulation without a
+pipeline, ZeRO-3 with tp or pp and expert parallelism with tp, pp or ZeRO are not built
+(:func:`supported` says why; :func:`build` refuses them).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class _Held:
 def supported(layout: Layout, job: Job) -> str | None:
     """Why :func:`build` cannot run ``layout``, or None if it can."""
     lay = layout
+    if lay.cp > 1:  # build has no cp: it would train and measure the layout without it
+        return (
+            f"cp={lay.cp} (context parallelism) is not built here: measure it with "
+            f"plait.prepare(strategy='cp', mesh=Mesh(cp={lay.cp}, dp={lay.dp}), "
+            f"context={lay.context!r}), or take cp=1"
+        )
     if lay.recompute != "none" or lay.tp_mode != "1d":
         return f"recompute={lay.recompute!r}, tp_mode={lay.tp_mode!r}: only 'none', '1d' are built"
     if lay.ep > 1 and (lay.tp > 1 or lay.pp > 1 or lay.zero):
@@ -96,6 +103,9 @@ def build(
     Collective over the world (module doc)."""
 
     lay = layout
+    why = supported(lay, job)  # before the world: what cannot be built is refused anywhere
+    if why is not None:
+        raise ValueError(f"execute.build: layout {lay.label()}: {why}")
     world = plait.world()
     if lay.world != world.size:
         raise ValueError(
@@ -105,9 +115,6 @@ def build(
         raise ValueError(
             f"ids has {ids.shape[0]} rows; the job's global_batch is {job.global_batch}"
         )
-    why = supported(lay, job)
-    if why is not None:
-        raise ValueError(f"execute.build: layout {lay.label()}: {why}")
     gpt: Any = model
     cfg: Any = gpt.config
     block_type: Any = type(gpt.blocks[0])
