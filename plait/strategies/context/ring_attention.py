@@ -16,11 +16,13 @@ and never holds the score matrix (``FUSED_CPU_KERNEL``), or by the plain arithme
 (``_block_forward``/``_block_backward``: the reference, used off CPU).
 
 Backward (recomputed blockwise, nothing but ``q, k, v, out, lse`` saved): the keys and
-values go around the ring once more; rank ``r`` first uses its own (step 0, its own
-``dk, dv`` kept), then at step ``j = 1 .. c-1`` the block of rank ``s = r - j`` together
-with the running ``dk_s, dv_s`` it received from ``r - 1``, adds its share and passes them
-on; after the last step every block's gradient arrives home (from ``r - 1``), where the
-owner adds its own share.
+values go around the ring once more; at step ``j = 1 .. c-1`` rank ``r`` uses the block of
+rank ``s = r - j`` (the next block's transfer posted before the compute), adds its share to
+the running ``dk_s, dv_s`` received from ``r - 1`` and passes them on; its own block comes
+last, while the last running sum travels home (from ``r - 1``), where the owner adds its own
+share. So the own ``dk, dv`` is not held through the loop; in flight at most: the K/V block
+in use and the next one, the running dK/dV sent and the one arriving, this step's dK/dV
+share and one chunk pair's gradients.
 
 Communication, on the cp group only (point-to-point, counted by
 ``plait.comm.group_stats()``), with ``KV = 2 * batch * kv_heads * (S / c) * head_dim``
@@ -162,8 +164,14 @@ class _RingAttention(torch.autograd.Function):
                 nxt = None
             del ks, vs
         WORK[(c, r)] = pairs
-        # every query chunk sees at least its own diagonal chunk, so both are set
-        out = torch.cat([acc[0][0], acc[1][0]], dim=2)  # type: ignore[index]
+        # every query chunk sees at least its own diagonal chunk, so both are set. The output
+        # is laid out [b, tokens, heads, d] in memory (as the fused kernel lays out its own),
+        # so a model's ``out.transpose(1, 2).reshape(b, s, -1)`` before its projection is a
+        # view: the projection then saves this tensor, not a copy of it
+        b, _, _, d = q.shape
+        out = q.new_empty(b, 2 * n, heads, d).transpose(1, 2)
+        out[:, :, :n].copy_(acc[0][0])  # type: ignore[index]
+        out[:, :, n:].copy_(acc[1][0])  # type: ignore[index]
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)  # type: ignore[index]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.balanced, ctx.scale = group, causal, balanced, scale
@@ -179,14 +187,9 @@ class _RingAttention(torch.autograd.Function):
         outs, lses = out.split(n, dim=2), lse.split(n, dim=2)
         dq = torch.zeros_like(q)
         dqc = dq.split(n, dim=2)
-        kv = [k, v]
-        own: list[torch.Tensor] = []
-        incoming = None
-        for step in range(c):
-            nxt = None
-            if step < c - 1:
-                nxt = shift(kv, group, kind="cp_kv_bwd", what="pass keys/values (backward)")
-            src = (r - step) % c
+
+        def share(kv: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+            """This rank's dK, dV of block ``src`` (its dq share added into ``dq``)."""
             ke, ve = _expand(kv[0], heads), _expand(kv[1], heads)
             ks, vs = ke.split(n, dim=2), ve.split(n, dim=2)
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
@@ -197,18 +200,30 @@ class _RingAttention(torch.autograd.Function):
                 dks[j].add_(g[1])
                 dvs[j].add_(g[2])
                 del g
-            mine = [_fold(dk, kv_heads), _fold(dv, kv_heads)]
-            del dk, dv, dks, dvs  # before the next buffers are allocated
-            if step == 0:
-                own = mine
+            return [_fold(dk, kv_heads), _fold(dv, kv_heads)]
+
+        # the other ranks' blocks first (step j: the block of rank r - j, then the running
+        # dK/dV of it, received from r - 1, plus this rank's share, passed on to r + 1), the
+        # rank's own block last: its dK/dV is computed while the last running sum travels
+        # home, not held through the loop
+        nxt = None
+        if c > 1:
+            nxt = shift([k, v], group, kind="cp_kv_bwd", what="pass keys/values (backward)")
+        incoming = None
+        for step in range(1, c):
+            assert nxt is not None
+            kv = nxt.wait()
+            if step < c - 1:  # posted before the compute: it travels while this block runs
+                nxt = shift(kv, group, kind="cp_kv_bwd", what="pass keys/values (backward)")
             else:
-                if incoming is not None:
-                    mine = [a.add_(b) for a, b in zip(incoming.wait(), mine, strict=True)]
-                incoming = shift(mine, group, kind="cp_dkv", what="pass dK/dV home")
-            del mine, ke, ve, ks, vs
-            if nxt is not None:
-                kv = nxt.wait()
                 nxt = None
+            mine = share(kv, (r - step) % c)
+            del kv  # the last block is free before the dK/dV buffers below are posted
+            if incoming is not None:
+                mine = [a.add_(b) for a, b in zip(incoming.wait(), mine, strict=True)]
+            incoming = shift(mine, group, kind="cp_dkv", what="pass dK/dV home")
+            del mine
+        own = share([k, v], r)
         if incoming is not None:  # the received buffers are this rank's: add in place
             own = [b.add_(a) for a, b in zip(own, incoming.wait(), strict=True)]
         return dq, own[0], own[1], None, None, None, None

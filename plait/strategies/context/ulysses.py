@@ -60,7 +60,11 @@ def _heads_to_seq(x: torch.Tensor, group: Group, balanced: bool) -> torch.Tensor
         send[i, :, :, j].copy_(x[:, :, chunk * n : (chunk + 1) * n])
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(b, c * hc, 2 * n, d)
+    # laid out [b, tokens, heads, d] in memory, as PyTorch's CPU flash kernel lays out its
+    # output: a model's ``transpose(1, 2).reshape(b, s, -1)`` of it is then a view, not a copy
+    out = x.new_empty(b, 2, n, c, hc, d)
+    out.copy_(recv.permute(1, 3, 4, 0, 2, 5))
+    return out.view(b, 2 * n, c * hc, d).transpose(1, 2)
 
 
 def _where(c: int, balanced: bool) -> list[tuple[int, int]]:
