@@ -186,6 +186,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
             ffn_hidden=int(_get(cfg, "n_inner", default=4 * h)),
             tied=bool(cfg.get("tie_word_embeddings", True)),
             activation=str(cfg.get("activation_function", "gelu_new")),
+            shifts_labels=True,
             name=label,
         )
     heads = int(cfg["num_attention_heads"])
@@ -209,6 +210,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
         qk_norm=kind in ("qwen3", "qwen3_moe"),
         activation=str(cfg.get("hidden_act", "silu")),
         softmax_fp32=True,  # eager_attention_forward: softmax(..., dtype=torch.float32)
+        shifts_labels=True,  # Hugging Face's causal-LM loss
         name=label,
     )
     if kind in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):
@@ -257,7 +259,9 @@ def load(model: str) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"plan: {path} is not JSON ({e})") from e
-    return from_hf_config(cfg, name=path.parent.name or path.stem)
+    # a directory's config.json is named by its directory, another file by its own name
+    label = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    return from_hf_config(cfg, name=label)
 
 
 __all__ = ["FAMILIES", "PRESETS", "from_hf_config", "load"]

@@ -258,6 +258,23 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
         return
     if lay.tp_mode != "1d":
         raise LayoutError(f"cp={lay.cp} with tp_mode={lay.tp_mode!r}: cp composes with 1D tp")
+    if model.experts:
+        raise LayoutError(
+            f"cp={lay.cp} with MoE blocks: plait's context parallelism does not compose with "
+            f"experts yet; use cp=1"
+        )
+    if lay.zero:
+        raise LayoutError(
+            f"cp={lay.cp} with zero={lay.zero}: plait averages gradients over dp x cp with a "
+            f"plain all-reduce under cp; use zero=0"
+        )
+    if lay.pp > 1 and model.shifts_labels:
+        raise LayoutError(
+            f"cp={lay.cp} with pp={lay.pp}: the model's loss shifts its labels itself "
+            f"(Hugging Face's), which the sequence chunks of cp break inside a pipeline; "
+            f"plait runs cp x pp for a loss on shifted targets (plait's GPT), this model "
+            f"with cp and pp=1"
+        )
     if lay.context == "ring" and job.seq % (2 * lay.cp):
         raise LayoutError(
             f"cp={lay.cp} (ring): seq={job.seq} must divide into 2*cp = {2 * lay.cp} equal "

@@ -79,6 +79,9 @@ class ModelSpec:
     # keeps four tensors where a fused kernel ("gelu", "silu", ...) keeps its input only
     activation: str = "gelu"
     softmax_fp32: bool = False  # unfused attention's softmax computed in fp32 (HF's Llama)
+    # the model's loss shifts its labels itself (Hugging Face's labels=): a cp rank's chunk
+    # ends where another's begins, so plait runs it under cp without a pipeline only
+    shifts_labels: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_at", tuple(sorted(set(self.dense_at))))
