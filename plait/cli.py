@@ -314,14 +314,8 @@ def _demo_gpt(args: argparse.Namespace) -> int:
     if args.reference_steps is not None:
         print("plait demo: --reference-steps is an option of --tour", file=sys.stderr)
         return 2
-    from plait.demo.gpt import (
-        GPTDemoConfig,
-        GPTDemoOptionError,
-        check_passed,
-        fit_defaults,
-        run,
-        validate,
-    )
+    from plait.demo.gpt import check_passed, run
+    from plait.demo.options import GPTDemoConfig, GPTDemoOptionError, fit_defaults, validate
 
     cnn_only = [
         flag

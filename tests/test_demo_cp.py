@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from plait.demo import context
-from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, check_passed
+from plait.demo.gpt import GPTDemoReport, check_passed
+from plait.demo.options import GPTDemoConfig
 
 ROOT = Path(__file__).parent.parent
 SMALL = ["--steps", "4", "--evals", "2", "--width", "32", "--seq-len", "16", "--batch-size", "4"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.demo.gpt import FLOAT64_BOUND, GPTDemoConfig, GPTDemoOptionError, run, validate
+from plait.demo.gpt import FLOAT64_BOUND, run
+from plait.demo.options import GPTDemoConfig, GPTDemoOptionError, validate
 
 # float64: Adam's step m / (sqrt(v) + eps) turns a rounding change in a small gradient
 # element into a sizeable fraction of lr, so float32 runs differ by 1e-4..1e-3 within a few

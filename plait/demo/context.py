@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from plait.demo.gpt import GPTDemoConfig
+    from plait.demo.options import GPTDemoConfig
 
 CONTEXTS = ("ring", "ulysses")
 RING_KINDS = ("cp_kv", "cp_kv_bwd", "cp_dkv")
@@ -28,10 +28,10 @@ ULYSSES_KINDS = ("all_to_all",)
 
 
 def validate_cp(c: GPTDemoConfig) -> None:
-    """Raise :class:`~plait.demo.gpt.GPTDemoOptionError` (one line naming the option and
+    """Raise :class:`~plait.demo.options.GPTDemoOptionError` (one line naming the option and
     what to change) unless ``c``'s context parallelism is usable. Runs before any rank."""
-    # deferred: plait.demo.gpt imports this module (its validate calls this function)
-    from plait.demo.gpt import GPTDemoOptionError as bad
+    # deferred: plait.demo.options imports this module (its validate calls this function)
+    from plait.demo.options import GPTDemoOptionError as bad
 
     if not isinstance(c.cp, int) or c.cp < 1:
         raise bad(f"--cp must be at least 1, got {c.cp}")

@@ -40,7 +40,7 @@ from plait.strategies.tensor import loss_fn
 from plait.trace import Tracer
 
 if TYPE_CHECKING:
-    from plait.demo.gpt import GPTDemoConfig
+    from plait.demo.options import GPTDemoConfig
 
 
 @dataclass

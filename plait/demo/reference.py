@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from plait import checkpoint
-from plait.demo.gpt import PROMPT, GPTDemoConfig, corpus, global_batch, held_out_windows
+from plait.demo.gpt import PROMPT, corpus, global_batch, held_out_windows
+from plait.demo.options import GPTDemoConfig
 from plait.models import GPT, CharTokenizer
 from plait.models.gpt import loss
 

@@ -42,7 +42,8 @@ from typing import Any
 
 from plait import checkpoint
 from plait.demo import reference
-from plait.demo.gpt import GPTDemoConfig, GPTDemoReport, check_passed, run
+from plait.demo.gpt import GPTDemoReport, check_passed, run
+from plait.demo.options import GPTDemoConfig
 from plait.demo.pictures import tour_png
 from plait.models import GPT
 
