@@ -47,9 +47,10 @@ SIZES = [(1, 16, 64), (2, 32, 96), (2, 64, 128)]
 DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}
 
 
-def saved_bytes(model: Any, ids: Any) -> int:
-    """Bytes of the unique storages autograd saves in one training forward with the loss,
-    parameters and buffers left out; plus the returned logits' storage."""
+def kept_bytes(model: Any, forward: Any) -> int:
+    """Bytes of the unique storages autograd saves while ``forward()`` runs (it returns the
+    loss and the logits), parameters and buffers left out; plus the logits' storage (held by
+    a loop that keeps the model's output through the backward)."""
     states = {t.untyped_storage().data_ptr() for t in model.parameters()}
     states |= {t.untyped_storage().data_ptr() for t in model.buffers()}
     kept: dict[int, int] = {}
@@ -61,11 +62,20 @@ def saved_bytes(model: Any, ids: Any) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids)
-    logits = out.logits.untyped_storage()
-    kept.setdefault(logits.data_ptr(), logits.nbytes())
-    out.loss.backward()  # the saved tensors were enough for a backward
+        loss, logits = forward()
+    kept.setdefault(logits.untyped_storage().data_ptr(), logits.untyped_storage().nbytes())
+    loss.backward()  # the saved tensors were enough for a backward
     return sum(kept.values())
+
+
+def saved_bytes(model: Any, ids: Any) -> int:
+    """:func:`kept_bytes` of one training forward of a Hugging Face model with its loss."""
+
+    def forward() -> tuple[Any, Any]:
+        out = model(input_ids=ids, labels=ids)
+        return out.loss, out.logits
+
+    return kept_bytes(model, forward)
 
 
 def config(family: str, h: int, layers: int, attn: str, **kw: Any) -> Any:

@@ -125,13 +125,28 @@ dispatch and combine buffers are :mod:`plait.plan.buffers`'.
 
 Context parallelism over ``c`` ranks (:mod:`plait.strategies.context`): each rank holds
 ``s / c`` tokens of every tensor above, so every per-token term is divided by ``c``. The
-attention core never holds a score matrix under cp: ring attention merges blockwise
-partials with the online softmax and keeps, like a fused kernel, the fp32 log-sum-exp of
-its own rows, ``4 a s b / c``; Ulysses runs the (fused, or not) kernel on ``a / c`` heads of
-the whole sequence, which is the same ``1 / c`` of the one-rank figure. So per rank::
+attention core never holds a score matrix under cp. Per token of a rank (measured on every
+rank of plait's GPT and a Hugging Face Llama at cp 2 and 4: tests/test_plan_context_measured.py)::
 
-    cp      per_layer(s, cp) = per_layer(s / c) with the core (ring: 4 a s b / c;
-            Ulysses: the one-rank core / c)
+    ring      e (2 q + 2 kv) + 4 a   the ring's saved q, k, v (its own rows, k and v
+                                     compact: kv wide), its output (which the output
+                                     projection keeps too: the same storage) and the fp32
+                                     log-sum-exp of its rows; blockwise partials are merged
+                                     with the online softmax and recomputed in the backward
+    Ulysses   e (2 q + 2 kv') + 4 a  the fused kernel's saved head-split copies of q, k, v,
+              + e q                  its output and log-sum-exp (a / c heads of all s
+                                     tokens: the same bytes as s / c tokens of all heads),
+                                     and the output brought back to this rank's tokens (the
+                                     output projection's input, a second copy of the
+                                     output); ``kv' = kv`` when ``c`` divides the key/value
+                                     heads (per tp rank), else ``q``: the keys and values are
+                                     repeated to every query head before the all-to-all
+
+so Ulysses keeps ``e q`` per token more than the ring (``e (q + 2 (q - kv))`` when the
+key/value heads do not split; until measured the planner counted the ring's figure for both,
+6% of a block short for plait's GPT, 9% for a Llama with 2 key/value heads at cp 4). An
+unfused kernel under Ulysses (``flash_attention`` off) keeps its ``s x s`` core for ``a / c``
+heads, the one-rank figure / ``c``, and no second output copy (its output is not saved).
 
 The ring's keys and values of the block in flight are communication buffers
 (:mod:`plait.plan.buffers`), held for one layer at a time, not per layer.
@@ -237,6 +252,13 @@ def per_layer_bytes(
     replicated: float = norms * h + 2 * k * h
     # Q, K, V, the output projection's input: eager attention repeats K and V to q's width
     attention = e * (2 * q + 2 * kv) if fused else 4 * e * q
+    if cp > 1 and context == "ulysses" and fused:
+        # module doc: the head-split copies the fused kernel keeps, keys and values repeated
+        # to q's width when the cp size does not divide this tp rank's key/value heads, and
+        # the output's copy back on this rank's tokens (the output projection's input)
+        if (kv * a // q // t) % cp:
+            attention += 2 * e * (q - kv)
+        attention += e * q
     if qk_norm:
         attention += (4 + e) * (q + kv)
     per_width = (4 if activation == "gelu_new" else 1) + 1 + (2 if gated else 0)
