@@ -14,8 +14,8 @@ import torch
 
 from plait import checkpoint
 from plait.demo.gpt import FLOAT64_BOUND
-from plait.demo.options import GPTDemoConfig, validate
 from plait.demo.layouts import upcycle
+from plait.demo.options import GPTDemoConfig, validate
 from plait.demo.reference import Reference, Schedule, fastest_threads, lr_at
 from plait.demo.tour import LEGEND, Row, Tour, _print, bubble_note, stops, table, tour
 from plait.models import GPT
