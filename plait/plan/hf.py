@@ -186,7 +186,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
             ffn_hidden=int(_get(cfg, "n_inner", default=4 * h)),
             tied=bool(cfg.get("tie_word_embeddings", True)),
             activation=str(cfg.get("activation_function", "gelu_new")),
-            shifts_labels=True,
+            hugging_face=True,
             name=label,
         )
     heads = int(cfg["num_attention_heads"])
@@ -210,7 +210,7 @@ def from_hf_config(config: Mapping[str, Any] | Any, *, name: str | None = None) 
         qk_norm=kind in ("qwen3", "qwen3_moe"),
         activation=str(cfg.get("hidden_act", "silu")),
         softmax_fp32=True,  # eager_attention_forward: softmax(..., dtype=torch.float32)
-        shifts_labels=True,  # Hugging Face's causal-LM loss
+        hugging_face=True,
         name=label,
     )
     if kind in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):

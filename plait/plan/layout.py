@@ -209,6 +209,23 @@ def check(model: ModelSpec, job: Job, layout: Layout, *, world: int | None = Non
         raise LayoutError(f"ep={lay.ep} but the model has no experts (experts=0); use ep=1")
     if model.experts and model.experts % lay.ep:
         raise LayoutError(f"ep={lay.ep} does not divide experts={model.experts}")
+    if lay.ep > 1 and lay.zero:
+        raise LayoutError(
+            f"ep={lay.ep} with zero={lay.zero}: plait averages expert gradients over dp and "
+            f"the others over dp x ep, which one ZeRO shard over dp cannot; use zero=0"
+        )
+    if lay.sp and lay.pp > 1 and model.hugging_face:
+        raise LayoutError(
+            f"sp=True with pp={lay.pp} for a Hugging Face model: each pipeline stage rebuilds "
+            f"the rotary embedding and the masks from its input, which sequence parallelism "
+            f"slices; plait runs it with sp=False or pp=1"
+        )
+    if model.experts and lay.sp and (lay.ep > 1 or not model.hugging_face):
+        raise LayoutError(
+            f"sp=True with MoE blocks{f' split over ep={lay.ep}' if lay.ep > 1 else ''}: "
+            f"plait does not run it (each tp rank would route or dispatch its slice of the "
+            f"sequence); use sp=False"
+        )
     # schedule
     if lay.pp == 1:
         if lay.schedule != "none" or lay.v != 1:
@@ -268,7 +285,7 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
             f"cp={lay.cp} with zero={lay.zero}: plait averages gradients over dp x cp with a "
             f"plain all-reduce under cp; use zero=0"
         )
-    if lay.pp > 1 and model.shifts_labels:
+    if lay.pp > 1 and model.hugging_face:
         raise LayoutError(
             f"cp={lay.cp} with pp={lay.pp}: the model's loss shifts its labels itself "
             f"(Hugging Face's), which the sequence chunks of cp break inside a pipeline; "

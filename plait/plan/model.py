@@ -79,9 +79,11 @@ class ModelSpec:
     # keeps four tensors where a fused kernel ("gelu", "silu", ...) keeps its input only
     activation: str = "gelu"
     softmax_fp32: bool = False  # unfused attention's softmax computed in fp32 (HF's Llama)
-    # the model's loss shifts its labels itself (Hugging Face's labels=): a cp rank's chunk
-    # ends where another's begins, so plait runs it under cp without a pipeline only
-    shifts_labels: bool = False
+    # a Hugging Face model (from_hf_config): its loss shifts its labels itself (a cp rank's
+    # chunk ends where another's begins) and its pipeline stages rebuild the rotary
+    # embedding and the masks from their input (which sequence parallelism slices), so
+    # plait runs it with neither cp nor SP inside a pipeline
+    hugging_face: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_at", tuple(sorted(set(self.dense_at))))
