@@ -33,6 +33,7 @@ class Case:
     accumulate: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    recompute: bool = False  # every stage reruns its forward before its backward
     via_compose: bool = False  # compose(..., plans=plan_for) instead of plait.prepare
 
     @property
@@ -47,6 +48,7 @@ class Case:
         extra += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
         extra += ["sp"] if self.sequence_parallel else []
+        extra += ["recompute"] if self.recompute else []
         extra += ["compose"] if self.via_compose else []
         return "-".join([self.family, dims, self.schedule, *extra])
 
@@ -85,6 +87,7 @@ def train(case: Case) -> dict[str, Any]:
         "microbatches": case.microbatches,
         "zero": case.zero,
         "sequence_parallel": case.sequence_parallel,
+        "recompute": case.recompute,
     }
     if case.via_compose:
         ptdp = compose(model, opt, mesh=mesh, plans=plan_for, **options)

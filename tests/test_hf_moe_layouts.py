@@ -102,6 +102,8 @@ PTDP_CASES = [
     # the model's own experts split over ep inside PTD-P (carved out of data parallelism)
     ptdp_fns.Case(family="mixtral+aux", pp=2, dp=1, tp=1, ep=2, accumulate=2),
     ptdp_fns.Case(family="qwen2_moe+aux", pp=1, dp=1, tp=2, ep=2),
+    # every stage reruns its forward (its routers, the all-to-alls, the loss's shares)
+    ptdp_fns.Case(family="mixtral+aux", pp=2, dp=1, tp=1, ep=2, recompute=True),
     ptdp_fns.Case(family="mixtral+aux", pp=1, dp=2, tp=2, sequence_parallel=True),
     ptdp_fns.Case(family="qwen2_moe", schedule="zb-h1", accumulate=2),
     ptdp_fns.Case(family="qwen2_moe+aux", pp=2, dp=2, tp=1, accumulate=2),

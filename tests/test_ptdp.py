@@ -51,6 +51,9 @@ FOUR = [
     # DualPipeV: the V placement with F&B pairs, m >= 2p
     Case(tp=2, pp=2, tied=True, clip=0.05, schedule="dualpipev", microbatches=4),
     Case(dp=2, pp=2, zero=1, schedule="dualpipev", microbatches=4, batch=8),
+    # recompute=True: every stage reruns its forward (tensor-parallel collectives included)
+    Case(tp=2, pp=2, sp=True, options={"recompute": True}),
+    Case(dp=2, pp=2, zero=1, schedule="zb-h1", options={"recompute": True}),
 ]
 
 

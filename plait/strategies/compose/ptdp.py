@@ -181,6 +181,7 @@ class PTDP:
         context: str = "ring",
         balanced: bool = True,
         positions: str | bool | None = None,
+        recompute: bool = False,
     ) -> None:
 
         _, _, tp, _ = mesh_sizes(mesh.shape)
@@ -251,6 +252,7 @@ class PTDP:
             "algorithm": algorithm,
             "reproducible": reproducible,
             "context": f"{context}, balanced={balanced}" if self.sizes.cp > 1 else None,
+            "recompute": recompute,
         }
         check_agreement(model, settings, mesh)
         self.mesh = mesh
@@ -316,6 +318,7 @@ class PTDP:
             plan=self._scaled(stages_plan),
             check_finite=None,  # per pp group only; ptdp's scaler and dp replicas decide
             reproducible=reproducible,
+            recompute=recompute,
         )
         if self.pipe.batch_loss is not None:
             # a loss term over the whole batch (an MoE load-balancing loss): its statistics
@@ -750,6 +753,7 @@ def compose(
     context: str = "ring",
     balanced: bool = True,
     positions: str | bool | None = None,
+    recompute: bool = False,
 ) -> PTDP:
     """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
     causal LM handed over whole, any model with plans) trained on ``mesh``
@@ -775,6 +779,9 @@ def compose(
     ``balanced`` / ``positions``: with a ``cp`` dimension in the mesh, the attention kernel
     (``"ring"`` or ``"ulysses"``), the causal load balancing, and the module embedding
     position ids (plait's GPT: ``"pos"``, which ``prepare`` fills in) (:mod:`.context`).
+    ``recompute``: every stage keeps only its input between a micro-batch's forward and
+    backward and reruns its forward (with its collectives) before the backward: full
+    activation recomputation at stage granularity.
     Collective over the mesh.
     """
     model = module
@@ -797,6 +804,7 @@ def compose(
         context=context,
         balanced=balanced,
         positions=positions,
+        recompute=recompute,
     )
 
 
