@@ -45,3 +45,25 @@ def refused(mesh: dict[str, int], **options: Any) -> str:
     except ValueError as exc:
         return str(exc)
     return "NOT REFUSED"
+
+
+def nonfinite(bad_rank: int) -> str:
+    """plait's GPT on pp2 x cp2; after one step rank ``bad_rank`` puts a NaN into a weight
+    of its stage: every rank's error (the non-finite check sums flags over cp too)."""
+    model = _gpt()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ptdp, popt = plait.prepare(
+        model, opt, strategy="ptdp", mesh=plait.Mesh(pp=2, dp=1, tp=1, cp=2), microbatches=2
+    )
+    ids, targets = _tokens(0, 23, BATCH)
+    for step in range(2):
+        popt.zero_grad()
+        if step == 1 and plait.world().rank == bad_rank:
+            with torch.no_grad():
+                next(iter(ptdp.parameters())).view(-1)[0] = float("nan")
+        ptdp.step(ids, targets)
+        try:
+            popt.step()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "NO ERROR"

@@ -56,3 +56,8 @@ def test_what_cp_inside_ptdp_does_not_compose_is_refused(ranks):
     for text in ranks(4, fns.refused, {"pp": 1, "dp": 1, "tp": 2, "cp": 2},
                       sequence_parallel=True, timeout=120):  # fmt: skip
         assert "cp=2" in text and "sequence_parallel=False" in text, text
+
+
+def test_a_nonfinite_gradient_under_cp_stops_every_rank(ranks):
+    for text in ranks(4, fns.nonfinite, 1, timeout=120):
+        assert text.startswith("NonFiniteGradientError"), text

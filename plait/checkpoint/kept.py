@@ -179,12 +179,8 @@ def kept_one(module: nn.Module, name: str, key: str, t: torch.Tensor) -> Kept:
     if isinstance(module, VocabParallelEmbedding):
         lo, hi, n = module.start, module.start + module.part, module.num_embeddings
         return Kept(key, t, (n, module.embedding_dim), lambda read: _rows(read, lo, hi, n, 0))
-    info = getattr(module, "plait_ep", None)
-    where = placement(t) if isinstance(t, nn.Parameter) else None
-    sharded = info is not None and where is not None and any(g is info.group for g in where.shard)
-    # under PTD-P the expert slices carry no placement: their first dimension says it
-    sliced = info is not None and t.dim() >= 1 and t.shape[0] == info.local < info.num_experts
-    if info is not None and (sharded or sliced):
+    info = getattr(module, "plait_ep", None)  # expert parallelism's record of its slicing
+    if info is not None and name in info.stacked:
         a, b = info.first, info.first + info.local
         full = (info.num_experts, *t.shape[1:])
         return Kept(key, t, full, lambda read: read((slice(a, b),)))

@@ -33,10 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from plait.comm.group import Group
-from plait.strategies.context import context_parallel, shard_sequence
+from plait.strategies.context import shard_sequence
 
 
 def check_context(
@@ -73,13 +72,6 @@ def check_context(
         raise ValueError(f"ptdp: cp={cp}: {why}")
 
 
-def apply(
-    model: nn.Module, mesh: Any, *, context: str, balanced: bool, positions: str | bool | None
-) -> None:
-    """Swap ``model``'s attention for the cp kernel (in place, before the cut)."""
-    context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
-
-
 def average_group(mesh: Any, *, ep: bool) -> Group:
     """The ranks whose dense gradients and losses are averaged: ``dp x cp`` (and ``ep``)."""
     wanted = ("dp", "ep", "cp") if ep else ("dp", "cp")
@@ -100,4 +92,4 @@ def shard(t: torch.Tensor, mesh: Any, *, balanced: bool) -> torch.Tensor:
     return shard_sequence(t, mesh, balanced=balanced, dim=1)[0]
 
 
-__all__ = ["apply", "average_group", "check_context", "shard"]
+__all__ = ["average_group", "check_context", "shard"]

@@ -122,7 +122,6 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
-from plait.strategies.compose.context import apply as apply_context
 from plait.strategies.compose.context import average_group, check_context
 from plait.strategies.compose.context import shard as shard_context
 from plait.strategies.compose.dense import (
@@ -148,6 +147,7 @@ from plait.strategies.compose.experts import (
 from plait.strategies.compose.reproducible import check_reproducible, tree_average
 from plait.strategies.compose.scaling import Unscaler, install
 from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
+from plait.strategies.context import context_parallel
 from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline import PipelineParallel
@@ -261,6 +261,7 @@ class PTDP:
         self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
         self.dp_group = mesh.group("dp")
         self.ep_group: Group | None = mesh.group("ep") if self.sizes.ep > 1 else None
+        self.cp_group: Group | None = mesh.group("cp") if self.sizes.cp > 1 else None
         # the batch is cut over dp x ep; the dense gradients average over the same ranks
         self.batch_group: Group = (
             mesh.submesh("dp", "ep").group("dp", "ep") if self.ep_group else self.dp_group
@@ -301,7 +302,9 @@ class PTDP:
         if self.sizes.tp > 1:
             parallelize(model, self.tp_group, tplan, algorithm=algorithm)
         if self.sizes.cp > 1:  # each stage's attention over the cp group (.context)
-            apply_context(model, mesh, context=context, balanced=balanced, positions=positions)
+            context_parallel(
+                model, mesh=mesh, context=context, balanced=balanced, positions=positions
+            )
         # parameters whose shards are no contiguous slice of the dense tensor (state.py)
         self.unsliced = unsliced_parameters(model)
         stages_plan = plan_source(model, plans)("pipeline")
@@ -441,7 +444,7 @@ class PTDP:
         (``"raise"``) or drops every rank's gradients so that the step leaves the parameters
         unchanged (``"skip"``), on every rank at once, naming the ranks, their pipeline stage
         and the first parameter. Collective: one all-reduce of ``world`` int64 flags per
-        mesh dimension (tp, pp, ep, dp in turn: a sum over the whole mesh)."""
+        mesh dimension (tp, pp, ep, cp, dp in turn: a sum over the whole mesh)."""
         ranks_of_mesh = list(self.mesh.layout.ranks)
         me = ranks_of_mesh.index(self.mesh.global_rank)
         first = first_nonfinite((i, c.param.grad) for i, c in enumerate(self.counted))
@@ -474,9 +477,10 @@ class PTDP:
         )
 
     def mesh_groups(self) -> list[Group]:
-        """The groups of this rank, one per mesh dimension (tp, pp, ep, dp)."""
+        """The groups of this rank, one per mesh dimension (tp, pp, ep, cp, dp)."""
         groups = [self.tp_group, self.pp_group]
-        return groups + ([self.ep_group] if self.ep_group else []) + [self.dp_group]
+        groups += [g for g in (self.ep_group, self.cp_group) if g is not None]
+        return groups + [self.dp_group]
 
     # --- training ------------------------------------------------------------------------
     def step(

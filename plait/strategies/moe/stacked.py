@@ -51,6 +51,7 @@ class StackedExperts:
     local: int
     group: Group
     algorithm: str
+    stacked: tuple[str, ...] = ()  # the container's tensors holding experts first..first+local
 
 
 def containers(model: nn.Module, plan: MoEPlan) -> dict[str, nn.Module]:
@@ -101,7 +102,7 @@ def split(
             )
             setattr(box, pname, new)
             replaced[id(old)] = new
-        info = StackedExperts(name, E, r * local, local, group, algorithm)
+        info = StackedExperts(name, E, r * local, local, group, algorithm, tuple(plan.stacked))
         object.__setattr__(box, "plait_ep", info)
         box.forward = types.MethodType(_forward_of(plan, info), box)  # type: ignore[method-assign]
     return replaced
