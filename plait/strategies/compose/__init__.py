@@ -4,6 +4,10 @@
   pipeline stages over ``pp``, data parallelism (plain or ZeRO-1/2) over ``dp``;
   :func:`prepare_ptdp` is ``plait.prepare(..., strategy="ptdp")``.
 - ``check``: the layouts refused up front, naming the constraint.
+- ``agreement``: settings, structure and weights agreed by every rank before the first
+  collective.
+- ``gradients``: the gradients between backward and the optimizer step: averaged over the
+  replicas, checked for non-finite values on the whole mesh, clipped by the global norm.
 - ``dense``: which rank counts which element of the dense gradient; the dense state dict
   assembled from any layout.
 - ``experts``: MoE blocks, experts split over the mesh's ``ep`` dimension (carved out of

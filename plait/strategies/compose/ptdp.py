@@ -99,7 +99,6 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -112,7 +111,8 @@ from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.group import Group
 from plait.renames import accepts_model
-from plait.strategies.compose import state
+from plait.strategies.compose import gradients, state
+from plait.strategies.compose.agreement import check_agreement, describe_plan
 from plait.strategies.compose.check import (
     Sizes,
     check_batch,
@@ -131,24 +131,18 @@ from plait.strategies.compose.dense import (
     assemble,
     count_params,
     dense_groups,
-    global_grad_norm,
-    norm_terms,
-    shard_terms,
     skeleton,
     unsliced_parameters,
 )
 from plait.strategies.compose.experts import (
     MicroBatches,
-    average,
     expert_owner,
     shard_experts,
     shard_stacked,
 )
-from plait.strategies.compose.reproducible import check_reproducible, tree_average
+from plait.strategies.compose.reproducible import check_reproducible
 from plait.strategies.compose.scaling import Unscaler, install
-from plait.strategies.consistency import agree, describe_parameters, fingerprint_lines
 from plait.strategies.context import context_parallel
-from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.pipeline.plan import check_rows, given
@@ -363,7 +357,7 @@ class PTDP:
         )
         # the optimizer over this rank's shards: one group per dense group (every group
         # entry kept), each shard in its dense parameter's group, in the dense order
-        position = {_canonical_name(self.aliases, c.name): i for i, c in enumerate(self.counted)}
+        position = {self.aliases.get(c.name, c.name): i for i, c in enumerate(self.counted)}
         self.opt_order: list[int] = []  # optimizer parameter j -> self.counted index
         local_groups = []
         for g in self.dense_groups:
@@ -438,43 +432,9 @@ class PTDP:
 
         return replace(plan, loss=mean_loss)
 
-    @torch.no_grad()
     def _check_finite(self) -> None:
-        """Before the optimizer step: a non-finite gradient on any rank of the mesh raises
-        (``"raise"``) or drops every rank's gradients so that the step leaves the parameters
-        unchanged (``"skip"``), on every rank at once, naming the ranks, their pipeline stage
-        and the first parameter. Collective: one all-reduce of ``world`` int64 flags per
-        mesh dimension (tp, pp, ep, cp, dp in turn: a sum over the whole mesh)."""
-        ranks_of_mesh = list(self.mesh.layout.ranks)
-        me = ranks_of_mesh.index(self.mesh.global_rank)
-        first = first_nonfinite((i, c.param.grad) for i, c in enumerate(self.counted))
-        bad = None if first is None else self.counted[first].name
-        flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64)
-        flags[me] = 0 if bad is None else 1
-        for group in self.mesh_groups():
-            ops.all_reduce(flags, "sum", group=group, algorithm=self.algorithm)
-        if not bool(flags.any()):
-            return
-        ranks = [ranks_of_mesh[i] for i in flags.nonzero().flatten().tolist()]
-        where = (
-            "" if bad is None else f"; on this rank (pipeline rank {self.pp_group.rank}) {bad!r}"
-        )
-        if self.check_finite == "skip":
-            warnings.warn(
-                f"ptdp: a gradient holds inf or NaN on ranks {ranks}{where}; the optimizer "
-                f"step is skipped on every rank (check_finite='skip')",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            for c in self.counted:
-                c.param.grad = None
-            return
-        raise NonFiniteGradientError(
-            f"ptdp: a gradient holds inf or NaN on ranks {ranks}{where}; no rank stepped "
-            f"(check_finite='raise'; 'skip' drops the step on every rank, a loss scaler skips "
-            f"it and lowers the scale)",
-            [(self.mesh.global_rank, bad)] if bad is not None else [],
-        )
+        """See :func:`.gradients.check_finite`."""
+        gradients.check_finite(self)
 
     def mesh_groups(self) -> list[Group]:
         """The groups of this rank, one per mesh dimension (tp, pp, ep, cp, dp)."""
@@ -552,41 +512,7 @@ class PTDP:
         ZeRO the optimizer reduce-scatters them itself). Runs by itself before
         ``optimizer.step()`` and in ``clip_grad_norm_``; a no-op when nothing is pending.
         Collective over dp (and dp x ep)."""
-        k, self._pending = self._pending, 0
-        if k == 0:
-            return
-        if self._sharded_unscale is not None:
-            if k > 1:
-                self._sharded_unscale(1.0 / k)
-            return
-        n = self.sizes.averaged * k
-        if self.sizes.cp > 1:  # no MoE, no ZeRO, no reproducible (.context)
-            average(
-                [c.param for c in self.counted],
-                self.average_group,
-                divide=n,
-                algorithm=self.algorithm,
-            )
-            return
-        if self.moe is not None or self.sizes.ep > 1:
-            # experts: over the dp ranks holding them; the rest over dp x ep (.experts)
-            dense = [c.param for c in self.counted if not c.expert]
-            expert = [c.param for c in self.counted if c.expert]
-            average(dense, self.batch_group, divide=n, algorithm=self.algorithm)
-            average(expert, self.dp_group, divide=n, algorithm=self.algorithm)
-            return
-        grads = [c.param.grad for c in self.counted if c.param.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.reproducible:  # k == 1: the replicas' subtrees, added in dp-rank order
-            tree_average(flat, group=self.dp_group, algorithm=self.algorithm)
-        else:
-            if self.sizes.dp > 1:
-                ops.all_reduce(flat, "sum", group=self.dp_group, algorithm=self.algorithm)
-            flat.div_(self.sizes.dp * k)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+        gradients.sync_gradients(self)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -594,46 +520,7 @@ class PTDP:
         same on every rank). Each element of the dense gradient is counted once (see
         :mod:`.dense`). Collective over the whole mesh: the gradient sync if pending, then
         one scalar all-reduce over tp and pp (and dp under ZeRO)."""
-        norm_type = float(norm_type)
-        if self.reproducible:
-            raise ValueError(
-                "ptdp.clip_grad_norm_ (reproducible=True) is refused: the global norm adds "
-                "each stage's squares over the pp group, an order that changes with pp, and "
-                "the clipping factor would carry it into every parameter; train without "
-                "clipping in this mode"
-            )
-        if not norm_type > 0:
-            raise ValueError(f"ptdp.clip_grad_norm_: norm_type must be positive, got {norm_type}")
-        self.sync_gradients()
-        if self.scaler is not None:
-            self.unscaler.unscale(1.0 / self.scaler.scale_value)
-        dtype = torch.promote_types(self.counted[0].param.dtype, torch.float32)
-        if self.sizes.zero:
-            opt: Any = self.optimizer
-            flat = opt.gradients.flat if opt.gradients.averaged() else None
-            pieces = opt.partition[self.dp_group.rank]
-            # the shard's pieces index the optimizer's parameters (its groups in turn)
-            in_opt = [self.counted[i] for i in self.opt_order]
-            terms = [] if flat is None else shard_terms(in_opt, pieces, flat, norm_type)
-            groups = [self.tp_group, self.pp_group, self.dp_group]
-        else:
-            flat = None
-            terms = norm_terms(self.counted, norm_type)
-            groups = [self.tp_group, self.pp_group]
-            if self.ep_group is not None:
-                groups.append(self.ep_group)
-        total = global_grad_norm(
-            terms, norm_type, groups=groups, algorithm=self.algorithm, dtype=dtype
-        )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self.sizes.zero:
-            if flat is not None:
-                flat.mul_(coef.to(flat.dtype))
-        else:
-            for c in self.counted:
-                if c.param.grad is not None:
-                    c.param.grad.mul_(coef.to(c.param.grad.dtype))
-        return total
+        return gradients.clip_grad_norm(self, max_norm, norm_type)
 
     # --- state -----------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -685,55 +572,6 @@ class PTDP:
             f"schedule={self.pipe.schedule.name!r}, microbatches={s.microbatches}, "
             f"zero={s.zero}, sequence_parallel={s.sequence_parallel})"
         )
-
-
-def _canonical_name(aliases: Mapping[str, str], name: str) -> str:
-    return aliases.get(name, name)
-
-
-def describe_plan(plan: Any) -> Any:
-    """A tensor-parallel plan as text every rank writes alike (for the agreement)."""
-    if isinstance(plan, Mapping):
-        return sorted((k, repr(v)) for k, v in plan.items())
-    return repr(plan)
-
-
-def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) -> None:
-    """Before any group carries a tensor: every rank of the mesh has the same settings,
-    the same model structure and the same dense weights (replicas must start equal: a
-    rank seeded differently would train a different model silently). One error on every
-    rank naming the ranks, the setting or parameter and both values. Collective over the
-    mesh's ranks, through the rendezvous store (three digests per rank; the lists only on
-    a mismatch)."""
-    ranks = list(mesh.layout.ranks)
-    timeout = mesh.group(mesh.names[0]).timeout
-    common = {"ranks": ranks, "me": mesh.global_rank, "timeout": timeout, "who": "ptdp"}
-    agree(
-        [f"{k}: {v}" for k, v in settings.items()],
-        label=f"ptdp-settings{ranks}",
-        what="setting",
-        problem="the ranks were given different settings",
-        advice="Every rank must call compose / prepare(strategy='ptdp') with the same mesh, "
-        "schedule, micro-batches, chunks, ZeRO stage and plan.",
-        **common,
-    )
-    agree(
-        describe_parameters(model.named_parameters()),
-        label=f"ptdp-structure{ranks}",
-        what="parameter",
-        problem="the ranks built different models",
-        advice="Every rank must build the same model (same modules, order, shapes, dtypes).",
-        **common,
-    )
-    agree(
-        fingerprint_lines(model.state_dict().items()),
-        label=f"ptdp-weights{ranks}",
-        what="tensor",
-        problem="the ranks' models start from different weights",
-        advice="Build the model with the same seed on every rank (torch.manual_seed before "
-        "constructing it), or load the same checkpoint on every rank, before composing.",
-        **common,
-    )
 
 
 @accepts_model()
