@@ -61,3 +61,47 @@ def test_what_cp_inside_ptdp_does_not_compose_is_refused(ranks):
 def test_a_nonfinite_gradient_under_cp_stops_every_rank(ranks):
     for text in ranks(4, fns.nonfinite, 1, timeout=120):
         assert text.startswith("NonFiniteGradientError"), text
+
+
+@functools.cache
+def hf_oracle(dp: int) -> dict:
+    return fns.hf_oracle(dp)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "context"),
+    [
+        ({"pp": 2, "dp": 1, "tp": 1, "cp": 2}, "ring"),
+        ({"pp": 2, "dp": 1, "tp": 1, "cp": 2}, "ulysses"),
+        ({"pp": 1, "dp": 2, "tp": 1, "cp": 2}, "ring"),
+        ({"pp": 2, "dp": 1, "tp": 2, "cp": 2}, "ring"),
+    ],
+    ids=["pp2xcp2-ring", "pp2xcp2-ulysses", "dp2xcp2-ring", "pp2xtp2xcp2-ring"],
+)
+def test_hf_llama_with_cp_inside_ptdp_matches_one_process(ranks, mesh, context):
+    """Hugging Face's own labels= loss (labels shifted inside, items counted over the batch,
+    a quarter of them ignored): PTD-P shifts the labels over the whole sequence, counts the
+    items of the global batch and gives each stage the rank's global positions. Losses at
+    1e-6: Hugging Face's loss upcasts the logits to float32 (tests/test_hf_ptdp.py)."""
+    want = hf_oracle(mesh["dp"])
+    world = mesh["pp"] * mesh["dp"] * mesh["tp"] * mesh["cp"]
+    for res in ranks(world, fns.hf_run, mesh, context, True, timeout=300):
+        assert res["shapes"] == [(context_fns.BATCH // 2, context_fns.SEQ // 2)], res["shapes"]
+        assert res["sent"] > 0
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=1e-6
+        )
+        assert set(res["state"]) == set(want["state"])
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                res["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}"
+            )
+
+
+def test_what_cp_inside_ptdp_refuses_for_hf_models(ranks):
+    for text in ranks(4, fns.hf_refused, "gpt2", timeout=120):
+        assert "cp=2" in text and "shifted_loss=" in text and "'position_ids' input" in text, text
+    for text in ranks(4, fns.hf_refused, "padding", timeout=120):
+        assert "padding attention_mask" in text, text
+    for text in ranks(4, fns.hf_refused, "positions", timeout=120):
+        assert "drop position_ids" in text, text

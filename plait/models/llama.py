@@ -66,7 +66,11 @@ def pipeline_plan(model: Any) -> Any:
     ignored). Loss: ``model.loss_function``
     (Hugging Face's causal-LM loss, shift inside) with ``num_items_in_batch`` = the number
     of labels counted over the whole global batch, so the pipeline's loss is one process's
-    mean even when ignored labels fall unevenly.
+    mean even when ignored labels fall unevenly. Under context parallelism (PTD-P with a
+    ``cp`` dimension) each stage reads the rank's global ``position_ids`` (a per-micro-batch
+    input) instead of ``0..s-1``, the attention builds no mask (the ring or Ulysses kernel
+    is causal on global positions) and ``shifted_loss`` reads the labels PTD-P shifted over
+    the whole sequence before cutting it.
     """
 
     base: Any = model.model
@@ -89,8 +93,16 @@ def pipeline_plan(model: Any) -> Any:
             f"plait.strategies.pipeline.plan)"
         )
 
-    def context(h: torch.Tensor, attention_mask: torch.Tensor | None = None) -> _StageContext:
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    def context(
+        h: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> _StageContext:
+        pos = (
+            torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            if position_ids is None
+            else position_ids
+        )
         kw = {
             "config": cfg,
             "inputs_embeds": h,
@@ -127,6 +139,15 @@ def pipeline_plan(model: Any) -> Any:
             logits=logits, labels=labels, vocab_size=cfg.vocab_size, num_items_in_batch=num_items
         )
 
+    def shifted_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items: Any) -> torch.Tensor:
+        return model.loss_function(  # type: ignore[no-any-return]
+            logits=logits,
+            labels=None,
+            shift_labels=labels,
+            vocab_size=cfg.vocab_size,
+            num_items_in_batch=num_items,
+        )
+
     layers = [Layer("embed", (("model.embed_tokens", base.embed_tokens),), base.embed_tokens)]
     for i, layer in enumerate(base.layers):
         layers.append(
@@ -145,7 +166,8 @@ def pipeline_plan(model: Any) -> Any:
         items=causal_lm_items,
         context=context,
         context_modules=(("model.rotary_emb", base.rotary_emb),),
-        inputs=("attention_mask",),
+        inputs=("attention_mask", "position_ids"),
+        shifted_loss=shifted_loss,
         name=type(model).__name__,
     )
 

@@ -22,10 +22,21 @@ cp         ring: K and V of every other rank's chunks,  ring: K/V again and dK/d
 dp x cp    one scalar all-reduce of the loss            one all-reduce of the gradients
 =========  ===========================================  ==================================
 
-Refused by name (:func:`check_context`): a loss that counts its items or shifts its labels
-inside (Hugging Face's: a sequence chunk's last label belongs to the next chunk), sequence
-parallelism, ZeRO, MoE blocks, ``reproducible=True``, a sequence that ``2c`` (``c``
-without balancing) does not divide.
+A loss that counts its items and shifts its labels inside (Hugging Face's causal-LM loss:
+a chunk's last label belongs to another rank's chunk) runs when its pipeline plan has a
+``shifted_loss`` and takes ``position_ids`` (the Hugging Face Llama family's plan):
+:meth:`~plait.strategies.compose.PTDP.step` shifts the labels over the whole sequence
+(:func:`shift_labels`: label ``t`` is token ``t + 1``, the last ``-100``) before cutting
+them, counts the loss items on the whole global batch, and passes each rank's global
+position ids (:func:`rank_positions`) as a per-micro-batch input, from which every stage
+computes its rotary embedding; the attention builds no mask (the kernel is causal on
+global positions). Each rank's loss is its chunks' sum over the global item count, times
+the ``dp x cp`` ranks averaged, so the average is one process's mean.
+
+Refused by name (:func:`check_context`): such a loss without a ``shifted_loss`` or a
+``position_ids`` input (GPT-2's and torchtitan's plans), a padding ``attention_mask``,
+sequence parallelism, ZeRO, MoE blocks, ``reproducible=True``, a sequence that ``2c``
+(``c`` without balancing) does not divide.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from typing import Any
 import torch
 
 from plait.comm.group import Group
-from plait.strategies.context import shard_sequence
+from plait.strategies.context import positions, shard_sequence
 
 
 def check_context(
@@ -46,6 +57,8 @@ def check_context(
     reproducible: bool,
     moe: bool,
     reduction: str,
+    shifted_loss: bool,
+    inputs: tuple[str, ...],
     name: str,
 ) -> None:
     """Refuse what context parallelism inside PTD-P does not compose with (module
@@ -53,12 +66,23 @@ def check_context(
     if cp == 1:
         return
     why = None
-    if reduction != "mean":
+    if reduction != "mean" and (not shifted_loss or "position_ids" not in inputs):
+        missing = [
+            what
+            for what, ok in (
+                ("shifted_loss= (its loss on labels shifted by the caller)", shifted_loss),
+                ("a 'position_ids' input read by its context", "position_ids" in inputs),
+            )
+            if not ok
+        ]
         why = (
-            f"the {name}'s pipeline loss counts its items over the whole batch and shifts its "
-            f"labels itself (reduction={reduction!r}); a rank's sequence chunk ends where the "
-            f"next rank's begins. cp inside PTD-P takes a mean loss on targets shifted by the "
-            f"caller (plait's GPT); train this model with strategy='cp' on dp x tp"
+            f"the {name}'s pipeline loss counts its items over the whole batch "
+            f"(reduction={reduction!r}) and its plan has no {' and no '.join(missing)}: a "
+            f"rank's chunks of the sequence end where another rank's begin, so PTD-P must "
+            f"shift the labels over the whole sequence and give each stage the rank's global "
+            f"positions. Plans that have both: plait's GPT and the Hugging Face Llama family "
+            f"(Llama, Mistral, Qwen2, Qwen3); or train this model with strategy='cp' on "
+            f"dp x tp"
         )
     elif sequence_parallel:
         why = "sequence parallelism with cp is not composed; use sequence_parallel=False"
@@ -70,6 +94,32 @@ def check_context(
         why = "reproducible=True with cp: attention sums over the ring in another order"
     if why is not None:
         raise ValueError(f"ptdp: cp={cp}: {why}")
+
+
+def shift_labels(labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """``labels`` shifted left by one along the sequence (dimension 1), the last position
+    ``ignore_index``: label ``t`` becomes the target of position ``t`` (what a loss that
+    shifts inside would compute on the whole sequence)."""
+    tail = torch.full_like(labels[:, :1], ignore_index)
+    return torch.cat([labels[:, 1:], tail], dim=1)
+
+
+def rank_positions(ids: torch.Tensor, mesh: Any, *, balanced: bool) -> torch.Tensor:
+    """This cp rank's global position ids for the whole-sequence batch ``ids``
+    (``[rows, s / c]``, a view expanded over the rows)."""
+    rows, s = ids.shape[0], ids.shape[1]
+    pos = positions(s, mesh.shape["cp"], mesh.rank("cp"), balanced=balanced)
+    return pos.to(ids.device).unsqueeze(0).expand(rows, -1)
+
+
+def check_unpadded(mask: torch.Tensor | None) -> None:
+    """A padding mask under cp is refused: the kernels are causal on global positions."""
+    if mask is not None and not bool(torch.all(mask != 0)):
+        raise ValueError(
+            "ptdp: cp > 1 with a padding attention_mask: the ring and Ulysses kernels attend "
+            "causally over whole sequences, without padding; pack the batch without pads or "
+            "drop cp"
+        )
 
 
 def average_group(mesh: Any, *, ep: bool) -> Group:
@@ -92,4 +142,11 @@ def shard(t: torch.Tensor, mesh: Any, *, balanced: bool) -> torch.Tensor:
     return shard_sequence(t, mesh, balanced=balanced, dim=1)[0]
 
 
-__all__ = ["average_group", "check_context", "shard"]
+__all__ = [
+    "average_group",
+    "check_context",
+    "check_unpadded",
+    "rank_positions",
+    "shard",
+    "shift_labels",
+]

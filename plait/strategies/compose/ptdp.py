@@ -40,6 +40,10 @@ unevenly); the *tensor-parallel plan* (:class:`~plait.strategies.tensor.TensorPl
 mapping) the splits, checked against ``tp`` before any group is used. The pipeline plan is
 asked again after the tensor-parallel cut, so its layers hold the parallel modules.
 
+Context parallelism (a ``cp`` dimension, ``context="ring"|"ulysses"``): the sequence split
+in every stage (:mod:`.context`; plait's GPT and the Hugging Face Llama family, whose
+labels ``step`` shifts over the whole sequence before cutting them).
+
 MoE blocks (``GPTConfig(moe=MoEConfig(...))``): ``Mesh(pp=.., dp=.., ep=.., tp=..)``; the
 batch is cut over ``dp * ep``, experts split over ``ep`` (:mod:`.experts`). Loss scaling:
 ``compose(..., scaler=plait.amp.DynamicLossScaler())`` and ``scaler.step(opt)``
@@ -122,7 +126,13 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
-from plait.strategies.compose.context import average_group, check_context
+from plait.strategies.compose.context import (
+    average_group,
+    check_context,
+    check_unpadded,
+    rank_positions,
+    shift_labels,
+)
 from plait.strategies.compose.context import shard as shard_context
 from plait.strategies.compose.dense import (
     Counted,
@@ -206,6 +216,8 @@ class PTDP:
             reproducible=reproducible,
             moe=bool(moe_layers(model)) or self.sizes.ep > 1,
             reduction=dense_pipeline.reduction,
+            shifted_loss=dense_pipeline.shifted_loss is not None,
+            inputs=dense_pipeline.inputs,
             name=type(model).__name__,
         )
         self.balanced = balanced
@@ -302,6 +314,7 @@ class PTDP:
         # parameters whose shards are no contiguous slice of the dense tensor (state.py)
         self.unsliced = unsliced_parameters(model)
         stages_plan = plan_source(model, plans)("pipeline")
+        self.pipe_inputs: tuple[str, ...] = stages_plan.inputs
         layers = list(stages_plan.layers)
         self._loss_scale = 1.0
         self._count_items: Any = None  # the plan's loss-item count, over the global batch
@@ -414,14 +427,20 @@ class PTDP:
         ``num_items_in_batch``) divides by the items of the *global* batch, counted in
         :meth:`step` (every rank holds it), and is multiplied by the number of replicas, so
         that averaging the replicas' gradients (``sync_gradients``) gives one process's
-        mean even when ignored labels fall unevenly over the dp ranks."""
+        mean even when ignored labels fall unevenly over the dp ranks (under cp: the
+        plan's ``shifted_loss``, times the dp x cp ranks, :mod:`.context`)."""
         base = plan.loss
         if plan.reduction == "items":
             self._count_items = plan.items
+            if self.sizes.cp > 1:  # labels shifted over the whole sequence by step (.context)
+                base = plan.shifted_loss
+            # every replica's (and cp rank's) sum over the global count, times the ranks
+            # the gradients are averaged over
+            ranks = self.sizes.averaged
 
             def items_loss(y: torch.Tensor, target: torch.Tensor, *, num_items: Any) -> Any:
                 loss = base(y, target, num_items=num_items)
-                factor = self.sizes.replicas * self._loss_scale
+                factor = ranks * self._loss_scale
                 return loss if factor == 1.0 else loss * factor
 
             return replace(plan, loss=items_loss, items=lambda _rows: self._num_items)
@@ -487,10 +506,23 @@ class PTDP:
         try:
             mine = slice(d * rows, (d + 1) * rows)
             x, y = inputs[mine], targets[mine]
-            if self.sizes.cp > 1:  # this rank's part of every sequence
+            rows_inputs = {k: v[mine] for k, v in extras.items()}
+            if self.sizes.cp > 1:  # this rank's part of every sequence (.context)
+                check_unpadded(rows_inputs.pop("attention_mask", None))
+                if "position_ids" in rows_inputs:
+                    raise ValueError(
+                        "ptdp.step: position_ids= with cp > 1: PTD-P gives each rank the "
+                        "global positions of its chunks itself; drop position_ids"
+                    )
+                if self._count_items is not None:  # a loss that shifts inside: shift here
+                    y = shift_labels(y)
+                if "position_ids" in self.pipe_inputs:
+                    rows_inputs["position_ids"] = rank_positions(
+                        x, self.mesh, balanced=self.balanced
+                    )
                 x = shard_context(x, self.mesh, balanced=self.balanced)
                 y = shard_context(y, self.mesh, balanced=self.balanced)
-            loss = self.pipe.step(x, y, **{k: v[mine] for k, v in extras.items()}).detach()
+            loss = self.pipe.step(x, y, **rows_inputs).detach()
         finally:
             if self.moe is not None:
                 self.moe.finish()

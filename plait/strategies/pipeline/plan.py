@@ -80,7 +80,11 @@ class PipelinePlan:
     stage that computes it, so ``.to(device)`` moves them. ``inputs``: the names of the
     per-micro-batch inputs ``context`` takes as keywords besides ``x`` (module docstring;
     ``("attention_mask",)``). ``loss`` / ``reduction`` /
-    ``items``: the model's own loss (module docstring). ``batch_loss``: a term added to it
+    ``items``: the model's own loss (module docstring). ``shifted_loss``: the same loss on
+    labels the caller already shifted (label ``t`` is position ``t``'s target, the last
+    ``-100``), for a ``loss`` that shifts its labels itself (Hugging Face's): context
+    parallelism needs it, since a rank's chunks of the sequence end where another rank's
+    begin (:mod:`plait.strategies.compose.context`). ``batch_loss``: a term added to it
     that reads the whole batch at once (an MoE load-balancing loss;
     :mod:`~plait.strategies.pipeline.batch_loss`). ``name``: the family, for messages.
     """
@@ -92,6 +96,7 @@ class PipelinePlan:
     context: Callable[..., Any] | None = None
     context_modules: tuple[tuple[str, nn.Module], ...] = ()
     inputs: tuple[str, ...] = ()
+    shifted_loss: Callable[..., torch.Tensor] | None = None
     batch_loss: BatchLoss | None = None
     name: str = ""
 
