@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from plait.mesh import data_parallel_group
-from plait.models.gpt import GPT
 from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
@@ -208,8 +207,10 @@ def _ptdp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> tupl
     its tensor-parallel and pipeline plans) unless ``plans=`` is given."""
     options.setdefault("plans", plan_for)
     shape = getattr(options.get("mesh"), "shape", {})
-    if isinstance(model, GPT) and isinstance(shape, dict) and shape.get("cp", 1) > 1:
-        options.setdefault("positions", "pos")  # plait's GPT embeds positions in "pos"
+    if isinstance(shape, dict) and shape.get("cp", 1) > 1 and "positions" not in options:
+        where = options["plans"](model, "context")  # plait's GPT: its module "pos"
+        if where is not None:
+            options["positions"] = where
     return prepare_ptdp(model, optimizer, **options)
 
 
@@ -226,9 +227,10 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
 
 
 def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
-
-    if isinstance(model, GPT):  # plait's GPT embeds positions in its module "pos"
-        options.setdefault("positions", "pos")
+    if "positions" not in options:  # the family's context plan (GPT "pos", torchtitan
+        where = plan_for(model, "context")  # its rotary table "freqs_cis")
+        if where is not None:
+            options["positions"] = where
     shape = getattr(options.get("mesh"), "shape", {})
     if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
         extra = {"sequence_parallel": True} if options.pop("sequence_parallel", False) else {}

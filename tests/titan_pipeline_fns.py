@@ -45,12 +45,14 @@ def oracle() -> dict[str, Any]:
     return {"state": dict(model.state_dict()), "norms": norms}
 
 
-def train(mesh: dict[str, int], strategy: str) -> dict[str, Any]:
-    """The same run through plait.prepare(strategy=...) on ``Mesh(**mesh)``, 2 micro-batches."""
+def train(mesh: dict[str, int], strategy: str, context: str | None = None) -> dict[str, Any]:
+    """The same run through plait.prepare(strategy=...) on ``Mesh(**mesh)``, 2 micro-batches
+    (``context``: with a cp dimension, its kernel)."""
     model = build()
     opt = optimizer(list(model.named_parameters()))
+    extra = {} if context is None else {"context": context}
     wrapped, popt = plait.prepare(
-        model, opt, strategy=strategy, mesh=plait.Mesh(**mesh), microbatches=2
+        model, opt, strategy=strategy, mesh=plait.Mesh(**mesh), microbatches=2, **extra
     )
     assert popt is not None
     norms = []
@@ -63,3 +65,30 @@ def train(mesh: dict[str, int], strategy: str) -> dict[str, Any]:
             norms.append(float(plait.clip_grad_norm_(wrapped.parameters(), MAX_NORM)))
         popt.step()
     return {"state": plait.checkpoint.full_state_dict(wrapped), "norms": norms}
+
+
+def train_cp(context: str) -> dict[str, Any]:
+    """``plait.prepare(strategy="cp", mesh=Mesh(cp=2))``: the rotary table's rows swapped for
+    the rank's positions (its family's context plan: ``freqs_cis``); each rank's loss is its
+    chunks' sum over the global batch's label count, times cp (gradients average over cp)."""
+    from plait.strategies.context import shard_sequence
+
+    model = build()
+    opt = optimizer(list(model.named_parameters()))
+    mesh = plait.Mesh(cp=2)
+    runner, popt = plait.prepare(model, opt, strategy="cp", mesh=mesh, context=context)
+    assert popt is not None
+    norms, tokens = [], []
+    for step in range(STEPS):
+        popt.zero_grad()
+        x, y = batch(step)
+        count = int((y != -100).sum())
+        x, _ = shard_sequence(x, mesh)
+        y, _ = shard_sequence(y, mesh)
+        tokens.append(x.shape[1])
+        out = runner(x)
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        (loss * 2 / count).backward()
+        norms.append(float(plait.clip_grad_norm_(runner.parameters(), MAX_NORM)))
+        popt.step()
+    return {"state": dict(model.state_dict()), "norms": norms, "tokens": tokens}

@@ -194,10 +194,11 @@ class GPT(nn.Module):
 
     def plait_plan(self, kind: str, **options: Any) -> Any:
         """This GPT's ``kind`` plan (``"tp"``: :func:`tp_plan`, ``"pipeline"``:
-        :func:`pipeline_plan`), or None for a kind it has none of: the model carries its
-        plans, so a strategy handed it (``compose``, ``PipelineParallel``) finds them
-        without importing this module (:func:`plait.models.plans.plan_for` reads it too)."""
-        plans = {"tp": tp_plan, "pipeline": pipeline_plan}
+        :func:`pipeline_plan`, ``"context"``: :func:`context_plan`), or None for a kind it
+        has none of: the model carries its plans, so a strategy handed it (``compose``,
+        ``PipelineParallel``) finds them without importing this module
+        (:func:`plait.models.plans.plan_for` reads it too)."""
+        plans = {"tp": tp_plan, "pipeline": pipeline_plan, "context": context_plan}
         return plans[kind](self, **options) if kind in plans else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -209,6 +210,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def context_plan(model: GPT) -> str:
+    """Context parallelism's plan: the module embedding position ids (``"pos"``), whose
+    input :func:`plait.strategies.context.context_parallel` replaces by the rank's global
+    positions."""
+    return "pos"
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,7 @@ def pipeline_plan(model: Any) -> Any:
         layers=tuple(layers),
         loss=loss,
         reduction="items",
+        shifts_labels=True,
         items=causal_lm_items,
         context=context,
         inputs=("attention_mask",),

@@ -167,6 +167,7 @@ def pipeline_plan(model: Any) -> Any:
         context=context,
         context_modules=(("model.rotary_emb", base.rotary_emb),),
         inputs=("attention_mask", "position_ids"),
+        shifts_labels=True,
         shifted_loss=shifted_loss,
         name=type(model).__name__,
     )

@@ -70,7 +70,8 @@ def family(model: nn.Module) -> str | None:
 
 
 def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
-    """The ``kind`` plan of ``model`` (``"tp"``, ``"pipeline"``, ``"moe"``, ``"fsdp"``), or
+    """The ``kind`` plan of ``model`` (``"tp"``, ``"pipeline"``, ``"moe"``, ``"fsdp"``,
+    ``"context"``: where context parallelism finds the positions), or
     None when neither the model, the run-time registry nor its family module has one.
 
     For ``"tp"`` (1D, no sequence parallelism) a model no family knows gets the plan

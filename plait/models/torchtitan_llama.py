@@ -75,8 +75,12 @@ def pipeline_plan(model: nn.Module) -> PipelinePlan:
     output: Any = getattr(model, "output")  # noqa: B009
     layers.append(Layer("head", (("norm", norm), ("output", output)), lambda x: output(norm(x))))
 
-    def table(x: torch.Tensor) -> torch.Tensor:  # the rotary rows the blocks slice
+    def table(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The rotary rows the blocks slice (their first ``s``): under context parallelism
+        the rows of the rank's global positions (``position_ids``, the same on every row)."""
         freqs: torch.Tensor = getattr(model, "freqs_cis")  # noqa: B009
+        if position_ids is not None:
+            freqs = freqs.index_select(0, position_ids[0].to(freqs.device))
         return freqs.to(x.device)
 
     return PipelinePlan(
@@ -85,8 +89,18 @@ def pipeline_plan(model: nn.Module) -> PipelinePlan:
         reduction="items",
         items=lambda labels: (labels != -100).sum(),
         context=table,
+        inputs=("position_ids",),
         name=type(model).__name__,
     )
+
+
+def context_plan(model: nn.Module) -> str:
+    """Context parallelism's plan: the rotary table ``freqs_cis``, indexed by position
+    (the blocks read its first ``s`` rows for ``s`` tokens), whose rows
+    :func:`plait.strategies.context.context_parallel` swaps for the rank's global
+    positions around each forward."""
+    _check_layout(model)
+    return "freqs_cis"
 
 
 def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TensorPlan:

@@ -24,7 +24,8 @@ dp x cp    one scalar all-reduce of the loss            one all-reduce of the gr
 
 A loss that counts its items and shifts its labels inside (Hugging Face's causal-LM loss:
 a chunk's last label belongs to another rank's chunk) runs when its pipeline plan has a
-``shifted_loss`` and takes ``position_ids`` (the Hugging Face Llama family's plan):
+``shifted_loss`` and takes ``position_ids`` (the Hugging Face Llama family's plan; a loss
+on labels the loader shifted, torchtitan's, needs the ``position_ids`` input only):
 :meth:`~plait.strategies.compose.PTDP.step` shifts the labels over the whole sequence
 (:func:`shift_labels`: label ``t`` is token ``t + 1``, the last ``-100``) before cutting
 them, counts the loss items on the whole global batch, and passes each rank's global
@@ -33,8 +34,9 @@ computes its rotary embedding; the attention builds no mask (the kernel is causa
 global positions). Each rank's loss is its chunks' sum over the global item count, times
 the ``dp x cp`` ranks averaged, so the average is one process's mean.
 
-Refused by name (:func:`check_context`): such a loss without a ``shifted_loss`` or a
-``position_ids`` input (GPT-2's and torchtitan's plans), a padding ``attention_mask``,
+Refused by name (:func:`check_context`): such a loss without a ``shifted_loss`` (GPT-2's
+plan), a plan without a ``position_ids`` input when no ``positions=`` module embeds them,
+a padding ``attention_mask``,
 sequence parallelism, ZeRO, MoE blocks, ``reproducible=True``, a sequence that ``2c``
 (``c`` without balancing) does not divide.
 """
@@ -56,33 +58,40 @@ def check_context(
     sequence_parallel: bool,
     reproducible: bool,
     moe: bool,
-    reduction: str,
-    shifted_loss: bool,
-    inputs: tuple[str, ...],
+    plan: Any,
+    positions: str | bool | None,
+    buffers: tuple[str, ...],
     name: str,
 ) -> None:
     """Refuse what context parallelism inside PTD-P does not compose with (module
-    docstring), before anything is cut."""
+    docstring), before anything is cut. ``plan``: the model's pipeline plan;
+    ``positions``: where the model embeds position ids (``compose``'s option);
+    ``buffers``: the model's buffer names."""
     if cp == 1:
         return
     why = None
-    if reduction != "mean" and (not shifted_loss or "position_ids" not in inputs):
-        missing = [
-            what
-            for what, ok in (
-                ("shifted_loss= (its loss on labels shifted by the caller)", shifted_loss),
-                ("a 'position_ids' input read by its context", "position_ids" in inputs),
-            )
-            if not ok
-        ]
+    takes_positions = "position_ids" in plan.inputs
+    if plan.shifts_labels and plan.shifted_loss is None:
         why = (
-            f"the {name}'s pipeline loss counts its items over the whole batch "
-            f"(reduction={reduction!r}) and its plan has no {' and no '.join(missing)}: a "
-            f"rank's chunks of the sequence end where another rank's begin, so PTD-P must "
-            f"shift the labels over the whole sequence and give each stage the rank's global "
-            f"positions. Plans that have both: plait's GPT and the Hugging Face Llama family "
-            f"(Llama, Mistral, Qwen2, Qwen3); or train this model with strategy='cp' on "
-            f"dp x tp"
+            f"the {name}'s pipeline loss shifts its labels itself and its plan has no "
+            f"shifted_loss= (the same loss on labels shifted by the caller): a rank's chunks "
+            f"of the sequence end where another rank's begin. Plans that have it: the Hugging "
+            f"Face Llama family (Llama, Mistral, Qwen2, Qwen3); or train this model with "
+            f"strategy='cp' on dp x tp"
+        )
+    elif isinstance(positions, str) and positions in buffers and not takes_positions:
+        why = (
+            f"positions={positions!r} names a buffer, whose rows plait swaps around the "
+            f"model's forward, which a pipeline never calls; give the {name}'s pipeline plan "
+            f"a 'position_ids' input that its context reads"
+        )
+    elif positions is None and not takes_positions:
+        why = (
+            f"the {name}'s pipeline plan takes no 'position_ids' input and no positions= "
+            f"names the module embedding them, so every stage would compute positions "
+            f"0..s/cp-1 instead of the rank's global ones; give the plan a 'position_ids' "
+            f"input its context reads (as the Hugging Face Llama family's does), or pass "
+            f"positions='<module>' (positions=False if the model embeds none)"
         )
     elif sequence_parallel:
         why = "sequence parallelism with cp is not composed; use sequence_parallel=False"

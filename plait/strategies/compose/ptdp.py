@@ -215,9 +215,9 @@ class PTDP:
             sequence_parallel=sequence_parallel,
             reproducible=reproducible,
             moe=bool(moe_layers(model)) or self.sizes.ep > 1,
-            reduction=dense_pipeline.reduction,
-            shifted_loss=dense_pipeline.shifted_loss is not None,
-            inputs=dense_pipeline.inputs,
+            plan=dense_pipeline,
+            positions=positions,
+            buffers=tuple(n for n, _ in model.named_buffers()),
             name=type(model).__name__,
         )
         self.balanced = balanced
@@ -308,13 +308,14 @@ class PTDP:
         if self.sizes.tp > 1:
             parallelize(model, self.tp_group, tplan, algorithm=algorithm)
         if self.sizes.cp > 1:  # each stage's attention over the cp group (.context)
-            context_parallel(
-                model, mesh=mesh, context=context, balanced=balanced, positions=positions
-            )
+            # a plan reading position_ids places them itself (step passes the rank's)
+            where = False if "position_ids" in dense_pipeline.inputs else positions
+            context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=where)
         # parameters whose shards are no contiguous slice of the dense tensor (state.py)
         self.unsliced = unsliced_parameters(model)
         stages_plan = plan_source(model, plans)("pipeline")
         self.pipe_inputs: tuple[str, ...] = stages_plan.inputs
+        self.shifts_labels = stages_plan.shifts_labels
         layers = list(stages_plan.layers)
         self._loss_scale = 1.0
         self._count_items: Any = None  # the plan's loss-item count, over the global batch
@@ -432,7 +433,7 @@ class PTDP:
         base = plan.loss
         if plan.reduction == "items":
             self._count_items = plan.items
-            if self.sizes.cp > 1:  # labels shifted over the whole sequence by step (.context)
+            if self.sizes.cp > 1 and plan.shifts_labels:  # labels shifted by step (.context)
                 base = plan.shifted_loss
             # every replica's (and cp rank's) sum over the global count, times the ranks
             # the gradients are averaged over
@@ -514,7 +515,7 @@ class PTDP:
                         "ptdp.step: position_ids= with cp > 1: PTD-P gives each rank the "
                         "global positions of its chunks itself; drop position_ids"
                     )
-                if self._count_items is not None:  # a loss that shifts inside: shift here
+                if self.shifts_labels:  # a loss that shifts inside: shift here (.context)
                     y = shift_labels(y)
                 if "position_ids" in self.pipe_inputs:
                     rows_inputs["position_ids"] = rank_positions(

@@ -14,8 +14,11 @@ rewritten.
   ``torch.nn.functional.scaled_dot_product_attention`` (plait's GPT's ``Attention``) runs
   under a ``TorchFunctionMode`` that routes that call to the kernel (``is_causal`` and
   ``scale`` kept; an explicit mask or dropout refused). Positions: ``positions=`` names the
-  module that embeds position ids (plait's GPT: ``"pos"``, which ``plait.prepare`` fills
-  in); its input is replaced by this rank's global position ids. A model without one says
+  module that embeds position ids (plait's GPT: ``"pos"``); its input is replaced by this
+  rank's global position ids. Or it names a buffer indexed by position (torchtitan's
+  rotary table ``"freqs_cis"``), which holds only this rank's rows around each forward.
+  ``plait.prepare`` fills it in from the model's ``"context"`` plan
+  (:func:`plait.models.plans.plan_for`). A model without positions says
   ``positions=False``.
 
 Each rank feeds its ``S / c`` tokens (``shard_sequence``); the loss is the mean over the
@@ -210,6 +213,41 @@ def _position_hook(info: ContextParallelInfo, name: str) -> Callable[..., Any]:
     return hook
 
 
+def _swap_rows(model: nn.Module, info: ContextParallelInfo, name: str) -> None:
+    """``positions`` names a buffer indexed by position (torchtitan's rotary table
+    ``freqs_cis``, whose first ``s`` rows a model reads for ``s`` tokens): around each
+    forward of ``model`` the buffer holds only the rows of this rank's global positions,
+    in its order, and is put back after (no copy kept between forwards)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    held: list[torch.Tensor] = []
+
+    def swap(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if ids is None or ids.dim() < 2:
+            raise ValueError(
+                f"{WHO}: {type(model).__name__} under cp with positions={name!r}: its forward "
+                f"got no [batch, tokens] tensor to read this rank's token count from"
+            )
+        table: torch.Tensor = owner._buffers[attr]  # type: ignore[assignment]
+        local, c = ids.shape[1], info.group.size
+        if local * c > table.shape[0]:
+            raise ValueError(
+                f"{WHO}: the whole sequence (cp={c} x {local} tokens = {local * c}) exceeds "
+                f"the {table.shape[0]} rows of {name!r}; feed fewer tokens per rank"
+            )
+        pos = positions(local * c, c, info.group.rank, balanced=info.balanced)
+        held.append(table)
+        owner._buffers[attr] = table.index_select(0, pos.to(table.device))
+
+    def restore(*_: Any) -> None:
+        if held:
+            owner._buffers[attr] = held.pop()
+
+    model.register_forward_pre_hook(swap, with_kwargs=True)
+    model.register_forward_hook(restore, always_call=True)
+
+
 @accepts_model()
 def context_parallel(
     module: nn.Module,
@@ -225,7 +263,9 @@ def context_parallel(
 
     ``context``: ``"ring"`` or ``"ulysses"``. ``balanced``: the causal load-balanced layout
     (must match :func:`~plait.strategies.context.shard_sequence`'s). ``positions``: the
-    module that embeds position ids (non-Hugging-Face models; ``False``: none).
+    module that embeds position ids, or a buffer indexed by position whose rows are
+    swapped for the rank's around each forward (torchtitan's ``"freqs_cis"``)
+    (non-Hugging-Face models; ``False``: none).
     """
     model = module
     if context not in KERNELS:
@@ -266,9 +306,13 @@ def context_parallel(
             f"the model embeds no positions"
         )
     modules = dict(model.named_modules())
+    buffers = {n for n, _ in model.named_buffers()}
     pos_name = positions if isinstance(positions, str) else None
-    if pos_name is not None and pos_name not in modules:
-        raise ValueError(f"{WHO}: positions={pos_name!r} is not a module of {type(model).__name__}")
+    if pos_name is not None and pos_name not in modules and pos_name not in buffers:
+        raise ValueError(
+            f"{WHO}: positions={pos_name!r} is neither a module nor a buffer of "
+            f"{type(model).__name__}"
+        )
     info = ContextParallelInfo(group, context, balanced, found, pos_name)
     heads = [getattr(modules[n], "heads", None) for n in found]
     for name, h in zip(found, heads, strict=True):
@@ -282,8 +326,10 @@ def context_parallel(
         m = modules[name]
         router = _SDPARouter(info, f"{type(model).__name__}.{name}")
         m.forward = functools.partial(_routed, m.forward, router)  # type: ignore[method-assign]
-    if pos_name is not None:
+    if pos_name is not None and pos_name in modules:
         modules[pos_name].register_forward_pre_hook(_position_hook(info, pos_name))
+    elif pos_name is not None:
+        _swap_rows(model, info, pos_name)
     object.__setattr__(model, "plait_context_parallel", info)
     return model
 

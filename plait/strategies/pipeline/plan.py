@@ -80,12 +80,12 @@ class PipelinePlan:
     stage that computes it, so ``.to(device)`` moves them. ``inputs``: the names of the
     per-micro-batch inputs ``context`` takes as keywords besides ``x`` (module docstring;
     ``("attention_mask",)``). ``loss`` / ``reduction`` /
-    ``items``: the model's own loss (module docstring). ``shifted_loss``: the same loss on
-    labels the caller already shifted (label ``t`` is position ``t``'s target, the last
-    ``-100``), for a ``loss`` that shifts its labels itself (Hugging Face's): context
-    parallelism needs it, since a rank's chunks of the sequence end where another rank's
-    begin (:mod:`plait.strategies.compose.context`). ``batch_loss``: a term added to it
-    that reads the whole batch at once (an MoE load-balancing loss;
+    ``items``: the model's own loss (module docstring). ``shifts_labels``: ``loss`` shifts
+    its labels itself (Hugging Face's causal-LM loss: label ``t + 1`` is position ``t``'s
+    target); ``shifted_loss``: then the same loss on labels the caller already shifted (the
+    last ``-100``). Context parallelism needs it, since a rank's chunks of the sequence end
+    where another rank's begin (:mod:`plait.strategies.compose.context`). ``batch_loss``: a
+    term added to it that reads the whole batch at once (an MoE load-balancing loss;
     :mod:`~plait.strategies.pipeline.batch_loss`). ``name``: the family, for messages.
     """
 
@@ -96,6 +96,7 @@ class PipelinePlan:
     context: Callable[..., Any] | None = None
     context_modules: tuple[tuple[str, nn.Module], ...] = ()
     inputs: tuple[str, ...] = ()
+    shifts_labels: bool = False
     shifted_loss: Callable[..., torch.Tensor] | None = None
     batch_loss: BatchLoss | None = None
     name: str = ""
