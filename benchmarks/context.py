@@ -6,6 +6,8 @@ balancer.
     PYTHONPATH=. .venv/bin/python benchmarks/context.py --seqs 1024 --cps 1 2
     PLAIT_TRANSPORT=gloo PYTHONPATH=. .venv/bin/python benchmarks/context.py --model \
         --seqs 1024 2048 4096                                   # plait's GPT, 8 layers
+    PLAIT_TRANSPORT=gloo PYTHONPATH=. .venv/bin/python benchmarks/context.py --model \
+        --seqs 1024 2048 --zero 3 --name context_model_zero3    # parameters sharded over cp
 
 ``--model``: plait's GPT (``--layers``, ``--heads`` (4) x ``--head-dim``, ``--vocab``,
 batch 1, float32, causal, balanced), the peak per rank of one training step (forward,
@@ -14,7 +16,11 @@ parameters and gradients, and the bytes autograd saves (parameters left out), ag
 of one process's. Then the longest sequence within the budget of one process's peak at
 ``--budget-seq`` (the largest ``--layers``): a least-squares line of the peak against the
 length, solved for the budget, rounded down to a multiple of ``--quantum``, measured there
-(one quantum down while over). Writes ``context_model.{json,md}``.
+(one quantum down while over). Writes ``context_model.{json,md}``. ``--zero 3``: the cp runs
+use ``plait.prepare(strategy="cp", zero=3)`` (FSDP over cp, each block a unit), so the
+parameters and gradients held are 1/cp shards and the blocks gathered during the step count
+in its peak; the saved-for-backward column then includes the gathered weights autograd
+saves (freed after each block's forward, so an upper bound).
 
 PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` does not run on CPU in
 torch 2.13: its SDPA dispatcher has sharding rules for the CUDA kernels (flash, efficient,
@@ -172,9 +178,13 @@ def measure_model(
     heads: int,
     vocab: int,
     kinds: list[str] | None = None,
+    zero: int = 0,
 ) -> list[dict[str, Any]]:
     """On every rank of a cp group of the world's size: one training step of plait's GPT
-    (``layers`` blocks, causal, float32, batch 1) at each length, under MemTracker."""
+    (``layers`` blocks, causal, float32, batch 1) at each length, under MemTracker.
+    ``zero=3``: the cp runs shard parameters and gradients over cp (FSDP, each block a unit),
+    so "parameters + gradients" is this rank's shards and the gathered blocks count in the
+    step's peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from plait.models.gpt import GPT, GPTConfig
@@ -196,7 +206,13 @@ def measure_model(
                 runner: Any = model
                 if kind != "sdpa":
                     runner, _ = plait.prepare(
-                        model, None, strategy="cp", mesh=mesh, context=kind, balanced=True
+                        model,
+                        None,
+                        strategy="cp",
+                        mesh=mesh,
+                        context=kind,
+                        balanced=True,
+                        zero=zero,
                     )
                     ids, _ = shard_sequence(ids, mesh)
                     targets, _ = shard_sequence(targets, mesh)
@@ -222,6 +238,7 @@ def measure_model(
                         "seq": seq,
                         "layers": n_layers,
                         "kernel": "one process (SDPA)" if kind == "sdpa" else kind,
+                        "zero": zero if kind != "sdpa" else 0,
                         "step_s": seconds,
                         "peak_mib": float(values[0]) / 2**20,
                         "step_peak_mib": float(values[1]) / 2**20,
@@ -280,10 +297,11 @@ def _model_table(rows: list[dict[str, Any]]) -> str:
         (r["layers"], r["seq"]): r for r in rows if r["cp"] == 1 and r["kernel"].startswith("one")
     }
     lines = [
-        "| layers | seq | cp | kernel | step (s) | peak per rank (MiB) | peak / (cp 1 / cp) "
+        "| layers | seq | cp | kernel | zero | step (s) | peak per rank (MiB) "
+        "| peak / (cp 1 / cp) | parameters + gradients held (MiB) "
         "| peak above parameters + gradients (MiB) | its / (cp 1 / cp) "
         "| saved for backward (MiB) | saved / (cp 1 / cp) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["layers"], r["seq"], r["cp"], r["kernel"])):
         b = base.get((r["layers"], r["seq"]))
@@ -293,8 +311,9 @@ def _model_table(rows: list[dict[str, Any]]) -> str:
             return f"{row[key] / (one[key] / c):.2f}" if one else "-"
 
         lines.append(
-            f"| {r['layers']} | {r['seq']} | {cp} | {r['kernel']} | {r['step_s']:.1f} | "
-            f"{r['peak_mib']:.1f} | {ratio('peak_mib')} | {r['step_peak_mib']:.1f} | "
+            f"| {r['layers']} | {r['seq']} | {cp} | {r['kernel']} | {r.get('zero', 0)} | "
+            f"{r['step_s']:.1f} | {r['peak_mib']:.1f} | {ratio('peak_mib')} | "
+            f"{r['params_grads_mib']:.1f} | {r['step_peak_mib']:.1f} | "
             f"{ratio('step_peak_mib')} | {r['saved_mib']:.1f} | {ratio('saved_mib')} |"
         )
     return "\n".join(lines)
@@ -310,12 +329,13 @@ def model_main(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     for cp in args.cps:
         with plait.RankPool(cp, timeout=1800) as pool:
-            rows += pool.run(measure_model, args.seqs, *model_args, timeout=1800)[0]
+            rows += pool.run(measure_model, args.seqs, *model_args, zero=args.zero, timeout=1800)[0]
         print(f"cp {cp} done", flush=True)
     text = (
         f"# Context parallelism: plait's GPT, one training step (forward + backward), heads "
         f"{heads} x {args.head_dim}, vocab {args.vocab}, batch 1, float32, causal, balanced; "
-        f"transport {os.environ.get('PLAIT_TRANSPORT', 'auto')}\n\n" + _model_table(rows) + "\n"
+        f"cp runs with zero={args.zero}; transport "
+        f"{os.environ.get('PLAIT_TRANSPORT', 'auto')}\n\n" + _model_table(rows) + "\n"
     )
     fits: list[dict[str, Any]] = []
     layers = max(args.layers)
@@ -341,7 +361,13 @@ def model_main(args: argparse.Namespace) -> None:
                     tried = []
                     while seq >= q:  # measured: step down while over the budget
                         got = pool.run(
-                            measure_model, [seq], [layers], *model_args[1:], [kind], timeout=1800
+                            measure_model,
+                            [seq],
+                            [layers],
+                            *model_args[1:],
+                            [kind],
+                            zero=args.zero,
+                            timeout=1800,
                         )[0][0]
                         tried.append((seq, got["peak_mib"]))
                         if got["peak_mib"] <= budget or len(tried) == 3:
@@ -407,6 +433,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256, help="--model: vocabulary")
     parser.add_argument("--budget-seq", type=int, default=4096, help="--model: the budget")
     parser.add_argument("--quantum", type=int, default=256, help="--model: length step")
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=[0, 3],
+        default=0,
+        help="--model: 3 shards parameters and gradients over cp (FSDP, a unit per block)",
+    )
     args = parser.parse_args()
     if args.model:
         args.name = args.name or "context_model"

@@ -27,14 +27,14 @@ data parallelism (plain or ZeRO-1/2 over ``dp``) on ``mesh=Mesh(pp=..., dp=..., 
 with the pipeline and tensor-parallel plans of the model's family (``plans=plan_for``);
 returns the :class:`~plait.strategies.compose.PTDP` object, trained with ``.step(x, y)``, and
 its optimizer with the same parameter groups), ``"cp"``
-(:func:`~plait.strategies.context.style.prepare_cp`: context parallelism on
-``mesh=Mesh(cp=...[, dp=...])`` with ``context="ring"|"ulysses"``; each rank feeds its
+(:func:`~plait.strategies.context.recipe.prepare_cp`: context parallelism on
+``mesh=Mesh(cp=...[, dp=...][, tp=...])`` with ``context="ring"|"ulysses"`` and ``zero=0|1|2|3``
+(gradients all-reduced, or ZeRO-1/2 / FSDP over cp x dp); each rank feeds its
 chunk of the sequence from ``shard_sequence``), ``"none"`` (single process, unchanged).
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -43,11 +43,12 @@ import torch
 from torch import nn
 
 from plait.mesh import data_parallel_group
+from plait.models.gpt import GPT
 from plait.models.plans import plan_for
 from plait.strategies import DistributedDataParallel, NaiveDataParallel
 from plait.strategies.compose import prepare_ptdp
-from plait.strategies.context.style import prepare_cp
-from plait.strategies.fsdp import fully_shard, shard_param_groups
+from plait.strategies.context.recipe import prepare_cp
+from plait.strategies.fsdp.prepare import prepare_fsdp
 from plait.strategies.moe import moe_layers, prepare_ep
 from plait.strategies.moe.stacked import gather_router_logits
 from plait.strategies.pipeline import prepare_pipeline
@@ -96,58 +97,9 @@ def _zero(stage: int) -> Callable[..., Prepared]:
     return wrap
 
 
-def _rebuilt(optimizer: Optimizer, shards: list[list[nn.Parameter]], strategy: str) -> Optimizer:
-    """The same optimizer class, on the shards: one group per original group (``shards[i]``
-    holds group i's flat shards), every group entry kept (per-group ``lr``,
-    ``weight_decay``, ...); the constructor gets only the defaults its signature names (so
-    AdamW's ``decoupled_weight_decay`` and the like are never passed where not taken)."""
-    cls = type(optimizer)
-    taken = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in taken}
-    groups = []
-    for i, (group, params) in enumerate(zip(optimizer.param_groups, shards, strict=True)):
-        if not params:
-            raise ValueError(
-                f"strategy {strategy!r}: parameter group {i} of the optimizer holds no "
-                f"parameter elements, so it has no shard; drop the empty group"
-            )
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return cls(groups, **defaults)
-
-
-# torch.optim optimizers whose update of an element depends on other elements (a norm,
-# a matrix factorisation or a line search): over flat 1/n shards they would compute a
-# different step, so ZeRO-3/FSDP refuses them.
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon")
-
-
 def _fsdp(name: str) -> Callable[..., Prepared]:
     def wrap(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
-        if optimizer is not None:
-            bases = {
-                c.__name__
-                for c in type(optimizer).__mro__
-                if c.__module__.startswith("torch.optim")
-            }
-            refused = sorted(bases & set(_NOT_ELEMENTWISE))
-            if refused:
-                raise ValueError(
-                    f"strategy {name!r} steps the optimizer on flat 1/n parameter shards, "
-                    f"which is exact only for element-wise optimizers (SGD, Adam, AdamW, ...); "
-                    f"{refused[0]} combines elements across a parameter, so its step would "
-                    f"differ. Use strategy 'ddp' with it"
-                )
-        if optimizer is not None and optimizer.state:
-            raise ValueError(
-                f"strategy {name!r} re-creates the optimizer on the parameter shards; pass an "
-                f"optimizer that has not stepped yet (load its state after prepare)"
-            )
-        if optimizer is not None:
-            options.setdefault("param_groups", [g["params"] for g in optimizer.param_groups])
-        sharded = fully_shard(model, **options)
-        if optimizer is not None:
-            optimizer = _rebuilt(optimizer, shard_param_groups(sharded), name)
-        return sharded, optimizer
+        return prepare_fsdp(model, optimizer, strategy=name, **options)
 
     return wrap
 
@@ -226,15 +178,31 @@ def _ps(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     return wrapped, worker_optimizer
 
 
+def _blocks(model: nn.Module) -> set[type[nn.Module]] | None:
+    """The FSDP units of a model whose family plait knows: plait's GPT's blocks, a Hugging
+    Face model's decoder layers (the classes its ``_no_split_modules`` names); None (the
+    root only) otherwise."""
+    if isinstance(model, GPT):
+        return {type(model.blocks[0])}
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return found or None
+
+
 def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepared:
-    if "positions" not in options:  # the family's context plan (GPT "pos", torchtitan
-        where = plan_for(model, "context")  # its rotary table "freqs_cis")
+    """Context parallelism; ``positions=`` from the model's context plan (plait's GPT: its
+    module ``"pos"``; torchtitan's Llama: its rotary table ``"freqs_cis"``), a tp dimension
+    the tp plan of the model's family, ``zero=3`` the model's blocks as FSDP units
+    (:func:`_blocks`) unless ``wrap=`` is given."""
+    if "positions" not in options:
+        where = plan_for(model, "context")
         if where is not None:
             options["positions"] = where
+    if options.get("zero") == 3 and options.get("wrap") is None:
+        options["wrap"] = _blocks(model)
     shape = getattr(options.get("mesh"), "shape", {})
     if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
-        extra = {"sequence_parallel": True} if options.pop("sequence_parallel", False) else {}
-        options["plan"] = plan_for(model, "tp", **extra)  # cp x tp: the family's tp plan
+        options["plan"] = plan_for(model, "tp")  # cp x tp: the family's tp plan (no SP)
     return prepare_cp(model, optimizer, **options)
 
 

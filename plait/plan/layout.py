@@ -280,10 +280,15 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
             f"cp={lay.cp} with MoE blocks: plait's context parallelism does not compose with "
             f"experts yet; use cp=1"
         )
-    if lay.zero:
+    if lay.zero and lay.pp > 1:
         raise LayoutError(
-            f"cp={lay.cp} with zero={lay.zero}: plait averages gradients over dp x cp with a "
-            f"plain all-reduce under cp; use zero=0"
+            f"cp={lay.cp} with zero={lay.zero} and pp={lay.pp}: PTD-P's ZeRO reduces over dp "
+            f"only, not dp x cp; use zero=0 (strategy 'cp' without a pipeline takes zero=1-3)"
+        )
+    if lay.sp:
+        raise LayoutError(
+            f"cp={lay.cp} with sp: plait's context parallelism does not compose with tp's "
+            f"sequence parallelism; use sp=False"
         )
     if lay.pp > 1 and model.hugging_face:
         raise LayoutError(

@@ -8,10 +8,12 @@ attention itself.
   online softmax, recomputed blockwise in backward;
 - ``ulysses``: :func:`ulysses_attention`, all-to-all from sequence-split to head-split and
   back;
-- ``style``: :func:`context_parallel` / :func:`prepare_cp`, a model's attention kernel
-  swapped (plait's GPT, any model calling ``scaled_dot_product_attention``, Hugging Face
-  models through their attention registry), composed with tp (first) and gradients
-  averaged over cp x dp.
+- ``style``: :func:`context_parallel`, a model's attention kernel swapped (plait's GPT, any
+  model calling ``scaled_dot_product_attention``, Hugging Face models through their
+  attention registry);
+- ``recipe``: :func:`prepare_cp`, tp (first), the kernel swap, then gradients averaged over
+  cp x dp: all-reduced (``zero=0``), or ZeRO-1/2 / FSDP sharded over cp x dp
+  (``zero=1|2|3``).
 """
 
 from plait.strategies.context.layout import (
@@ -21,8 +23,9 @@ from plait.strategies.context.layout import (
     ring_work,
     shard_sequence,
 )
+from plait.strategies.context.recipe import prepare_cp
 from plait.strategies.context.ring_attention import ring_attention
-from plait.strategies.context.style import ContextParallelInfo, context_parallel, prepare_cp
+from plait.strategies.context.style import ContextParallelInfo, context_parallel
 from plait.strategies.context.ulysses import ulysses_attention
 
 __all__ = [

@@ -22,13 +22,13 @@ rewritten.
   ``positions=False``.
 
 Each rank feeds its ``S / c`` tokens (``shard_sequence``); the loss is the mean over the
-rank's tokens. :func:`prepare_cp` adds gradient averaging over the ``cp x dp`` ranks
-(:class:`~plait.strategies.NaiveDataParallel`: one all-reduce (average) over the flattened
-``cp+dp`` group at the end of backward): every parameter's gradient, summed over the cp
-ranks, is the gradient of the sum of their local mean losses; averaging over ``c * d``
-ranks gives the gradient of the global mean loss, as one process on the whole sequence.
-The attention kernel's own messages run on the ``cp`` group (ring: point-to-point;
-Ulysses: all-to-all; see those modules).
+rank's tokens. :func:`~plait.strategies.context.recipe.prepare_cp` adds gradient averaging
+over the ``cp x dp`` ranks (an all-reduce, or ZeRO / FSDP sharding over them with
+``zero=``): every parameter's gradient, summed over the cp ranks, is the gradient of the
+sum of their local mean losses; averaging over ``c * d`` ranks gives the gradient of the
+global mean loss, as one process on the whole sequence. The attention kernel's own
+messages run on the ``cp`` group (ring: point-to-point; Ulysses: all-to-all; see those
+modules).
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ from plait.renames import accepts_model
 from plait.strategies.context.layout import WHO, cp_group, positions
 from plait.strategies.context.ring_attention import ring_attention
 from plait.strategies.context.ulysses import ulysses_attention
-from plait.strategies.data_parallel.naive import NaiveDataParallel
-from plait.strategies.tensor.parallelize import prepare_tp
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention,
@@ -332,65 +330,3 @@ def context_parallel(
         _swap_rows(model, info, pos_name)
     object.__setattr__(model, "plait_context_parallel", info)
     return model
-
-
-def _gradient_group(mesh: Any) -> Group:
-    """The ranks whose gradients are averaged: cp, or cp x dp (a tp dimension keeps its own
-    reductions; other dimensions are refused)."""
-    if isinstance(mesh, Group):
-        return mesh
-    names = tuple(mesh.names)
-    other = set(names) - {"cp", "dp", "tp"}
-    if other:
-        raise ValueError(
-            f"{WHO}: mesh {mesh!r} has dimensions {sorted(other)}; strategy 'cp' composes with "
-            f"'dp' and 'tp': use Mesh(tp=..., cp=..., dp=...), or strategy 'ptdp' on "
-            f"Mesh(pp=..., dp=..., tp=..., cp=...) for pipeline stages with cp"
-        )
-    if "dp" not in names or mesh.size("dp") == 1:
-        group: Group = mesh.group("cp")
-        return group
-    sub = mesh.submesh("cp", "dp")
-    flat: Group = sub.group(*sub.names)
-    return flat
-
-
-def prepare_cp(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    mesh: Any,
-    context: str = "ring",
-    balanced: bool = True,
-    positions: str | bool | None = None,
-    plan: Any = None,
-    sequence_parallel: bool = False,
-    algorithm: str = "auto",
-    check_finite: str | None = "raise",
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """``plait.prepare(strategy="cp")``: with a ``tp`` dimension, first tensor parallelism
-    over it (:func:`~plait.strategies.tensor.prepare_tp` with ``plan=`` and
-    ``sequence_parallel=``: its collectives on the tp group, the optimizer rebuilt over the
-    shards; attention then runs on this rank's heads); then :func:`context_parallel`; then
-    gradients averaged over the cp x dp ranks that hold the same shards
-    (:class:`~plait.strategies.NaiveDataParallel` on the flattened cp+dp group: one
-    all-reduce (average) at the end of backward; parameters broadcast from its rank 0 at
-    wrap). Collective over the mesh. Returns the wrapper (call it as the model; with tp the
-    loss is :func:`plait.strategies.tensor.loss_fn`'s) and the optimizer."""
-    if not isinstance(mesh, Group) and "cp" not in getattr(mesh, "names", ()):
-        raise ValueError(f"{WHO}: strategy 'cp' needs a mesh with a 'cp' dimension, got {mesh!r}")
-    group = _gradient_group(mesh)
-    if not isinstance(mesh, Group) and "tp" in mesh.names and mesh.size("tp") > 1:
-        model, optimizer = prepare_tp(
-            model,
-            optimizer,
-            mesh=mesh,
-            plan=plan,
-            sequence_parallel=sequence_parallel,
-            algorithm=algorithm,
-        )
-    elif plan is not None or sequence_parallel:
-        raise ValueError(f"{WHO}: plan= and sequence_parallel= need a 'tp' dimension in the mesh")
-    context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
-    wrapped = NaiveDataParallel(model, group=group, algorithm=algorithm, check_finite=check_finite)
-    return wrapped, optimizer

@@ -68,7 +68,8 @@ Package layout: :mod:`.placeholder` (what a parameter is between gathers), :mod:
 (one flat shard: gather, free, reduce-scatter), :mod:`.schedule` (orders, prefetch, the
 end of backward), :mod:`.grads` (shard gradients, global-norm clipping, GradScaler
 agreement), :mod:`.module` (``FSDPModule``), :mod:`.wrap` (``fully_shard``: units, tied
-weights, parameter groups), :mod:`.state` (full state dicts and optimizer state).
+weights, parameter groups), :mod:`.state` (full state dicts and optimizer state),
+:mod:`.prepare` (``prepare_fsdp``: the optimizer rebuilt over the shards).
 
 Drop-in notes: ``fully_shard`` returns the module itself (no ``.module``);
 ``model.state_dict()`` raises (use :func:`full_state_dict`, collective, and
@@ -80,6 +81,7 @@ a shard gradient raises :class:`ShardedGradNormError`); ``torch.amp.GradScaler``
 from plait.strategies.fsdp.grads import ShardedGradNormError, ShardGrad
 from plait.strategies.fsdp.module import FSDPModule
 from plait.strategies.fsdp.placeholder import UngatheredParameterError
+from plait.strategies.fsdp.prepare import prepare_fsdp
 from plait.strategies.fsdp.state import (
     full_optimizer_param_names,
     full_optimizer_state_dict,
@@ -111,5 +113,6 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "materialize",
+    "prepare_fsdp",
     "shard_param_groups",
 ]

@@ -570,8 +570,25 @@ def _retie(
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The dense model's state dict (keys and shapes) on every rank: each parallel layer's
-    shards all-gathered over its group, in module order. Collective."""
-    state = model.state_dict()
+    shards all-gathered over its group, in module order. Collective. A model also sharded
+    by ``fully_shard`` (``strategy="cp"`` with tp and ``zero=3``) is first put together over
+    its FSDP group (:func:`~plait.strategies.fsdp.full_state_dict`), its units gathered
+    while the tp shards are, then freed again."""
+    from plait.strategies.fsdp.module import FSDPModule  # deferred: fsdp is optional here
+
+    if not isinstance(model, FSDPModule):
+        return _gather_tp(model, model.state_dict())
+    from plait.strategies.fsdp.state import full_state_dict as fsdp_full_state_dict
+
+    state = fsdp_full_state_dict(model)
+    model.unshard()
+    try:
+        return _gather_tp(model, state)
+    finally:
+        model.reshard()
+
+
+def _gather_tp(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, PARALLEL_LAYERS):
             prefix = f"{name}." if name else ""
