@@ -290,12 +290,12 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
             f"cp={lay.cp} with sp: plait's context parallelism does not compose with tp's "
             f"sequence parallelism; use sp=False"
         )
-    if lay.pp > 1 and model.hugging_face:
+    if lay.pp > 1 and model.hugging_face and model.positions != "rope":
         raise LayoutError(
-            f"cp={lay.cp} with pp={lay.pp}: the model's loss shifts its labels itself "
-            f"(Hugging Face's), which the sequence chunks of cp break inside a pipeline; "
-            f"plait runs cp x pp for a loss on shifted targets (plait's GPT), this model "
-            f"with cp and pp=1"
+            f"cp={lay.cp} with pp={lay.pp}: the model's loss shifts its labels itself and "
+            f"its pipeline plan (GPT-2's) has no shifted_loss, which the sequence chunks of "
+            f"cp need inside a pipeline; plait runs cp x pp for the Llama family and plait's "
+            f"GPT, this model with cp and pp=1"
         )
     if lay.context == "ring" and job.seq % (2 * lay.cp):
         raise LayoutError(

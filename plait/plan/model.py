@@ -79,10 +79,10 @@ class ModelSpec:
     # keeps four tensors where a fused kernel ("gelu", "silu", ...) keeps its input only
     activation: str = "gelu"
     softmax_fp32: bool = False  # unfused attention's softmax computed in fp32 (HF's Llama)
-    # a Hugging Face model (from_hf_config): its loss shifts its labels itself (a cp rank's
-    # chunk ends where another's begins) and its pipeline stages rebuild the rotary
+    # a Hugging Face model (from_hf_config): its pipeline stages rebuild the rotary
     # embedding and the masks from their input (which sequence parallelism slices), so
-    # plait runs it with neither cp nor SP inside a pipeline
+    # plait runs it without SP inside a pipeline; its loss shifts its labels itself, which
+    # cp inside a pipeline takes for the rope families (their plan's shifted_loss), not GPT-2
     hugging_face: bool = False
 
     def __post_init__(self) -> None:
