@@ -11,7 +11,9 @@ attention itself.
 - ``style``: :func:`context_parallel` / :func:`prepare_cp`, a model's attention kernel
   swapped (plait's GPT, any model calling ``scaled_dot_product_attention``, Hugging Face
   models through their attention registry), composed with tp (first) and gradients
-  averaged over cp x dp.
+  averaged over cp x dp;
+- ``moe``: MoE models under cp: a Hugging Face family's router logits gathered over the
+  ranks for its load-balancing loss; plait's own MoE layer refused.
 """
 
 from plait.strategies.context.layout import (

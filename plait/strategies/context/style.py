@@ -44,9 +44,11 @@ from torch.overrides import TorchFunctionMode
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies.context.layout import WHO, cp_group, positions
+from plait.strategies.context.moe import prepare_moe
 from plait.strategies.context.ring_attention import ring_attention
 from plait.strategies.context.ulysses import ulysses_attention
 from plait.strategies.data_parallel.naive import NaiveDataParallel
+from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.tensor.parallelize import prepare_tp
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -185,6 +187,13 @@ def _check_hf_call(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None
             f"{WHO}: {type(module).__name__} under context parallelism needs position_ids (the "
             f"rank's global positions): pass those shard_sequence returns"
         )
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(
+            f"{WHO}: {type(module).__name__} got labels= without shift_labels=; the model "
+            f"would shift them inside this rank's chunks (pairing tokens that are not "
+            f"neighbours): pass shift_labels= (this rank's shard of the next-token targets "
+            f"from shard_sequence), or compute the loss from the logits"
+        )
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(torch.all(mask != 0)):
         raise ValueError(
@@ -321,6 +330,7 @@ def prepare_cp(
     sequence_parallel: bool = False,
     algorithm: str = "auto",
     check_finite: str | None = "raise",
+    moe_plan: MoEPlan | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(strategy="cp")``: with a ``tp`` dimension, first tensor parallelism
     over it (:func:`~plait.strategies.tensor.prepare_tp` with ``plan=`` and
@@ -330,7 +340,10 @@ def prepare_cp(
     (:class:`~plait.strategies.NaiveDataParallel` on the flattened cp+dp group: one
     all-reduce (average) at the end of backward; parameters broadcast from its rank 0 at
     wrap). Collective over the mesh. Returns the wrapper (call it as the model; with tp the
-    loss is :func:`plait.strategies.tensor.loss_fn`'s) and the optimizer."""
+    loss is :func:`plait.strategies.tensor.loss_fn`'s) and the optimizer. MoE models:
+    ``moe_plan=`` (the family's, which ``plait.prepare`` passes) has their router logits
+    gathered for the load-balancing loss; plait's own MoE layer is refused
+    (:mod:`plait.strategies.context.moe`)."""
     if not isinstance(mesh, Group) and "cp" not in getattr(mesh, "names", ()):
         raise ValueError(f"{WHO}: strategy 'cp' needs a mesh with a 'cp' dimension, got {mesh!r}")
     group = _gradient_group(mesh)
@@ -346,5 +359,12 @@ def prepare_cp(
     elif plan is not None or sequence_parallel:
         raise ValueError(f"{WHO}: plan= and sequence_parallel= need a 'tp' dimension in the mesh")
     context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
+    prepare_moe(
+        model,
+        mesh=mesh,
+        gradient_group=group,
+        moe_plan=moe_plan,
+        algorithm=algorithm,
+    )
     wrapped = NaiveDataParallel(model, group=group, algorithm=algorithm, check_finite=check_finite)
     return wrapped, optimizer
