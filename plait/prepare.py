@@ -203,6 +203,8 @@ def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
     shape = getattr(options.get("mesh"), "shape", {})
     if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
         options["plan"] = plan_for(model, "tp")  # cp x tp: the family's tp plan (no SP)
+    if "moe_plan" not in options and not moe_layers(model):
+        options["moe_plan"] = plan_for(model, "moe")  # routers whose logits the aux loss reads
     return prepare_cp(model, optimizer, **options)
 
 

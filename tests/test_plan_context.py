@@ -38,6 +38,20 @@ def test_layout_cp_world_label_and_refusals() -> None:
         check(LONG, JOB, Layout(cp=4), world=8)
 
 
+def test_cp_with_moe_blocks_refused_where_strategy_cp_refuses_them() -> None:
+    """Hugging Face MoE blocks run under cp (with tp and dp); over ep, with pp or in plait's
+    GShard layer they are refused, naming why."""
+    moe = dict(layers=2, hidden=64, heads=4, vocab=64, seq_len=1024, experts=4, moe_every=1)
+    hf_moe = ModelSpec(**moe, hugging_face=True)  # type: ignore[arg-type]
+    check(hf_moe, Job(global_batch=2, seq=1024, dropout=False), Layout(dp=2, tp=2, cp=2))
+    with pytest.raises(LayoutError, match="over ep=2: expert parallelism does not compose"):
+        check(hf_moe, Job(global_batch=2, seq=1024, dropout=False), Layout(cp=2, ep=2))
+    with pytest.raises(LayoutError, match="in plait's GShard layer"):
+        check(ModelSpec(**moe), JOB, Layout(cp=2))  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="and pp=2: PTD-P does not run MoE blocks with cp"):
+        check(ModelSpec(**moe), Job(global_batch=2, seq=1024), Layout(cp=2, pp=2, microbatch=1))  # type: ignore[arg-type]
+
+
 def test_activations_per_rank_are_one_cp_th() -> None:
     # per token of one block, e = 2, no masks, h = 64: replicated 4e h = 512, split
     # e (2q + 2kv) + 2 e f = 2 (128 + 128) + 4 * 256 = 1536; 2048 B per token

@@ -39,7 +39,7 @@ from plait.strategies.tensor.plan import TensorPlan
 
 _MASKED = (
     "Hugging Face's load-balancing loss weights the router logits by this rank's attention "
-    "mask, while under expert parallelism the logits are the global batch's"
+    "mask, while the logits it reads are gathered over the ranks (the global batch's)"
 )
 
 

@@ -14,6 +14,8 @@ attention itself.
 - ``recipe``: :func:`prepare_cp`, tp (first), the kernel swap, then gradients averaged over
   cp x dp: all-reduced (``zero=0``), or ZeRO-1/2 / FSDP sharded over cp x dp
   (``zero=1|2|3``).
+- ``moe``: MoE models under cp: a Hugging Face family's router logits gathered over the
+  ranks for its load-balancing loss; plait's own MoE layer refused.
 """
 
 from plait.strategies.context.layout import (

@@ -62,6 +62,7 @@ from torch import nn
 
 from plait.comm.group import Group
 from plait.strategies.context.layout import WHO
+from plait.strategies.context.moe import prepare_moe
 from plait.strategies.context.style import context_parallel
 from plait.strategies.data_parallel.grad_sync import (
     NonFiniteGradientError,
@@ -71,6 +72,7 @@ from plait.strategies.data_parallel.grad_sync import (
 )
 from plait.strategies.data_parallel.naive import NaiveDataParallel
 from plait.strategies.fsdp.prepare import prepare_fsdp
+from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.tensor.parallelize import prepare_tp
 from plait.strategies.zero import ZeroOptimizer, prepare_zero
 
@@ -151,6 +153,7 @@ def prepare_cp(
     check_finite: str | None = "raise",
     zero: int = 0,
     wrap: Any = None,
+    moe_plan: MoEPlan | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``plait.prepare(strategy="cp")``: the recipe of the module docstring. With a ``tp``
     dimension, tensor parallelism first (``plan=``, ``sequence_parallel=``: the optimizer
@@ -176,6 +179,9 @@ def prepare_cp(
     Collective over the mesh (every rank calls it). Returns the model (wrapped by
     NaiveDataParallel for ``zero=0``, sharded in place for ``zero=3``; call it as the
     model; with tp the loss is :func:`plait.strategies.tensor.loss_fn`'s) and the optimizer.
+    MoE models: ``moe_plan=`` (the family's, which ``plait.prepare`` passes) has their router
+    logits gathered for the load-balancing loss; plait's own MoE layer is refused
+    (:mod:`plait.strategies.context.moe`).
     """
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise ValueError(
@@ -218,6 +224,8 @@ def prepare_cp(
     elif plan is not None or sequence_parallel:
         raise ValueError(f"{WHO}: plan= and sequence_parallel= need a 'tp' dimension in the mesh")
     context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
+    # MoE blocks: their routers' logits gathered for the load-balancing loss (.moe)
+    prepare_moe(model, mesh=mesh, gradient_group=group, moe_plan=moe_plan, algorithm=algorithm)
     if zero == 0:
         wrapped = NaiveDataParallel(
             model, group=group, algorithm=algorithm, check_finite=check_finite

@@ -186,6 +186,13 @@ def _check_hf_call(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None
             f"{WHO}: {type(module).__name__} under context parallelism needs position_ids (the "
             f"rank's global positions): pass those shard_sequence returns"
         )
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(
+            f"{WHO}: {type(module).__name__} got labels= without shift_labels=; the model "
+            f"would shift them inside this rank's chunks (pairing tokens that are not "
+            f"neighbours): pass shift_labels= (this rank's shard of the next-token targets "
+            f"from shard_sequence), or compute the loss from the logits"
+        )
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(torch.all(mask != 0)):
         raise ValueError(

@@ -169,6 +169,8 @@ def gather_router_logits(
     group: Group,
     algorithm: str,
     replicated_loss: bool = False,
+    gradient_scale: float | None = None,
+    who: str = "expert parallelism",
 ) -> None:
     """Make the router logits that ``model``'s auxiliary loss reads those of the global
     batch (module docstring), in training forwards where ``plan.aux_loss_on`` says the loss
@@ -177,8 +179,14 @@ def gather_router_logits(
     ``replicated_loss``: every rank of ``group`` computes the same loss from the gathered
     logits (tensor parallelism with sequence parallelism, each rank's router seeing its
     slice of the sequence), so the ``n`` copies of a rank's logits' gradient are averaged,
-    not summed. The auxiliary losses these models compute are means over the rows, so the
-    gathered rows' order (rank-major, not one process's row-major) does not change them."""
+    not summed. ``gradient_scale``: the factor on each copy's gradient in general (default
+    1, or ``1/n`` with ``replicated_loss``; context parallelism with tensor and sequence
+    parallelism gathers over ``tp x cp x dp`` and scales by ``1/tp``:
+    :mod:`plait.strategies.context.moe`). ``who``: the strategy named in refusals. The
+    auxiliary losses these models compute are means over the rows, so the gathered rows'
+    order (rank-major, not one process's row-major) does not change them."""
+    if gradient_scale is None:
+        gradient_scale = 1.0 / group.size if replicated_loss else 1.0
     if not plan.routers or group.size == 1:
         return
     state = _AuxState()
@@ -199,7 +207,7 @@ def gather_router_logits(
         for key, why in plan.refuse_kwargs:
             if named.get(key) is not None:
                 raise ValueError(
-                    f"expert parallelism on {type(module).__name__}: {key}= is not supported "
+                    f"{who} on {type(module).__name__}: {key}= is not supported "
                     f"while the auxiliary loss is on ({why}); drop {key} (train on unpadded "
                     f"sequences) or turn the auxiliary loss off (output_router_logits=False)"
                 )
@@ -212,8 +220,8 @@ def gather_router_logits(
             return None
 
         def gathered(x: torch.Tensor) -> torch.Tensor:
-            if replicated_loss:
-                x = _ScaleGradient.apply(x, 1.0 / group.size)
+            if gradient_scale != 1.0:
+                x = _ScaleGradient.apply(x, gradient_scale)
             return gather_rows(x, group, algorithm)
 
         i = plan.logits_index

@@ -578,7 +578,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if not isinstance(model, FSDPModule):
         return _gather_tp(model, model.state_dict())
-    from plait.strategies.fsdp.state import full_state_dict as fsdp_full_state_dict
+    from plait.strategies.fsdp.state import (
+        full_state_dict as fsdp_full_state_dict,
+    )  # deferred: as above
 
     state = fsdp_full_state_dict(model)
     model.unshard()
