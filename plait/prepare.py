@@ -202,7 +202,8 @@ def _cp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
         options["wrap"] = _blocks(model)
     shape = getattr(options.get("mesh"), "shape", {})
     if isinstance(shape, dict) and shape.get("tp", 1) > 1 and options.get("plan") is None:
-        options["plan"] = plan_for(model, "tp")  # cp x tp: the family's tp plan (no SP)
+        extra = {"sequence_parallel": True} if options.pop("sequence_parallel", False) else {}
+        options["plan"] = plan_for(model, "tp", **extra)  # cp x tp: the family's tp plan
     if "moe_plan" not in options and not moe_layers(model):
         options["moe_plan"] = plan_for(model, "moe")  # routers whose logits the aux loss reads
     return prepare_cp(model, optimizer, **options)

@@ -146,9 +146,9 @@ def refusals() -> dict[str, str]:
     catch("zero4", zero=4)
     catch("zero_bool", zero=True)
     catch("skip", zero=1, check_finite="skip")
+    catch("sequence_parallel", mesh=plait.Mesh(tp=2, cp=world // 2), sequence_parallel=True, zero=3)
     catch("wrap", zero=1, wrap={nn.Linear})
     catch("no_optimizer", zero=2, opt=None)
-    catch("sequence_parallel", mesh=plait.Mesh(tp=2, cp=world // 2), sequence_parallel=True)
     return out
 
 

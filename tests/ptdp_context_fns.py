@@ -13,7 +13,13 @@ from plait import comm
 from tests.context_fns import BATCH, STEPS, _gpt, _tokens
 
 
-def run(mesh: dict[str, int], context: str, balanced: bool, microbatches: int) -> dict[str, Any]:
+def run(
+    mesh: dict[str, int],
+    context: str,
+    balanced: bool,
+    microbatches: int,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
     """``plait.prepare(strategy="ptdp", mesh=Mesh(**mesh), context=...)``: STEPS Adam steps
     on the global batch of ``BATCH * dp`` rows (``ptdp.step`` cuts rows over dp and the
     sequence over cp itself)."""
@@ -21,7 +27,7 @@ def run(mesh: dict[str, int], context: str, balanced: bool, microbatches: int) -
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ptdp, popt = plait.prepare(
         model, opt, strategy="ptdp", mesh=plait.Mesh(**mesh), context=context,
-        balanced=balanced, microbatches=microbatches,
+        balanced=balanced, microbatches=microbatches, sequence_parallel=sequence_parallel,
     )  # fmt: skip
     comm.reset_stats()
     losses = []

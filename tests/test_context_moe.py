@@ -1,7 +1,7 @@
 """Hugging Face MoE models under context parallelism (``plait.prepare(strategy="cp")``) with
 their load-balancing loss on, against one process on the whole sequences: Mixtral cp2 ring,
-Qwen2-MoE (shared expert) cp2 Ulysses, Mixtral cp2 x dp2, Qwen3-MoE cp2 x tp2; and the
-refusals.
+Qwen2-MoE (shared expert) cp2 Ulysses, Mixtral cp2 x dp2, Qwen3-MoE cp2 x tp2 with sequence
+parallelism; and the refusals.
 
 Each run: float64, 3 AdamW steps; the loss trained is ``mean CE + coef * aux`` in float64
 (tests/context_moe_fns.py), ``aux`` read from the router logits the model recorded (under
@@ -51,9 +51,9 @@ def _same(results: list[dict], want: dict) -> None:
         ("mixtral", "ring", 1, 1, False),
         ("qwen2_moe", "ulysses", 1, 1, False),
         ("mixtral", "ring", 2, 1, False),
-        ("qwen3_moe", "ring", 1, 2, False),  # sparse blocks whole on every tp rank
+        ("qwen3_moe", "ring", 1, 2, True),  # logits gathered over tp x cp, scaled 1/tp
     ],
-    ids=["mixtral-cp2-ring", "qwen2_moe-cp2-ulysses", "mixtral-cp2xdp2", "qwen3_moe-cp2xtp2"],
+    ids=["mixtral-cp2-ring", "qwen2_moe-cp2-ulysses", "mixtral-cp2xdp2", "qwen3_moe-cp2xtp2-sp"],
 )
 def test_moe_with_load_balancing_loss_matches_one_process(ranks, family, context, dp, tp, sp):
     want = oracle(family, dp)

@@ -51,12 +51,17 @@ def test_sharded_optimizer_under_cp_matches_one_process(ranks, family, context, 
     _check(ranks(cp * dp, fns.sharded, family, context, cp, dp, zero, timeout=240), want)
 
 
-@pytest.mark.parametrize(("family", "zero"), [("gpt", 3), ("llama", 2)])
-def test_tp2_cp2_matches_one_process(ranks, family, zero):
+@pytest.mark.parametrize(
+    ("family", "zero", "sp"),
+    [("gpt", 3, False), ("llama", 2, False), ("gpt", 0, True), ("gpt", 2, True)],
+)
+def test_tp2_cp2_matches_one_process(ranks, family, zero, sp):
     """SGD with momentum, whose step is linear in the gradient (an average off by a factor
-    would show in the parameters); its state lives on tp shards, so the parameters compare."""
+    would show in the parameters); its state lives on tp shards, so the parameters compare.
+    With tp's sequence parallelism too (``sp``): the position ids are replaced before its
+    sequence region slices them."""
     want = fns.oracle(family, 1, "sgd")
-    results = ranks(4, fns.sharded, family, "ring", 2, 1, zero, 2, "sgd", timeout=240)
+    results = ranks(4, fns.sharded, family, "ring", 2, 1, zero, 2, "sgd", sp, timeout=240)
     _check(results, want, state=False)
 
 
@@ -67,7 +72,7 @@ def test_bad_settings_are_refused_by_name(ranks):
         assert "check_finite='skip' with zero=1" in got["skip"]
         assert "wrap= chooses FSDP units; it needs zero=3" in got["wrap"]
         assert "zero=2 shards the optimizer" in got["no_optimizer"]
-        assert "sequence_parallel=True with cp" in got["sequence_parallel"]
+        assert "sequence_parallel=True with zero=3" in got["sequence_parallel"]
 
 
 @pytest.mark.parametrize("zero", [1, 3])

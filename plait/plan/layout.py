@@ -293,10 +293,10 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
             f"cp={lay.cp} with zero={lay.zero} and pp={lay.pp}: PTD-P's ZeRO reduces over dp "
             f"only, not dp x cp; use zero=0 (strategy 'cp' without a pipeline takes zero=1-3)"
         )
-    if lay.sp:
+    if lay.sp and lay.zero == 3:
         raise LayoutError(
-            f"cp={lay.cp} with sp: plait's context parallelism does not compose with tp's "
-            f"sequence parallelism; use sp=False"
+            f"cp={lay.cp} with sp and zero=3: FSDP's flat shards replace the norms whose "
+            f"gradients the sequence regions sum over tp; use zero 0-2 with sp"
         )
     if lay.pp > 1 and model.hugging_face and model.positions != "rope":
         raise LayoutError(

@@ -93,8 +93,6 @@ def check_context(
             f"input its context reads (as the Hugging Face Llama family's does), or pass "
             f"positions='<module>' (positions=False if the model embeds none)"
         )
-    elif sequence_parallel:
-        why = "sequence parallelism with cp is not composed; use sequence_parallel=False"
     elif zero:
         why = f"zero={zero} with cp: ZeRO reduces over dp only; use zero=0"
     elif moe:

@@ -24,8 +24,11 @@ divides by ``n``: ``(1/n) sum_r grad CE_r + sum_s d aux / d logits_s * d logits_
 the gradient of one process's ``mean CE + coef * aux``.
 
 With a ``tp`` dimension each sparse block is whole on every tp rank
-(:func:`plait.models.mixtral.moe_tp_plan`) and the tp ranks route the same rows, so
-gathering over ``G`` is enough (tp's sequence parallelism is refused with cp).
+(:func:`plait.models.mixtral.moe_tp_plan`). Without sequence parallelism the tp ranks route
+the same rows: gathering over ``G`` is enough. With it each tp rank routes a slice of its
+cp chunk, so the logits are gathered over the whole ``tp x cp x dp`` mesh and each copy's
+gradient scaled by ``1/t``: the block's gradients are summed over tp (the sequence region's
+rule) before the average over ``G``, which would count the ``t`` slices' copies ``t`` times.
 
 Refused, by name, when :func:`~plait.strategies.context.prepare_cp` runs (before any step):
 plait's own :class:`~plait.strategies.moe.MoE` layer (its GShard groups, capacity and
@@ -46,6 +49,12 @@ from plait.strategies.context.layout import WHO
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.moe.stacked import gather_router_logits
+
+
+def _whole_mesh(mesh: Any) -> Group:
+    sub = mesh.submesh(*mesh.names)
+    group: Group = sub.group(*sub.names)
+    return group
 
 
 def prepare_moe(
@@ -81,7 +90,19 @@ def prepare_moe(
                 f"routers=...), or use plait.prepare(strategy='cp'), which does"
             )
         return
-    gather_router_logits(model, moe_plan, group=gradient_group, algorithm=algorithm, who=WHO)
+    tp = mesh.size("tp") if "tp" in getattr(mesh, "names", ()) else 1
+    tensor = getattr(model, "plait_tensor_parallel", None)  # what prepare_tp set
+    if tp > 1 and tensor is not None and tensor.sequence_parallel:
+        gather_router_logits(
+            model,
+            moe_plan,
+            group=_whole_mesh(mesh),
+            algorithm=algorithm,
+            gradient_scale=1.0 / tp,
+            who=WHO,
+        )
+    else:
+        gather_router_logits(model, moe_plan, group=gradient_group, algorithm=algorithm, who=WHO)
 
 
 __all__ = ["prepare_moe"]

@@ -173,8 +173,8 @@ def prepare_cp(
     this tp rank holds over its cp x dp ranks (tested against one process for plait's GPT
     and a Hugging Face Llama). Refused by name before any rank trains: ``zero`` not in
     0-3, ``check_finite="skip"`` with ``zero`` 1-3, ``wrap=`` without ``zero=3``, ``zero``
-    1 or 2 without an optimizer, and ``sequence_parallel=True`` (every ``zero``: tp's
-    sequence regions are not composed with cp; the numbers would differ from one process).
+    1 or 2 without an optimizer, and ``sequence_parallel=True`` with ``zero=3`` (FSDP's flat
+    shards replace the norms whose gradients tp's sequence regions sum over tp).
 
     Collective over the mesh (every rank calls it). Returns the model (wrapped by
     NaiveDataParallel for ``zero=0``, sharded in place for ``zero=3``; call it as the
@@ -205,12 +205,6 @@ def prepare_cp(
             f"model.parameters() to plait.prepare"
         )
     tp = 1 if isinstance(mesh, Group) or "tp" not in mesh.names else mesh.size("tp")
-    if sequence_parallel:
-        raise ValueError(
-            f"{WHO}: sequence_parallel=True with cp: tensor parallelism's sequence regions "
-            f"are not composed with context parallelism (the numbers would differ from one "
-            f"process); use sequence_parallel=False (PTD-P refuses it with cp too)"
-        )
     group = gradient_group(mesh)
     if tp > 1:
         model, optimizer = prepare_tp(
@@ -223,6 +217,13 @@ def prepare_cp(
         )
     elif plan is not None or sequence_parallel:
         raise ValueError(f"{WHO}: plan= and sequence_parallel= need a 'tp' dimension in the mesh")
+    tensor = getattr(model, "plait_tensor_parallel", None)  # what prepare_tp set up
+    if zero == 3 and tensor is not None and tensor.sequence_parallel:
+        raise ValueError(
+            f"{WHO}: sequence_parallel=True with zero=3: FSDP's flat shards replace the "
+            f"parameters whose gradients tp's sequence regions sum over tp (the norms), so "
+            f"those sums would be lost; use zero=0, 1 or 2 with sequence parallelism"
+        )
     context_parallel(model, mesh=mesh, context=context, balanced=balanced, positions=positions)
     # MoE blocks: their routers' logits gathered for the load-balancing loss (.moe)
     prepare_moe(model, mesh=mesh, gradient_group=group, moe_plan=moe_plan, algorithm=algorithm)

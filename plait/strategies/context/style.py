@@ -332,7 +332,9 @@ def context_parallel(
         router = _SDPARouter(info, f"{type(model).__name__}.{name}")
         m.forward = functools.partial(_routed, m.forward, router)  # type: ignore[method-assign]
     if pos_name is not None and pos_name in modules:
-        modules[pos_name].register_forward_pre_hook(_position_hook(info, pos_name))
+        # prepended: it must see the whole local positions before a tensor-parallel
+        # sequence region slices them (sequence parallelism)
+        modules[pos_name].register_forward_pre_hook(_position_hook(info, pos_name), prepend=True)
     elif pos_name is not None:
         _swap_rows(model, info, pos_name)
     object.__setattr__(model, "plait_context_parallel", info)
