@@ -17,7 +17,7 @@ from plait.demo.gpt import FLOAT64_BOUND
 from plait.demo.layouts import upcycle
 from plait.demo.options import GPTDemoConfig, validate
 from plait.demo.reference import Reference, Schedule, fastest_threads, lr_at
-from plait.demo.tour import LEGEND, Row, Tour, _print, bubble_note, stops, table, tour
+from plait.demo.tour import LEGEND, Row, Tour, _print, bubble_note, context_note, stops, table, tour
 from plait.models import GPT
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -26,7 +26,9 @@ SMALL = {"width": 32, "layers": 3, "heads": 4, "seq_len": 32, "batch_size": 16}
 
 def test_every_stop_is_a_valid_four_rank_layout_and_says_what_it_trades():
     names = [s.name for s in stops()]
-    assert names == ["DDP dp4", "TP tp4", "PP pp4 1f1b", "PTD-P pp2 x tp2", "MoE ep4"]
+    assert names == [
+        "DDP dp4", "TP tp4", "PP pp4 1f1b", "PTD-P pp2 x tp2", "CP cp4 ring", "MoE ep4",
+    ]  # fmt: skip
     for s in stops():
         assert s.config.world_size == 4
         validate(s.config)  # raises on a bad one
@@ -66,7 +68,8 @@ def _row(**kw: object) -> Row:
     base = {
         "layout": "PP pp4 1f1b", "step_ms": 10.0, "param_mib_per_rank": 0.4,
         "mib_sent_per_step": 1.5, "bubble": 0.7, "bubble_simulated": 0.3,
-        "bubble_on_cores": 0.6, "bubble_formula": 3 / 11, "final_loss": 1.5,
+        "bubble_on_cores": 0.6, "bubble_formula": 3 / 11, "cp_attention_bytes": None,
+        "cp_formula_bytes": None, "final_loss": 1.5,
         "held_out_loss": 1.6, "max_param_diff": 1e-6, "check_bound": 1e-5, "passed": True,
     }  # fmt: skip
     return Row(**{**base, **kw})  # type: ignore[arg-type]
@@ -78,6 +81,18 @@ def test_the_bubble_note_gives_the_formula_and_the_shared_cores():
     assert "3/11 = 27%" in note and "share 2 cores" in note and "60%" in note
     assert "share" not in bubble_note(pp, _row(), cores=8)
     assert "70% / 30% / 27%" in table([_row()])
+
+
+def test_the_context_note_gives_the_rings_bytes_per_layer_and_the_count():
+    """The tour's GPT in float64: 32 rows x 4 heads x 32 tokens x head dim 24 x 8 bytes =
+    0.75 MiB of K (or V) per rank and layer; 3 other ranks' K and V = 4.5 MiB forward, the
+    backward twice that, 3 layers: 40.5 MiB a training step."""
+    cp = stops()[4]
+    counted = _row(layout=cp.name, cp_attention_bytes=3 * 2**20, cp_formula_bytes=3 * 2**20)
+    note = context_note(cp, counted)
+    assert "4.50 MiB per rank" in note and "40.5 MiB a training step" in note
+    assert "equal to the formula's 3.0 MiB" in note
+    assert "NOT equal" in context_note(cp, _row(cp_attention_bytes=0, cp_formula_bytes=1))
 
 
 def test_a_failed_check_prints_fail(capsys: pytest.CaptureFixture[str], tmp_path: Path):
@@ -95,7 +110,7 @@ def test_a_short_tour_learns_continues_every_layout_and_writes_the_pictures(
     schedule = Schedule(steps=12, warmup=2, evals=2, threads=1)
     result = tour(steps=3, schedule=schedule, out_dir=tmp_path, dtype="float64", model=SMALL)
     out = capsys.readouterr().out
-    assert result.passed and "PASS: all 5 layouts match one process" in out
+    assert result.passed and "PASS: all 6 layouts match one process" in out
     rows = result.rows
     assert [r.layout for r in rows] == [s.name for s in stops()]
     for r in rows:
@@ -116,10 +131,21 @@ def test_a_short_tour_learns_continues_every_layout_and_writes_the_pictures(
     for s in stops():
         assert f"- {s.name}: {s.trade}." in out
     assert "3/11 = 27%" in out
+    # context parallelism did run over cp: rank 0's attention bytes counted on the cp group
+    # equal the formula, by hand: 16 rows x 4 heads x 8 tokens x head dim 8 x 8 bytes = 32768
+    # bytes of K per rank and layer (held-out: 16 rows too); 3 layers x 3 other ranks x K and
+    # V, over 3 steps and 2 held-out forwards, and the backward's 3 steps twice
+    cp = rows[4]
+    assert cp.layout == "CP cp4 ring" and cp.passed
+    q = 32768
+    assert cp.cp_attention_bytes == cp.cp_formula_bytes == 3 * 3 * 2 * (5 + 2 * 3) * q
+    assert cp.mib_sent_per_step > rows[0].mib_sent_per_step  # K and V beside the gradients
+    assert all(r.cp_attention_bytes is None for r in rows if r is not cp)
+    assert "equal to the formula's" in out and "NOT equal" not in out
     folder = result.folder
     assert (folder / "tour.md").read_text().startswith("| layout |")
     saved = json.loads((folder / "tour.json").read_text())
-    assert len(saved["rows"]) == 5 and saved["passed"] is True
+    assert len(saved["rows"]) == 6 and saved["passed"] is True
     assert saved["reference"]["held_out_nats_per_char"] == result.reference.held_out_nats
     for name in ("tour.png", "schedule.png", "timeline.png"):
         assert (folder / name).read_bytes()[:8] == PNG, name

@@ -146,7 +146,7 @@ def tour_png(
     h1, l1 = bars.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
     bars.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
-    fig.suptitle("plait tour: the same GPT on 4 ranks under five layouts")
+    fig.suptitle(f"plait tour: the same GPT on 4 ranks under {len(layouts)} layouts")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""``plait demo --tour``: the reference GPT learns to write, then five layouts continue it.
+"""``plait demo --tour``: the reference GPT learns to write, then six layouts continue it.
 
 1. The dense GPT (:data:`MODEL`) trains in this process on Python's documentation until it
    writes words (:mod:`plait.demo.reference`: warm-up, cosine decay, every core), and is
@@ -16,11 +16,13 @@ DDP dp4               ``Mesh(dp=4)``: every rank a replica, gradients all-reduce
 TP tp4                ``Mesh(tp=4)``: heads, MLP, embedding and head split four ways
 PP pp4 1f1b           ``Mesh(pp=4)``: four stages, 1F1B over 8 micro-batches
 PTD-P pp2 x tp2       ``Mesh(pp=2, dp=1, tp=2)``: two stages, each tensor-parallel
+CP cp4 ring           ``Mesh(cp=4)``: a quarter of every window, K and V in a ring
 MoE ep4               ``Mesh(ep=4)``: 4 experts in every second block, upcycled
 ====================  ============================================================
 
 3. One table (with a two-line legend, the pipeline bubble measured, simulated and by the
-   formula, one sentence per layout on what it trades), and pictures beside it in
+   formula, one sentence per layout on what it trades, the ring's K/V bytes against the
+   formula), and pictures beside it in
    ``runs/tour-<time>/``: ``tour.png`` (loss against step and wall time, memory and bytes
    per layout), ``schedule.png`` (the pipeline's last step as it ran) and ``timeline.png``
    (DDP's last step: compute and communication per rank, from the tracer).
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from plait import checkpoint
-from plait.demo import reference
+from plait.demo import context, reference
 from plait.demo.gpt import GPTDemoReport, check_passed, run
 from plait.demo.options import GPTDemoConfig
 from plait.demo.pictures import tour_png
@@ -106,6 +108,15 @@ def stops(
             "between TP's and PP's (Megatron's recipe for models no single scheme fits)",
         ),
         Stop(
+            "CP cp4 ring",
+            replace(base, cp=4, context="ring"),
+            "every rank holds the whole model and two of the 8 chunks of every window (a "
+            "quarter of its tokens, the causal work balanced), and passes K and V around the "
+            "ring in every layer, forward and backward: a quarter of a window's activations "
+            "per rank, so windows too long for one rank fit, paid for in bytes that grow with "
+            "the window",
+        ),
+        Stop(
             "MoE ep4",
             replace(base, moe=True, ep=4),
             "a different model: 4 experts in every second block, one per rank, each token "
@@ -125,6 +136,8 @@ class Row:
     bubble_simulated: float | None  # the simulator with the measured action times
     bubble_on_cores: float | None  # the same, the ranks sharing this machine's cores
     bubble_formula: float | None  # (p - 1) / (m + p - 1) for 1F1B
+    cp_attention_bytes: int | None  # cp: rank 0's attention bytes on cp, the whole run
+    cp_formula_bytes: int | None  # the same by context.attention_formula
     final_loss: float
     held_out_loss: float
     max_param_diff: float
@@ -136,6 +149,7 @@ def row(name: str, report: GPTDemoReport) -> Row:
     c = report.config
     sent = sum(sum(r.values()) for r in report.bytes_by_dim.values())
     b = report.bubble or {}
+    cp = report.cp_bytes or {}
     return Row(
         layout=name,
         step_ms=1e3 * report.train_seconds / c.steps,
@@ -145,6 +159,8 @@ def row(name: str, report: GPTDemoReport) -> Row:
         bubble_simulated=b.get("simulated"),
         bubble_on_cores=b.get("on_cores"),
         bubble_formula=b.get("formula"),
+        cp_attention_bytes=sum(cp["counted"][0].values()) if cp else None,
+        cp_formula_bytes=sum(cp["formula"].values()) if cp else None,
         final_loss=report.final_loss,
         held_out_loss=report.held_out_loss,
         max_param_diff=report.max_param_diff if report.max_param_diff is not None else -1.0,
@@ -217,6 +233,25 @@ def bubble_note(stop: Stop, r: Row, cores: int) -> str:
     return note
 
 
+def context_note(stop: Stop, r: Row) -> str:
+    """What the ring sent, per layer and per step by the formula, and rank 0's count over
+    the run against it, in two sentences."""
+    c = stop.config
+    mib = 2**20
+    step = context.attention_formula(replace(c, steps=1, evals=0), held_out_rows=0)
+    layer = step["cp_kv"] / c.layers / mib  # one layer's forward: K and V of cp - 1 other ranks
+    counted, formula = r.cp_attention_bytes or 0, r.cp_formula_bytes or 0
+    same = "equal to" if counted == formula else "NOT equal to"
+    return (
+        f"{stop.name}: every layer's forward brings K and V of the other {c.cp - 1} ranks' "
+        f"chunks around the ring, {layer:.2f} MiB per rank, and its backward twice that (K and "
+        f"V again to recompute, dK and dV home): {sum(step.values()) / mib:.1f} MiB a training "
+        f"step over {c.layers} layers (bytes that grow with the window; DDP's gradients do "
+        f"not). Counted on cp, rank 0 sent {counted / mib:.1f} MiB of attention over the "
+        f"run (held-out forwards included), {same} the formula's {formula / mib:.1f} MiB."
+    )
+
+
 @dataclass
 class Tour:
     """What the tour left: the rows, the reference and where the files are."""
@@ -267,8 +302,8 @@ def tour(
         lr=schedule.final_lr,
     )  # fmt: skip
     print(
-        f"2. five layouts on 4 ranks each load it and continue for {steps} steps in {dtype}, "
-        f"each checked against one process\n",
+        f"2. {len(all_stops)} layouts on 4 ranks each load it and continue for {steps} "
+        f"steps in {dtype}, each checked against one process\n",
         flush=True,
     )
     done: list[tuple[str, GPTDemoReport]] = []
@@ -326,6 +361,8 @@ def _print(t: Tour, all_stops: list[Stop]) -> None:
         print(f"- {stop.name}: {stop.trade}.")
         if r.bubble is not None:
             print("  " + bubble_note(stop, r, os.cpu_count() or 1))
+        if r.cp_attention_bytes is not None:
+            print("  " + context_note(stop, r))
     print(f"\npictures in {t.folder}/:")
     print("  tour.png      loss against step and wall time; memory and bytes per layout")
     if "schedule.png" in t.files:
@@ -334,7 +371,7 @@ def _print(t: Tour, all_stops: list[Stop]) -> None:
         print("  timeline.png  DDP's last step: compute and communication per rank")
     first = t.folder.name
     print(
-        f"  every layout's own folder {first}-<1..5>/: trace.json (open it in "
+        f"  every layout's own folder {first}-<1..{len(all_stops)}>/: trace.json (open it in "
         f"https://ui.perfetto.dev or chrome://tracing), curves.png, timeline.png; the MoE's "
         f"moe_load.png shows tokens per expert over training\n"
     )
