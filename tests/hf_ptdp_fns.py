@@ -35,15 +35,18 @@ class Case:
     sequence_parallel: bool = False
     recompute: bool = False  # every stage reruns its forward before its backward
     via_compose: bool = False  # compose(..., plans=plan_for) instead of plait.prepare
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    context: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp * self.ep
+        return self.pp * self.dp * self.tp * self.ep * self.cp
 
     @property
     def name(self) -> str:
         dims = "x".join(f"{d}{n}" for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)))
         dims += f"xep{self.ep}" if self.ep > 1 else ""
+        dims += f"xcp{self.cp}-{self.context}" if self.cp > 1 else ""
         extra = ["tied"] if self.tied else []
         extra += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
@@ -57,6 +60,8 @@ def oracle(case: Case) -> dict[str, Any]:
     """One process on the global batch: the model's own ``labels=`` loss, the mean over
     the ``accumulate`` batches of a step, torch's clipping, AdamW with two groups."""
     model = MODELS[case.family](case.tied)
+    if case.cp > 1:  # eager attention's softmax runs in float32; cp's kernels in float64
+        model.set_attn_implementation("sdpa")
     opt = optimizer(list(model.named_parameters()))
     losses, norms = [], []
     for step in range(STEPS):
@@ -81,7 +86,8 @@ def train(case: Case) -> dict[str, Any]:
     optimizer state (or the refusal's text), assembled on every rank."""
     model = MODELS[case.family](case.tied)
     opt = optimizer(list(model.named_parameters()))
-    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
+    cp = {"cp": case.cp} if case.cp > 1 else {}
+    mesh = plait.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep, **cp)
     options: dict[str, Any] = {
         "schedule": case.schedule,
         "microbatches": case.microbatches,
@@ -89,6 +95,8 @@ def train(case: Case) -> dict[str, Any]:
         "sequence_parallel": case.sequence_parallel,
         "recompute": case.recompute,
     }
+    if case.cp > 1:
+        options["context"] = case.context
     if case.via_compose:
         ptdp = compose(model, opt, mesh=mesh, plans=plan_for, **options)
         popt = ptdp.optimizer

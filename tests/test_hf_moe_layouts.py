@@ -108,6 +108,9 @@ PTDP_CASES = [
     ptdp_fns.Case(family="qwen2_moe", schedule="zb-h1", accumulate=2),
     ptdp_fns.Case(family="qwen2_moe+aux", pp=2, dp=2, tp=1, accumulate=2),
     ptdp_fns.Case(family="qwen3_moe+aux", pp=2, dp=2, tp=1, zero=1),
+    # context parallelism: the routers' statistics summed over the cp ranks' chunks too
+    ptdp_fns.Case(family="mixtral+aux", pp=2, dp=1, tp=1, cp=2),
+    ptdp_fns.Case(family="qwen2_moe+aux", pp=2, dp=1, tp=1, cp=2, context="ulysses"),
 ]
 
 

@@ -36,9 +36,10 @@ the ``dp x cp`` ranks averaged, so the average is one process's mean.
 
 Refused by name (:func:`check_context`): such a loss without a ``shifted_loss`` (GPT-2's
 plan), a plan without a ``position_ids`` input when no ``positions=`` module embeds them,
-a padding ``attention_mask``,
-sequence parallelism, ZeRO, MoE blocks, ``reproducible=True``, a sequence that ``2c``
-(``c`` without balancing) does not divide.
+a padding ``attention_mask``, ZeRO, plait's GShard MoE layer (Hugging Face MoE blocks route
+each token on their own and pass, their load-balancing statistics summed over dp x cp),
+experts split over ``ep``, ``reproducible=True``, a sequence that ``2c`` (``c`` without
+balancing) does not divide.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def check_context(
     sequence_parallel: bool,
     reproducible: bool,
     moe: bool,
+    ep: int,
     plan: Any,
     positions: str | bool | None,
     buffers: tuple[str, ...],
@@ -96,7 +98,17 @@ def check_context(
     elif zero:
         why = f"zero={zero} with cp: ZeRO reduces over dp only; use zero=0"
     elif moe:
-        why = "MoE blocks with cp: their groups are whole sequences; drop cp or the MoE blocks"
+        why = (
+            "plait's MoE layer with cp: its GShard groups and capacity are over the tokens "
+            "one call sees (under cp a chunk of each sequence); use a model whose MoE blocks "
+            "route each token on its own (Hugging Face Mixtral, Qwen-MoE) or drop cp"
+        )
+    elif ep > 1:
+        why = (
+            f"ep={ep} with cp: experts split over ep are not composed with cp inside PTD-P "
+            f"yet; use ep=1 (the MoE blocks whole on every rank, their load-balancing loss "
+            f"summed over dp x cp) or drop cp"
+        )
     elif reproducible:
         why = "reproducible=True with cp: attention sums over the ring in another order"
     if why is not None:

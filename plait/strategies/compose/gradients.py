@@ -81,7 +81,7 @@ def sync_gradients(ptdp: PTDP) -> None:
             ptdp._sharded_unscale(1.0 / k)
         return
     n = ptdp.sizes.averaged * k
-    if ptdp.sizes.cp > 1:  # no MoE, no ZeRO, no reproducible (.context)
+    if ptdp.sizes.cp > 1:  # no ep, no ZeRO, no reproducible (.context)
         average(
             [c.param for c in ptdp.counted],
             ptdp.average_group,

@@ -37,7 +37,8 @@ loss's statistics pass). Communication: **none**. Every rank holds the whole glo
 stage slices the targets; nothing more crosses between stages. A plan without ``inputs``
 (plait's GPT, an ``nn.Sequential``, a list of stages) is called ``context(x)`` as before,
 and ``step`` refuses such keywords, naming the plan. A plan with a ``batch_loss`` refuses
-them too: the batch loss's statistics see every position of the batch, masked or not.
+an ``attention_mask``: the batch loss's statistics see every position of the batch, masked
+or not (other inputs, such as context parallelism's ``position_ids``, pass).
 
 Loss reductions:
 
@@ -228,9 +229,9 @@ def per_microbatch(
             f"that reads it (see plait.strategies.pipeline.plan)"
         )
     spec = None if plan is None else plan.batch_loss
-    if spec is not None:
+    if spec is not None and "attention_mask" in batch_inputs:
         raise ValueError(
-            f"pipeline: {next(iter(batch_inputs))}= with {spec.name}: the pipeline computes "
+            f"pipeline: attention_mask= with {spec.name}: the pipeline computes "
             f"that batch loss from statistics of every position of the batch, masked or not; "
             f"pass unpadded batches without it, or turn the batch loss off (a Hugging Face "
             f"MoE model: config.output_router_logits=False)"
