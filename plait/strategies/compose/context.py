@@ -141,6 +141,35 @@ def check_unpadded(mask: torch.Tensor | None) -> None:
         )
 
 
+def cut_sequences(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    batch_inputs: dict[str, torch.Tensor],
+    *,
+    mesh: Any,
+    balanced: bool,
+    shifts_labels: bool,
+    positions: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """This cp rank's part of a replica's rows: the targets shifted over the whole
+    sequence first when the loss shifts its labels itself (``shifts_labels``), then the
+    ids and targets cut (:func:`shard`), and with ``positions`` the rank's global
+    ``position_ids`` added to the per-micro-batch inputs. A padding mask and caller-given
+    ``position_ids`` are refused by name. No communication."""
+    check_unpadded(batch_inputs.pop("attention_mask", None))
+    if "position_ids" in batch_inputs:
+        raise ValueError(
+            "ptdp.step: position_ids= with cp > 1: PTD-P gives each rank the global "
+            "positions of its chunks itself; drop position_ids"
+        )
+    if shifts_labels:
+        targets = shift_labels(targets)
+    if positions:
+        batch_inputs["position_ids"] = rank_positions(inputs, mesh, balanced=balanced)
+    cut_inputs = shard(inputs, mesh, balanced=balanced)
+    return cut_inputs, shard(targets, mesh, balanced=balanced), batch_inputs
+
+
 def average_group(mesh: Any, *, ep: bool) -> Group:
     """The ranks whose dense gradients and losses are averaged: ``dp x cp`` (and ``ep``)."""
     wanted = ("dp", "ep", "cp") if ep else ("dp", "cp")
@@ -165,6 +194,7 @@ __all__ = [
     "average_group",
     "check_context",
     "check_unpadded",
+    "cut_sequences",
     "rank_positions",
     "shard",
     "shift_labels",

@@ -104,7 +104,6 @@ it). Read ``.grad`` after ``sync_gradients()``: before it, a rank holds its own 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +125,7 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
-from plait.strategies.compose.context import (
-    average_group,
-    check_context,
-    check_unpadded,
-    rank_positions,
-    shift_labels,
-)
-from plait.strategies.compose.context import shard as shard_context
+from plait.strategies.compose.context import average_group, check_context, cut_sequences
 from plait.strategies.compose.dense import (
     Counted,
     DenseGroup,
@@ -151,7 +143,7 @@ from plait.strategies.compose.experts import (
     shard_stacked,
 )
 from plait.strategies.compose.reproducible import check_reproducible
-from plait.strategies.compose.scaling import Unscaler, install
+from plait.strategies.compose.scaling import Unscaler, install, scaled_plan
 from plait.strategies.context import context_parallel
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline import PipelineParallel
@@ -424,34 +416,8 @@ class PTDP:
         self.optimizer.zero_grad = forget_and_zero  # type: ignore[method-assign]
 
     def _scaled(self, plan: Any) -> Any:
-        """The pipeline plan with its loss multiplied by the loss scale (1 without a
-        scaler). A loss that counts its items (``reduction="items"``, Hugging Face's
-        ``num_items_in_batch``) divides by the items of the *global* batch, counted in
-        :meth:`step` (every rank holds it), and is multiplied by the number of replicas, so
-        that averaging the replicas' gradients (``sync_gradients``) gives one process's
-        mean even when ignored labels fall unevenly over the dp ranks (under cp: the
-        plan's ``shifted_loss``, times the dp x cp ranks, :mod:`.context`)."""
-        base = plan.loss
-        if plan.reduction == "items":
-            self._count_items = plan.items
-            if self.sizes.cp > 1 and plan.shifts_labels:  # labels shifted by step (.context)
-                base = plan.shifted_loss
-            # every replica's (and cp rank's) sum over the global count, times the ranks
-            # the gradients are averaged over
-            ranks = self.sizes.averaged
-
-            def items_loss(y: torch.Tensor, target: torch.Tensor, *, num_items: Any) -> Any:
-                loss = base(y, target, num_items=num_items)
-                factor = ranks * self._loss_scale
-                return loss if factor == 1.0 else loss * factor
-
-            return replace(plan, loss=items_loss, items=lambda _rows: self._num_items)
-
-        def mean_loss(y: torch.Tensor, target: torch.Tensor) -> Any:
-            loss = base(y, target)
-            return loss if self._loss_scale == 1.0 else loss * self._loss_scale
-
-        return replace(plan, loss=mean_loss)
+        """See :func:`.scaling.scaled_plan`."""
+        return scaled_plan(self, plan)
 
     def _check_finite(self) -> None:
         """See :func:`.gradients.check_finite`."""
@@ -510,20 +476,15 @@ class PTDP:
             x, y = inputs[mine], targets[mine]
             rows_inputs = {k: v[mine] for k, v in extras.items()}
             if self.sizes.cp > 1:  # this rank's part of every sequence (.context)
-                check_unpadded(rows_inputs.pop("attention_mask", None))
-                if "position_ids" in rows_inputs:
-                    raise ValueError(
-                        "ptdp.step: position_ids= with cp > 1: PTD-P gives each rank the "
-                        "global positions of its chunks itself; drop position_ids"
-                    )
-                if self.shifts_labels:  # a loss that shifts inside: shift here (.context)
-                    y = shift_labels(y)
-                if "position_ids" in self.pipe_inputs:
-                    rows_inputs["position_ids"] = rank_positions(
-                        x, self.mesh, balanced=self.balanced
-                    )
-                x = shard_context(x, self.mesh, balanced=self.balanced)
-                y = shard_context(y, self.mesh, balanced=self.balanced)
+                x, y, rows_inputs = cut_sequences(
+                    x,
+                    y,
+                    rows_inputs,
+                    mesh=self.mesh,
+                    balanced=self.balanced,
+                    shifts_labels=self.shifts_labels,
+                    positions="position_ids" in self.pipe_inputs,
+                )
             loss = self.pipe.step(x, y, **rows_inputs).detach()
         finally:
             if self.moe is not None:

@@ -7,8 +7,9 @@
     ptdp.clip_grad_norm_(1.0)       # optional: unscales first (once)
     stepped = scaler.step(opt)      # unscale (unless clipping did), agree, step or skip
 
-``ptdp.step`` multiplies every micro-batch's loss by ``scaler.scale_value`` (and the MoE
-auxiliary losses alike, :mod:`.experts`). The scaler finds the optimizer's
+``ptdp.step`` multiplies every micro-batch's loss by ``scaler.scale_value``
+(:func:`scaled_plan`, which also multiplies a loss that counts its items by the ranks its
+gradients are averaged over; the MoE auxiliary losses alike, :mod:`.experts`). The scaler finds the optimizer's
 ``unscale_grads_``, which :func:`install` points at :func:`unscale`: the gradients are
 multiplied by ``1 / scale`` once per optimizer step (a second call, e.g. clipping then
 ``scaler.step``, only returns the flag), and the found-inf flag (1.0 when any gradient of
@@ -27,12 +28,16 @@ then reuses, and one scalar all-reduce over dp).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.comm import ops
 from plait.comm.group import Group
+
+if TYPE_CHECKING:
+    from plait.strategies.compose.ptdp import PTDP
 
 
 class Unscaler:
@@ -96,3 +101,34 @@ def install(optimizer: torch.optim.Optimizer, unscaler: Unscaler) -> None:
         unscaler.reset()
 
     optimizer.register_step_post_hook(after_step)
+
+
+def scaled_plan(ptdp: PTDP, plan: Any) -> Any:
+    """The pipeline plan with its loss multiplied by the loss scale (1 without a
+    scaler). A loss that counts its items (``reduction="items"``, Hugging Face's
+    ``num_items_in_batch``) divides by the items of the *global* batch, counted in
+    :meth:`PTDP.step` (every rank holds it), and is multiplied by the number of replicas, so
+    that averaging the replicas' gradients (``sync_gradients``) gives one process's
+    mean even when ignored labels fall unevenly over the dp ranks (under cp: the
+    plan's ``shifted_loss``, times the dp x cp ranks, :mod:`.context`)."""
+    base = plan.loss
+    if plan.reduction == "items":
+        ptdp._count_items = plan.items
+        if ptdp.sizes.cp > 1 and plan.shifts_labels:  # labels shifted by step (.context)
+            base = plan.shifted_loss
+        # every replica's (and cp rank's) sum over the global count, times the ranks
+        # the gradients are averaged over
+        ranks = ptdp.sizes.averaged
+
+        def items_loss(y: torch.Tensor, target: torch.Tensor, *, num_items: Any) -> Any:
+            loss = base(y, target, num_items=num_items)
+            factor = ranks * ptdp._loss_scale
+            return loss if factor == 1.0 else loss * factor
+
+        return replace(plan, loss=items_loss, items=lambda _rows: ptdp._num_items)
+
+    def mean_loss(y: torch.Tensor, target: torch.Tensor) -> Any:
+        loss = base(y, target)
+        return loss if ptdp._loss_scale == 1.0 else loss * ptdp._loss_scale
+
+    return replace(plan, loss=mean_loss)
