@@ -111,6 +111,9 @@ PTDP_CASES = [
     # context parallelism: the routers' statistics summed over the cp ranks' chunks too
     ptdp_fns.Case(family="mixtral+aux", pp=2, dp=1, tp=1, cp=2),
     ptdp_fns.Case(family="qwen2_moe+aux", pp=2, dp=1, tp=1, cp=2, context="ulysses"),
+    # experts split over ep beside cp: their gradients averaged over dp x cp
+    ptdp_fns.Case(family="mixtral+aux", pp=1, dp=1, tp=1, ep=2, cp=2),
+    ptdp_fns.Case(family="qwen3_moe+aux", pp=2, dp=1, tp=1, ep=2, cp=2),
 ]
 
 

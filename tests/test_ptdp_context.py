@@ -109,8 +109,6 @@ def test_what_cp_inside_ptdp_refuses_for_hf_models(ranks):
     for text in ranks(4, fns.hf_refused, "gpt2", timeout=120):
         assert "cp=2" in text and "shifts its labels itself" in text, text
         assert "shifted_loss=" in text, text
-    for text in ranks(4, fns.hf_refused, "ep", timeout=120):
-        assert "ep=2 with cp" in text and "use ep=1" in text, text
     for text in ranks(4, fns.hf_refused, "padding", timeout=120):
         assert "padding attention_mask" in text, text
     for text in ranks(4, fns.hf_refused, "positions", timeout=120):

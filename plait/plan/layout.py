@@ -275,16 +275,11 @@ def _check_cp(model: ModelSpec, job: Job, lay: Layout) -> None:
         return
     if lay.tp_mode != "1d":
         raise LayoutError(f"cp={lay.cp} with tp_mode={lay.tp_mode!r}: cp composes with 1D tp")
-    if model.experts and (lay.ep > 1 or not model.hugging_face):
-        why = (
-            f"split over ep={lay.ep}: expert parallelism does not compose with cp"
-            if lay.ep > 1
-            else "in plait's GShard layer, whose groups and capacity are the tokens one call "
-            "sees (under cp a chunk of each sequence)"
-        )
+    if model.experts and not model.hugging_face:
         raise LayoutError(
-            f"cp={lay.cp} with MoE blocks {why}; use cp=1 (cp runs Hugging Face MoE blocks "
-            f"whole on every rank, with tp, dp and pp)"
+            f"cp={lay.cp} with MoE blocks in plait's GShard layer, whose groups and capacity "
+            f"are the tokens one call sees (under cp a chunk of each sequence); use cp=1 (cp "
+            f"runs Hugging Face MoE blocks, with tp, dp, pp and ep)"
         )
     if lay.zero and lay.pp > 1:
         raise LayoutError(

@@ -37,9 +37,9 @@ the ``dp x cp`` ranks averaged, so the average is one process's mean.
 Refused by name (:func:`check_context`): such a loss without a ``shifted_loss`` (GPT-2's
 plan), a plan without a ``position_ids`` input when no ``positions=`` module embeds them,
 a padding ``attention_mask``, ZeRO, plait's GShard MoE layer (Hugging Face MoE blocks route
-each token on their own and pass, their load-balancing statistics summed over dp x cp),
-experts split over ``ep``, ``reproducible=True``, a sequence that ``2c`` (``c`` without
-balancing) does not divide.
+each token on their own and pass, their load-balancing statistics summed over dp x ep x
+cp; experts split over ``ep`` have their gradients averaged over dp x cp),
+``reproducible=True``, a sequence that ``2c`` (``c`` without balancing) does not divide.
 """
 
 from __future__ import annotations
@@ -102,12 +102,6 @@ def check_context(
             "plait's MoE layer with cp: its GShard groups and capacity are over the tokens "
             "one call sees (under cp a chunk of each sequence); use a model whose MoE blocks "
             "route each token on its own (Hugging Face Mixtral, Qwen-MoE) or drop cp"
-        )
-    elif ep > 1:
-        why = (
-            f"ep={ep} with cp: experts split over ep are not composed with cp inside PTD-P "
-            f"yet; use ep=1 (the MoE blocks whole on every rank, their load-balancing loss "
-            f"summed over dp x cp) or drop cp"
         )
     elif reproducible:
         why = "reproducible=True with cp: attention sums over the ring in another order"
@@ -172,7 +166,12 @@ def cut_sequences(
 
 def average_group(mesh: Any, *, ep: bool) -> Group:
     """The ranks whose dense gradients and losses are averaged: ``dp x cp`` (and ``ep``)."""
-    wanted = ("dp", "ep", "cp") if ep else ("dp", "cp")
+    return replica_group(mesh, ("dp", "ep", "cp") if ep else ("dp", "cp"))
+
+
+def replica_group(mesh: Any, wanted: tuple[str, ...]) -> Group:
+    """The flattened group of the mesh dimensions ``wanted`` (in the mesh's order): with cp,
+    ``dp x cp`` holds the same experts split over ep."""
     dims = [d for d in mesh.names if d in wanted]  # the mesh's order
     return mesh.submesh(*dims).group(*dims)  # type: ignore[no-any-return]
 
@@ -195,6 +194,7 @@ __all__ = [
     "check_context",
     "check_unpadded",
     "cut_sequences",
+    "replica_group",
     "rank_positions",
     "shard",
     "shift_labels",

@@ -69,7 +69,8 @@ def sync_gradients(ptdp: PTDP) -> None:
     """Make the gradients the dense gradient of the mean loss over every batch since
     the last optimizer step: divided by the number of ``step`` calls, averaged over dp
     (zero=0: one all-reduce of the flattened gradients; with MoE blocks one over
-    dp x ep for the dense ones and one over dp for the experts, :mod:`.experts`; under
+    dp x ep for the dense ones and one over dp for the experts, :mod:`.experts`; with cp
+    the same over dp x ep x cp and dp x cp, :mod:`.context`; under
     ZeRO the optimizer reduce-scatters them itself). Runs by itself before
     ``optimizer.step()`` and in ``clip_grad_norm_``; a no-op when nothing is pending.
     Collective over dp (and dp x ep)."""
@@ -81,20 +82,21 @@ def sync_gradients(ptdp: PTDP) -> None:
             ptdp._sharded_unscale(1.0 / k)
         return
     n = ptdp.sizes.averaged * k
-    if ptdp.sizes.cp > 1:  # no ep, no ZeRO, no reproducible (.context)
+    if ptdp.moe is not None or ptdp.sizes.ep > 1:
+        # experts: over the ranks holding the same ones (dp, and under cp the ranks of the
+        # other chunks); the rest over dp x ep (x cp) (.experts, .context)
+        dense = [c.param for c in ptdp.counted if not c.expert]
+        expert = [c.param for c in ptdp.counted if c.expert]
+        average(dense, ptdp.average_group, divide=n, algorithm=ptdp.algorithm)
+        average(expert, ptdp.expert_group, divide=n, algorithm=ptdp.algorithm)
+        return
+    if ptdp.sizes.cp > 1:  # no ZeRO, no reproducible (.context)
         average(
             [c.param for c in ptdp.counted],
             ptdp.average_group,
             divide=n,
             algorithm=ptdp.algorithm,
         )
-        return
-    if ptdp.moe is not None or ptdp.sizes.ep > 1:
-        # experts: over the dp ranks holding them; the rest over dp x ep (.experts)
-        dense = [c.param for c in ptdp.counted if not c.expert]
-        expert = [c.param for c in ptdp.counted if c.expert]
-        average(dense, ptdp.batch_group, divide=n, algorithm=ptdp.algorithm)
-        average(expert, ptdp.dp_group, divide=n, algorithm=ptdp.algorithm)
         return
     grads = [c.param.grad for c in ptdp.counted if c.param.grad is not None]
     if not grads:

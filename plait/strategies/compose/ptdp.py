@@ -125,7 +125,12 @@ from plait.strategies.compose.check import (
     resolve_plans,
     shared_between_layers,
 )
-from plait.strategies.compose.context import average_group, check_context, cut_sequences
+from plait.strategies.compose.context import (
+    average_group,
+    check_context,
+    cut_sequences,
+    replica_group,
+)
 from plait.strategies.compose.dense import (
     Counted,
     DenseGroup,
@@ -274,6 +279,10 @@ class PTDP:
             average_group(mesh, ep=self.ep_group is not None)
             if self.sizes.cp > 1
             else self.batch_group
+        )
+        # the ranks holding the same experts (split over ep): dp, and under cp dp x cp
+        self.expert_group: Group = (
+            replica_group(mesh, ("dp", "cp")) if self.sizes.cp > 1 else self.dp_group
         )
         dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
         # the dense model's structure on the meta device: what save/load rebuild (state.py)

@@ -9,13 +9,14 @@
 
 ``ptdp.step`` multiplies every micro-batch's loss by ``scaler.scale_value``
 (:func:`scaled_plan`, which also multiplies a loss that counts its items by the ranks its
-gradients are averaged over; the MoE auxiliary losses alike, :mod:`.experts`). The scaler finds the optimizer's
-``unscale_grads_``, which :func:`install` points at :func:`unscale`: the gradients are
-multiplied by ``1 / scale`` once per optimizer step (a second call, e.g. clipping then
-``scaler.step``, only returns the flag), and the found-inf flag (1.0 when any gradient of
-any rank is inf or nan) is reduced with ``max`` over tp, pp, ep and dp, so every rank of
-the mesh skips the same steps. The scaler then all-reduces the flag once more over its own
-``group`` (``None``: the world) and halves its scale on every rank alike.
+gradients are averaged over; the MoE auxiliary losses alike, :mod:`.experts`). The scaler
+finds the optimizer's ``unscale_grads_``, which :func:`install` points at
+:func:`unscale`: the gradients are multiplied by ``1 / scale`` once per optimizer step (a
+second call, e.g. clipping then ``scaler.step``, only returns the flag), and the found-inf
+flag (1.0 when any gradient of any rank is inf or nan) is reduced with ``max`` over tp, pp,
+ep and dp, so every rank of the mesh skips the same steps. The scaler then all-reduces the
+flag once more over its own ``group`` (``None``: the world) and halves its scale on every
+rank alike.
 
 A power-of-two scale commutes exactly with floating-point arithmetic (away from overflow
 and subnormals): when nothing overflows, the steps are those of the unscaled run.
