@@ -45,8 +45,11 @@ def validate_cp(c: GPTDemoConfig) -> None:
         raise bad("--cp does not compose with --moe in the demo: drop one of them")
     if c.tp_mode != "1d":
         raise bad(f"--cp composes with 1D tensor parallelism only: drop --tp-mode {c.tp_mode}")
-    if c.sequence_parallel:
-        raise bad("--cp does not compose with --sp (both split the sequence): drop --sp")
+    if c.sequence_parallel and (c.seq_len // (2 * c.cp)) % c.tp:
+        raise bad(
+            f"--sp with --cp {c.cp}: each of a rank's two chunks of --seq-len {c.seq_len} "
+            f"tokens ({c.seq_len // (2 * c.cp)}) must split over --tp {c.tp}"
+        )
     if c.tp < 1 or c.world_size % (c.cp * c.tp):
         raise bad(
             f"--cp {c.cp} x --tp {c.tp} must divide -n {c.world_size} (the mesh is dp x cp x tp)"

@@ -251,6 +251,7 @@ def context(config: GPTDemoConfig, mesh: Any, tracer: Tracer) -> Trainer:
         strategy="cp",
         mesh=mesh,
         context=config.context,
+        sequence_parallel=config.sequence_parallel,
         algorithm=config.algorithm,
     )
     assert opt is not None and isinstance(run, NaiveDataParallel)
