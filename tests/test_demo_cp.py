@@ -45,8 +45,11 @@ def _loss_diff(stdout: str) -> float:
         (["--cp", "2"], {"cp_kv", "cp_kv_bwd", "cp_dkv", "all_reduce"}, {"cp"}),
         (["--cp", "2", "--context", "ulysses"], {"all_to_all", "all_reduce"}, {"cp"}),
         (["-n", "4", "--cp", "2"], {"cp_kv", "cp_kv_bwd", "cp_dkv"}, {"cp", "dp+cp"}),
-        (["-n", "4", "--cp", "2", "--tp", "2", "--sp"],
-         {"cp_kv", "cp_kv_bwd", "cp_dkv", "all_reduce"}, {"cp", "tp"}),  # fmt: skip
+        (
+            ["-n", "4", "--cp", "2", "--tp", "2", "--sp"],
+            {"cp_kv", "cp_kv_bwd", "cp_dkv", "all_reduce"},
+            {"cp", "tp"},
+        ),  # fmt: skip
     ],
     ids=["ring", "ulysses", "ring-dp2", "ring-tp2-sp"],
 )
@@ -122,7 +125,7 @@ BAD = [
     ),
     (["--cp", "2", "--pp", "2", "-n", "4"], "--cp does not compose with --pp"),
     (["--cp", "2", "--moe"], "--cp does not compose with --moe"),
-    (["--cp", "2", "-n", "4", "--tp", "2", "--sp", "--seq-len", "12"], "(3) must split over --tp 2"),
+    (["--cp", "2", "-n", "4", "--tp", "2", "--sp", "--seq-len", "12"], "(3) must split over"),
     (["--cp", "2", "-n", "8", "--tp", "4", "--tp-mode", "2d"], "drop --tp-mode 2d"),
     (["--cp", "2", "-n", "4", "--batch-size", "3"], "(-n 4 / --tp 1 / --pp 1 / --cp 2)"),
 ]
