@@ -21,6 +21,7 @@ from torch.nn import functional as F
 import plait
 from plait import comm
 from plait.strategies.context import shard_sequence
+from tests.hf_moe_layouts_fns import _refusal
 
 STEPS, BATCH, SEQ, VOCAB, COEF = 3, 2, 16, 37, 0.5
 ROUTER = {  # a router weight whose gradient is checked by name
@@ -174,14 +175,6 @@ def train(
     else:
         state = {k: v.detach().clone() for k, v in model.named_parameters()}
     return {"losses": losses, "aux": aux, "hf": hf, "grads": grads, "state": state}
-
-
-def _refusal(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "NOT REFUSED"
 
 
 def refusals() -> dict[str, str]:

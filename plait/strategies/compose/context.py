@@ -20,6 +20,9 @@ cp         ring: K and V of every other rank's chunks,  ring: K/V again and dK/d
            point to point; Ulysses: two all-to-alls     Ulysses: two all-to-alls
            per attention                                per attention
 dp x cp    one scalar all-reduce of the loss            one all-reduce of the gradients
+  (x ep)   (with ep: over dp x ep x cp)                 (with ep: the dense ones over
+                                                        dp x ep x cp, the experts' over
+                                                        dp x cp)
 =========  ===========================================  ==================================
 
 A loss that counts its items and shifts its labels inside (Hugging Face's causal-LM loss:
@@ -56,10 +59,8 @@ def check_context(
     *,
     cp: int,
     zero: int,
-    sequence_parallel: bool,
     reproducible: bool,
     moe: bool,
-    ep: int,
     plan: Any,
     positions: str | bool | None,
     buffers: tuple[str, ...],

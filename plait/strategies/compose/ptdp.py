@@ -209,10 +209,8 @@ class PTDP:
         check_context(
             cp=self.sizes.cp,
             zero=zero,
-            sequence_parallel=sequence_parallel,
             reproducible=reproducible,
             moe=bool(moe_layers(model)),
-            ep=self.sizes.ep,
             plan=dense_pipeline,
             positions=positions,
             buffers=tuple(n for n, _ in model.named_buffers()),
