@@ -5,7 +5,7 @@ from plait.clip import clip_grad_norm_
 from plait.launch.pool import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
 from plait.prepare import prepare
-from plait.runtime import init, is_initialized, new_group, shutdown, world
+from plait.runtime import destroy_group, init, is_initialized, new_group, shutdown, world
 from plait.strategies import (
     DataParallel,
     DistributedDataParallel,
@@ -44,6 +44,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm",
     "compose",
+    "destroy_group",
     "fully_shard",
     "models",
     "moe",

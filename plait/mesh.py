@@ -272,6 +272,9 @@ class Mesh:
         self._timeout = timeout
         self._id = next(_mesh_ids)
         self._groups: dict[tuple[str, ...], Group | None] = {}
+        self._made: list[Group] = []  # this mesh's groups and its submeshes' flattened ones
+        self._owner: Mesh = self  # whose _made a group created here joins
+        self._destroyed = False
         for name in self.layout.names:
             self._groups[(name,)] = self._create((name,))
 
@@ -284,7 +287,32 @@ class Mesh:
             g = runtime.new_group(ranks, name=name, timeout=self._timeout)
             if g is not None:
                 mine = g
+                self._owner._made.append(g)  # a submesh's: its root's
         return mine
+
+    def destroy(self) -> None:
+        """Destroy the groups this mesh created, its submeshes' flattened groups included
+        (:func:`plait.destroy_group`: local, after this rank's collectives on them are
+        done). The mesh and its submeshes are unusable afterwards; a submesh's own
+        ``destroy`` leaves the groups to the mesh it came from. ``with plait.Mesh(...) as
+        mesh:`` destroys them when the block ends."""
+        made, self._made = self._made, []
+        self._groups = {}
+        self._destroyed = True
+        first_error: BaseException | None = None
+        for g in reversed(made):
+            try:
+                runtime.destroy_group(g)
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -311,6 +339,8 @@ class Mesh:
     def group(self, *dims: str) -> Group:
         """The group along ``dim`` that holds this rank (pass explicitly to collectives)."""
         key = tuple(dims)
+        if self._destroyed:
+            raise RuntimeError(f"{self!r} was destroyed (Mesh.destroy): build a new mesh")
         if key not in self._groups:
             raise KeyError(
                 f"mesh has no group along {list(dims)}; single dimensions are {list(self.names)}"
@@ -341,6 +371,9 @@ class Mesh:
         sub._print = self._print
         sub._groups = {(d,): self._groups[(d,)] for d in flat}
         sub._groups[flat] = group
+        sub._owner = self._owner  # destroys the flattened group
+        sub._made = []
+        sub._destroyed = False
         return sub
 
     def __repr__(self) -> str:

@@ -37,7 +37,8 @@ DEFAULT_TIMEOUT_S = 600.0
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _world: Group | None = None
-_subgroups: list[Group] = []
+_subgroups: list[Group] = []  # the live groups new_group made on this rank, oldest first
+_groups_made = 0  # every new_group call so far, on every rank (default names count them)
 _group_names: set[str] = set()  # every group's name, also on ranks outside it
 _settings: dict[str, Any] = {}  # what the world group was made with, to compare re-inits
 
@@ -328,6 +329,7 @@ def new_group(
     process group). ``node_size`` groups the ranks into blocks of that many for the
     hierarchical algorithms (default: by host).
     """
+    global _groups_made
     w = world()
     members = sorted(set(int(r) for r in ranks))
     if not members or members[0] < 0 or members[-1] >= w.size:
@@ -338,7 +340,8 @@ def new_group(
         raise ValueError(f"new_group: node_size must be positive, got {node_size}")
     timeout_s = _seconds(timeout, "timeout") if timeout is not None else w.timeout
     pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
-    label = name or f"g{len(_subgroups) + 1}[{','.join(map(str, members))}]"
+    _groups_made += 1
+    label = name or f"g{_groups_made}[{','.join(map(str, members))}]"
     # The progress board and the checks key groups by name: a name used before gets a
     # suffix. Every rank calls new_group in the same order, so all agree on the suffix.
     base, n = label, 1
@@ -347,7 +350,6 @@ def new_group(
         label = f"{base}#{n}"
     _group_names.add(label)
     if w.global_rank not in members:
-        _subgroups.append(None)  # type: ignore[arg-type]  # keep numbering equal on all ranks
         return None
     group = Group(
         pg=pg,
@@ -365,9 +367,58 @@ def new_group(
     return group
 
 
+def live_groups() -> list[Group]:
+    """The groups :func:`new_group` made on this rank that are not destroyed yet, oldest
+    first (the world group is not among them)."""
+    return list(_subgroups)
+
+
+def destroy_group(group: Group | None) -> None:
+    """Destroy a group made by :func:`new_group` on this rank: wait for its pending
+    collectives, stop its worker thread, close its shared-memory link and free its backend
+    process group (gloo holds three threads and a socket per peer for each group until
+    then). Local, no communication: each member calls it once its own collectives on the
+    group are done. ``None`` (a rank outside the group) does nothing. Using the group
+    afterwards raises naming it. The world group is left by :func:`shutdown`, not here.
+    :meth:`plait.Mesh.destroy` destroys a mesh's groups; a :class:`plait.RankPool` destroys
+    the groups a run made when the run returns."""
+    if group is None:
+        return
+    if group is _world:
+        raise ValueError("destroy_group: the world group is left by plait.shutdown()")
+    if group not in _subgroups:
+        if group.destroyed:
+            return
+        raise ValueError(f"destroy_group: {group!r} was not made by plait.new_group on this rank")
+    _subgroups.remove(group)
+    try:
+        group.synchronize()
+    finally:
+        group.shutdown()
+        pg = group.release()
+        if dist.is_initialized() and pg is not None:
+            dist.destroy_process_group(pg)
+
+
+def destroy_groups(keep: Sequence[Group] = ()) -> None:
+    """Destroy every live group of :func:`live_groups` but ``keep``, newest first; the first
+    failure is raised after all are destroyed."""
+    kept = {id(g) for g in keep}
+    first_error: BaseException | None = None
+    for g in reversed(live_groups()):
+        if id(g) in kept:
+            continue
+        try:
+            destroy_group(g)
+        except BaseException as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+
+
 def shutdown() -> None:
-    """Finish pending collectives and leave the process group."""
-    global _world
+    """Finish pending collectives, destroy every group and leave the process group."""
+    global _world, _groups_made
     first_error: BaseException | None = None
     for g in [*_subgroups, _world]:
         if g is None:
@@ -377,8 +428,10 @@ def shutdown() -> None:
         except BaseException as exc:  # still leave the group; report the first failure
             first_error = first_error or exc
         g.shutdown()
+        g.release()
     _subgroups.clear()
     _group_names.clear()
+    _groups_made = 0
     _world = None
     _settings.clear()
     progress.stop()  # no plait thread in the store or the backend past this point

@@ -31,7 +31,7 @@ from plait.comm.ops import (
     send,
 )
 from plait.comm.reduce_op import ReduceOp
-from plait.runtime import new_group, world, world_or_none
+from plait.runtime import destroy_group, new_group, world, world_or_none
 
 __all__ = [
     "ALGORITHMS",
@@ -49,6 +49,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "destroy_group",
     "new_group",
     "recv",
     "reduce",

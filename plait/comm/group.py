@@ -345,7 +345,8 @@ class Group:
     ) -> None:
         if global_rank not in ranks:
             raise ValueError(f"rank {global_rank} is not in group {name!r} (ranks {list(ranks)})")
-        self.pg = pg
+        self._pg = pg
+        self.destroyed = False
         self.ranks = tuple(ranks)
         self.rank = self.ranks.index(global_rank)
         self.size = len(self.ranks)
@@ -372,6 +373,24 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
+
+    @property
+    def pg(self) -> Any:
+        """The backend process group (raises once the group is destroyed)."""
+        if self._pg is None:
+            raise RuntimeError(
+                f"group {self.name!r} (ranks {list(self.ranks)}) was destroyed on rank "
+                f"{self.global_rank} (plait.destroy_group, Mesh.destroy, plait.shutdown or the "
+                f"end of the RankPool run that made it): create a new group or mesh"
+            )
+        return self._pg
+
+    def release(self) -> Any:
+        """Forget the backend process group (it is freed once torch drops it too) and
+        return it; the group is unusable afterwards. Called by ``plait.destroy_group``."""
+        pg, self._pg = self._pg, None
+        self.destroyed = True
+        return pg
 
     @property
     def global_rank(self) -> int:

@@ -15,6 +15,7 @@ named and the pool is torn down.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -140,7 +141,14 @@ def _worker(
             break
         try:
             fn, args, kwargs = pickle.loads(message)
-            reply("ok", fn(*args, **kwargs))
+            kept = runtime.live_groups()
+            result = fn(*args, **kwargs)
+            # each run starts from the world group, as a fresh process would: the groups
+            # it made are destroyed before it answers (gloo keeps three threads and a
+            # socket per peer for every group until then)
+            runtime.destroy_groups(keep=kept)
+            gc.collect()  # what the run left in reference cycles, its groups' pieces too
+            reply("ok", result)
         except BaseException as exc:
             reply("err", failure(exc))
     try:
@@ -154,7 +162,10 @@ class RankPool:
 
     ``run`` sends ``fn`` (importable by name) to every rank, which calls
     ``fn(*args, **kwargs)`` with the process group joined, and returns the results in rank
-    order. After a failure or a timeout the pool is closed: start a new one. ``timeout``
+    order. Each run starts from the world group: the groups a run made (meshes, sub-groups)
+    are destroyed on every rank before its result comes back, so a pool that runs many
+    functions holds no more threads or sockets than a fresh one (``threads()`` counts
+    them). After a failure or a timeout the pool is closed: start a new one. ``timeout``
     and ``debug`` left as None follow ``PLAIT_TIMEOUT`` and ``PLAIT_DEBUG`` (the ranks
     inherit this process's environment, plus ``env``). ``backend``: the process group's
     (``"gloo"`` by default; None lets :func:`plait.init` choose: NCCL where every rank owns
@@ -291,6 +302,23 @@ class RankPool:
                 results[r] = payload
                 pending.discard(r)
         return results
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [int(p.pid) for p in self._procs]
+
+    def threads(self) -> list[int]:
+        """Each rank's thread count now (Linux ``/proc``; -1 where it cannot be read)."""
+        counts = []
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    line = next(x for x in f if x.startswith("Threads:"))
+                counts.append(int(line.split()[1]))
+            except (OSError, StopIteration, ValueError):
+                counts.append(-1)
+        return counts
 
     def _exit_code(self, rank: int) -> int | None:
         self._procs[rank].join(2.0)  # its pipe may close a moment before it is reaped

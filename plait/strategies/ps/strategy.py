@@ -12,7 +12,8 @@ Communication contract, on ``group``:
   (every rank built the same model: names, shapes, dtypes, through the store), then one
   ``broadcast`` of the flat parameters and one per buffer from group rank 0, so every
   server starts from the same model; with more than one server, a subgroup of the
-  servers is created (``new_group``, called by every rank). In ``async``/``ssp`` mode each
+  servers is created (``new_group``, called by every rank; destroyed after the servers'
+  final all-gather). In ``async``/``ssp`` mode each
   worker also sets the store key ``plait/launch/may_exit/<global rank>``: under
   ``plait run`` its death does not end the job (the servers go on without it);
 - each worker step: per server, PUSH (header + gradient slice) and PULL (header), then
@@ -261,6 +262,7 @@ class ParameterServer:
         if server_group is not None:
             pieces = [flat[a:b] for a, b in bounds]
             comm.all_gather(pieces, final.contiguous(), group=server_group)
+            runtime.destroy_group(server_group)  # its one collective is done
         else:
             flat[lo:hi].copy_(final)
         with torch.no_grad():
