@@ -15,7 +15,6 @@ named and the pool is torn down.
 from __future__ import annotations
 
 import datetime
-import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -147,7 +146,6 @@ def _worker(
             # it made are destroyed before it answers (gloo keeps three threads and a
             # socket per peer for every group until then)
             runtime.destroy_groups(keep=kept)
-            gc.collect()  # what the run left in reference cycles, its groups' pieces too
             reply("ok", result)
         except BaseException as exc:
             reply("err", failure(exc))
