@@ -378,8 +378,10 @@ def destroy_group(group: Group | None) -> None:
     collectives, stop its worker thread, close its shared-memory link and free its backend
     process group (gloo holds three threads and a socket per peer for each group until
     then). Local, no communication: each member calls it once its own collectives on the
-    group are done. ``None`` (a rank outside the group) does nothing. Using the group
-    afterwards raises naming it. The world group is left by :func:`shutdown`, not here.
+    group are done (a failure of a collective still pending is left to whoever waits on
+    its handle, as at process exit). ``None`` (a rank outside the group) does nothing.
+    Using the group afterwards raises naming it. The world group is left by
+    :func:`shutdown`, not here.
     :meth:`plait.Mesh.destroy` destroys a mesh's groups; a :class:`plait.RankPool` destroys
     the groups a run made when the run returns."""
     if group is None:
@@ -391,13 +393,11 @@ def destroy_group(group: Group | None) -> None:
             return
         raise ValueError(f"destroy_group: {group!r} was not made by plait.new_group on this rank")
     _subgroups.remove(group)
-    try:
-        group.synchronize()
-    finally:
-        group.shutdown()
-        pg = group.release()
-        if dist.is_initialized() and pg is not None:
-            dist.destroy_process_group(pg)
+    group.settle()
+    group.shutdown()
+    pg = group.release()
+    if dist.is_initialized() and pg is not None:
+        dist.destroy_process_group(pg)
 
 
 def destroy_groups(keep: Sequence[Group] = ()) -> None:

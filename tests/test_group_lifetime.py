@@ -16,7 +16,8 @@ def test_a_pool_run_leaves_no_group_behind(ranks):
     after = _pool_threads(ranks)
     # inside the run the 42 groups were alive: at least 3 threads each on top
     for rank in range(2):
-        assert inside[rank] >= pool_before[rank] + 40 * GLOO_THREADS_PER_GROUP, (inside, pool_before)
+        made = 40 * GLOO_THREADS_PER_GROUP
+        assert inside[rank] >= pool_before[rank] + made, (inside, pool_before)
     # and once the run answered, not one group's threads were left
     assert after == pool_before, (pool_before, after)
 

@@ -484,6 +484,12 @@ class Group:
         if self._last is not None:
             self._last.result()
 
+    def settle(self) -> None:
+        """Wait for every asynchronous collective issued so far, failed ones included,
+        without raising their errors (their handles do)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
