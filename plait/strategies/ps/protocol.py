@@ -156,13 +156,16 @@ class _Waiter:
     keeps this thread blocked; being a daemon, it does not hold the process at exit."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]]
+        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]] | None]
         self._jobs = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self) -> None:
         while True:
-            work, done, errors = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:  # close(): no wait is pending
+                return
+            work, done, errors = job
             try:
                 work.wait()
             except BaseException as exc:  # handed to the caller
@@ -174,6 +177,10 @@ class _Waiter:
         done, errors = threading.Event(), list[BaseException]()
         self._jobs.put((work, done, errors))
         return done, errors
+
+    def close(self) -> None:
+        """End the thread once the waits submitted so far are done."""
+        self._jobs.put(None)
 
 
 class Link:
@@ -206,6 +213,12 @@ class Link:
         self.poll_s = poll_s
         self.what = what or f"rank {peer}"  # how messages name the peer
         self._waiter: _Waiter | None = None
+
+    def close(self) -> None:
+        """Stop the helper thread of a watched link (after its last message)."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
 
     def _lost(self, verb: str, why: str) -> PeerLost:
         return PeerLost(

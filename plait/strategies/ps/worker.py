@@ -234,4 +234,5 @@ class WorkerOptimizer(torch.optim.Optimizer):
         self.finished = True
         for i, link in enumerate(self.links):
             link.send_header(Header(Kind.DONE, shard=i))
+            link.close()
         self.stats.seconds = time.perf_counter() - self._start
