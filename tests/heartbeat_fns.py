@@ -16,9 +16,11 @@ def pid() -> int:
     return os.getpid()
 
 
-def wait_on_rank1(delay_s: float) -> dict[str, Any]:
+def wait_on_rank1(delay_s: float, marker: str | None = None) -> dict[str, Any]:
     """Rank 0 enters an all-reduce at once; rank 1 only after ``delay_s`` (the test
-    stops it meanwhile). What happened, with the wall-clock time it happened."""
+    stops it meanwhile). What happened, with the wall-clock time it happened. A rank whose
+    all-reduce raised creates the file ``marker`` (if given) at once: the test, which sees
+    results only once every rank has answered, learns there when to resume a stopped rank."""
     g = comm.world()
     if g.rank == 1:
         time.sleep(delay_s)
@@ -26,8 +28,12 @@ def wait_on_rank1(delay_s: float) -> dict[str, Any]:
     try:
         comm.all_reduce(t, algorithm="naive")
     except comm.CollectiveError as exc:
+        at = time.time()
+        if marker is not None:
+            with open(marker, "a") as f:
+                f.write(f"{g.rank}\n")
         ranks = getattr(exc, "ranks", None)
-        return {"error": type(exc).__name__, "ranks": ranks, "message": str(exc), "at": time.time()}
+        return {"error": type(exc).__name__, "ranks": ranks, "message": str(exc), "at": at}
     return {"error": None, "result": t.tolist(), "at": time.time()}
 
 

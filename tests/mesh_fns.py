@@ -30,15 +30,16 @@ def two_meshes() -> dict[str, Any]:
     return out
 
 
-def another_mesh_on_rank(odd: int) -> tuple[str, float]:
-    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2); the error
-    and the seconds until it was raised."""
+def another_mesh_on_rank(odd: int, timeout: float) -> tuple[str, float]:
+    """Rank ``odd`` builds Mesh(pp=4) where the others build Mesh(pp=2, tp=2), each mesh
+    with ``timeout`` (its agreement and group creation wait at most that); the error and
+    the seconds until it was raised."""
     start = time.monotonic()
     try:
         if plait.world().rank == odd:
-            plait.Mesh(pp=4)
+            plait.Mesh(pp=4, timeout=timeout)
         else:
-            plait.Mesh(pp=2, tp=2)
+            plait.Mesh(pp=2, tp=2, timeout=timeout)
     except ValueError as exc:
         return str(exc), time.monotonic() - start
     return "no error", time.monotonic() - start
