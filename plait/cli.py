@@ -8,6 +8,7 @@
     plait bench comm -n 4                     # nccl-tests-style table + JSON
     plait bench comm -n 4 --tune              # and write the table "auto" reads
     plait bench calibrate -n 4                # this machine's constants for plait plan
+    plait --version                           # plait 0.1.0
 """
 
 from __future__ import annotations
@@ -418,8 +419,22 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
     )
 
 
+def version() -> str:
+    """This plait's version: the installed distribution's metadata (``importlib.metadata``),
+    else ``plait.__version__`` (a source tree run without installing it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("plait")
+    except metadata.PackageNotFoundError:
+        from plait import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plait", description="distributed training on PyTorch")
+    parser.add_argument("--version", action="version", version=f"plait {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
