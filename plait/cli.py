@@ -61,12 +61,18 @@ def _heartbeat_timeout(text: str) -> float:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from plait import settings
     from plait.launch.job import check_nproc
 
     try:
+        # every PLAIT_* setting, before any rank starts: a bad value stops the job here,
+        # once, instead of failing every rank (or torchrun's ranks on this machine)
+        for warning in settings.check():
+            print(f"plait run: {warning}", file=sys.stderr)
         check_nproc(args.nproc, nodes=args.nnodes)
     except ValueError as exc:
-        print(f"plait run: {exc}", file=sys.stderr)
+        text = str(exc).replace("\n", "\nplait run: ")
+        print(f"plait run: {text}", file=sys.stderr)
         return 2
     if not Path(args.script).exists():
         print(f"plait run: no such script: {args.script}", file=sys.stderr)

@@ -24,10 +24,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plait import settings
+
 if TYPE_CHECKING:
     from plait.comm.group import Call
 
-DEFAULT_SIZE = 2000
+DEFAULT_SIZE = int(settings.RECORDER_SIZE.default or 0)
 
 
 class Entry:
@@ -63,19 +65,16 @@ class Entry:
 
 
 def size_from_env() -> int:
-    raw = os.environ.get("PLAIT_RECORDER_SIZE", "")
-    if raw == "":
-        return DEFAULT_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
-    if size < 0:
-        raise ValueError(
-            f"PLAIT_RECORDER_SIZE={raw!r}: expected a whole number of collectives >= 0 "
-            f"(0 turns the flight recorder off; default {DEFAULT_SIZE})"
-        )
-    return size
+    """``PLAIT_RECORDER_SIZE`` (checked: 0 .. 1,000,000 collectives), else the default."""
+    return int(settings.RECORDER_SIZE.read())
+
+
+def check_directory() -> None:
+    """Refuse a ``PLAIT_RECORDER_DIR`` the dumps could not be written into (``plait.init``
+    calls it: :func:`dump` runs on error paths and never raises, too late to say so)."""
+    why = settings.recorder_dir_problem(os.environ.get("PLAIT_RECORDER_DIR", ""))
+    if why is not None:
+        raise ValueError(why)
 
 
 _buffer: collections.deque[Entry] = collections.deque(maxlen=DEFAULT_SIZE)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed import distributed_c10d
 
+from plait import settings
 from plait.comm import shm
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ if TYPE_CHECKING:
 MODES = ("auto", "shm", "gloo")
 DEFAULT_MODE = "auto"
 PREFIX = "plait-shm-"
-RING_BYTES = 512 << 10
-WINDOW_BYTES = 2 << 20
+RING_BYTES = int(settings.SHM_RING_BYTES.default or 0)  # 512 KiB
+WINDOW_BYTES = int(settings.SHM_WINDOW_BYTES.default or 0)  # 2 MiB
 STALE_NAME = re.compile(rf"^{PREFIX}(\d+)-")  # the creator's pid
 
 log = logging.getLogger("plait")
@@ -69,26 +70,28 @@ _cleaned = False
 
 def parse_mode(value: str | None) -> str:
     """``value``, else ``PLAIT_TRANSPORT``, else :data:`DEFAULT_MODE`; checked."""
-    source = "transport"
-    if value is None:
-        source, value = "PLAIT_TRANSPORT", os.environ.get("PLAIT_TRANSPORT", "") or DEFAULT_MODE
-    mode = str(value).strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"{source}={value!r}: expected one of {', '.join(MODES)}")
-    return mode
+    if value is not None:
+        return settings.transport(value, "transport")
+    return settings.transport(os.environ.get("PLAIT_TRANSPORT", "") or DEFAULT_MODE)
+
+
+_SIZES = {n.name: n for n in (settings.SHM_RING_BYTES, settings.SHM_WINDOW_BYTES)}
 
 
 def _bytes_setting(name: str, default: int) -> int:
+    """``PLAIT_SHM_RING_BYTES`` or ``PLAIT_SHM_WINDOW_BYTES`` (checked), else ``default``."""
     raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 4096 or value % 4096:
-        raise ValueError(f"{name}={raw!r}: expected a multiple of 4096 bytes, at least 4096")
-    return value
+    return default if raw.strip() == "" else int(_SIZES[name].parse(raw))
+
+
+def configure() -> tuple[int, int]:
+    """Check this process's shared-memory settings (``plait.init`` calls it first, so a
+    bad value is named before any rank waits on another): returns (ring bytes, window
+    bytes) and sets the spin of a shared-memory wait from ``PLAIT_SHM_SPIN_US``."""
+    ring = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
+    window = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES)
+    shm.SPIN_S = float(settings.SHM_SPIN_US.read()) * 1e-6
+    return ring, window
 
 
 def segment_dir() -> str:
@@ -98,14 +101,7 @@ def segment_dir() -> str:
 def bad_setting() -> str | None:
     """Why an explicit ``PLAIT_SHM_DIR`` cannot serve, or None: a directory the user named
     must exist and be writable (a silent fall back to gloo would hide the typo)."""
-    named = os.environ.get("PLAIT_SHM_DIR", "")
-    if named and not (os.path.isdir(named) and os.access(named, os.W_OK)):
-        what = "does not exist" if not os.path.exists(named) else "is not a writable directory"
-        return (
-            f"PLAIT_SHM_DIR={named!r} {what}; point it at a writable directory on a memory "
-            f"file system (/dev/shm) or unset it"
-        )
-    return None
+    return settings.shm_dir_problem(os.environ.get("PLAIT_SHM_DIR", ""))
 
 
 def unsupported(backend: str) -> str | None:

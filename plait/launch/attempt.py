@@ -44,13 +44,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait import settings
 from plait.comm import transport
-from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch import lifeline, rendezvous
 
 POLL_S = 0.05
 HEARTBEAT_POLL_S = 0.5
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = float(settings.HEARTBEAT_TIMEOUT.default or 0)
 HEARTBEAT_KEY = "plait/heartbeat/{rank}"
 # Set (to anything) when the rank stopped beating on purpose: its script ended, or it left
 # the process group; from then on it is not watched (exiting can take seconds).
@@ -63,10 +63,7 @@ _PG_PREFIX = "default_pg/"
 def heartbeat_timeout_default() -> float:
     """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
 
-    raw = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
-    if raw == "":
-        return DEFAULT_HEARTBEAT_TIMEOUT_S
-    return parse_heartbeat_timeout(raw, "PLAIT_HEARTBEAT_TIMEOUT")
+    return float(settings.HEARTBEAT_TIMEOUT.read())
 
 
 class PortInUse(RuntimeError):

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from plait import settings
 from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch import lifeline
 from plait.launch.attempt import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
@@ -72,6 +73,8 @@ def run_job(
     <= nproc, needs ``max_restarts`` >= 1): restart with one rank fewer after each failure
     (see the module docstring).
     """
+    for warning in settings.check(dict(os.environ, **(env or {}))):  # bad values raise
+        _say(warning)
     check_nproc(nproc)
     check_elastic(nproc=nproc, min_nproc=min_nproc, max_restarts=max_restarts)
     if heartbeat_timeout is not None:
@@ -112,12 +115,12 @@ def check_nproc(nproc: int, *, nodes: int = 1) -> None:
     if nproc < 1:
         raise ValueError(f"-n (nproc) must be at least 1, got {nproc}")
     cores = os.cpu_count() or 1
-    raw = os.environ.get("PLAIT_MAX_NPROC", "")
-    limit = int(raw) if raw.isdigit() else RANKS_PER_CORE * cores
+    named = settings.MAX_NPROC.read()  # checked: a whole number >= 1, or unset
+    limit = RANKS_PER_CORE * cores if named is None else int(named)
     if nproc > limit:
         where = (
             "set by PLAIT_MAX_NPROC"
-            if raw.isdigit()
+            if named is not None
             else (
                 f"{RANKS_PER_CORE} per core on this machine of {cores} cores; each rank is a "
                 f"Python process with torch, about 300 MB"
