@@ -8,6 +8,9 @@ silently as its default). :data:`SETTINGS` lists them all; where each is read:
   ``PLAIT_DEBUG``, ``PLAIT_CHECK``, ``PLAIT_NODE_SIZE``, ``PLAIT_HEARTBEAT_TIMEOUT``,
   ``PLAIT_TRANSPORT``, ``PLAIT_SHM_RING_BYTES``, ``PLAIT_SHM_WINDOW_BYTES``,
   ``PLAIT_SHM_SPIN_US``, ``PLAIT_SHM_DIR``, ``PLAIT_RECORDER_SIZE``, ``PLAIT_RECORDER_DIR``;
+  the settings every rank must share (the signature check and debug mode, the node size,
+  the shared-memory ring and window bytes) are then compared across the ranks and a
+  disagreement names the ranks and their values (``plait/comm/transport.py``);
 * by a rank of ``plait run`` before it joins its job (``plait/launch/rank_entry.py``):
   ``PLAIT_CONNECT_TIMEOUT``, ``PLAIT_RENDEZVOUS_TIMEOUT``;
 * by the launcher: ``PLAIT_MAX_NPROC``, ``PLAIT_HEARTBEAT_TIMEOUT``; ``plait run`` checks

@@ -22,7 +22,11 @@ Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
    tests make them), plus the ``node_size`` block when the group has one (simulated hosts
    talk gloo). Every rank publishes, ``gloo`` ones too: ranks that chose different modes
    raise ``ValueError`` on every rank naming each rank's mode (one rank alone on
-   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key);
+   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key); so do ranks
+   that disagree on a setting every rank must share (:func:`shared_settings`: the
+   signature check, debug mode, the node size, and for shared memory the ring and window
+   bytes), naming each value and its ranks (``PLAIT_SHM_WINDOW_BYTES`` set on one rank
+   only used to end in a tensor size error inside a collective);
 2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
    a random nonce: no two jobs or groups collide), reserves every byte of it
    (``posix_fallocate``: no SIGBUS later when the directory fills up) and publishes its
@@ -196,14 +200,22 @@ def attach(group: Group, mode: str) -> None:
     gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
     base = f"plait/shm/{group.name}/{gen}/"
     # every rank publishes its mode (gloo included): a rank that alone chose another
-    # transport is named on every rank instead of leaving the others waiting for its key
-    offer = {"mode": mode, "key": mykey, "why": why, "fatal": fatal is not None}
+    # transport is named on every rank instead of leaving the others waiting for its key;
+    # so are the settings every rank must share
+    offer = {
+        "mode": mode,
+        "key": mykey,
+        "why": why,
+        "fatal": fatal is not None,
+        "shared": shared_settings(group, mode),
+    }
     store.set(f"{base}host/{me}", json.dumps(offer))
     offers = [
         json.loads(o)
         for o in _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
     ]
     _agree_mode(group, offers)
+    _agree_settings(group, offers)
     if mode == "gloo":
         return
     refused = [
@@ -311,6 +323,49 @@ def _agree_mode(group: Group, offers: list[dict[str, Any]]) -> None:
             f"group {group.name!r}: the ranks disagree on the transport ({text}); set the "
             f"same PLAIT_TRANSPORT (or plait.init(transport=...)) on every rank"
         )
+
+
+def shared_settings(group: Group, mode: str) -> dict[str, Any]:
+    """The settings every rank of ``group`` must share, by the name a message gives them:
+    a rank alone without the signature check or debug mode sends other tags or waits for
+    signatures nobody writes (a hang until the timeout); another node size picks other
+    algorithms; other shared-memory ring or window bytes (shm and auto only) misread the
+    peers' segments (a tensor size error deep inside a collective)."""
+    shared: dict[str, Any] = {
+        "the signature check (check=, PLAIT_CHECK)": group.check,
+        "debug mode (debug=, PLAIT_DEBUG)": group.debug,
+        "node_size (PLAIT_NODE_SIZE)": group.node_size,
+    }
+    if mode != "gloo":
+        shared["PLAIT_SHM_RING_BYTES"] = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
+        shared["PLAIT_SHM_WINDOW_BYTES"] = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES)
+    return shared
+
+
+def _agree_settings(group: Group, offers: list[dict[str, Any]]) -> None:
+    """Raise on every rank when the ranks of ``group`` disagree on a shared setting,
+    naming each setting's values and the ranks holding each (after :func:`_agree_mode`:
+    the ranks chose one transport)."""
+    differ = []
+    for name in offers[0]["shared"]:
+        values: dict[str, list[int]] = {}
+        for r, o in enumerate(offers):
+            values.setdefault(_shown(o["shared"].get(name)), []).append(group.ranks[r])
+        if len(values) > 1:
+            text = "; ".join(f"ranks {rs} have {v}" for v, rs in values.items())
+            differ.append(f"{name} ({text})")
+    if differ:
+        raise ValueError(
+            f"group {group.name!r}: the ranks disagree on {'; and on '.join(differ)}; "
+            f"set the same value on every rank (the same environment, or the same "
+            f"plait.init arguments)"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
 
 
 def _open_peers(
