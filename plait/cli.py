@@ -643,7 +643,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor_p = sub.add_parser(
         "doctor", help="read the flight-recorder dumps of a failed job; name what went wrong"
     )
-    doctor_p.add_argument("directory", help="PLAIT_RECORDER_DIR (named in the error message)")
+    doctor_p.add_argument(
+        "directory",
+        help="the flight-recorder folder plait run's failure report names (or a job's "
+        "folder: every attempt), or PLAIT_RECORDER_DIR",
+    )
     doctor_p.set_defaults(func=_doctor)
 
     from plait.plan.cli import default_subcommand

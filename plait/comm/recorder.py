@@ -6,8 +6,11 @@ collective, algorithm, bytes, signature, state (``started`` -> ``completed`` or
 ``failed``) and wall-clock start/end times. Appending is a few attribute writes; nothing
 leaves the process until a collective fails with a :class:`CollectiveError` (a timeout,
 a mismatch, a stopped or dead peer): then the rank writes the buffer as JSON to
-``<PLAIT_RECORDER_DIR>/rank<global rank>.json`` (default directory: ``plait-recorder-
-<MASTER_PORT>`` under the system temporary directory). The error message names the file.
+``<PLAIT_RECORDER_DIR>/rank<global rank>.json``. ``plait run`` sets that directory per
+attempt, ``plait-recorder-<job id>/attempt-<n>`` under the system temporary directory; its
+failure report names it, and a successful attempt's folder is removed. Elsewhere
+(torchrun, ``plait.spawn``) the default is ``plait-recorder-<MASTER_PORT>`` there. The
+error message names the directory.
 ``plait doctor DIR`` (``plait/launch/doctor.py``) reads every rank's file and names the first
 collective the ranks disagree on, or the ranks that never reached it.
 """

@@ -201,8 +201,10 @@ class Attempt:
         env: dict[str, str] | None = None,
         heartbeat_timeout: float | None = None,
         workdir: Path | None = None,
+        recorder_dir: Path | None = None,
     ) -> None:
         self.nproc = nproc
+        self.started_wall = time.time()
         self.job_id = job_id
         self.restart_count = restart_count
         self.heartbeat_timeout = (
@@ -219,6 +221,14 @@ class Attempt:
         self.allowed: list[tuple[int, int]] = []  # (rank, code) of ranks allowed to exit
         self._next_beat_check = 0.0
         base = dict(os.environ, **(env or {}))
+        # the flight recorder's dumps (plait/comm/recorder.py): into the folder the user
+        # named, else into recorder_dir, this attempt's folder of the job's, which the
+        # failure report names and a successful attempt removes
+        named = base.get("PLAIT_RECORDER_DIR", "").strip()
+        self.recorder_dir = Path(named) if named else recorder_dir
+        self._own_recorder_dir = not named and recorder_dir is not None
+        if self._own_recorder_dir:
+            base["PLAIT_RECORDER_DIR"] = str(recorder_dir)
         if "OMP_NUM_THREADS" not in base:  # N ranks share the cores (as torchrun does)
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         me = os.getpid()
@@ -372,6 +382,31 @@ class Attempt:
             except (OSError, ValueError):
                 continue
         return out
+
+    def recorder_dumps(self) -> list[int]:
+        """The ranks whose flight-recorder dump (``rank<N>.json``) this attempt wrote."""
+        if self.recorder_dir is None:
+            return []
+        ranks = []
+        for f in self.recorder_dir.glob("rank*.json"):
+            try:
+                if f.stat().st_mtime >= self.started_wall - 1.0:  # not an earlier job's
+                    ranks.append(int(f.stem[len("rank") :]))
+            except (OSError, ValueError):
+                continue
+        return sorted(ranks)
+
+    def discard_dumps(self) -> None:
+        """Remove this attempt's recorder folder when the launcher made it (a successful
+        attempt's dumps, or an empty folder: nobody will read them), and the job's folder
+        above it once that is empty. A folder the user named is left alone."""
+        if not self._own_recorder_dir or self.recorder_dir is None:
+            return
+        shutil.rmtree(self.recorder_dir, ignore_errors=True)
+        try:
+            self.recorder_dir.parent.rmdir()  # only if no other attempt's dumps are kept
+        except OSError:
+            pass
 
     def close(self) -> None:
         """After the ranks exited (or :meth:`stop`): kill what they left running, remove
