@@ -240,3 +240,37 @@ def test_a_collective_timeout_that_runs_out_in_init_names_the_setting(tmp_path):
     assert "ERROR plait.init: rank 0 of 2: joining the process group through the store at " in out
     assert f"127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) did not complete within " in out, out
     assert "PLAIT_TIMEOUT=1 s" in out and "raise PLAIT_TIMEOUT" in out, out
+
+
+def test_a_named_tuning_table_that_is_missing_broken_or_a_folder_is_said(
+    monkeypatch, tmp_path, caplog
+):
+    from plait.comm import tuner
+
+    for name in ("_table", "_loaded_from", "_transport"):  # restored after the test
+        monkeypatch.setattr(tuner, name, getattr(tuner, name))
+    missing = tmp_path / "missing.json"
+    monkeypatch.setenv("PLAIT_TUNE_FILE", str(missing))
+    with caplog.at_level("WARNING", logger="plait"):
+        tuner.load()
+    assert f"{missing} (PLAIT_TUNE_FILE) does not exist" in caplog.text, caplog.text
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    monkeypatch.setenv("PLAIT_TUNE_FILE", str(broken))
+    with pytest.raises(ValueError, match=re.escape(f"{broken} (PLAIT_TUNE_FILE) is not a tuning")):
+        tuner.load()
+    monkeypatch.setenv("PLAIT_TUNE_FILE", str(tmp_path))
+    with pytest.raises(ValueError, match="PLAIT_TUNE_FILE=.* is a directory"):
+        tuner.load()
+
+
+def test_plait_init_refuses_a_recorder_dir_it_could_not_write(monkeypatch, tmp_path):
+    import plait
+    from plait import runtime
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    monkeypatch.setenv("PLAIT_RECORDER_DIR", str(a_file))
+    with pytest.raises(ValueError, match=re.escape(f"PLAIT_RECORDER_DIR={str(a_file)!r} is not a")):
+        plait.init()
+    assert not runtime.is_initialized()
