@@ -8,6 +8,7 @@
     plait bench comm -n 4                     # nccl-tests-style table + JSON
     plait bench comm -n 4 --tune              # and write the table "auto" reads
     plait bench calibrate -n 4                # this machine's constants for plait plan
+    plait --version                           # plait 0.1.0
 """
 
 from __future__ import annotations
@@ -60,12 +61,18 @@ def _heartbeat_timeout(text: str) -> float:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from plait import settings
     from plait.launch.job import check_nproc
 
     try:
+        # every PLAIT_* setting, before any rank starts: a bad value stops the job here,
+        # once, instead of failing every rank (or torchrun's ranks on this machine)
+        for warning in settings.check():
+            print(f"plait run: {warning}", file=sys.stderr)
         check_nproc(args.nproc, nodes=args.nnodes)
     except ValueError as exc:
-        print(f"plait run: {exc}", file=sys.stderr)
+        text = str(exc).replace("\n", "\nplait run: ")
+        print(f"plait run: {text}", file=sys.stderr)
         return 2
     if not Path(args.script).exists():
         print(f"plait run: no such script: {args.script}", file=sys.stderr)
@@ -418,8 +425,22 @@ def _demo_config(args: argparse.Namespace, staleness: int | None) -> Any:
     )
 
 
+def version() -> str:
+    """This plait's version: the installed distribution's metadata (``importlib.metadata``),
+    else ``plait.__version__`` (a source tree run without installing it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("plait")
+    except metadata.PackageNotFoundError:
+        from plait import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plait", description="distributed training on PyTorch")
+    parser.add_argument("--version", action="version", version=f"plait {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -622,7 +643,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor_p = sub.add_parser(
         "doctor", help="read the flight-recorder dumps of a failed job; name what went wrong"
     )
-    doctor_p.add_argument("directory", help="PLAIT_RECORDER_DIR (named in the error message)")
+    doctor_p.add_argument(
+        "directory",
+        help="the flight-recorder folder plait run's failure report names (or a job's "
+        "folder: every attempt), or PLAIT_RECORDER_DIR",
+    )
     doctor_p.set_defaults(func=_doctor)
 
     from plait.plan.cli import default_subcommand

@@ -6,20 +6,20 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a script written for plait runs 
 ``torch.distributed.init_process_group`` itself is adopted: ``plait.init()`` (or the
 first plait call that needs the world group) uses that process group.
 
-Settings read from the environment, each checked (a bad value raises ``ValueError``
-naming the variable and the valid range): ``PLAIT_TIMEOUT`` (seconds, > 0),
+Settings read from the environment, each checked at ``init`` before anything else
+happens (a bad value raises ``ValueError`` naming the variable, the value and the valid
+range; ``plait/settings.py`` lists them all): ``PLAIT_TIMEOUT`` (seconds, >= 1),
 ``PLAIT_NODE_SIZE`` (ranks per node, >= 1), ``PLAIT_HEARTBEAT_TIMEOUT`` (seconds, >= 1),
 ``PLAIT_CHECK`` (``1``/``0``: the default-mode signature check), ``PLAIT_DEBUG``,
 ``PLAIT_RECORDER_SIZE`` and ``PLAIT_RECORDER_DIR`` (the flight recorder),
 ``PLAIT_TRANSPORT`` (``auto``/``shm``/``gloo``: shared memory between ranks of one host;
-see ``plait/comm/transport.py``), ``PLAIT_SHM_RING_BYTES``, ``PLAIT_SHM_WINDOW_BYTES`` and
-``PLAIT_SHM_DIR``.
+see ``plait/comm/transport.py``), ``PLAIT_SHM_RING_BYTES``, ``PLAIT_SHM_WINDOW_BYTES``,
+``PLAIT_SHM_SPIN_US`` and ``PLAIT_SHM_DIR``.
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from plait import settings as env_settings
 from plait.comm import progress, recorder, watchdog
 from plait.comm import transport as transport_mod
 from plait.comm.group import Group
@@ -70,20 +71,10 @@ def share_cores() -> None:
         torch.set_num_threads(max(1, (cores or 1) // local_world))
 
 
-_TRUE, _FALSE = ("1", "true", "True", "on", "yes"), ("0", "false", "False", "off", "no")
-
-
 def _flag(name: str, value: bool | None, default: bool) -> bool:
     if value is not None:
         return bool(value)
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (also true/false, on/off)")
+    return env_settings.flag(name, os.environ.get(name, ""), default)
 
 
 def _debug_default(debug: bool | None) -> bool:
@@ -91,42 +82,29 @@ def _debug_default(debug: bool | None) -> bool:
 
 
 def _seconds(value: Any, source: str) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(
-            f"{source}={value!r}: expected a positive, finite number of seconds "
-            f"(default {DEFAULT_TIMEOUT_S:g})"
-        )
-    return seconds
+    """A collective timeout (``timeout=`` or ``PLAIT_TIMEOUT``): finite, at least 1 s."""
+    return float(env_settings.TIMEOUT.parse(value, source))
 
 
 def _timeout_default(timeout: float | None) -> float:
     if timeout is not None:
         return _seconds(timeout, "timeout")
-    raw = os.environ.get("PLAIT_TIMEOUT", "")
-    return DEFAULT_TIMEOUT_S if raw == "" else _seconds(raw, "PLAIT_TIMEOUT")
+    return float(env_settings.TIMEOUT.read())
+
+
+def _timeout_source(timeout: float | None, seconds: float) -> str:
+    """The world group's timeout and where it came from, to name it when a wait runs out."""
+    if timeout is not None:
+        return f"timeout={seconds:g} s (plait.init)"
+    if os.environ.get("PLAIT_TIMEOUT", "").strip():
+        return f"PLAIT_TIMEOUT={seconds:g} s"
+    return f"the default timeout of {seconds:g} s (PLAIT_TIMEOUT)"
 
 
 def _node_size_default(node_size: int | None) -> int | None:
-    source, value = "node_size", node_size  # type: tuple[str, Any]
-    if value is None:
-        source, value = ("PLAIT_NODE_SIZE", os.environ.get("PLAIT_NODE_SIZE", ""))
-        if value in ("", "0"):  # unset (0 kept for scripts that wrote it for "by host")
-            return None
-    try:
-        size = int(value)
-        ok = size >= 1 and str(size) == str(value).strip()
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{source}={value!r}: expected a whole number of ranks per node >= 1 "
-            f"(unset: ranks per host)"
-        )
-    return size
+    if node_size is None:  # unset or 0 (kept for scripts that wrote it for "by host")
+        return env_settings.NODE_SIZE.read()  # type: ignore[no-any-return]
+    return int(env_settings.NODE_SIZE.parse(node_size, "node_size"))
 
 
 def init(
@@ -197,7 +175,9 @@ def init(
     nodes = _node_size_default(node_size)
     beat_s = watchdog.configure(heartbeat_timeout)
     mode = transport_mod.parse_mode(transport)
+    transport_mod.configure()  # PLAIT_SHM_RING_BYTES, PLAIT_SHM_WINDOW_BYTES, PLAIT_SHM_SPIN_US
     recorder_size = recorder.size_from_env()
+    recorder.check_directory()
     if dist.is_initialized():
         adopted = str(dist.get_backend())
         if backend is not None and backend != adopted:
@@ -238,7 +218,10 @@ def init(
             )
         else:
             kwargs["init_method"] = "env://"
-        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        except (RuntimeError, OSError) as exc:  # c10d's store and socket errors included
+            raise _join_failed(exc, rank, world_size, _timeout_source(timeout, timeout_s)) from exc
     _configure_store()
     recorder.configure(rank=rank, size=recorder_size)
     _world = Group(
@@ -264,6 +247,21 @@ def init(
     )
     transport_mod.attach(_world, mode)
     return _world
+
+
+def _join_failed(exc: BaseException, rank: int, world_size: int, timeout: str) -> RuntimeError:
+    """The error of a rank that could not join the process group, naming the store and
+    the timeout that bounded the wait (c10d's own says "wait timeout after 1ms")."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+    how = f"did not complete within {timeout}" if timed_out else f"failed (timeout: {timeout})"
+    advice = "; raise PLAIT_TIMEOUT (or plait.init(timeout=...))" if timed_out else ""
+    return RuntimeError(
+        f"plait.init: rank {rank} of {world_size}: joining the process group through the "
+        f"store at {where} (MASTER_ADDR:MASTER_PORT) {how} ({type(exc).__name__}: {text})"
+        f"{advice}"
+    )
 
 
 def _configure_store() -> None:

@@ -54,10 +54,12 @@ def train(
     world: bool = True,
     save: str | None = None,
     resume: str | None = None,
+    full: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Adam steps ``0 .. steps-1`` in reproducible mode; the full parameters afterwards.
     ``world=False``: one process without a group (the oracle). ``save``: commit a
-    checkpoint there after the last step; ``resume``: start from the one there (its step)."""
+    checkpoint there after the last step; ``resume``: start from the one there (its step).
+    ``full``: the parameters as ``plait.checkpoint.full_state_dict(runner)`` returns them."""
     threads = torch.get_num_threads()
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -85,6 +87,8 @@ def train(
             optimizer.step()
         if save is not None:
             checkpoint.save(save, step=steps, model=held, optimizer=optimizer).wait()
+        if full:
+            return {k: v.detach().clone() for k, v in checkpoint.full_state_dict(runner).items()}
         return _state(model, runner, strategy)
     finally:
         torch.set_num_threads(threads)
@@ -93,6 +97,11 @@ def train(
 def cases(specs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, torch.Tensor]]:
     """Several cases in one visit of the ranks: ``[(strategy, options), ...]``."""
     return [train(strategy, options) for strategy, options in specs]
+
+
+def runner_full_states(strategies: list[str]) -> list[dict[str, torch.Tensor]]:
+    """``checkpoint.full_state_dict(runner)`` after training each strategy (one visit)."""
+    return [train(strategy, full=True) for strategy in strategies]
 
 
 def train_pipeline(schedule: str, steps: int = STEPS) -> dict[str, torch.Tensor]:

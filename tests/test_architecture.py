@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.runtime", 1),
     ("plait.cli_args", 0),  # argparse's range types: the standard library only
     ("plait.renames", 0),  # earlier names kept for one release: the standard library only
+    ("plait.settings", 0),  # the PLAIT_* settings and their parsers: the standard library only
     ("plait.mesh", 2),  # named groups, data, timeline, loss scaling
     ("plait.data", 2),
     ("plait.trace", 2),

@@ -242,3 +242,28 @@ def test_the_local_rank_limit_can_be_raised(monkeypatch):
     check_nproc(3)
     with pytest.raises(ValueError, match=r"more than 3 \(set by PLAIT_MAX_NPROC\)"):
         check_nproc(4)
+
+
+def test_version_prints_the_package_version(capsys, monkeypatch):
+    """``plait --version`` prints ``plait <version>`` from the installed metadata, and from
+    ``plait.__version__`` where plait is not installed (a source tree on PYTHONPATH)."""
+    from importlib import metadata
+
+    import plait
+    from plait import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"plait {metadata.version('plait')}\n"
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out == f"plait {plait.__version__}\n"
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
+    assert declared and declared.group(1) == plait.__version__, "pyproject and __version__ differ"

@@ -50,7 +50,7 @@ def test_readme_is_short_and_links_every_docs_page() -> None:
 
 def test_readme_quickstart_names_what_exists() -> None:
     """The quickstart compiles, and every module, name and ``plait.<attr>`` it uses exists
-    (it runs under ``plait run -n 4``; running it is the demo's and the strategies' tests)."""
+    (tests/test_quickstart.py runs it under ``plait run -n 4``)."""
     blocks = _python_blocks((ROOT / "README.md").read_text())
     assert blocks, "README.md has no python block"
     tree = ast.parse(blocks[0])

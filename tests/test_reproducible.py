@@ -265,6 +265,17 @@ def test_dp4_and_pp4_and_an_elastic_restart_on_2(ranks, oracle, gpt_oracle, llam
             _equal(got, oracle, ("4 -> 2", strategy))
 
 
+def test_full_state_dict_of_a_runner_is_the_one_process_state(ranks, oracle):
+    """``plait.checkpoint.full_state_dict`` of what ``prepare(..., reproducible=True)``
+    returns: the one-process model's keys and values, as for the strategy alone (issue 43
+    item 5c: it raised AttributeError, the runner has no full_state_dict)."""
+    _equal(fns.train("none", world=False, full=True), oracle, "one process, runner")
+    strategies = ["ddp", "zero2", "fsdp"]  # a wrapper, the plain model, a sharded model
+    for per_rank in ranks(2, fns.runner_full_states, strategies, timeout=300):
+        for strategy, got in zip(strategies, per_rank, strict=True):
+            _equal(got, oracle, ("full_state_dict(runner), dp 2", strategy))
+
+
 @pytest.fixture(scope="module")
 def gloo_ranks() -> Iterator[RankPool]:
     pool = RankPool(2, timeout=60, env={"PLAIT_TRANSPORT": "gloo"})

@@ -12,10 +12,11 @@ from plait import RankPool, runtime
 from tests import runtime_fns
 
 BAD_ENV = [
-    ("PLAIT_TIMEOUT", "abc", "positive"),
-    ("PLAIT_TIMEOUT", "0", "positive"),
-    ("PLAIT_TIMEOUT", "-5", "positive"),
+    ("PLAIT_TIMEOUT", "abc", "seconds >= 1"),
+    ("PLAIT_TIMEOUT", "0", "seconds >= 1"),
+    ("PLAIT_TIMEOUT", "-5", "seconds >= 1"),
     ("PLAIT_TIMEOUT", "inf", "finite"),
+    ("PLAIT_TIMEOUT", "0.001", "seconds >= 1"),  # was a raw c10d socket error
     ("PLAIT_NODE_SIZE", "abc", ">= 1"),
     ("PLAIT_NODE_SIZE", "-2", ">= 1"),
     ("PLAIT_NODE_SIZE", "1.5", ">= 1"),
@@ -24,8 +25,14 @@ BAD_ENV = [
     ("PLAIT_HEARTBEAT_TIMEOUT", "0.2", ">= 1"),
     ("PLAIT_CHECK", "maybe", "1 or 0"),
     ("PLAIT_DEBUG", "yes please", "1 or 0"),
-    ("PLAIT_RECORDER_SIZE", "-1", ">= 0"),
-    ("PLAIT_RECORDER_SIZE", "many", ">= 0"),
+    ("PLAIT_RECORDER_SIZE", "-1", "from 0 to 1000000"),
+    ("PLAIT_RECORDER_SIZE", "many", "from 0 to 1000000"),
+    ("PLAIT_SHM_SPIN_US", "abc", "microseconds from 0 to"),  # was a float() error at import
+    ("PLAIT_SHM_SPIN_US", "-1", "microseconds from 0 to"),
+    ("PLAIT_SHM_RING_BYTES", "1000", "a multiple of 4096"),
+    ("PLAIT_SHM_WINDOW_BYTES", "0", "a multiple of 4096"),
+    ("PLAIT_SHM_WINDOW_BYTES", "2MB", "a multiple of 4096"),
+    ("PLAIT_TRANSPORT", "fast", "one of auto, shm, gloo"),
 ]
 
 
@@ -42,7 +49,8 @@ def test_bad_environment_values_name_the_variable(monkeypatch, name, value, vali
 @pytest.mark.parametrize(
     "kwargs,valid",
     [
-        ({"timeout": 0}, "positive"),
+        ({"timeout": 0}, ">= 1"),
+        ({"timeout": 0.001}, ">= 1"),
         ({"heartbeat_timeout": 0.1}, ">= 1"),
         ({"node_size": 0}, ">= 1"),
     ],

@@ -91,3 +91,59 @@ def test_transport_chosen_on_one_rank_only_is_named(tmp_path: Path) -> None:
         note=f"plait run wall time to exit 1, start-up included ({min(inits):.2f}s inside "
         f"plait.init); was a store timeout (600 s by default)",
     )
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(transport.unsupported("gloo") is not None, reason="no shared memory here")
+def test_shm_window_set_on_one_rank_only_is_named() -> None:
+    """Issue 43 item 6: PLAIT_SHM_WINDOW_BYTES on one rank only ended in a raw tensor-size
+    error inside the first large collective on that rank."""
+    code, out, took = _run(
+        str(SCRIPTS / "env_on_one_rank.py"), "1", "PLAIT_SHM_WINDOW_BYTES", "65536"
+    )
+    assert code == 1, out
+    assert "the ranks disagree on PLAIT_SHM_WINDOW_BYTES" in out, out
+    assert "ranks [0] have 2097152; ranks [1] have 65536" in out, out
+    assert "rank 1 sum" not in out  # refused at plait.init, before any collective
+    record(
+        row=26,
+        fault="PLAIT_SHM_WINDOW_BYTES on one rank only",
+        detected_after_s=round(took, 2),
+        named_correctly=True,
+        note="refused at plait.init on every rank; was a tensor size error in a collective",
+    )
+
+
+class _Group:
+    name, ranks = "world", [0, 1, 2]
+
+
+def _offers(**per_rank: list[object]) -> list[dict[str, object]]:
+    names = {
+        "check": "the signature check (check=, PLAIT_CHECK)",
+        "debug": "debug mode (debug=, PLAIT_DEBUG)",
+        "node": "node_size (PLAIT_NODE_SIZE)",
+        "ring": "PLAIT_SHM_RING_BYTES",
+    }
+    return [{"shared": {names[k]: v[r] for k, v in per_rank.items()}} for r in range(3)]
+
+
+def test_settings_every_rank_must_share_are_compared_at_group_creation() -> None:
+    """A rank alone with PLAIT_CHECK=0 made every collective hang until the timeout (its
+    messages carry other tags); another node size or ring size misreads the peers. Each
+    is named at group creation with the ranks and their values (local: the offers the
+    ranks publish through the store)."""
+    same = _offers(check=[True] * 3, debug=[False] * 3, node=[None] * 3, ring=[4096] * 3)
+    transport._agree_settings(_Group(), same)  # type: ignore[arg-type]
+    differ = _offers(
+        check=[True, False, True], debug=[False] * 3, node=[None, None, 2], ring=[4096] * 3
+    )
+    with pytest.raises(ValueError) as info:
+        transport._agree_settings(_Group(), differ)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert (
+        "group 'world': the ranks disagree on the signature check (check=, PLAIT_CHECK) " in message
+    )
+    assert "(ranks [0, 2] have on; ranks [1] have off)" in message, message
+    assert "node_size (PLAIT_NODE_SIZE) (ranks [0, 1] have unset; ranks [2] have 2)" in message
+    assert "debug mode" not in message and "RING" not in message, message

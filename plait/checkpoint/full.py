@@ -13,7 +13,8 @@
 
 Every rank returns the whole state dict. Collective over every group above (every rank
 of the model calls it); no communication for a plain, DDP, naive-DP or ZeRO-1/2 model,
-whose tensors returned are the live ones.
+whose tensors returned are the live ones. A reproducible-mode runner
+(``prepare(..., reproducible=True)``) is looked through: the state of the model it drives.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ from plait.strategies.data_parallel.naive import NaiveDataParallel
 from plait.strategies.moe.layer import MoE
 from plait.strategies.pipeline.parallel import PipelineParallel
 from plait.strategies.placement import placement
+from plait.strategies.reproducible import ReproducibleRunner
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DDP or naive data-parallel wrapper; else ``model``."""
+    """The user's model inside a DDP or naive data-parallel wrapper, or inside the
+    reproducible-mode runner that drives it (``prepare(..., reproducible=True)`` returns a
+    :class:`~plait.strategies.reproducible.ReproducibleRunner` around the strategy's
+    module: DDP, a plain model for ZeRO-1/2 and one process, or a ``fully_shard`` model);
+    else ``model``."""
 
+    if isinstance(model, ReproducibleRunner):
+        model = model.module
     if isinstance(model, (DistributedDataParallel, NaiveDataParallel)):
         return model.module
     return model

@@ -6,8 +6,11 @@ collective, algorithm, bytes, signature, state (``started`` -> ``completed`` or
 ``failed``) and wall-clock start/end times. Appending is a few attribute writes; nothing
 leaves the process until a collective fails with a :class:`CollectiveError` (a timeout,
 a mismatch, a stopped or dead peer): then the rank writes the buffer as JSON to
-``<PLAIT_RECORDER_DIR>/rank<global rank>.json`` (default directory: ``plait-recorder-
-<MASTER_PORT>`` under the system temporary directory). The error message names the file.
+``<PLAIT_RECORDER_DIR>/rank<global rank>.json``. ``plait run`` sets that directory per
+attempt, ``plait-recorder-<job id>/attempt-<n>`` under the system temporary directory; its
+failure report names it, and a successful attempt's folder is removed. Elsewhere
+(torchrun, ``plait.spawn``) the default is ``plait-recorder-<MASTER_PORT>`` there. The
+error message names the directory.
 ``plait doctor DIR`` (``plait/launch/doctor.py``) reads every rank's file and names the first
 collective the ranks disagree on, or the ranks that never reached it.
 """
@@ -24,10 +27,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plait import settings
+
 if TYPE_CHECKING:
     from plait.comm.group import Call
 
-DEFAULT_SIZE = 2000
+DEFAULT_SIZE = int(settings.RECORDER_SIZE.default or 0)
 
 
 class Entry:
@@ -63,19 +68,16 @@ class Entry:
 
 
 def size_from_env() -> int:
-    raw = os.environ.get("PLAIT_RECORDER_SIZE", "")
-    if raw == "":
-        return DEFAULT_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
-    if size < 0:
-        raise ValueError(
-            f"PLAIT_RECORDER_SIZE={raw!r}: expected a whole number of collectives >= 0 "
-            f"(0 turns the flight recorder off; default {DEFAULT_SIZE})"
-        )
-    return size
+    """``PLAIT_RECORDER_SIZE`` (checked: 0 .. 1,000,000 collectives), else the default."""
+    return int(settings.RECORDER_SIZE.read())
+
+
+def check_directory() -> None:
+    """Refuse a ``PLAIT_RECORDER_DIR`` the dumps could not be written into (``plait.init``
+    calls it: :func:`dump` runs on error paths and never raises, too late to say so)."""
+    why = settings.recorder_dir_problem(os.environ.get("PLAIT_RECORDER_DIR", ""))
+    if why is not None:
+        raise ValueError(why)
 
 
 _buffer: collections.deque[Entry] = collections.deque(maxlen=DEFAULT_SIZE)

@@ -60,7 +60,7 @@ MAGIC = 0x31736D7469616C70  # b"plaitsm1"
 MSG_HEADER = 64
 RING_CTRL = 128  # head at +0, tail at +64
 ALIGN = 64
-SPIN_S = float(os.environ.get("PLAIT_SHM_SPIN_US", "50")) * 1e-6  # spin this long, then sleep
+SPIN_S = 50e-6  # spin this long, then sleep (PLAIT_SHM_SPIN_US, set by plait.init)
 SLICE_S = 0.01
 CHECK_S = 0.05
 

@@ -22,7 +22,11 @@ Steps, each a round through the store under ``plait/shm/<group>/<generation>/``:
    tests make them), plus the ``node_size`` block when the group has one (simulated hosts
    talk gloo). Every rank publishes, ``gloo`` ones too: ranks that chose different modes
    raise ``ValueError`` on every rank naming each rank's mode (one rank alone on
-   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key);
+   ``PLAIT_TRANSPORT=gloo`` used to leave the others waiting for its key); so do ranks
+   that disagree on a setting every rank must share (:func:`shared_settings`: the
+   signature check, debug mode, the node size, and for shared memory the ring and window
+   bytes), naming each value and its ranks (``PLAIT_SHM_WINDOW_BYTES`` set on one rank
+   only used to end in a tensor size error inside a collective);
 2. each rank with local peers creates its segment ``plait-shm-<pid>-<nonce>-...`` (pid and
    a random nonce: no two jobs or groups collide), reserves every byte of it
    (``posix_fallocate``: no SIGBUS later when the directory fills up) and publishes its
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed import distributed_c10d
 
+from plait import settings
 from plait.comm import shm
 
 if TYPE_CHECKING:
@@ -59,8 +64,8 @@ if TYPE_CHECKING:
 MODES = ("auto", "shm", "gloo")
 DEFAULT_MODE = "auto"
 PREFIX = "plait-shm-"
-RING_BYTES = 512 << 10
-WINDOW_BYTES = 2 << 20
+RING_BYTES = int(settings.SHM_RING_BYTES.default or 0)  # 512 KiB
+WINDOW_BYTES = int(settings.SHM_WINDOW_BYTES.default or 0)  # 2 MiB
 STALE_NAME = re.compile(rf"^{PREFIX}(\d+)-")  # the creator's pid
 
 log = logging.getLogger("plait")
@@ -69,26 +74,28 @@ _cleaned = False
 
 def parse_mode(value: str | None) -> str:
     """``value``, else ``PLAIT_TRANSPORT``, else :data:`DEFAULT_MODE`; checked."""
-    source = "transport"
-    if value is None:
-        source, value = "PLAIT_TRANSPORT", os.environ.get("PLAIT_TRANSPORT", "") or DEFAULT_MODE
-    mode = str(value).strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"{source}={value!r}: expected one of {', '.join(MODES)}")
-    return mode
+    if value is not None:
+        return settings.transport(value, "transport")
+    return settings.transport(os.environ.get("PLAIT_TRANSPORT", "") or DEFAULT_MODE)
+
+
+_SIZES = {n.name: n for n in (settings.SHM_RING_BYTES, settings.SHM_WINDOW_BYTES)}
 
 
 def _bytes_setting(name: str, default: int) -> int:
+    """``PLAIT_SHM_RING_BYTES`` or ``PLAIT_SHM_WINDOW_BYTES`` (checked), else ``default``."""
     raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 4096 or value % 4096:
-        raise ValueError(f"{name}={raw!r}: expected a multiple of 4096 bytes, at least 4096")
-    return value
+    return default if raw.strip() == "" else int(_SIZES[name].parse(raw))
+
+
+def configure() -> tuple[int, int]:
+    """Check this process's shared-memory settings (``plait.init`` calls it first, so a
+    bad value is named before any rank waits on another): returns (ring bytes, window
+    bytes) and sets the spin of a shared-memory wait from ``PLAIT_SHM_SPIN_US``."""
+    ring = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
+    window = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES)
+    shm.SPIN_S = float(settings.SHM_SPIN_US.read()) * 1e-6
+    return ring, window
 
 
 def segment_dir() -> str:
@@ -98,14 +105,7 @@ def segment_dir() -> str:
 def bad_setting() -> str | None:
     """Why an explicit ``PLAIT_SHM_DIR`` cannot serve, or None: a directory the user named
     must exist and be writable (a silent fall back to gloo would hide the typo)."""
-    named = os.environ.get("PLAIT_SHM_DIR", "")
-    if named and not (os.path.isdir(named) and os.access(named, os.W_OK)):
-        what = "does not exist" if not os.path.exists(named) else "is not a writable directory"
-        return (
-            f"PLAIT_SHM_DIR={named!r} {what}; point it at a writable directory on a memory "
-            f"file system (/dev/shm) or unset it"
-        )
-    return None
+    return settings.shm_dir_problem(os.environ.get("PLAIT_SHM_DIR", ""))
 
 
 def unsupported(backend: str) -> str | None:
@@ -200,14 +200,22 @@ def attach(group: Group, mode: str) -> None:
     gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
     base = f"plait/shm/{group.name}/{gen}/"
     # every rank publishes its mode (gloo included): a rank that alone chose another
-    # transport is named on every rank instead of leaving the others waiting for its key
-    offer = {"mode": mode, "key": mykey, "why": why, "fatal": fatal is not None}
+    # transport is named on every rank instead of leaving the others waiting for its key;
+    # so are the settings every rank must share
+    offer = {
+        "mode": mode,
+        "key": mykey,
+        "why": why,
+        "fatal": fatal is not None,
+        "shared": shared_settings(group, mode),
+    }
     store.set(f"{base}host/{me}", json.dumps(offer))
     offers = [
         json.loads(o)
         for o in _wait_all(store, group, [f"{base}host/{r}" for r in range(n)], "the host keys")
     ]
     _agree_mode(group, offers)
+    _agree_settings(group, offers)
     if mode == "gloo":
         return
     refused = [
@@ -315,6 +323,49 @@ def _agree_mode(group: Group, offers: list[dict[str, Any]]) -> None:
             f"group {group.name!r}: the ranks disagree on the transport ({text}); set the "
             f"same PLAIT_TRANSPORT (or plait.init(transport=...)) on every rank"
         )
+
+
+def shared_settings(group: Group, mode: str) -> dict[str, Any]:
+    """The settings every rank of ``group`` must share, by the name a message gives them:
+    a rank alone without the signature check or debug mode sends other tags or waits for
+    signatures nobody writes (a hang until the timeout); another node size picks other
+    algorithms; other shared-memory ring or window bytes (shm and auto only) misread the
+    peers' segments (a tensor size error deep inside a collective)."""
+    shared: dict[str, Any] = {
+        "the signature check (check=, PLAIT_CHECK)": group.check,
+        "debug mode (debug=, PLAIT_DEBUG)": group.debug,
+        "node_size (PLAIT_NODE_SIZE)": group.node_size,
+    }
+    if mode != "gloo":
+        shared["PLAIT_SHM_RING_BYTES"] = _bytes_setting("PLAIT_SHM_RING_BYTES", RING_BYTES)
+        shared["PLAIT_SHM_WINDOW_BYTES"] = _bytes_setting("PLAIT_SHM_WINDOW_BYTES", WINDOW_BYTES)
+    return shared
+
+
+def _agree_settings(group: Group, offers: list[dict[str, Any]]) -> None:
+    """Raise on every rank when the ranks of ``group`` disagree on a shared setting,
+    naming each setting's values and the ranks holding each (after :func:`_agree_mode`:
+    the ranks chose one transport)."""
+    differ = []
+    for name in offers[0]["shared"]:
+        values: dict[str, list[int]] = {}
+        for r, o in enumerate(offers):
+            values.setdefault(_shown(o["shared"].get(name)), []).append(group.ranks[r])
+        if len(values) > 1:
+            text = "; ".join(f"ranks {rs} have {v}" for v, rs in values.items())
+            differ.append(f"{name} ({text})")
+    if differ:
+        raise ValueError(
+            f"group {group.name!r}: the ranks disagree on {'; and on '.join(differ)}; "
+            f"set the same value on every rank (the same environment, or the same "
+            f"plait.init arguments)"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
 
 
 def _open_peers(

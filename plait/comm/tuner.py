@@ -20,9 +20,14 @@ one, else the default rule for their transport.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from plait import settings
+
+log = logging.getLogger("plait")
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -77,22 +82,36 @@ _loaded_from: str | None = None
 
 def table_path() -> Path:
     env = os.environ.get("PLAIT_TUNE_FILE")
+    why = settings.tune_file_problem(env or "")
+    if why is not None:
+        raise ValueError(why)
     return Path(env) if env else Path.home() / ".cache" / "plait" / "comm_tune.json"
 
 
 def load(path: str | os.PathLike[str] | None = None) -> None:
-    """(Re)load the tuning table; a missing file means the default rule."""
+    """(Re)load the tuning table; a missing file means the default rule (said once in
+    the log where ``PLAIT_TUNE_FILE`` named it: a typo would otherwise go unnoticed)."""
     global _table, _loaded_from, _transport
+    named = path is None and bool(os.environ.get("PLAIT_TUNE_FILE"))
     p = Path(path) if path is not None else table_path()
+    where = f"{p} (PLAIT_TUNE_FILE)" if named else str(p)
     _loaded_from = str(p)
     _transport = "gloo"
     if not p.exists():
+        if named:
+            log.warning("plait: %s does not exist; algorithm='auto' uses the default rule", where)
         _table = {}
         return
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise ValueError(
+            f"{where} is not a tuning table (JSON: {exc}); rewrite it with "
+            f"`plait bench comm --tune`, or remove it"
+        ) from None
     _transport = str(data.get("transport", "gloo"))
     if data.get("version") != 1:
-        raise ValueError(f"{p}: unknown tuning table version {data.get('version')!r}")
+        raise ValueError(f"{where}: unknown tuning table version {data.get('version')!r}")
     _table = {
         coll: {int(w): [(int(b), str(a)) for b, a in rows] for w, rows in per_world.items()}
         for coll, per_world in data.get("table", {}).items()

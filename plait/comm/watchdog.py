@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait import settings
 from plait.comm import progress, recorder
 from plait.comm.errors import (
     CollectiveError,
@@ -57,8 +58,8 @@ if TYPE_CHECKING:
 STALL_S = 0.3  # a wait blocked this long is checked (then every CHECK_EVERY_S)
 CHECK_EVERY_S = 0.2
 STALL_LOG_S = 1.0  # a peer silent this long (but below the timeout) is logged as a stall
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
-MIN_HEARTBEAT_TIMEOUT_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = float(settings.HEARTBEAT_TIMEOUT.default or 0)
+MIN_HEARTBEAT_TIMEOUT_S = settings.HEARTBEAT_TIMEOUT.low
 
 log = logging.getLogger("plait")
 
@@ -73,17 +74,7 @@ _fail_lock = threading.Lock()  # fail() runs on the progress and the store-watch
 
 def parse_heartbeat_timeout(value: object, source: str) -> float:
     """A heartbeat timeout in seconds, or a ValueError naming ``source`` and the range."""
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S or seconds == float("inf"):
-        raise ValueError(
-            f"{source}={value!r}: expected a finite number of seconds >= "
-            f"{MIN_HEARTBEAT_TIMEOUT_S:g} (heartbeats are sent every "
-            f"{progress.HEARTBEAT_PERIOD_S:g} s; default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})"
-        )
-    return seconds
+    return float(settings.HEARTBEAT_TIMEOUT.parse(value, source))
 
 
 def configure(heartbeat_timeout: float | None) -> float:

@@ -44,13 +44,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait import settings
 from plait.comm import transport
-from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch import lifeline, rendezvous
 
 POLL_S = 0.05
 HEARTBEAT_POLL_S = 0.5
-DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = float(settings.HEARTBEAT_TIMEOUT.default or 0)
 HEARTBEAT_KEY = "plait/heartbeat/{rank}"
 # Set (to anything) when the rank stopped beating on purpose: its script ended, or it left
 # the process group; from then on it is not watched (exiting can take seconds).
@@ -63,10 +63,7 @@ _PG_PREFIX = "default_pg/"
 def heartbeat_timeout_default() -> float:
     """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
 
-    raw = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
-    if raw == "":
-        return DEFAULT_HEARTBEAT_TIMEOUT_S
-    return parse_heartbeat_timeout(raw, "PLAIT_HEARTBEAT_TIMEOUT")
+    return float(settings.HEARTBEAT_TIMEOUT.read())
 
 
 class PortInUse(RuntimeError):
@@ -204,8 +201,10 @@ class Attempt:
         env: dict[str, str] | None = None,
         heartbeat_timeout: float | None = None,
         workdir: Path | None = None,
+        recorder_dir: Path | None = None,
     ) -> None:
         self.nproc = nproc
+        self.started_wall = time.time()
         self.job_id = job_id
         self.restart_count = restart_count
         self.heartbeat_timeout = (
@@ -222,6 +221,14 @@ class Attempt:
         self.allowed: list[tuple[int, int]] = []  # (rank, code) of ranks allowed to exit
         self._next_beat_check = 0.0
         base = dict(os.environ, **(env or {}))
+        # the flight recorder's dumps (plait/comm/recorder.py): into the folder the user
+        # named, else into recorder_dir, this attempt's folder of the job's, which the
+        # failure report names and a successful attempt removes
+        named = base.get("PLAIT_RECORDER_DIR", "").strip()
+        self.recorder_dir = Path(named) if named else recorder_dir
+        self._own_recorder_dir = not named and recorder_dir is not None
+        if self._own_recorder_dir:
+            base["PLAIT_RECORDER_DIR"] = str(recorder_dir)
         if "OMP_NUM_THREADS" not in base:  # N ranks share the cores (as torchrun does)
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         me = os.getpid()
@@ -375,6 +382,31 @@ class Attempt:
             except (OSError, ValueError):
                 continue
         return out
+
+    def recorder_dumps(self) -> list[int]:
+        """The ranks whose flight-recorder dump (``rank<N>.json``) this attempt wrote."""
+        if self.recorder_dir is None:
+            return []
+        ranks = []
+        for f in self.recorder_dir.glob("rank*.json"):
+            try:
+                if f.stat().st_mtime >= self.started_wall - 1.0:  # not an earlier job's
+                    ranks.append(int(f.stem[len("rank") :]))
+            except (OSError, ValueError):
+                continue
+        return sorted(ranks)
+
+    def discard_dumps(self) -> None:
+        """Remove this attempt's recorder folder when the launcher made it (a successful
+        attempt's dumps, or an empty folder: nobody will read them), and the job's folder
+        above it once that is empty. A folder the user named is left alone."""
+        if not self._own_recorder_dir or self.recorder_dir is None:
+            return
+        shutil.rmtree(self.recorder_dir, ignore_errors=True)
+        try:
+            self.recorder_dir.parent.rmdir()  # only if no other attempt's dumps are kept
+        except OSError:
+            pass
 
     def close(self) -> None:
         """After the ranks exited (or :meth:`stop`): kill what they left running, remove

@@ -7,6 +7,10 @@ collective where they disagree (different collective, op, dtype or size at the s
 number), the ranks that never reached a collective the others entered, and collectives
 that started but never completed. Ranks without a file are listed: they did not see a
 collective fail (they may never have reached it, or exited first).
+
+``plait run`` gives each attempt of a job its folder, ``<tmp>/plait-recorder-<job id>/
+attempt-<n>``, and its failure report names the one written; ``plait doctor`` reads either
+that folder or the job's (every attempt's folder in turn).
 """
 
 from __future__ import annotations
@@ -90,7 +94,29 @@ def diagnose(dumps: dict[int, dict[str, Any]]) -> list[str]:
     return findings
 
 
+def attempts(directory: str | Path) -> list[Path]:
+    """The attempt folders (``attempt-<n>``, in order) of a job's recorder folder that
+    hold dumps; none when ``directory`` holds dumps itself."""
+    d = Path(directory)
+    if not d.is_dir() or any(d.glob("rank*.json")):
+        return []
+    found = [a for a in d.glob("attempt-*") if a.is_dir() and any(a.glob("rank*.json"))]
+    return sorted(found, key=_attempt_number)
+
+
+def _attempt_number(folder: Path) -> int:
+    tail = folder.name.removeprefix("attempt-")
+    return int(tail) if tail.isdigit() else -1
+
+
 def report(directory: str | Path) -> str:
+    each = attempts(directory)
+    if each:
+        return "\n".join(_report_one(a) for a in each)
+    return _report_one(directory)
+
+
+def _report_one(directory: str | Path) -> str:
     dumps = load(directory)
     lines = [f"flight recorder {directory}: ranks {sorted(dumps)}"]
     findings = diagnose(dumps)

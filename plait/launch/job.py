@@ -32,11 +32,14 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from plait import settings
 from plait.comm.watchdog import parse_heartbeat_timeout
 from plait.launch import lifeline
 from plait.launch.attempt import Attempt, Failure, PortInUse, RankProc, describe_exit, new_job_id
@@ -72,6 +75,8 @@ def run_job(
     <= nproc, needs ``max_restarts`` >= 1): restart with one rank fewer after each failure
     (see the module docstring).
     """
+    for warning in settings.check(dict(os.environ, **(env or {}))):  # bad values raise
+        _say(warning)
     check_nproc(nproc)
     check_elastic(nproc=nproc, min_nproc=min_nproc, max_restarts=max_restarts)
     if heartbeat_timeout is not None:
@@ -112,12 +117,12 @@ def check_nproc(nproc: int, *, nodes: int = 1) -> None:
     if nproc < 1:
         raise ValueError(f"-n (nproc) must be at least 1, got {nproc}")
     cores = os.cpu_count() or 1
-    raw = os.environ.get("PLAIT_MAX_NPROC", "")
-    limit = int(raw) if raw.isdigit() else RANKS_PER_CORE * cores
+    named = settings.MAX_NPROC.read()  # checked: a whole number >= 1, or unset
+    limit = RANKS_PER_CORE * cores if named is None else int(named)
     if nproc > limit:
         where = (
             "set by PLAIT_MAX_NPROC"
-            if raw.isdigit()
+            if named is not None
             else (
                 f"{RANKS_PER_CORE} per core on this machine of {cores} cores; each rank is a "
                 f"Python process with torch, about 300 MB"
@@ -155,6 +160,12 @@ def check_elastic(*, nproc: int, min_nproc: int | None, max_restarts: int) -> No
         )
 
 
+def recorder_root(job_id: str) -> Path:
+    """The job's flight-recorder folder: ``<tmp>/plait-recorder-<job id>``, one
+    ``attempt-<n>`` folder per attempt inside (``PLAIT_RECORDER_DIR`` of its ranks)."""
+    return Path(tempfile.gettempdir()) / f"plait-recorder-{job_id}"
+
+
 def _run(
     script: str,
     script_args: list[str],
@@ -170,6 +181,7 @@ def _run(
     received: list[int],
 ) -> int:
     job_id = new_job_id()
+    recorder = recorder_root(job_id)
     elastic = min_nproc < nproc
     deadline = time.monotonic() + timeout if timeout else None
     restart = 0
@@ -185,6 +197,7 @@ def _run(
                 port=master_port,
                 env=env,
                 heartbeat_timeout=heartbeat_timeout,
+                recorder_dir=recorder / f"attempt-{restart}",
             )
         except PortInUse as exc:
             _say(str(exc))
@@ -193,12 +206,19 @@ def _run(
         if failure is None:
             for rank, code in attempt.allowed:
                 _say(f"rank {rank} left early ({describe_exit(code)}), allowed; job done")
+            attempt.discard_dumps()
             attempt.close()
+            if restart and recorder.is_dir():
+                _say(
+                    f"the flight-recorder dumps of the failed attempts stay in {recorder} "
+                    f"(read them with: plait doctor {recorder}); remove it once read"
+                )
             return 0
         if failure.kind == "exit":
             attempt.settle(min(SETTLE_S, grace))
         killed = attempt.stop(grace, hurry=_more_signals(received))
         _report(attempt, failure, killed, grace)
+        _report_dumps(attempt)
         attempt.close()
         if received and failure.kind != "signal":  # told to stop while stopping the ranks
             _say(f"received {signal.Signals(received[0]).name}; not restarting")
@@ -317,6 +337,20 @@ def _report(attempt: Attempt, failure: Failure, killed: int, grace: float) -> No
             _say(f"consequence: rank {r.rank} (pid {r.pid}) {describe_exit(r.proc.returncode)}")
     if killed:
         _say(f"{killed} rank(s) needed SIGKILL after the {grace:g}s grace")
+
+
+def _report_dumps(attempt: Attempt) -> None:
+    """Name the flight-recorder dumps the failed attempt's ranks wrote, and how to read
+    them; remove the attempt's folder when they wrote none."""
+    dumped = attempt.recorder_dumps()
+    if not dumped:
+        attempt.discard_dumps()
+        return
+    where = attempt.recorder_dir
+    _say(
+        f"flight recorder: ranks {dumped} wrote their last collectives into {where}; "
+        f"`plait doctor {where}` names the first collective the ranks disagree on"
+    )
 
 
 def run_torchrun(

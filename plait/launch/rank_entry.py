@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from plait import settings
 from plait.launch import lifeline, rendezvous
 
 # Exceptions a rank raises because *another* rank failed (a closed connection, a collective
@@ -80,8 +81,10 @@ def _preflight() -> Any:
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    connect_s = float(settings.CONNECT_TIMEOUT.read())  # checked: a bad value is named
+    rendezvous_s = float(settings.RENDEZVOUS_TIMEOUT.read())
     store = rendezvous.connect(
-        addr, port, timeout=float(os.environ.get("PLAIT_CONNECT_TIMEOUT", "30")), rank=rank
+        addr, port, timeout=connect_s, rank=rank, setting=settings.CONNECT_TIMEOUT.name
     )
     rendezvous.preflight(
         store,
@@ -90,7 +93,8 @@ def _preflight() -> Any:
         rank=rank,
         world_size=world_size,
         job_id=os.environ.get("PLAIT_JOB_ID"),
-        timeout=float(os.environ.get("PLAIT_RENDEZVOUS_TIMEOUT", "300")),
+        timeout=rendezvous_s,
+        setting=settings.RENDEZVOUS_TIMEOUT.name,
     )
     return store
 

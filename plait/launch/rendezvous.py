@@ -36,9 +36,17 @@ class RendezvousError(RuntimeError):
     """A rank could not join its job; the message says which address, port or ranks."""
 
 
-def connect(addr: str, port: int, *, timeout: float, rank: int | None = None) -> Any:
+def connect(
+    addr: str,
+    port: int,
+    *,
+    timeout: float,
+    rank: int | None = None,
+    setting: str = "timeout",
+) -> Any:
     """A client of the store at ``addr:port``; raises :class:`RendezvousError` after
-    ``timeout`` seconds naming the address when nothing answers there."""
+    ``timeout`` seconds naming the address, and ``setting`` (what set the timeout: e.g.
+    ``PLAIT_CONNECT_TIMEOUT``), when nothing answers there."""
 
     who = f"rank {rank}" if rank is not None else "plait"
     start = time.monotonic()
@@ -53,10 +61,12 @@ def connect(addr: str, port: int, *, timeout: float, rank: int | None = None) ->
     except (RuntimeError, TimeoutError, OSError) as exc:
         waited = time.monotonic() - start
         raise RendezvousError(
-            f"{who}: no rendezvous store answered at {addr}:{port} within {waited:.1f}s "
-            f"(MASTER_ADDR={addr}, MASTER_PORT={port}; {type(exc).__name__}: "
+            f"{who}: no rendezvous store answered at {addr}:{port} within "
+            f"{setting}={timeout:g} s (waited {waited:.1f} s; MASTER_ADDR={addr}, "
+            f"MASTER_PORT={port}; {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}). Check that MASTER_ADDR is the "
-            f"address of the host running rank 0 / the launcher, and that the port is open"
+            f"address of the host running rank 0 / the launcher and that the port is open, "
+            f"or raise {setting}"
         ) from None
 
 
@@ -69,11 +79,13 @@ def preflight(
     world_size: int,
     job_id: str | None,
     timeout: float,
+    setting: str = "timeout",
 ) -> None:
     """Check the store belongs to ``job_id``, claim ``rank``, wait for the world to fill.
 
     Blocks until all ``world_size`` ranks have claimed their rank (at most ``timeout``
-    seconds), then returns. Raises :class:`RendezvousError` naming what is wrong.
+    seconds, set by ``setting``: named when it runs out), then returns. Raises
+    :class:`RendezvousError` naming what is wrong.
     """
     where = f"{addr}:{port}"
     if not 0 <= rank < world_size:
@@ -113,6 +125,7 @@ def preflight(
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise RendezvousError(
                 f"rank {rank}: ranks {missing} of WORLD_SIZE={world_size} never joined the "
-                f"job at {where} within {timeout:g}s: start them, or lower WORLD_SIZE"
+                f"job at {where} within {setting}={timeout:g} s: start them, lower "
+                f"WORLD_SIZE, or raise {setting} if they start slowly"
             )
         time.sleep(_POLL_S)

@@ -17,14 +17,13 @@ die without ending the job (``plait/launch/may_exit/<global rank>`` = ``"1"``).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from plait.comm import progress, watchdog
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
 def heartbeat_key(global_rank: int) -> str:
@@ -36,18 +35,10 @@ def may_exit_key(global_rank: int) -> str:
 
 
 def heartbeat_timeout() -> float:
-    """Seconds without a beat after which a peer counts as dead: the process's configured
-    heartbeat timeout, else ``PLAIT_HEARTBEAT_TIMEOUT``, else 5."""
-    try:
-        return float(watchdog.heartbeat_timeout())
-    except Exception:
-        pass
-    text = os.environ.get("PLAIT_HEARTBEAT_TIMEOUT", "")
-    try:
-        value = float(text)
-        return value if value > 0 else DEFAULT_TIMEOUT_S
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
+    """Seconds without a beat after which a peer counts as dead: the process's heartbeat
+    timeout (``plait.init(heartbeat_timeout=...)``, else ``PLAIT_HEARTBEAT_TIMEOUT``,
+    checked there, else 5)."""
+    return float(watchdog.heartbeat_timeout())
 
 
 def last_beat(global_rank: int, client: Any = None) -> float | None:
