@@ -65,3 +65,13 @@ def destroyed_by_hand(n: int) -> dict[str, Any]:
         "live": len(runtime.live_groups()),
         "errors": errors,
     }
+
+
+def mismatched_all_reduce() -> None:
+    """Rank 1 all-reduces another length than rank 0: both raise CollectiveMismatch, and
+    the flight recorder dumps each rank's last collectives."""
+    comm.all_reduce(torch.ones(8 + plait.world().rank))
+
+
+def nothing() -> int:
+    return plait.world().rank

@@ -8,9 +8,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from plait import cli
+import pytest
+
+from plait import RankError, RankPool, cli
+from tests import groups_fns
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -54,3 +58,23 @@ def test_a_failed_attempts_dumps_are_named_kept_and_read_by_doctor(tmp_path, cap
         report = capsys.readouterr().out
         assert f"flight recorder {attempt0}: ranks [0, 1]" in report, report
         assert "the ranks disagree" in report and "broadcast" in report, report
+
+
+def test_a_pool_names_its_dumps_on_failure_and_removes_an_unread_folder(monkeypatch, tmp_path):
+    """A RankPool's ranks dump into a folder of the pool's own: a failed run names it in its
+    RankError (kept for ``plait doctor``); a pool closed without naming it removes it."""
+    monkeypatch.delenv("PLAIT_RECORDER_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    with RankPool(2, timeout=60) as quiet:
+        assert quiet.run(groups_fns.nothing) == [0, 1]
+        assert quiet.recorder_dir.parent == tmp_path
+    assert not quiet.recorder_dir.exists()
+    failing = RankPool(2, timeout=60)
+    with pytest.raises(RankError) as caught:
+        failing.run(groups_fns.mismatched_all_reduce)
+    folder = failing.recorder_dir
+    assert f"`plait doctor {folder}`" in str(caught.value), caught.value
+    assert folder.is_dir() and list(folder.glob("rank*.json")), folder
+    assert cli.main(["doctor", str(folder)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]

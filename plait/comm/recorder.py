@@ -8,9 +8,10 @@ leaves the process until a collective fails with a :class:`CollectiveError` (a t
 a mismatch, a stopped or dead peer): then the rank writes the buffer as JSON to
 ``<PLAIT_RECORDER_DIR>/rank<global rank>.json``. ``plait run`` sets that directory per
 attempt, ``plait-recorder-<job id>/attempt-<n>`` under the system temporary directory; its
-failure report names it, and a successful attempt's folder is removed. Elsewhere
-(torchrun, ``plait.spawn``) the default is ``plait-recorder-<MASTER_PORT>`` there. The
-error message names the directory.
+failure report names it, and a successful attempt's folder is removed. ``plait.spawn``
+and ``RankPool`` give their ranks ``plait-recorder-pool-<pid>-<port>``: a failed run's
+``RankError`` names it, a pool closed without naming it removes it. Under torchrun the
+default is ``plait-recorder-<MASTER_PORT>`` there. The error message names the directory.
 ``plait doctor DIR`` (``plait/launch/doctor.py``) reads every rank's file and names the first
 collective the ranks disagree on, or the ranks that never reached it.
 """

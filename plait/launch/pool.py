@@ -19,11 +19,14 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -193,6 +196,16 @@ class RankPool:
             wait_for_workers=False,
         )
         self.port = self._store.port
+        # the flight recorder's dumps (plait/comm/recorder.py) go to a folder of the pool's
+        # own unless one was set: a failure names it, a pool closed without one removes it
+        env = dict(env or {})
+        self._own_dumps = "PLAIT_RECORDER_DIR" not in {**os.environ, **env}
+        if self._own_dumps:
+            env["PLAIT_RECORDER_DIR"] = str(
+                Path(tempfile.gettempdir()) / f"plait-recorder-pool-{os.getpid()}-{self.port}"
+            )
+        self.recorder_dir = Path(env.get("PLAIT_RECORDER_DIR") or os.environ["PLAIT_RECORDER_DIR"])
+        self._named_dumps = False
         ctx = mp.get_context("spawn")
         self._conns: list[mpc.Connection] = []
         self._procs: list[Any] = []
@@ -201,7 +214,7 @@ class RankPool:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, self.port, child, init_kwargs, env or {}),
+                args=(rank, world_size, self.port, child, init_kwargs, env),
                 name=f"plait-rank{rank}",
                 daemon=True,
             )
@@ -259,11 +272,12 @@ class RankPool:
             ready = mpc.wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = sorted(pending)
+                note = self._dumps()  # before close(), which removes an unnamed folder
                 self.close()
                 raise RankTimeout(
                     f"ranks {late} of {self.world_size} did not finish {what} within "
                     f"{timeout:g}s; they were stopped. A rank that waits for a peer forever "
-                    f"usually means the ranks called different collectives",
+                    f"usually means the ranks called different collectives{note}",
                     late,
                 )
             for obj in ready:
@@ -277,8 +291,11 @@ class RankPool:
                         results[r] = RankExited(r, code)
                         pending.discard(r)
                         continue
+                    note = self._dumps()  # before close(), which removes an unnamed folder
                     self.close()
-                    raise RankError(r, f"the process died (exit code {code}) during {what}", "")
+                    raise RankError(
+                        r, f"the process died (exit code {code}) during {what}{note}", ""
+                    )
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as exc:
@@ -287,14 +304,16 @@ class RankPool:
                         results[r] = RankExited(r, code)
                         pending.discard(r)
                         continue
+                    note = self._dumps()  # before close(), which removes an unnamed folder
                     self.close()
                     raise RankError(
-                        r, f"the process died (exit code {code}) during {what}", ""
+                        r, f"the process died (exit code {code}) during {what}{note}", ""
                     ) from exc
                 if status == "err":
                     message, tb, original = payload
+                    note = self._dumps()  # before close(), which removes an unnamed folder
                     self.close()
-                    error = RankError(r, message, tb)
+                    error = RankError(r, message + note, tb)
                     cause = pickle.loads(original) if original else None
                     raise error from cause
                 results[r] = payload
@@ -317,6 +336,18 @@ class RankPool:
             except (OSError, StopIteration, ValueError):
                 counts.append(-1)
         return counts
+
+    def _dumps(self) -> str:
+        """A sentence naming the flight-recorder dumps the ranks wrote, if any; a folder
+        named in an error is kept for ``plait doctor``."""
+        found = sorted(self.recorder_dir.glob("rank*.json")) if self.recorder_dir.is_dir() else []
+        if not found:
+            return ""
+        self._named_dumps = True
+        return (
+            f". Flight-recorder dumps of {len(found)} rank(s) in {self.recorder_dir}: "
+            f"`plait doctor {self.recorder_dir}` says what each rank was doing"
+        )
 
     def _exit_code(self, rank: int) -> int | None:
         self._procs[rank].join(2.0)  # its pipe may close a moment before it is reaped
@@ -341,6 +372,8 @@ class RankPool:
                 proc.join(5)
         for conn in self._conns:
             conn.close()
+        if self._own_dumps and not self._named_dumps:  # nobody was told of it: nobody reads it
+            shutil.rmtree(self.recorder_dir, ignore_errors=True)
 
 
 def spawn(
