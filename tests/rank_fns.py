@@ -116,6 +116,14 @@ def skip_collective(skipper: int, algorithm: str) -> tuple[str, list[int], str] 
     """Every rank but ``skipper`` calls an all-reduce; they must time out naming it."""
     g = comm.world()
     t = torch.ones(8)
+    # every rank has started (imported this module) before the short collective timeout
+    # counts: on a loaded machine one rank may arrive seconds after the others
+    store = progress.store()
+    started = "test/skip_collective/started"
+    store.add(started, 1)
+    deadline = time.monotonic() + 60
+    while int(store.add(started, 0)) < g.size and time.monotonic() < deadline:
+        time.sleep(0.05)
     comm.all_reduce(t, algorithm="ring")  # #1: everyone
     result: tuple[str, list[int], str] | str = "skipped"
     if g.rank != skipper:
@@ -127,7 +135,6 @@ def skip_collective(skipper: int, algorithm: str) -> tuple[str, list[int], str] 
     # No rank leaves before every rank has its verdict: a waiting rank whose peer already
     # timed out and exited would see that peer's closed connection instead of its own timeout
     # (a race under load, not the behaviour under test).
-    store = progress.store()
     store.add("test/skip_collective/done", 1)
     deadline = time.monotonic() + 30
     while int(store.add("test/skip_collective/done", 0)) < g.size and time.monotonic() < deadline:
