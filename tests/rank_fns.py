@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -112,12 +113,16 @@ def bad_arguments() -> list[str]:
     return errors
 
 
-def skip_collective(skipper: int, algorithm: str) -> tuple[str, list[int], str] | str:
-    """Every rank but ``skipper`` calls an all-reduce; they must time out naming it."""
+def skip_collective(
+    skipper: int, algorithm: str, timeout_s: float = 3.0
+) -> tuple[str, list[int], str] | str:
+    """Every rank but ``skipper`` calls an all-reduce; they must time out naming it, after
+    the world group's timeout, set to ``timeout_s`` here (the ranks joined with the default:
+    on a loaded machine one rank may start seconds after the others)."""
     g = comm.world()
     t = torch.ones(8)
     # every rank has started (imported this module) before the short collective timeout
-    # counts: on a loaded machine one rank may arrive seconds after the others
+    # counts
     store = progress.store()
     started = "test/skip_collective/started"
     store.add(started, 1)
@@ -125,6 +130,7 @@ def skip_collective(skipper: int, algorithm: str) -> tuple[str, list[int], str] 
     while int(store.add(started, 0)) < g.size and time.monotonic() < deadline:
         time.sleep(0.05)
     comm.all_reduce(t, algorithm="ring")  # #1: everyone
+    g.timeout, g.timeout_delta = timeout_s, datetime.timedelta(seconds=timeout_s)
     result: tuple[str, list[int], str] | str = "skipped"
     if g.rank != skipper:
         try:

@@ -14,9 +14,8 @@ def test_rank_that_skips_a_collective_is_named(algorithm):
     results = plait.spawn(
         rank_fns.skip_collective,
         world_size=3,
-        args=(1, algorithm),
-        collective_timeout=3,
-        timeout=60,
+        args=(1, algorithm, 3.0),  # the world's timeout, set once every rank has started
+        timeout=120,
     )
     assert results[1] == "skipped"
     for r in (0, 2):
@@ -45,10 +44,9 @@ def test_debug_mode_names_a_rank_that_never_arrives():
     results = plait.spawn(
         rank_fns.skip_collective,
         world_size=3,
-        args=(0, "ring"),
+        args=(0, "ring", 3.0),
         debug=True,
-        collective_timeout=3,
-        timeout=60,
+        timeout=120,
     )
     for r in (1, 2):
         kind, missing, message = results[r]
