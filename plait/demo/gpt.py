@@ -298,7 +298,7 @@ class Float32Noise:
     the same batches), over :func:`summation_orders`: the rounding training amplifies, for
     this configuration on this CPU."""
 
-    distance: float  # the parameters' (:func:`distance`), the largest over the orders
+    distance: float  # the parameters' (closeness.distance), the largest over the orders
     loss: float  # every step's loss, the largest difference over the steps and orders
     orders: tuple[int, ...]
 
@@ -326,9 +326,9 @@ def judge(report: GPTDemoReport, state: dict[str, torch.Tensor]) -> None:
     """Fill ``report``'s ``--check`` fields: the run (``state``, ``report.losses``) against
     the dense GPT trained in one process in float64 from the same start on the same batches.
     float64: the largest parameter difference, within :data:`FLOAT64_BOUND`. float32: the
-    parameters' :func:`distance` and the largest per-step loss difference, each within
-    :data:`NOISE_FACTOR` times what float32 in one process shows (:func:`float32_noise`;
-    the loss's bound also :func:`loss_floor`)."""
+    parameters' :func:`~plait.demo.closeness.distance` and the largest per-step loss
+    difference, each within :data:`NOISE_FACTOR` times what float32 in one process shows
+    (:func:`float32_noise`; the loss's bound also :func:`loss_floor`)."""
     config = report.config
     exact = oracle(config, dtype="float64")
     exact_losses = oracle_losses(config, dtype="float64")
