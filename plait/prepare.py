@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait import precision
 from plait.mesh import data_parallel_group
 from plait.models.gpt import GPT
 from plait.models.plans import plan_for
@@ -234,6 +235,7 @@ PYTORCH_NAMES = {
     "device_mesh": "mesh",
     "bucket_cap_mb": "bucket_mb",
     "n_microbatches": "microbatches",
+    "mp_policy": "mixed_precision",
 }
 # plait's earlier names: still accepted for one release, with a DeprecationWarning
 OLD_NAMES = {"group": "mesh", "tp_plan": "plan", "tp_mode": "mode"}
@@ -323,6 +325,12 @@ def prepare(
     refusals: :mod:`plait.strategies.compose.reproducible`). Strategies that split a
     matmul's reduction (tp, ep, cp) and ps, naive are refused by name.
 
+    ``mixed_precision=`` (alias ``mp_policy=``): ``"bf16"``, ``"fp16"`` or a
+    :class:`~plait.precision.MixedPrecisionPolicy`, the same for every strategy but
+    ``"ps"`` (:mod:`plait.precision`: float32 masters, the forward under autocast,
+    gradients reduced in ``reduce_dtype``, float32 by default; under fp16 the optimizer's
+    :func:`~plait.precision.loss_scaler`).
+
     Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
@@ -347,6 +355,11 @@ def prepare(
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
     if options.pop("reproducible", False):
+        if not precision.resolve_mixed_precision(options.get("mixed_precision")).is_full:
+            raise ValueError(
+                f"plait.prepare(strategy={strategy!r}): reproducible=True with "
+                f"mixed_precision= is not supported yet; train reproducibly in float32"
+            )
         wrapped, optimizer = _reproducible(strategy, model, optimizer, options)
         if optimizer is not None and tracer is not None:
             _trace_steps(optimizer, tracer)
@@ -357,6 +370,7 @@ def prepare(
                 f"plait.prepare(strategy={strategy!r}): {key}= is an option of "
                 f"reproducible=True; pass reproducible=True too"
             )
+    policy = _mixed_precision(strategy, model, options)
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
     except TypeError as exc:
@@ -364,9 +378,24 @@ def prepare(
         if any(k in text for k in ("unexpected keyword", "takes no", "does not take")):
             raise TypeError(f"plait.prepare(strategy={strategy!r}): {exc}") from exc
         raise
+    if policy is not None:
+        precision.apply(strategy, wrapped, optimizer, policy, options)
     if optimizer is not None and tracer is not None:
         _trace_steps(optimizer, tracer)
     return wrapped, optimizer
+
+
+def _mixed_precision(
+    strategy: str, model: nn.Module, options: dict[str, Any]
+) -> precision.MixedPrecisionPolicy | None:
+    """The ``mixed_precision=`` policy (:mod:`plait.precision`), checked against the
+    strategy and the model, its strategy options set; None for full precision."""
+    policy = precision.resolve_mixed_precision(options.pop("mixed_precision", None))
+    if policy.is_full:
+        return None
+    precision.check(strategy, policy, model)
+    precision.options_for(strategy, policy, options)
+    return policy
 
 
 def _reproducible(

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.consistency", 3),
     ("plait.strategies.reproducible", 3),  # the fixed summation tree every strategy follows
     ("plait.strategies.data_parallel", 4),  # strategies, data parallel first
+    ("plait.precision", 4),  # one mixed-precision policy: DDP's hooks below, fsdp's above
     ("plait.strategies.zero", 5),
     ("plait.strategies.fsdp", 5),
     ("plait.strategies", 8),  # the package's front (it re-exports every strategy)
