@@ -62,7 +62,9 @@ def gpt(moe: bool = False) -> GPT:
     torch.manual_seed(0)
     experts = None
     if moe:  # capacity 4.0: nothing dropped, so a split batch routes every token the same
-        experts = MoEConfig(num_experts=4, top_k=2, capacity_factor=4.0, min_capacity=0, seed=7)
+        experts = MoEConfig(
+            num_experts=4, top_k=2, capacity_factor=4.0, min_capacity=0, second_expert="all"
+        )
     cfg = GPTConfig(
         vocab=VOCAB,
         layers=2,
