@@ -50,6 +50,7 @@ __all__ = [
     "moe",
     "parallelize",
     "pipeline",
+    "precision",
     "init",
     "is_initialized",
     "new_group",
