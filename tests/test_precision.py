@@ -24,7 +24,8 @@ the same rank (tests/precision_fns.py):
   forward produced (bfloat16 present) and by the exact comparisons.
 
 The fp16 loss scaler: one rank plants an inf in a gradient; every rank skips the step,
-keeps its parameters and halves the scale, then steps on a clean batch (ddp, tp, ptdp).
+keeps its parameters and halves the scale, then steps on a clean batch (ddp, naive,
+fsdp, tp, ptdp).
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def test_reproducible_bf16_is_bitwise_one_process(ranks):
             _equal(state, want, f"reproducible {name}")
 
 
-@pytest.mark.parametrize("strategy,bad_rank", [("ddp", 1), ("tp", 0), ("ptdp", 0)])
+@pytest.mark.parametrize(
+    "strategy,bad_rank", [("ddp", 1), ("naive", 0), ("fsdp", 1), ("tp", 0), ("ptdp", 0)]
+)
 def test_fp16_overflow_on_one_rank_skips_everywhere(ranks, strategy, bad_rank):
     for r in ranks(2, P.fp16_skip, strategy, bad_rank):
         assert r["stepped"] == [False, True] and r["skipped"] == 1, r
