@@ -289,8 +289,9 @@ def global_batches(config: DemoConfig, epoch: int) -> list[list[int]]:
 def _progress(config: DemoConfig, epoch: int, steps: int, show: bool) -> Any:
     """A tqdm bar over an epoch's steps; disabled (writes nothing) unless ``show`` and
     stdout is a terminal, so piped output and log files hold no carriage returns."""
-    from tqdm import tqdm
+    from plait.extras import require
 
+    tqdm = require("tqdm", why="plait demo's progress bar").tqdm
     return tqdm(
         total=steps,
         desc=f"epoch {epoch + 1}/{config.epochs}",

@@ -216,8 +216,9 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
 
 
 def _progress(config: GPTDemoConfig, show: bool) -> Any:
-    from tqdm import tqdm
+    from plait.extras import require
 
+    tqdm = require("tqdm", why="plait demo's progress bar").tqdm
     return tqdm(
         total=config.steps,
         desc="training",

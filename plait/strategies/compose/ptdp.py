@@ -120,6 +120,7 @@ from plait.strategies.compose.check import (
     Sizes,
     check_batch,
     check_layout,
+    complete_mesh,
     mesh_sizes,
     plan_source,
     resolve_plans,
@@ -185,6 +186,7 @@ class PTDP:
         recompute: bool = False,
     ) -> None:
 
+        mesh = complete_mesh(mesh)  # Mesh(pp=2, tp=2) means dp=1
         _, _, tp, _ = mesh_sizes(mesh.shape)
         # the model's plans (DESIGN 7: ptdp knows no model); the pipeline plan is asked
         # again after the cut below, so that its layers hold the tensor-parallel modules

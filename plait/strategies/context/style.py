@@ -173,8 +173,10 @@ def _hf_attention(
 
 
 def _register_hf(context: str) -> str:
-    from transformers import AttentionInterface
+    from plait.extras import require
 
+    interface = require("transformers", why="context parallelism on a Hugging Face model")
+    AttentionInterface = interface.AttentionInterface
     name = f"plait_{context}"
     AttentionInterface.register(name, _hf_attention)
     return name
