@@ -90,10 +90,12 @@ def _launcher_defaults(args: argparse.Namespace) -> list[str]:
         ("srun", environment.slurm_defaults()),
         ("Kubeflow", environment.kubeflow_defaults()),
     ):
+        if not found:
+            continue
         most = found.get("nnodes", "1").rpartition(":")[2]
-        if not most.isdigit() or int(most) <= 1:
-            continue  # one machine: plait run's own launcher
-        for key in ("nnodes", "nproc", "node_rank", "master_addr", "master_port"):
+        several = most.isdigit() and int(most) > 1  # else plait run's own launcher
+        keys = ("nnodes", "nproc", "node_rank", "master_addr", "master_port")
+        for key in keys if several else ("nproc",):
             if key in found and getattr(args, key) is None:
                 setattr(args, key, found[key] if key == "master_addr" else _cast(key, found[key]))
                 taken.append(f"--{key.replace('_', '-')} {found[key]}")
