@@ -6,6 +6,8 @@ docs/status.md and docs/porting.md)."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -21,13 +23,13 @@ CELL_CHARS = 72  # a cell's text, links shown by their words
 LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 
 
-def python_blocks() -> list[tuple[str, str]]:
-    """``(where, code)`` of each python block of the README, ``where`` naming its line."""
-    text = README.read_text()
+def python_blocks(page: Path = README) -> list[tuple[str, str]]:
+    """``(where, code)`` of each python block of ``page``, ``where`` naming its line."""
+    text = page.read_text()
     out = []
     for m in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
         line = text.count("\n", 0, m.start()) + 2
-        out.append((f"README.md:{line}", m.group(1)))
+        out.append((f"{page.relative_to(ROOT)}:{line}", m.group(1)))
     return out
 
 
@@ -92,3 +94,29 @@ def test_readme_tables_have_one_short_line_a_cell() -> None:
         f"README.md table cells over {CELL_CHARS} characters (move the detail to "
         f"docs/status.md): " + "; ".join(long)
     )
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_docs_blocks_parse_and_name_what_exists(page: str) -> None:
+    """Every python block of docs/ parses, and every plait module, ``from plait... import``
+    name and ``plait.<attr>`` it uses exists (the README's blocks also run, above)."""
+    plait = importlib.import_module("plait")
+    for where, code in python_blocks(ROOT / "docs" / page):
+        tree = ast.parse(code, filename=where)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plait"):
+                module = importlib.import_module(node.module or "")
+                for alias in node.names:
+                    assert hasattr(module, alias.name), (
+                        f"{where}: {node.module} has no {alias.name}"
+                    )
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("plait"):
+                        importlib.import_module(alias.name)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "plait"
+            ):
+                assert hasattr(plait, node.attr), f"{where}: plait has no {node.attr}"
