@@ -85,7 +85,7 @@ def _launcher_defaults(args: argparse.Namespace) -> list[str]:
     torchrun does for PET_*. Explicit options win. Returns what was taken, to say so."""
     from plait.launch import environment
 
-    taken = []
+    taken: list[str] = []
     for source, found in (
         ("srun", environment.slurm_defaults()),
         ("Kubeflow", environment.kubeflow_defaults()),

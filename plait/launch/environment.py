@@ -72,7 +72,8 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 def _split_top(text: str) -> list[str]:
     """``"a[1-2],b"`` -> ``["a[1-2]", "b"]``: commas outside brackets."""
-    parts, depth, start = [], 0, 0
+    parts: list[str] = []
+    depth, start = 0, 0
     for i, ch in enumerate(text):
         if ch == "[":
             depth += 1
