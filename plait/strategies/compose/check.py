@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.mesh import Mesh
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.moe.stacked import containers as stacked_containers
 from plait.strategies.pipeline.schedules import default_chunks
@@ -66,8 +67,7 @@ def mesh_sizes(shape: dict[str, int]) -> tuple[int, int, int, int]:
         raise ValueError(
             f"ptdp: the mesh has dimensions {list(shape)}; build it from pp=.., dp=.., "
             f"tp=.. (an absent one is size 1), plus ep=.. for MoE blocks and cp=.. for "
-            f"context parallelism"
-            + f"; {extra} are not composed here"
+            f"context parallelism; {extra} are not composed here"
         )
     return shape.get("pp", 1), shape.get("dp", 1), shape.get("tp", 1), shape.get("ep", 1)
 
@@ -83,8 +83,6 @@ def complete_mesh(mesh: Any) -> Any:
     missing = [d for d in DIMS if d not in shape]
     if not missing or any(d not in DIMS + OPTIONAL_DIMS for d in shape):
         return mesh  # complete, or refused by name in mesh_sizes
-    from plait.mesh import Mesh
-
     innermost_first = [*missing, *reversed(mesh.names)]
     return Mesh(
         ranks=list(mesh.layout.ranks),
