@@ -4,6 +4,7 @@ written, and the PTD-P line's mesh without a ``dp`` dimension."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -20,13 +21,17 @@ def run_blocks(blocks: list[tuple[str, str]]) -> dict[str, Any]:
     """Run the README's blocks in order in one namespace (each continues the one before,
     as the README says), as ``__main__`` would; what the last ones computed."""
     namespace: dict[str, Any] = {"__name__": "__main__"}
+    seconds = []
     for where, code in blocks:
+        start = time.perf_counter()
         exec(compile(code, where, "exec"), namespace)
+        seconds.append(round(time.perf_counter() - start, 1))
     return {
         "ptdp_loss": float(namespace["loss"]),
         "names": sorted(k for k in namespace if not k.startswith("__")),
         "cp_logits": list(namespace["logits"].shape),
         "world": plait.world().size,
+        "seconds": seconds,
     }
 
 

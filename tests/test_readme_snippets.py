@@ -53,6 +53,7 @@ def test_readme_blocks_run_as_written_on_4_ranks(ranks) -> None:
         assert 3.0 < r["ptdp_loss"] < 7.0, r  # about ln 128 = 4.85 at random init
         assert r["cp_logits"] == [2, 16, 128], r  # 2 rows, 32 / cp 2 tokens, the vocabulary
     assert len({r["ptdp_loss"] for r in results}) == 1, results  # the mean on every rank
+    print(f"README blocks, seconds per block on rank 0: {results[0]['seconds']}")
 
 
 def test_ptdp_mesh_without_dp_means_dp_1(ranks) -> None:
@@ -107,9 +108,8 @@ def test_docs_blocks_parse_and_name_what_exists(page: str) -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plait"):
                 module = importlib.import_module(node.module or "")
                 for alias in node.names:
-                    assert hasattr(module, alias.name), (
-                        f"{where}: {node.module} has no {alias.name}"
-                    )
+                    if not hasattr(module, alias.name):  # else a submodule
+                        importlib.import_module(f"{node.module}.{alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("plait"):
