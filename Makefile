@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test docs docs-check bench lint clean
+.PHONY: demo test test-slow docs docs-check bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: docs-check
 	$(BIN)/python -m pytest -q
+
+# The end-to-end set `make test` leaves out (tests/conftest.py's SLOW): whole demos and jobs
+# through faults and launchers. CI runs it after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 # The docs (docs/, mkdocs.yml): a broken link, a missing page or a renamed symbol in the
 # API reference fails the strict build, and with it `make test` (CI runs `make test`).

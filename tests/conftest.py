@@ -50,6 +50,13 @@ def _pool(world_size: int, env_key: str = "", env: dict[str, str] | None = None)
 
 
 @pytest.fixture(scope="session")
+def pool_of() -> Callable[[int], RankPool]:
+    """``pool_of(n)``: the kept pool of n ranks itself, for code that takes a pool (the GPT
+    demo's ``run(config, pool=...)``) instead of spawning fresh ranks."""
+    return _pool
+
+
+@pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[..., list[Any]]]:
     """``ranks(n, fn, *args, timeout=...)`` runs ``fn`` on a kept pool of n ranks."""
 
@@ -66,3 +73,41 @@ def ranks() -> Iterator[Callable[..., list[Any]]]:
     with ThreadPoolExecutor(max_workers=max(1, len(_pools))) as closing:
         list(closing.map(RankPool.close, _pools.values()))
     _pools.clear()
+
+
+# The end-to-end set: whole jobs (a demo in its own processes, `plait run` through a fault
+# and a restart, a chain of launchers) that each take 15 s or more of the two cores. `make
+# test` leaves them out (`-m "not slow"` in pyproject's addopts) so the suite fits its 15
+# minutes; `make test-slow` runs them alone and CI (`.ci/run`) runs both. Nothing is lost:
+# every test here still runs on every CI run; what each exercises piece by piece (the
+# strategies, the launcher's parts, the checks) is also tested in the main set. Chosen from
+# measured durations (node-id prefixes; a parametrized case by its full id).
+SLOW: dict[str, str] = {
+    "tests/test_demo_tour.py::test_a_short_tour_learns": "the tour end to end: 6 layouts",
+    "tests/test_elastic.py::test_restarted_job_equals_uninterrupted": "plait run, kill, restart",
+    "tests/test_ddp_faults.py::test_survivor_backward_names_the_failed_peer": "plait run, kill",
+    "tests/test_demo.py::test_a_piped_ps_demo": "the PS demo through a pipe",
+    "tests/test_collectives.py::test_grid[8]": "every algorithm on 8 ranks",
+    "tests/test_exit.py::test_finished_jobs_exit_zero": "plait run jobs ending every way",
+    "tests/test_demo_cp.py::test_cp_demo_matches_one_process": "the cp demo's CLI, 4 ways",
+    "tests/test_hf_moe_layouts.py::test_ptdp_matches_one_process[qwen3_moe+aux-pp2xdp1xtp1xep2"
+    "xcp2-ring-1f1b]": "the widest HF MoE PTD-P layout",
+    "tests/test_quickstart.py::": "the README quickstart under plait run",
+    "tests/test_ps.py::test_under_plait_run_an_async_job": "plait run, a worker killed",
+    "tests/test_failures.py::test_spawn_names_a_rank_that_hangs": "waits out a hang",
+    "tests/test_demo.py::test_demo_ps_with_a_straggler": "the PS demo with a straggler",
+    "tests/test_demo.py::test_demo_under_a_parameter_server": "the PS demo",
+    "tests/test_gpu_script.py::test_quick_": "the GPU suite's CPU pass",
+    "tests/test_heartbeat.py::test_the_rank_hosting_the_store_stopped": "waits for heartbeats",
+    "tests/test_launch_env.py::test_srun_tasks_join": "srun's variables, fresh processes",
+    "tests/test_launch_env.py::test_srun_one_task_per_node": "two plait run jobs as nodes",
+    "tests/test_launch_env.py::test_kubeflow_torch_runtime": "torchrun under PET_ variables",
+    "tests/test_launch_env.py::test_elastic_c10d_rendezvous": "two elastic agents",
+    "tests/test_readme_snippets.py::test_readme_blocks_run_as_written": "the README's HF blocks",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.nodeid.startswith(prefix) for prefix in SLOW):
+            item.add_marker(pytest.mark.slow)
