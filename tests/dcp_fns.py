@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import plait
@@ -76,14 +77,16 @@ def _options(flatten: bool) -> StateDictOptions | None:
 
 
 class CountingReader(FileSystemReader):
-    """DCP's file reader, counting the stored bytes this rank reads (each stored chunk it
-    reads from, once)."""
+    """DCP's file reader, counting the stored tensor bytes this rank reads (each stored
+    chunk it reads from, once; pickled values left out)."""
 
     bytes_read = 0
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         seen = set()
         for req in plan.items:
+            if req.type != LoadItemType.TENSOR:
+                continue
             item = self.storage_data[req.storage_index]
             if (item.relative_path, item.offset) not in seen:
                 seen.add((item.relative_path, item.offset))
@@ -92,12 +95,17 @@ class CountingReader(FileSystemReader):
 
 
 def tensor_bytes(directory: str) -> int:
-    """The stored bytes of every tensor chunk in a DCP directory."""
+    """The stored bytes of every non-empty tensor chunk in a DCP directory (FSDP2 also
+    writes the empty shards of ranks past a tensor's rows, which no load reads)."""
     md = FileSystemReader(directory).read_metadata()
-    tensors = {
-        k for k, v in md.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)
-    }
-    return sum(info.length for index, info in md.storage_data.items() if index.fqn in tensors)
+    total = 0
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        for chunk in entry.chunks:
+            if all(chunk.sizes):
+                total += md.storage_data[MetadataIndex(fqn, chunk.offsets)].length
+    return total
 
 
 # --- plait layouts ---------------------------------------------------------------------------
@@ -365,3 +373,20 @@ def one_process_seq(directory: str, steps: int, save: bool) -> dict[str, Any]:
     loaded = plait_state(model, optimizer)
     train(model, optimizer, range(steps, steps + 1))
     return {"loaded": loaded, "after": plait_state(model, optimizer)}
+
+
+# --- several cases per run (one pool run each way keeps the module short) ---------------------
+def plait_save_all(cases: list[tuple[str, str]], root: str, steps: int) -> dict[str, Any]:
+    return {f"{s}-{o}": plait_save(s, f"{root}/{s}-{o}", steps, o, False) for s, o in cases}
+
+
+def fsdp2_load_all(cases: list[tuple[str, str]], root: str, start: int) -> dict[str, Any]:
+    return {f"{s}-{o}": fsdp2_load(f"{root}/{s}-{o}", start, o) for s, o in cases}
+
+
+def fsdp2_save_all(cases: list[tuple[str, bool]], root: str, steps: int) -> dict[str, Any]:
+    return {f"{o}-{f}": fsdp2_save(f"{root}/{o}-{f}", steps, o, f) for o, f in cases}
+
+
+def plait_load_all(cases: list[tuple[str, str, bool]], root: str, start: int) -> dict[str, Any]:
+    return {f"{s}-{o}-{f}": plait_load(s, f"{root}/{o}-{f}", start, o, f) for s, o, f in cases}

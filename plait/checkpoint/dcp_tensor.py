@@ -128,7 +128,11 @@ def named_tensors(roots: list[nn.Module]) -> list[tuple[str, nn.Module, str, tor
 def model_state(roots: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Every tensor of ``roots`` under its key: split ones as chunks, the rest whole (all
     views of the live tensors)."""
-    return {key: split_chunks(m, name, t) or t.detach() for key, m, name, t in named_tensors(roots)}
+    out: dict[str, torch.Tensor] = {}
+    for key, m, name, t in named_tensors(roots):
+        chunks = split_chunks(m, name, t)
+        out[key] = t.detach() if chunks is None else chunks
+    return out
 
 
 def load_model_state(roots: list[nn.Module], state: dict[str, Any], *, strict: bool) -> None:
@@ -185,6 +189,11 @@ def _elementwise(key: str, value: Any, p: torch.Tensor) -> bool:
     return key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
 
 
+def _cut(m: nn.Module, name: str, key: str, value: Any, p: torch.Tensor) -> Any:
+    chunks = split_chunks(m, name, value) if _elementwise(key, value, p) else None
+    return value if chunks is None else chunks
+
+
 def optimizer_state(
     roots: list[nn.Module], optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, dict[str, Any]], list[list[str]]]:
@@ -196,10 +205,7 @@ def optimizer_state(
         for key, m, name, p in group:
             entry = optimizer.state.get(p)
             if entry:
-                state[key] = {
-                    k: (split_chunks(m, name, v) or v) if _elementwise(k, v, p) else v
-                    for k, v in entry.items()
-                }
+                state[key] = {k: _cut(m, name, k, v, p) for k, v in entry.items()}
     return state, [[key for key, _, _, _ in group] for group in slots]
 
 
