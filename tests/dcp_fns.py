@@ -292,6 +292,10 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
+# a pipeline's optimizer state needs PyTorch's flattened format (ranks hold other parameters)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def pipeline(seed: int) -> tuple[Any, torch.optim.Optimizer]:
     model = make_seq(seed)
     pipe, optimizer = plait.prepare(
@@ -315,10 +319,14 @@ def pipeline_train(pipe: Any, optimizer: torch.optim.Optimizer, steps: range) ->
 
 def pipeline_state(pipe: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's stages: parameters and optimizer state under the dense names."""
-    osd = plait_dcp.get_optimizer_state_dict(pipe, optimizer)
+    names = {id(p): n for st in pipe.stages.values() for n, p in st.named_parameters()}
     return {
         "model": {k: v.clone() for k, v in plait_dcp.get_model_state_dict(pipe).items()},
-        "optimizer": {f: {k: _whole(v) for k, v in e.items()} for f, e in osd["state"].items()},
+        "optimizer": {
+            names[id(p)]: {k: _whole(v) for k, v in optimizer.state[p].items()}
+            for group in optimizer.param_groups
+            for p in group["params"]
+        },
         "lr": optimizer.param_groups[0]["lr"],
     }
 
@@ -329,7 +337,7 @@ def pipeline_save(directory: str, steps: int) -> dict[str, Any]:
     dcp.save(
         {
             "model": plait_dcp.get_model_state_dict(pipe),
-            "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer),
+            "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer, options=FLAT),
         },
         checkpoint_id=directory,
     )
@@ -340,11 +348,11 @@ def pipeline_load(directory: str, start: int) -> dict[str, Any]:
     pipe, optimizer = pipeline(1)
     state = {
         "model": plait_dcp.get_model_state_dict(pipe),
-        "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer),
+        "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer, options=FLAT),
     }
     dcp.load(state, checkpoint_id=directory)
     plait_dcp.set_model_state_dict(pipe, state["model"])
-    plait_dcp.set_optimizer_state_dict(pipe, optimizer, state["optimizer"])
+    plait_dcp.set_optimizer_state_dict(pipe, optimizer, state["optimizer"], options=FLAT)
     loaded = pipeline_state(pipe, optimizer)
     pipeline_train(pipe, optimizer, range(start, start + 1))
     return {"loaded": loaded, "after": pipeline_state(pipe, optimizer)}
@@ -359,17 +367,17 @@ def one_process_seq(directory: str, steps: int, save: bool) -> dict[str, Any]:
         train(model, optimizer, range(steps))
         state = {
             "model": plait_dcp.get_model_state_dict(model),
-            "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer),
+            "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer, options=FLAT),
         }
         dcp.save(state, checkpoint_id=directory, no_dist=True)
         return {"loaded": plait_state(model, optimizer)}
     state = {
         "model": plait_dcp.get_model_state_dict(model),
-        "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer),
+        "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer, options=FLAT),
     }
     dcp.load(state, checkpoint_id=directory, no_dist=True)
     model.load_state_dict(state["model"])
-    plait_dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    plait_dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=FLAT)
     loaded = plait_state(model, optimizer)
     train(model, optimizer, range(steps, steps + 1))
     return {"loaded": loaded, "after": plait_state(model, optimizer)}

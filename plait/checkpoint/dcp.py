@@ -185,6 +185,7 @@ def get_optimizer_state_dict(
     who = "get_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
+    _pipeline_needs_flat(model, flatten, who)
     _ensure_state(optimizer)
     inner = unwrap(model)
     if kind == "fsdp":
@@ -217,6 +218,7 @@ def set_optimizer_state_dict(
     who = "set_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
+    _pipeline_needs_flat(model, flatten, who)
     inner = unwrap(model)
     if kind == "fsdp":
         fqns = dcp_fsdp.group_fqns(inner, optimizer)
@@ -236,6 +238,19 @@ def set_optimizer_state_dict(
         dcp_zero.load_optimizer_state(inner, optimizer, saved, hypers)
     else:
         dcp_tensor.load_optimizer_state(_roots(inner), optimizer, saved, hypers)
+
+
+def _pipeline_needs_flat(model: nn.Module, flatten: bool, who: str) -> None:
+    """A pipeline's ranks hold different parameters, so their nested ``param_groups``
+    (one list per group, the same DCP key on every rank) would overwrite each other;
+    PyTorch's flattened format keys them per parameter."""
+    if not flatten and pipeline_of(unwrap(model)) is not None:
+        raise ValueError(
+            f"plait.checkpoint.dcp.{who}: under a pipeline each rank's optimizer holds other "
+            f"parameters, and DCP keeps one copy of the nested param_groups; pass "
+            f"options=StateDictOptions(flatten_optimizer_state_dict=True) (as torchtitan "
+            f"does; torch.distributed.checkpoint.state_dict.StateDictOptions)"
+        )
 
 
 def _match_groups(saved: list[dict[str, Any]], fqns: list[list[str]]) -> list[dict[str, Any]]:
