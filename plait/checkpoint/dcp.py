@@ -325,7 +325,7 @@ def _unflatten(flat: dict[str, Any], fqns: list[list[str]]) -> dict[str, Any]:
             entry = {k[len(head) :]: v for k, v in flat.items() if k.startswith(head)}
             if entry:
                 state[fqn] = entry
-        head = f"{GROUPS}.{names[0]}." if names else None
-        hyper = {k[len(head) :]: v for k, v in flat.items() if head and k.startswith(head)}
+        first = f"{GROUPS}.{names[0]}." if names else None
+        hyper = {k[len(first) :]: v for k, v in flat.items() if first and k.startswith(first)}
         groups.append({**hyper, PARAMS: list(names)})
     return {STATE: state, GROUPS: groups}

@@ -198,7 +198,9 @@ class ShardChunks(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise RuntimeError(
             f"ShardChunks holds only this rank's pieces of a tensor, for "
             f"torch.distributed.checkpoint to save and load; {func} cannot run on it. Load "

@@ -166,7 +166,7 @@ def param_slots(
     roots: list[nn.Module], optimizer: torch.optim.Optimizer, who: str
 ) -> list[list[tuple[str, nn.Module, str, torch.Tensor]]]:
     """Per param group, (key, module, name, parameter) of each parameter it holds."""
-    where = {}
+    where: dict[int, tuple[str, nn.Module, str, torch.Tensor]] = {}
     for key, m, name, t in named_tensors(roots):
         if isinstance(t, nn.Parameter):
             where.setdefault(id(t), (key, m, name, t))
