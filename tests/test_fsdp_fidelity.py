@@ -3,7 +3,7 @@
 Each test compares with the single-process oracle (same model, seed, global batch):
 clipping by the global norm, tied weights, parameter groups through plait.prepare, resume
 from full model and optimizer state at another world size, meta-device init, the standard
-GradScaler, the refusal of a rank whose model differs, and the refused ``state_dict()``.
+GradScaler, the refusal of a rank whose model differs, and ``state_dict()``'s chunks.
 Tolerance as in tests/test_fsdp.py (TOL); world 1 runs no communication.
 """
 
@@ -135,9 +135,14 @@ def test_rank_with_other_module_order_is_refused(ranks):
 
 def test_state_dict_and_module_say_what_to_use():
     model = fully_shard(make_deep(), wrap={nn.Linear})
-    with pytest.raises(RuntimeError, match=r"plait.checkpoint.full_state_dict\(model\)"):
-        model.state_dict()
-    with pytest.raises(RuntimeError, match="load_full_state_dict"):
+    # state_dict(): the model's own keys, each parameter as this rank's chunks (for DCP)
+    state = model.state_dict()
+    assert list(state) == list(make_deep().state_dict())
+    chunks = [v for v in state.values() if type(v).__name__ == "ShardChunks"]
+    assert chunks
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        chunks[0] + 1
+    with pytest.raises(ValueError, match="does not match the fully_shard model"):
         model.load_state_dict({})
     with pytest.raises(AttributeError, match="returns the module itself"):
         model.module  # noqa: B018

@@ -255,8 +255,14 @@ def abort(root: Path, step: int) -> None:
 def verify(root: str | Path, step: int | str = "latest") -> list[str]:
     """Check one committed checkpoint under ``root`` (its manifest checksum, then every
     file's size and SHA-256); the problems found, empty if it is intact. Reads every file
-    whole. No communication: any single process may call it."""
+    whole. No communication: any single process may call it. A directory written by
+    ``torch.distributed.checkpoint`` (holding ``.metadata``) is checked for completeness
+    instead (``dcp_verify.py``: DCP stores no checksums)."""
     path = Path(root)
+    from plait.checkpoint import dcp_verify  # deferred: it imports torch's DCP
+
+    if dcp_verify.is_dcp(path):
+        return dcp_verify.verify_dcp(path)
     steps = candidates(path, step)
     if not steps:
         return [f"{path} holds no committed checkpoint"]

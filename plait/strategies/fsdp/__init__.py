@@ -72,9 +72,11 @@ weights, parameter groups), :mod:`.state` (full state dicts and optimizer state)
 :mod:`.prepare` (``prepare_fsdp``: the optimizer rebuilt over the shards).
 
 Drop-in notes: ``fully_shard`` returns the module itself (no ``.module``);
-``model.state_dict()`` raises (use :func:`full_state_dict`, collective, and
-:func:`load_full_state_dict`); clip with ``model.clip_grad_norm_(max_norm)`` (a norm of
-a shard gradient raises :class:`ShardedGradNormError`); ``torch.amp.GradScaler`` and
+``model.state_dict()`` gives each parameter as this rank's chunks of it, for
+``torch.distributed.checkpoint`` (``plait.checkpoint.dcp``; whole tensors:
+:func:`full_state_dict`, collective, and :func:`load_full_state_dict`); clip with
+``model.clip_grad_norm_(max_norm)`` (a norm of a shard gradient raises
+:class:`ShardedGradNormError`); ``torch.amp.GradScaler`` and
 ``plait.amp.DynamicLossScaler`` skip or step on every rank together.
 """
 

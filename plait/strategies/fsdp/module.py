@@ -108,23 +108,43 @@ class FSDPModule(nn.Module):
                 unit.shard = self._parameters[unit.shard_name]
         return self
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: the parameters are flat shards, not the dense tensors the keys name."""
-        raise RuntimeError(
-            f"fully_shard: {type(self).__name__}.state_dict() would hold this rank's flat "
-            f"parameter shards, not the model's tensors. Use "
-            f"plait.checkpoint.full_state_dict(model) (or plait.strategies.fsdp."
-            f"full_state_dict(model); collective: every rank calls it) for the whole state "
-            f"dict, and plait.strategies.fsdp.load_full_state_dict(model, state) to load one"
-        )
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        """The model's own keys (as before sharding), each parameter's value this rank's
+        part of it as ``plait.checkpoint.dcp_chunks.ShardChunks``: rectangles of the full
+        shape, views of the flat shards, that ``torch.distributed.checkpoint`` saves and
+        loads (reshards) as it does FSDP2's DTensors; buffers and unsharded parameters
+        whole. Not for computing: ``plait.checkpoint.full_state_dict(model)`` gathers the
+        whole tensors (collective). No communication."""
+        if args:
+            raise TypeError(
+                f"fully_shard: {type(self).__name__}.state_dict() takes keyword arguments "
+                f"only (destination=, prefix=, keep_vars=)"
+            )
+        from plait.checkpoint import dcp_fsdp  # deferred: plait.checkpoint imports fsdp
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: use :func:`~plait.strategies.fsdp.load_full_state_dict`."""
-        raise RuntimeError(
-            f"fully_shard: {type(self).__name__}.load_state_dict() cannot load dense tensors "
-            f"into flat shards; use plait.strategies.fsdp.load_full_state_dict(model, state) "
-            f"(no communication: each rank copies its slice)"
-        )
+        out = destination if destination is not None else {}
+        out.update(dcp_fsdp.model_state(self, prefix))
+        return out
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Any, strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load what :meth:`state_dict` gave (after ``torch.distributed.checkpoint.load``
+        filled it, at any saving world size or layout) or whole tensors under the model's
+        own keys (the one-process state dict): each rank keeps its slice. With ``strict``,
+        missing or unexpected keys and other shapes raise ``ValueError`` before anything
+        is copied. No communication."""
+        if assign:
+            raise NotImplementedError(
+                f"fully_shard: {type(self).__name__}.load_state_dict(assign=True) would "
+                f"replace the flat shards; load with assign=False (values are copied)"
+            )
+        from plait.checkpoint import dcp_fsdp  # deferred, as above
+
+        dcp_fsdp.load_model_state(self, dict(state_dict), strict=strict)
+        return nn.modules.module._IncompatibleKeys([], [])
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -241,8 +241,9 @@ def fully_shard(
 
     A model built on the meta device is sharded without communication; then
     ``model.to_empty(device=...)`` and :func:`materialize` (or ``unshard``, init,
-    ``reshard``) initialize it. ``model.state_dict()`` is refused: use
-    :func:`full_state_dict` / :func:`load_full_state_dict`.
+    ``reshard``) initialize it. ``model.state_dict()`` holds this rank's chunks, for
+    ``torch.distributed.checkpoint``; whole tensors: :func:`full_state_dict` /
+    :func:`load_full_state_dict`.
 
     Collective: every rank of ``group`` must call it, with the same module structure (a
     rank whose parameter names, shapes or dtypes differ is named in a ``ValueError`` on

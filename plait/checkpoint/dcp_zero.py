@@ -1,0 +1,154 @@
+"""DCP state of a :class:`~plait.strategies.zero.ZeroOptimizer` (ZeRO-1/2): its partition as
+chunks.
+
+ZeRO lays the trainable parameters end to end in one flat space and gives rank r a
+contiguous range of it, cut at parameter boundaries into pieces (``Piece(param, start,
+stop)``: elements ``[start, stop)`` of that parameter's flattening) and at param-group
+boundaries into one local flat tensor per group (``opt.shards[g]``, whose state the local
+optimizer keeps). A piece of parameter i in group g sits in ``opt.shards[g]`` at
+``offsets[i] + start - lo - local[g][0]`` (``lo``: the rank's first flat element,
+``local[g][0]``: where group g starts in the rank's range). :func:`optimizer_state` gives
+each parameter's element-wise state as :class:`~plait.checkpoint.dcp_chunks.ShardChunks`
+of its piece (views of the local state), scalars (``step``) as they are; the model itself
+is replicated under ZeRO-1/2 and saved whole. No communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.checkpoint.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
+from plait.strategies.zero import ZeroOptimizer
+
+PARAMS = "params"
+
+
+def _names(model: nn.Module, opt: ZeroOptimizer, who: str) -> dict[int, str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g, group in enumerate(opt.param_groups):
+        for p in group[PARAMS]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"plait.checkpoint.dcp.{who}: param group {g} of the ZeroOptimizer holds "
+                    f"a tensor of shape {tuple(p.shape)} that is not a parameter of the "
+                    f"model; build the optimizer on the model's parameters()"
+                )
+    return names
+
+
+def group_fqns(model: nn.Module, opt: ZeroOptimizer, who: str) -> list[list[str]]:
+    """The FQNs of each param group (frozen parameters included), in the group's order."""
+    names = _names(model, opt, who)
+    return [[names[id(p)] for p in group[PARAMS]] for group in opt.param_groups]
+
+
+def _pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
+    """Of every trainable parameter i: ``(i, group, start, stop, at)``: this rank's
+    elements ``[start, stop)`` of it (``start == stop``: none) at ``at`` in its group's
+    local flat tensor."""
+    starts = opt._layout.group_starts
+    mine = {p.param: p for p in opt.partition[opt.group.rank]}
+    out = []
+    for g in range(len(starts) - 1):
+        for i in range(starts[g], starts[g + 1]):
+            piece = mine.get(i)
+            if piece is None:
+                out.append((i, g, 0, 0, 0))
+            else:
+                at = opt._offsets[i] + piece.start - opt.lo - opt._local[g][0]
+                out.append((i, g, piece.start, piece.stop, at))
+    return out
+
+
+def _is_elementwise(key: str, value: Any, shard: torch.Tensor) -> bool:
+    return key != "step" and isinstance(value, torch.Tensor) and value.shape == shard.shape
+
+
+def optimizer_state(model: nn.Module, opt: ZeroOptimizer) -> dict[str, dict[str, Any]]:
+    """``{fqn: {key: value}}`` of every trainable parameter whose group's local state
+    exists on this rank (element-wise values cut to its piece, views)."""
+    opt._sync_hyperparameters()
+    names = _names(model, opt, "get_optimizer_state_dict")
+    state: dict[str, dict[str, Any]] = {}
+    for i, g, start, stop, at in _pieces(opt):
+        shard = opt.shards[g]
+        local = opt.optim.state.get(shard)
+        if not local:
+            continue
+        p = opt._params[i]
+        entry = {}
+        for key, value in local.items():
+            if _is_elementwise(key, value, shard):
+                flat = value.detach().reshape(-1)[at : at + stop - start]
+                entry[key] = shard_chunks(p.shape, start, stop, flat)
+            else:
+                entry[key] = value
+        state[names[id(p)]] = entry
+    return state
+
+
+def load_optimizer_state(
+    model: nn.Module,
+    opt: ZeroOptimizer,
+    saved: dict[str, dict[str, Any]],
+    hypers: list[dict[str, Any]],
+) -> None:
+    """Each group's local state: per element-wise key a flat tensor assembled from its
+    parameters' pieces (chunks or whole tensors), scalars from its first parameter with
+    state; each group's hyper-parameters from ``hypers``. Then the master shard is re-read
+    from the (loaded) parameters."""
+    names = _names(model, opt, "set_optimizer_state_dict")
+    local_state: dict[int, dict[str, Any]] = {}
+    for i, g, start, stop, at in _pieces(opt):
+        p = opt._params[i]
+        fqn = names[id(p)]
+        shard = opt.shards[g]
+        entry = local_state.setdefault(g, {})
+        for key, value in saved.get(fqn, {}).items():
+            if key != "step" and (
+                isinstance(value, ShardChunks)
+                or (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(p.shape))
+            ):
+                flat = entry.get(key)
+                if not isinstance(flat, torch.Tensor) or flat.shape != shard.shape:
+                    flat = torch.zeros(shard.shape, dtype=shard.dtype)
+                    entry[key] = flat
+                _fill(flat[at : at + stop - start], p.shape, start, stop, value, fqn, key)
+            elif key not in entry:
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    local_groups = []
+    for g, hyper in enumerate(hypers):
+        hyper = {k: v for k, v in hyper.items() if k != "param_names"}
+        opt.param_groups[g].update(hyper)
+        local_groups.append({**hyper, PARAMS: [g]})
+    state = {g: entry for g, entry in local_state.items() if entry}
+    opt.optim.load_state_dict({"state": state, "param_groups": local_groups})
+    opt._refresh_shard()
+
+
+def _fill(
+    dest: torch.Tensor,
+    shape: torch.Size,
+    start: int,
+    stop: int,
+    value: Any,
+    fqn: str,
+    key: str,
+) -> None:
+    if start == stop:
+        return
+    if isinstance(value, ShardChunks):
+        for chunk in flat_range_chunks(shape, start, stop):
+            source = value.chunk_at(chunk.offsets)
+            if source is None:
+                raise ValueError(
+                    f"set_optimizer_state_dict: {fqn!r} {key!r} holds no chunk at "
+                    f"{chunk.offsets} on this rank: it was made by another layout or world "
+                    f"size; dcp.load into this optimizer's get_optimizer_state_dict(...)"
+                )
+            dest[chunk.start - start : chunk.stop - start] = source.reshape(-1)
+    else:
+        dest.copy_(value.detach().reshape(-1)[start:stop])
