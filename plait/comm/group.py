@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, progress, recorder, watchdog
+from plait.comm import debug, device, progress, recorder, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
+        device.check(self.call.collective, "a message", tensor, self.group)
         self.call.sent += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -203,6 +204,7 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
+        device.check(self.call.collective, "a message's buffer", tensor, self.group)
         self.call.received += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -373,6 +375,12 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for this group's collectives are made: this rank's GPU on NCCL,
+        ``meta`` on PyTorch's fake backend, the CPU on gloo (``device.py``)."""
+        return device.group_device(self)
 
     @property
     def pg(self) -> Any:
