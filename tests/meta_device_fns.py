@@ -114,10 +114,16 @@ def _on_meta(params: Any) -> list[str]:
 
 
 def _module_steps(model: Any, opt: torch.optim.Optimizer, loss: Callable[[], Any]) -> None:
+    """Forward, backward, the global gradient norm clipped (its collective included),
+    optimizer step."""
     for _ in range(STEPS):
         opt.zero_grad()
         with no_sync():
             loss().backward()
+            if hasattr(opt, "clip_grad_norm_"):  # ZeRO-1/2: the optimizer holds the shards
+                opt.clip_grad_norm_(1.0)
+            else:
+                plait.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 
 
@@ -127,6 +133,10 @@ def _runner_steps(runner: Any, opt: torch.optim.Optimizer, rows: int = BATCH) ->
         ids, targets = tokens(rows)
         with no_sync():
             runner.step(ids, targets)
+            if hasattr(runner, "clip_grad_norm_"):
+                runner.clip_grad_norm_(1.0)
+            else:
+                plait.clip_grad_norm_(runner.parameters(), 1.0)
             opt.step()
 
 
