@@ -122,7 +122,9 @@ def _module_steps(model: Any, opt: torch.optim.Optimizer, loss: Callable[[], Any
             loss().backward()
             if hasattr(opt, "clip_grad_norm_"):  # ZeRO-1/2: the optimizer holds the shards
                 opt.clip_grad_norm_(1.0)
-            else:
+            elif hasattr(model, "clip_grad_norm_"):  # FSDP's (and DDP's) own
+                model.clip_grad_norm_(1.0)
+            else:  # by placement: tensor, expert and context parallelism
                 plait.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
 

@@ -30,6 +30,7 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 # every case: one process, rank 0 of the fake world, a model on meta, STEPS steps
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp": lambda: fns.data_parallel("ddp", **NO_CHECK),
+    "ddp-unused": lambda: fns.data_parallel("ddp", find_unused_parameters=True, **NO_CHECK),
     "naive": lambda: fns.data_parallel("naive", **NO_CHECK),
     "zero1": lambda: fns.data_parallel("zero1"),
     "zero2": lambda: fns.data_parallel("zero2"),
@@ -42,7 +43,6 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "cp-ulysses": lambda: fns.context_parallel("ulysses", **NO_CHECK),
     "ptdp-tp-pp-dp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2}, **NO_CHECK),
     "ptdp-tp-pp-dp-cp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2, "cp": 2}, **NO_CHECK),
-    "ep": lambda: fns.expert_parallel(**NO_CHECK),
 }
 
 

@@ -43,35 +43,50 @@ def group_device(group: Group) -> torch.device:
     return torch.device(kind or "cpu")
 
 
-def caller() -> str:
-    """The first frame outside ``plait/comm``: the strategy (or user) call that handed the
-    tensor over, as ``plait/strategies/data_parallel/ddp.py:521 (DistributedDataParallel.
-    _reduce_unused)``."""
+def origin() -> tuple[Any, int] | None:
+    """The first frame outside ``plait/comm`` (code object and line): where a collective
+    was issued. Cheap (no formatting); :func:`caller` formats it. A collective run on its
+    group's worker thread keeps the origin its :class:`~plait.comm.group.Call` recorded."""
     frame: Any = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/plait/comm/" not in path:
-            break
+        path = frame.f_code.co_filename
+        if "plait/comm/" not in path.replace("\\", "/"):
+            return frame.f_code, frame.f_lineno
         frame = frame.f_back
-    if frame is None:
+    return None
+
+
+def caller(where: tuple[Any, int] | None = None) -> str:
+    """The strategy (or user) call that handed a tensor over, as
+    ``plait/strategies/data_parallel/ddp.py:521 (DistributedDataParallel._reduce_unused)``:
+    ``where`` (an :func:`origin`), else the first frame outside ``plait/comm`` now."""
+    found = where or origin()
+    if found is None:
         return "an unknown caller"
-    path = frame.f_code.co_filename.replace("\\", "/")
+    code, line = found
+    path = code.co_filename.replace("\\", "/")
     cut = path.rfind("/plait/")
-    where = path[cut + 1 :] if cut >= 0 else path
-    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-    return f"{where}:{frame.f_lineno} ({name})"
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"{path[cut + 1 :] if cut >= 0 else path}:{line} ({name})"
 
 
-def check(collective: str, name: str, t: torch.Tensor, group: Group) -> None:
+def check(
+    collective: str,
+    name: str,
+    t: torch.Tensor,
+    group: Group,
+    where: tuple[Any, int] | None = None,
+) -> None:
     """Refuse ``t`` (argument ``name`` of ``collective``) unless it is on ``group``'s
-    device, naming the call that handed it over and what to change."""
+    device, naming the call that handed it over (``where``: an :func:`origin`, else the
+    current stack) and what to change."""
     want = device_type(group.backend)
     have = t.device.type
     if want is None:
         if have not in ("cpu", "cuda"):
             raise ValueError(
                 f"{collective}: {name} (shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, "
-                f"handed over by {caller()}; group {group.name!r} ({group.backend}) takes "
+                f"handed over by {caller(where)}; group {group.name!r} ({group.backend}) takes "
                 f"CPU or CUDA tensors"
             )
         return
@@ -80,7 +95,7 @@ def check(collective: str, name: str, t: torch.Tensor, group: Group) -> None:
         raise ValueError(
             f"{collective}: {name} (shape {tuple(t.shape)}, {t.dtype}) is on {t.device} "
             f"but group {group.name!r} ({group.backend}) moves {want} tensors only; it was "
-            f"handed over by {caller()}: make it on the group's device (the model's; "
+            f"handed over by {caller(where)}: make it on the group's device (the model's; "
             f"plait.comm.device.group_device(group), or {hint})"
         )
 

@@ -111,6 +111,8 @@ class Call:
     sent: int = 0
     received: int = 0
     tag: int = field(init=False)
+    # where it was issued (device.origin()): named when a message it sends is refused
+    origin: tuple[Any, int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.sig and self.group.check:
@@ -187,7 +189,7 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
-        device.check(self.call.collective, "a message", tensor, self.group)
+        device.check(self.call.collective, "a message", tensor, self.group, self.call.origin)
         self.call.sent += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -204,7 +206,9 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
-        device.check(self.call.collective, "a message's buffer", tensor, self.group)
+        device.check(
+            self.call.collective, "a message's buffer", tensor, self.group, self.call.origin
+        )
         self.call.received += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -425,6 +429,7 @@ class Group:
         self.seq += 1
         sig = f"{algorithm} {signature}" if signature else algorithm
         call = Call(self, collective, algorithm, self.seq, payload_bytes, sig, desc)
+        call.origin = device.origin()
         if self.debug:
             debug.check_signature(call, f"{sig} {desc}")
 
