@@ -52,20 +52,27 @@ def _key(a: Action) -> tuple[str, int, int]:
     return ("grad", a.stage, a.mb)  # RECV_B
 
 
-def stuck(schedule: Schedule, *, blocking: bool = True) -> list[str]:
+def stuck(schedule: Schedule, *, blocking: bool = True, per_direction: bool = False) -> list[str]:
     """The actions left unfinished when no operation can progress (empty: none).
 
     Rank ``r`` issues its actions in order. A send or receive joins the stream of its
     pair (after the compute issued before it); a compute action joins the compute stream
     after the receives it reads (with ``blocking``, the host issues nothing further until
     those receives completed). A send completes together with its matching receive, when
-    both are at the head of their pair streams."""
+    both are at the head of their pair streams. ``per_direction``: each direction of a
+    pair has its own stream (a process group per direction), not one for both."""
     p = schedule.p
     compute: list[list[_Op]] = [[] for _ in range(p)]
     pair: list[dict[int, list[_Op]]] = [{} for _ in range(p)]
     posted: list[dict[tuple[str, int, int], _Op]] = [{} for _ in range(p)]
     issued = [0] * p
     last_compute: list[_Op | None] = [None] * p
+
+    def _stream(a: Action) -> tuple[int, str]:
+        """A pair's one stream, or (``per_direction``) one per direction of the pair."""
+        if not per_direction:
+            return (_peer(schedule, a), "")
+        return (_peer(schedule, a), "out" if a.kind in (Kind.SEND_F, Kind.SEND_B) else "in")
 
     def reads(r: int, a: Action) -> tuple[str, int, int] | None:
         s = a.stage
@@ -86,7 +93,7 @@ def stuck(schedule: Schedule, *, blocking: bool = True) -> list[str]:
         if last_compute[r] is not None:
             op.deps.append(last_compute[r])  # type: ignore[arg-type]
         if a.kind.is_comm:
-            pair[r].setdefault(_peer(schedule, a), []).append(op)
+            pair[r].setdefault(_stream(a), []).append(op)
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
                 posted[r][_key(a)] = op
         else:
@@ -109,10 +116,10 @@ def stuck(schedule: Schedule, *, blocking: bool = True) -> list[str]:
                 q.pop(0).done = True
                 moved = True
         for r in range(p):
-            for peer, q in pair[r].items():
+            for (peer, way), q in pair[r].items():
                 if not q or q[0].action.kind not in (Kind.SEND_F, Kind.SEND_B):
                     continue
-                other = pair[peer].get(r, [])
+                other = pair[peer].get((r, "in" if way == "out" else ""), [])
                 s, rv = q[0], (other[0] if other else None)
                 if rv is None or _key(rv.action) != _key(s.action):
                     continue
