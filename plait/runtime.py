@@ -262,6 +262,7 @@ def _init_fake(timeout_s: float) -> None:
     """``backend="fake"``: PyTorch's fake process group as the default one, this process
     playing rank ``RANK`` (default 0) of ``WORLD_SIZE``. No data moves; plait treats it as a
     device backend for the ``meta`` device (``plait/comm/device.py``)."""
+    # deferred: torch's testing package, needed only for the fake backend
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world_size = int(os.environ.get("WORLD_SIZE", "0"))

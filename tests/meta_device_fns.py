@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import plait
 from plait.models.gpt import GPT, GPTConfig, MoEConfig
+from plait.strategies.context.layout import shard_sequence
 
 # rank 0 holds stage 0 only: its shapes are known locally. Under "interleaved", "zbv" and
 # "dualpipev" it also holds a later stage, whose input shape arrives in a message (read on
@@ -49,8 +51,6 @@ def fake_world(world_size: int = WORLD, *, adopt: bool = True) -> Iterator[plait
     saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
     try:
         if adopt:
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
             world = plait.init(timeout=TIMEOUT_S)
         else:
@@ -192,8 +192,6 @@ def expert_parallel(**options: Any) -> dict[str, Any]:
 
 
 def context_parallel(context: str, **options: Any) -> dict[str, Any]:
-    from plait.strategies.context.layout import shard_sequence
-
     mesh = plait.Mesh(cp=4, ranks=range(4))
     model = gpt()
     runner, opt = plait.prepare(
