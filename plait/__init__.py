@@ -1,6 +1,6 @@
 """plait: distributed training strategies in readable Python on PyTorch."""
 
-from plait import amp, comm, models, moe
+from plait import amp, comm, models, moe, precision
 from plait.clip import clip_grad_norm_
 from plait.launch.pool import RankError, RankPool, RankTimeout, spawn
 from plait.mesh import Mesh
@@ -50,6 +50,7 @@ __all__ = [
     "moe",
     "parallelize",
     "pipeline",
+    "precision",
     "init",
     "is_initialized",
     "new_group",

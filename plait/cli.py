@@ -5,6 +5,10 @@
     plait run -n 4 train.py --lr 0.1          # 4 ranks on this machine
     plait run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
                                               # several machines: torchrun's launcher
+    plait run -n 8 --nnodes 1:4 --master-addr 10.0.0.1 train.py
+                                              # elastic: torchrun's c10d rendezvous
+    srun --ntasks-per-node=1 plait run -n 8 train.py
+                                              # SLURM: one launcher per node
     plait bench comm -n 4                     # nccl-tests-style table + JSON
     plait bench comm -n 4 --tune              # and write the table "auto" reads
     plait bench calibrate -n 4                # this machine's constants for plait plan
@@ -23,7 +27,10 @@ from plait.cli_args import NONNEGATIVE, POSITIVE, real, whole
 
 # --- plait run ----------------------------------------------------------------------------
 RUN_HELP = """Launch a script on N ranks. Locally, plait run hosts a fresh store per attempt and
-starts the ranks itself; with --nnodes > 1 or --master-addr it hands over to torchrun.
+starts the ranks itself; with --nnodes > 1 (or MIN:MAX: torchrun's elastic c10d rendezvous)
+or --master-addr it hands over to torchrun. Inside an srun step of one task per node, and in
+a pod of Kubeflow's torch runtime, --nnodes, --node-rank, --master-addr and --master-port
+(and -n from PET_NPROC_PER_NODE) default to what SLURM_* / PET_* say.
 
 Ranks die with the launcher (even after kill -9). SIGTERM/SIGINT stop the job: SIGCONT,
 SIGTERM, then SIGKILL after --grace seconds; exit code 128 + the signal. A failed rank's
@@ -60,16 +67,71 @@ def _heartbeat_timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _nnodes(text: str) -> str:
+    """``--nnodes``: ``N`` (>= 1) or ``MIN:MAX`` (1 <= MIN <= MAX), as torchrun takes it."""
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return f"{lo}:{hi}" if high else str(lo)
+
+
+def _launcher_defaults(args: argparse.Namespace) -> list[str]:
+    """Fill what the command line left out from the cluster's launcher: inside an ``srun``
+    step of one task per node (SLURM_*), or a pod of Kubeflow's torch runtime (PET_*), as
+    torchrun does for PET_*. Explicit options win. Returns what was taken, to say so."""
+    from plait.launch import environment
+
+    taken: list[str] = []
+    for source, found in (
+        ("srun", environment.slurm_defaults()),
+        ("Kubeflow", environment.kubeflow_defaults()),
+    ):
+        if not found:
+            continue
+        most = found.get("nnodes", "1").rpartition(":")[2]
+        several = most.isdigit() and int(most) > 1  # else plait run's own launcher
+        keys = ("nnodes", "nproc", "node_rank", "master_addr", "master_port")
+        for key in keys if several else ("nproc",):
+            if key in found and getattr(args, key) is None:
+                setattr(args, key, found[key] if key == "master_addr" else _cast(key, found[key]))
+                taken.append(f"--{key.replace('_', '-')} {found[key]}")
+        if taken:
+            taken.insert(0, f"from {source}:")
+        break
+    return taken
+
+
+def _cast(key: str, value: str) -> Any:
+    return value if key == "nnodes" else int(value)
+
+
 def _run(args: argparse.Namespace) -> int:
     from plait import settings
     from plait.launch.job import check_nproc
 
     try:
+        taken = _launcher_defaults(args)
+    except RuntimeError as exc:  # a recognized launcher whose variables do not suffice
+        print(f"plait run: {exc}", file=sys.stderr)
+        return 2
+    if taken:
+        print(f"plait run: {' '.join(taken)}", file=sys.stderr)
+    if args.nproc is None:
+        print("plait run: -n/--nproc (ranks on this machine) is required", file=sys.stderr)
+        return 2
+    args.nnodes = args.nnodes or "1"
+    args.node_rank = args.node_rank or 0
+    multinode = args.nnodes != "1" or bool(args.master_addr)
+    try:
         # every PLAIT_* setting, before any rank starts: a bad value stops the job here,
         # once, instead of failing every rank (or torchrun's ranks on this machine)
         for warning in settings.check():
             print(f"plait run: {warning}", file=sys.stderr)
-        check_nproc(args.nproc, nodes=args.nnodes)
+        check_nproc(args.nproc, nodes=2 if multinode else 1)
     except ValueError as exc:
         text = str(exc).replace("\n", "\nplait run: ")
         print(f"plait run: {text}", file=sys.stderr)
@@ -77,11 +139,11 @@ def _run(args: argparse.Namespace) -> int:
     if not Path(args.script).exists():
         print(f"plait run: no such script: {args.script}", file=sys.stderr)
         return 2
-    if args.nnodes > 1 or args.master_addr:
+    if multinode:
         if args.min_nproc is not None:
             print(
                 "plait run: --min-nproc is for one machine (plait run's own launcher); across "
-                "machines use torchrun's --nnodes MIN:MAX",
+                "machines use --nnodes MIN:MAX (torchrun's elastic rendezvous)",
                 file=sys.stderr,
             )
             return 2
@@ -97,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_multinode(args: argparse.Namespace) -> int:
-    """Several machines: hand over to torchrun's own launcher (same environment contract)."""
+    """Several machines: hand over to torchrun's own launcher (same environment contract;
+    ``--nnodes MIN:MAX``: its elastic c10d rendezvous at ``--master-addr:--master-port``)."""
     from plait.launch.job import run_torchrun
 
     return run_torchrun(
@@ -111,6 +174,7 @@ def _run_multinode(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         grace=args.grace,
         local_addr=args.local_addr,
+        rdzv_conf=args.rdzv_conf,
     )
 
 
@@ -449,9 +513,21 @@ def main(argv: list[str] | None = None) -> int:
         description=RUN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("-n", "--nproc", type=POSITIVE, required=True, help="ranks on this machine")
-    run.add_argument("--nnodes", type=POSITIVE, default=1, help="machines (hands over to torchrun)")
-    run.add_argument("--node-rank", type=NONNEGATIVE, default=0)
+    run.add_argument(
+        "-n",
+        "--nproc",
+        type=POSITIVE,
+        default=None,
+        help="ranks on this machine (required; Kubeflow: PET_NPROC_PER_NODE)",
+    )
+    run.add_argument(
+        "--nnodes",
+        type=_nnodes,
+        default=None,
+        help="machines, or MIN:MAX for torchrun's elastic c10d rendezvous (hands over to "
+        "torchrun; under srun and Kubeflow read from SLURM_*/PET_*)",
+    )
+    run.add_argument("--node-rank", type=NONNEGATIVE, default=None)
     run.add_argument("--master-addr", default=None)
     run.add_argument(
         "--master-port",
@@ -460,6 +536,11 @@ def main(argv: list[str] | None = None) -> int:
         help="store port (local: a free one; else 29500)",
     )
     run.add_argument("--local-addr", default=None, help="this node's address (torchrun)")
+    run.add_argument(
+        "--rdzv-conf",
+        default=None,
+        help="with --nnodes MIN:MAX: torchrun's --rdzv-conf (e.g. last_call_timeout=5)",
+    )
     run.add_argument(
         "--timeout", type=real(0, above=True), default=None, help="stop after this many seconds"
     )

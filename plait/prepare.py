@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait import precision
 from plait.mesh import data_parallel_group
 from plait.models.gpt import GPT
 from plait.models.plans import plan_for
@@ -234,6 +235,7 @@ PYTORCH_NAMES = {
     "device_mesh": "mesh",
     "bucket_cap_mb": "bucket_mb",
     "n_microbatches": "microbatches",
+    "mp_policy": "mixed_precision",
 }
 # plait's earlier names: still accepted for one release, with a DeprecationWarning
 OLD_NAMES = {"group": "mesh", "tp_plan": "plan", "tp_mode": "mode"}
@@ -323,6 +325,12 @@ def prepare(
     refusals: :mod:`plait.strategies.compose.reproducible`). Strategies that split a
     matmul's reduction (tp, ep, cp) and ps, naive are refused by name.
 
+    ``mixed_precision=`` (alias ``mp_policy=``): ``"bf16"``, ``"fp16"`` or a
+    :class:`~plait.precision.MixedPrecisionPolicy`, the same for every strategy but
+    ``"ps"`` (:mod:`plait.precision`: float32 masters, the forward under autocast,
+    gradients reduced in ``reduce_dtype``, float32 by default; under fp16 the optimizer's
+    :func:`~plait.precision.loss_scaler`).
+
     Keywords follow one vocabulary (:func:`vocabulary`): ``mesh=`` for where every strategy
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
@@ -346,8 +354,10 @@ def prepare(
     traced = ("ddp", "naive", "zero1", "zero2", "zero3", "fsdp", "ps", "pipeline")
     if strategy in traced and tracer is not None:
         options["tracer"] = tracer
-    if options.pop("reproducible", False):
-        wrapped, optimizer = _reproducible(strategy, model, optimizer, options)
+    reproducible = options.pop("reproducible", False)
+    policy = _mixed_precision(strategy, model, options, reproducible=reproducible)
+    if reproducible:
+        wrapped, optimizer = _reproducible(strategy, model, optimizer, options, policy)
         if optimizer is not None and tracer is not None:
             _trace_steps(optimizer, tracer)
         return wrapped, optimizer
@@ -364,24 +374,52 @@ def prepare(
         if any(k in text for k in ("unexpected keyword", "takes no", "does not take")):
             raise TypeError(f"plait.prepare(strategy={strategy!r}): {exc}") from exc
         raise
+    if policy is not None:
+        precision.apply(strategy, wrapped, optimizer, policy, options)
     if optimizer is not None and tracer is not None:
         _trace_steps(optimizer, tracer)
     return wrapped, optimizer
 
 
+def _mixed_precision(
+    strategy: str, model: nn.Module, options: dict[str, Any], *, reproducible: bool
+) -> precision.MixedPrecisionPolicy | None:
+    """The ``mixed_precision=`` policy (:mod:`plait.precision`), checked against the
+    strategy and the model, its strategy options set; None for full precision."""
+    policy = precision.resolve_mixed_precision(options.pop("mixed_precision", None))
+    if policy.is_full:
+        return None
+    if reproducible and policy.param_dtype == torch.float16:
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}, reproducible=True): fp16 needs a loss "
+            f"scaler, which the reproducible step does not apply; use bf16"
+        )
+    precision.check(strategy, policy, model)
+    precision.options_for(strategy, policy, options)
+    return policy
+
+
 def _reproducible(
-    strategy: str, model: nn.Module, optimizer: Optimizer | None, options: dict[str, Any]
+    strategy: str,
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    options: dict[str, Any],
+    policy: precision.MixedPrecisionPolicy | None,
 ) -> tuple[Any, Optimizer | None]:
     """``reproducible=True``: the strategy as usual, driven by a
     :class:`~plait.strategies.reproducible.runner.ReproducibleRunner` (data-parallel
-    strategies) or with its accumulation on the fixed tree (pipeline)."""
+    strategies) or with its accumulation on the fixed tree (pipeline); ``policy`` applied
+    to what the strategy returned, inside the runner."""
     if strategy in REPRODUCIBLE_REFUSED:
         raise ValueError(
             f"plait.prepare(strategy={strategy!r}, reproducible=True) is refused: "
             f"{REPRODUCIBLE_REFUSED[strategy]}. The mode supports {list(REPRODUCIBLE)}"
         )
     if strategy in ("pipeline", "ptdp"):  # each keeps its step(x, y); ptdp with tp=1 only
-        return STRATEGIES[strategy](model, optimizer, reproducible=True, **options)
+        runs, optimizer = STRATEGIES[strategy](model, optimizer, reproducible=True, **options)
+        if policy is not None:
+            precision.apply(strategy, runs, optimizer, policy, options)
+        return runs, optimizer
     mode = {k: options.pop(k) for k in ("microbatch_size", "loss_fn", "threads") if k in options}
     missing = [k for k in ("microbatch_size", "loss_fn") if k not in mode]
     if missing:
@@ -395,6 +433,8 @@ def _reproducible(
         if "threads" in mode:
             options["threads"] = mode["threads"]
     wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
+    if policy is not None:
+        precision.apply(strategy, wrapped, optimizer, policy, options)
     runner = ReproducibleRunner(wrapped, optimizer, **mode)
     return runner, optimizer
 

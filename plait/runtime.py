@@ -2,7 +2,9 @@
 
 ``init()`` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a script written for plait runs under
-``plait run``, ``torchrun`` or ``plait.spawn`` alike. A script that called
+``plait run``, ``torchrun`` (static or elastic c10d rendezvous) or ``plait.spawn`` alike;
+under ``srun`` and Kubeflow's torch runtime it derives them from ``SLURM_*`` / ``PET_*``
+first (:mod:`plait.launch.environment`). A script that called
 ``torch.distributed.init_process_group`` itself is adopted: ``plait.init()`` (or the
 first plait call that needs the world group) uses that process group.
 
@@ -32,6 +34,7 @@ from plait import settings as env_settings
 from plait.comm import progress, recorder, watchdog
 from plait.comm import transport as transport_mod
 from plait.comm.group import Group
+from plait.launch import environment as launch_env
 from plait.launch import lifeline
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -193,13 +196,14 @@ def init(
         backend = adopted
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
+        launch_env.apply()  # srun's SLURM_*, Kubeflow's PET_*: the torchrun variables
         share_cores()
         missing = [k for k in _REQUIRED_ENV if k not in os.environ]
         if missing:
             raise RuntimeError(
                 f"plait.init: environment variables {missing} are not set. Launch with "
-                f"`plait run -n N script.py`, torchrun, or plait.spawn(fn, world_size=N), "
-                f"which set them"
+                f"`plait run -n N script.py`, torchrun, srun (one task per rank) or "
+                f"plait.spawn(fn, world_size=N), which set them"
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         backend = backend or choose_backend()

@@ -19,10 +19,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "plait"
 LAYERS: list[tuple[str, int]] = [
     ("plait.launch.lifeline", 0),  # process plumbing: the standard library only
     ("plait.launch.rendezvous", 0),
+    ("plait.launch.environment", 0),  # srun's and Kubeflow's variables: the standard library
     ("plait.comm", 1),  # groups, transports, collectives
     ("plait.runtime", 1),
     ("plait.cli_args", 0),  # argparse's range types: the standard library only
     ("plait.renames", 0),  # earlier names kept for one release: the standard library only
+    ("plait.extras", 0),  # optional dependencies and the extra that installs each
     ("plait.settings", 0),  # the PLAIT_* settings and their parsers: the standard library only
     ("plait.mesh", 2),  # named groups, data, timeline, loss scaling
     ("plait.data", 2),
@@ -32,6 +34,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.consistency", 3),
     ("plait.strategies.reproducible", 3),  # the fixed summation tree every strategy follows
     ("plait.strategies.data_parallel", 4),  # strategies, data parallel first
+    ("plait.precision", 4),  # one mixed-precision policy: DDP's hooks below, fsdp's above
     ("plait.strategies.zero", 5),
     ("plait.strategies.fsdp", 5),
     ("plait.strategies", 8),  # the package's front (it re-exports every strategy)

@@ -166,10 +166,13 @@ def test_policies_by_pytorch_names_and_strings():
     )
     assert model.sharded_units()[0].param_dtype == torch.float16
     assert model.sharded_units()[0].config.shards_on_cpu
-    with pytest.raises(ValueError, match="output_dtype is not supported"):
-        fully_shard(
-            make_deep(), mp_policy=torch_fsdp.MixedPrecisionPolicy(output_dtype=torch.float16)
-        )
+    model = fully_shard(  # output_dtype: the root's floating outputs cast (plait.precision)
+        make_deep(),
+        mp_policy=torch_fsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, output_dtype=torch.float32
+        ),
+    )
+    assert model(torch.randn(2, model.inp.in_features)).dtype == torch.float32
 
 
 def test_explicit_prefetch_setters_prefetch_and_match_oracle(ranks):

@@ -53,6 +53,7 @@ import plait
 from plait import checkpoint, comm
 from plait.data import DistributedSampler, split_batch
 from plait.demo.closeness import distance, max_diff, one_thread
+from plait.extras import require
 from plait.models import DigitsCNN
 from plait.strategies.ps import ps_of
 from plait.strategies.reproducible import LayoutError, ReproducibleRunner, microbatch_count
@@ -289,8 +290,7 @@ def global_batches(config: DemoConfig, epoch: int) -> list[list[int]]:
 def _progress(config: DemoConfig, epoch: int, steps: int, show: bool) -> Any:
     """A tqdm bar over an epoch's steps; disabled (writes nothing) unless ``show`` and
     stdout is a terminal, so piped output and log files hold no carriage returns."""
-    from tqdm import tqdm
-
+    tqdm = require("tqdm", why="plait demo's progress bar").tqdm
     return tqdm(
         total=steps,
         desc=f"epoch {epoch + 1}/{config.epochs}",

@@ -60,6 +60,7 @@ from plait.demo import context, layouts
 from plait.demo.closeness import distance, max_diff, one_thread
 from plait.demo.options import GPTDemoConfig, validate
 from plait.demo.pictures import timeline_png
+from plait.extras import require
 from plait.models import GPT, CharTokenizer, python_docs, token_batches
 from plait.models.gpt import loss
 from plait.strategies.pipeline import bubble_report
@@ -216,8 +217,7 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
 
 
 def _progress(config: GPTDemoConfig, show: bool) -> Any:
-    from tqdm import tqdm
-
+    tqdm = require("tqdm", why="plait demo's progress bar").tqdm
     return tqdm(
         total=config.steps,
         desc="training",

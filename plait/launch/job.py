@@ -358,16 +358,23 @@ def run_torchrun(
     script_args: list[str],
     *,
     nproc: int,
-    nnodes: int,
+    nnodes: int | str,
     node_rank: int,
     master_addr: str,
     master_port: int,
     max_restarts: int = 0,
     grace: float = DEFAULT_GRACE_S,
     local_addr: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> int:
     """Several machines: hand the job to torchrun's launcher (static rendezvous at
     ``master_addr:master_port``; the same environment contract for the script).
+
+    ``nnodes="MIN:MAX"``: torchrun's elastic rendezvous instead (``--rdzv-backend c10d
+    --rdzv-endpoint master_addr:master_port``, run id ``plait-<port>`` so every node of
+    the job names the same one; ``--node-rank`` is then torchrun's to assign, and
+    ``rdzv_conf`` is passed as ``--rdzv-conf``, e.g. ``last_call_timeout=5``): the job
+    starts once MIN nodes joined and admits up to MAX.
 
     With ``max_restarts``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set (it matters to
     torchrun's c10d rendezvous: on torch 2.13 with gloo a restarted attempt against the
@@ -384,17 +391,22 @@ def run_torchrun(
     env.pop("PLAIT_LAUNCHER_PID", None)
     if max_restarts:
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--node-rank={node_rank}",
-        f"--nproc-per-node={nproc}",
-        f"--master-addr={master_addr}",
-        f"--master-port={master_port}",
-        f"--max-restarts={max_restarts}",
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}"]
+    if ":" in str(nnodes):
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={master_addr}:{master_port}",
+            f"--rdzv-id=plait-{master_port}",
+        ]
+        if rdzv_conf:
+            cmd.append(f"--rdzv-conf={rdzv_conf}")
+    else:
+        cmd += [
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
+        ]
+    cmd += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if local_addr:
         cmd.append(f"--local-addr={local_addr}")
     me = os.getpid()

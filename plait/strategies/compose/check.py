@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.mesh import Mesh
 from plait.strategies.moe.layer import moe_layers
 from plait.strategies.moe.stacked import containers as stacked_containers
 from plait.strategies.pipeline.schedules import default_chunks
@@ -59,18 +60,37 @@ class Sizes:
 
 
 def mesh_sizes(shape: dict[str, int]) -> tuple[int, int, int, int]:
-    """``(pp, dp, tp, ep)`` of a mesh's ``shape`` (``ep`` 1 when absent); every other
-    dimension is refused."""
+    """``(pp, dp, tp, ep)`` of a mesh's ``shape`` (each 1 when absent: see
+    :func:`complete_mesh`); every other dimension is refused."""
     extra = [d for d in shape if d not in DIMS + OPTIONAL_DIMS]
-    missing = [d for d in DIMS if d not in shape]
-    if extra or missing:
+    if extra:
         raise ValueError(
-            f"ptdp: the mesh has dimensions {list(shape)}; build it as "
-            f"Mesh(pp=.., dp=.., tp=..) with these three (size 1 where unused), plus ep=.. "
-            f"for MoE blocks and cp=.. for context parallelism"
-            + (f"; {extra} are not composed here" if extra else "")
+            f"ptdp: the mesh has dimensions {list(shape)}; build it from pp=.., dp=.., "
+            f"tp=.. (an absent one is size 1), plus ep=.. for MoE blocks and cp=.. for "
+            f"context parallelism; {extra} are not composed here"
         )
-    return shape["pp"], shape["dp"], shape["tp"], shape.get("ep", 1)
+    return shape.get("pp", 1), shape.get("dp", 1), shape.get("tp", 1), shape.get("ep", 1)
+
+
+def complete_mesh(mesh: Any) -> Any:
+    """``mesh`` with every dimension PTD-P reads: ``pp``, ``dp`` and ``tp`` that the user
+    left out are added at size 1 (``Mesh(pp=2, tp=2)`` means ``dp=1``, as ``Mesh(tp=2)``
+    means no data parallelism elsewhere). A mesh that has all three is returned as it is;
+    otherwise a new :class:`~plait.mesh.Mesh` over the same ranks, with the same placement
+    (a dimension of size 1 moves no rank), is built: collective, like every mesh, and its
+    groups live until :func:`plait.shutdown` (or the rank pool's run) ends them."""
+    shape = mesh.shape
+    missing = [d for d in DIMS if d not in shape]
+    if not missing or any(d not in DIMS + OPTIONAL_DIMS for d in shape):
+        return mesh  # complete, or refused by name in mesh_sizes
+    innermost_first = [*missing, *reversed(mesh.names)]
+    return Mesh(
+        ranks=list(mesh.layout.ranks),
+        order=innermost_first,
+        timeout=getattr(mesh, "_timeout", None),
+        **shape,
+        **{d: 1 for d in missing},
+    )
 
 
 def plan_source(model: nn.Module, plans: Callable[..., Any] | None) -> Callable[..., Any]:

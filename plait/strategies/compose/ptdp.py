@@ -120,6 +120,7 @@ from plait.strategies.compose.check import (
     Sizes,
     check_batch,
     check_layout,
+    complete_mesh,
     mesh_sizes,
     plan_source,
     resolve_plans,
@@ -185,6 +186,7 @@ class PTDP:
         recompute: bool = False,
     ) -> None:
 
+        mesh = complete_mesh(mesh)  # Mesh(pp=2, tp=2) means dp=1
         _, _, tp, _ = mesh_sizes(mesh.shape)
         # the model's plans (DESIGN 7: ptdp knows no model); the pipeline plan is asked
         # again after the cut below, so that its layers hold the tensor-parallel modules
@@ -601,7 +603,9 @@ def compose(
 ) -> PTDP:
     """``module`` (built with the same seed on every rank: plait's GPT, a Hugging Face
     causal LM handed over whole, any model with plans) trained on ``mesh``
-    (``Mesh(pp=.., dp=.., tp=..)``) as PTD-P; see the module docstring.
+    (``Mesh(pp=.., dp=.., tp=..)``; a dimension left out has size 1, so ``Mesh(pp=2,
+    tp=2)`` is dp=1: :func:`~plait.strategies.compose.check.complete_mesh`) as PTD-P; see
+    the module docstring.
 
     ``plans``: ``(model, kind, **options) -> plan or None``, where the model's
     ``"pipeline"`` and ``"tp"`` plans come from (``plait.models.plans.plan_for``; default:

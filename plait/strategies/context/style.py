@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from plait.comm.group import Group
+from plait.extras import require
 from plait.renames import accepts_model
 from plait.strategies.context.layout import WHO, cp_group, positions
 from plait.strategies.context.ring_attention import ring_attention
@@ -173,8 +174,8 @@ def _hf_attention(
 
 
 def _register_hf(context: str) -> str:
-    from transformers import AttentionInterface
-
+    interface = require("transformers", why="context parallelism on a Hugging Face model")
+    AttentionInterface = interface.AttentionInterface
     name = f"plait_{context}"
     AttentionInterface.register(name, _hf_attention)
     return name

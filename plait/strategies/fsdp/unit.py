@@ -105,7 +105,7 @@ class ShardedUnit:
         dtype = self.params[0].dtype if self.params else torch.float32
         self.requires_grad = bool(self.params) and self.params[0].requires_grad
         self.param_dtype = config.param_dtype or dtype
-        self.reduce_dtype = config.reduce_dtype or self.param_dtype
+        self.reduce_dtype = config.reduce_dtype or dtype  # None: the masters' (plait.precision)
         self.shard = self._make_shard(dtype)
         # Between gathers each original parameter is a meta tensor of its shape and dtype:
         # no memory; shape queries and repr work, computing with it fails loudly.

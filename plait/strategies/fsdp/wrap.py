@@ -8,7 +8,7 @@ rank 0 (none for a model on the meta device).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from plait import runtime
 from plait.comm.group import Group
 from plait.mesh import Mesh, data_parallel_group
+from plait.precision import cast_floating
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel.ddp import broadcast_tensors
 from plait.strategies.fsdp.module import FSDPModule
@@ -212,9 +213,12 @@ def fully_shard(
     ``reshard_after_forward``: free each unit's full parameters after its forward and
     gather them again for backward, except the root's and those backward needs first
     (False: keep all until their backward is done).
-    ``mp_policy`` (alias ``mixed_precision``): a :class:`MixedPrecisionPolicy`, or
-    ``"bf16"``/``"fp16"`` (compute and reduce in it) or ``"fp32"``; shards stay in their
-    dtype. ``offload_policy`` (alias ``offload``): an :class:`OffloadPolicy` keeping shards
+    ``mp_policy`` (alias ``mixed_precision``): a :class:`MixedPrecisionPolicy`
+    (:mod:`plait.precision`: units gathered in ``param_dtype``, gradients reduce-scattered
+    in ``reduce_dtype``, by default the shards' dtype, outputs of the root cast to
+    ``output_dtype``), or ``"bf16"``/``"fp16"`` (compute in it, reduce in float32) or
+    ``"fp32"``; shards stay in their dtype. ``offload_policy`` (alias ``offload``): an
+    :class:`OffloadPolicy` keeping shards
     (and hence optimizer state) in CPU memory. ``prefetch``: overlap the next unit's
     all-gather with this unit's compute (``set_modules_to_forward_prefetch`` /
     ``set_modules_to_backward_prefetch`` choose explicitly). ``algorithm``: the all-gather
@@ -285,6 +289,8 @@ def fully_shard(
     buffers = [b for b in module.buffers()]
     if g is not None and g.size > 1 and buffers and not any(b.is_meta for b in buffers):
         broadcast_tensors(buffers, g, "auto")
+    if mp.output_dtype is not None:
+        module.register_forward_hook(_cast_outputs(mp.output_dtype))
     if mp.buffer_dtype is not None:
         for m in module.modules():
             for name, b in m._buffers.items():
@@ -336,6 +342,13 @@ def fully_shard(
             )
         unit.state = state
     return module
+
+
+def _cast_outputs(dtype: torch.dtype) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floating(output, dtype)
+
+    return hook
 
 
 def _alias(new: Any, old: Any, name: str) -> Any:

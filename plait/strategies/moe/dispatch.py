@@ -212,7 +212,8 @@ def run_experts(
         out = out[torch.argsort(order)]  # back to source-major
         out = all_to_all_rows(out, incoming, per_rank, group=group, algorithm=algorithm)
     weighted = out * dispatch.weight.unsqueeze(-1).to(out.dtype)
-    return x.new_zeros(x.shape).index_add(0, dispatch.token, weighted)
+    # under autocast the experts compute in 16 bits; their outputs join x's dtype
+    return x.new_zeros(x.shape).index_add(0, dispatch.token, weighted.to(x.dtype))
 
 
 __all__ = ["Dispatch", "all_to_all_rows", "gather_counts", "plan", "plan_top_k", "run_experts"]
