@@ -31,9 +31,11 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp": lambda: fns.data_parallel("ddp", **NO_CHECK),
     "ddp-unused": lambda: fns.data_parallel("ddp", find_unused_parameters=True, **NO_CHECK),
+    "ddp-bf16": lambda: fns.data_parallel("ddp", mixed_precision="bf16", **NO_CHECK),
     "naive": lambda: fns.data_parallel("naive", **NO_CHECK),
     "zero1": lambda: fns.data_parallel("zero1"),
     "zero2": lambda: fns.data_parallel("zero2"),
+    "zero2-bf16": lambda: fns.data_parallel("zero2", mixed_precision="bf16"),
     "fsdp": lambda: fns.data_parallel("fsdp"),
     "fsdp-bf16": lambda: fns.data_parallel("fsdp", mp_policy=BF16),
     "tp": lambda: fns.tensor_parallel(False, **NO_CHECK),
