@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from plait import comm
+from plait.comm.device import control_device
 from plait.comm.group import Group
 
 
@@ -55,7 +56,9 @@ class DynamicLossScaler:
         An optimizer that holds its gradients itself (ZeRO-1/2's ``ZeroOptimizer``, whose
         parameters' ``.grad`` are guards) unscales them through its ``unscale_grads_``.
         """
-        found = torch.zeros(1)
+        # the flag lives on the group's device (NCCL: the GPU), else the gradients'
+        where = control_device(self._grads(optimizer), self.group or comm.world_or_none())
+        found = torch.zeros(1, device=where)
         unscale = getattr(optimizer, "unscale_grads_", None)
         if callable(unscale):
             found.fill_(float(unscale(1.0 / self.scale_value)))

@@ -123,7 +123,10 @@ def init(
 ) -> Group:
     """Join the process group described by the environment; return the world group.
 
-    ``backend``: ``"gloo"`` or ``"nccl"`` (default: :func:`choose_backend`).
+    ``backend``: ``"gloo"`` or ``"nccl"`` (default: :func:`choose_backend`), or
+    ``"fake"``: PyTorch's fake process group, this process playing rank ``RANK`` (default 0)
+    of ``WORLD_SIZE`` without moving data; tensors for it live on the ``meta`` device
+    (``plait/comm/device.py``, ``docs/devices.md``).
     ``timeout``: seconds any collective may wait for other ranks (default 600, or
     ``PLAIT_TIMEOUT``). ``debug``: check every collective's full signature through the
     store before it runs (default: ``PLAIT_DEBUG=1``). ``check``: the default-mode check
@@ -181,6 +184,8 @@ def init(
     transport_mod.configure()  # PLAIT_SHM_RING_BYTES, PLAIT_SHM_WINDOW_BYTES, PLAIT_SHM_SPIN_US
     recorder_size = recorder.size_from_env()
     recorder.check_directory()
+    if backend == "fake" and not dist.is_initialized():
+        _init_fake(timeout_s)
     if dist.is_initialized():
         adopted = str(dist.get_backend())
         if backend is not None and backend != adopted:
@@ -226,7 +231,10 @@ def init(
             dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
         except (RuntimeError, OSError) as exc:  # c10d's store and socket errors included
             raise _join_failed(exc, rank, world_size, _timeout_source(timeout, timeout_s)) from exc
-    _configure_store()
+    if backend == "fake":
+        progress.configure(None, None)  # one process: no board, heartbeats or stall checks
+    else:
+        _configure_store()
     recorder.configure(rank=rank, size=recorder_size)
     _world = Group(
         pg=dist.group.WORLD,
@@ -249,8 +257,33 @@ def init(
         heartbeat_timeout=beat_s,
         transport=mode,
     )
-    transport_mod.attach(_world, mode)
+    if backend != "fake":  # the fake backend's ranks but one do not exist: no links
+        transport_mod.attach(_world, mode)
     return _world
+
+
+def _init_fake(timeout_s: float) -> None:
+    """``backend="fake"``: PyTorch's fake process group as the default one, this process
+    playing rank ``RANK`` (default 0) of ``WORLD_SIZE``. No data moves; plait treats it as a
+    device backend for the ``meta`` device (``plait/comm/device.py``)."""
+    # deferred: torch's testing package, needed only for the fake backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = int(os.environ.get("WORLD_SIZE", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"plait.init(backend='fake'): WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} and "
+            f"RANK={os.environ.get('RANK')!r}; set WORLD_SIZE to the world this process "
+            f"plays a rank of (e.g. 8) and RANK (default 0) to its rank"
+        )
+    dist.init_process_group(
+        "fake",
+        store=FakeStore(),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _join_failed(exc: BaseException, rank: int, world_size: int, timeout: str) -> RuntimeError:
@@ -365,7 +398,8 @@ def new_group(
         check=w.check,
     )
     _subgroups.append(group)
-    transport_mod.attach(group, _settings.get("transport", transport_mod.DEFAULT_MODE))
+    if w.backend != "fake":
+        transport_mod.attach(group, _settings.get("transport", transport_mod.DEFAULT_MODE))
     return group
 
 

@@ -11,7 +11,9 @@ from plait.comm.group import Channel
 
 def barrier(ch: Channel) -> None:
     n, r = ch.size, ch.rank
-    token, heard = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+    where = ch.group.device  # NCCL moves CUDA tensors only
+    token = torch.zeros(1, dtype=torch.uint8, device=where)
+    heard = torch.empty(1, dtype=torch.uint8, device=where)
     step = 1
     while step < n:
         ch.exchange(token, (r + step) % n, heard, (r - step) % n)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, progress, recorder, watchdog
+from plait.comm import debug, device, progress, recorder, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -111,6 +111,8 @@ class Call:
     sent: int = 0
     received: int = 0
     tag: int = field(init=False)
+    # where it was issued (device.origin()): named when a message it sends is refused
+    origin: tuple[Any, int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.sig and self.group.check:
@@ -187,6 +189,7 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
+        device.check(self.call.collective, "a message", tensor, self.group, self.call.origin)
         self.call.sent += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -203,6 +206,9 @@ class Channel:
         n = tensor.numel()
         if n == 0:
             return None
+        device.check(
+            self.call.collective, "a message's buffer", tensor, self.group, self.call.origin
+        )
         self.call.received += n * tensor.element_size()
         link = self.group.shm
         try:
@@ -375,6 +381,12 @@ class Group:
         return f"Group({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
 
     @property
+    def device(self) -> torch.device:
+        """Where tensors for this group's collectives are made: this rank's GPU on NCCL,
+        ``meta`` on PyTorch's fake backend, the CPU on gloo (``device.py``)."""
+        return device.group_device(self)
+
+    @property
     def pg(self) -> Any:
         """The backend process group (raises once the group is destroyed)."""
         if self._pg is None:
@@ -417,6 +429,7 @@ class Group:
         self.seq += 1
         sig = f"{algorithm} {signature}" if signature else algorithm
         call = Call(self, collective, algorithm, self.seq, payload_bytes, sig, desc)
+        call.origin = device.origin()
         if self.debug:
             debug.check_signature(call, f"{sig} {desc}")
 

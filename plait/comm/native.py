@@ -40,8 +40,8 @@ def _agree(ch: Channel) -> None:
     if not ch.group.check:
         return
     others = [p for p in range(ch.size) if p != ch.rank]
-    token = torch.zeros(1, dtype=torch.uint8)
-    box = torch.empty(len(others), dtype=torch.uint8)
+    token = torch.zeros(1, dtype=torch.uint8, device=ch.group.device)
+    box = torch.empty(len(others), dtype=torch.uint8, device=ch.group.device)
     sent, received = ch.call.sent, ch.call.received
     pending = [ch.irecv(box[i : i + 1], p) for i, p in enumerate(others)]
     pending += [ch.isend(token, p) for p in others]

@@ -7,8 +7,9 @@ group's worker thread, in issue order; otherwise it returns ``None`` when done. 
 (``src``, ``dst``) are ranks *within the group*.
 
 Arguments are checked before anything is sent: a wrong type, shape or device raises
-``TypeError``/``ValueError`` on the rank that passed it, naming what to change. All ranks
-of the group must call the same collectives in the same order with matching shapes.
+``TypeError``/``ValueError`` on the rank that passed it, naming what to change (a tensor
+off the group's device names the call that handed it over: ``device.py``). All ranks of
+the group must call the same collectives in the same order with matching shapes.
 
 Checked by default (``plait.init(check=...)``, ``PLAIT_CHECK``; see ``watchdog.py``): each
 collective's signature (collective, algorithm, op, dtype, byte count or block sizes, root)
@@ -55,6 +56,7 @@ import torch
 
 from plait import runtime
 from plait.comm import (
+    device,
     dissemination,
     halving_doubling,
     hierarchical,
@@ -132,13 +134,7 @@ def _check_tensor(collective: str, name: str, t: Any, group: Group) -> None:
     if t.dtype not in DTYPES:
         allowed = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
         raise TypeError(f"{collective}: {name} has dtype {t.dtype}; supported: {allowed}")
-    if group.backend == "nccl" and t.device.type != "cuda":
-        raise ValueError(
-            f"{collective}: {name} is on {t.device} but group {group.name!r} uses NCCL; "
-            f"move it to this rank's GPU with .cuda()"
-        )
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{collective}: {name} is on {t.device}; use a CPU or CUDA tensor")
+    device.check(collective, name, t, group)
 
 
 def _check_same(collective: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -510,7 +506,9 @@ def all_gather(
             out = _Flat(output, g, load=False)  # type: ignore[arg-type]
             flat = out.flat
         else:
-            flat = torch.empty(sum(sizes), dtype=input.dtype)
+            staged = input.device.type == "cuda" and g.backend == "gloo"
+            where = torch.device("cpu") if staged else input.device
+            flat = torch.empty(sum(sizes), dtype=input.dtype, device=where)
         chunks = split(flat, sizes)
         chunks[g.rank].copy_(input.detach().reshape(-1))
         if flat.numel():

@@ -75,6 +75,9 @@ def fingerprint_lines(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     short of a collision no seed produces, equal tensors."""
     out = []
     for name, t in named:
+        if t.is_meta:  # no values to compare (a model on the meta device)
+            out.append(f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} meta")
+            continue
         x = t.detach().to(torch.float64) if t.is_floating_point() else t.detach().double()
         out.append(
             f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} "

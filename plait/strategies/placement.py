@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.comm.group import Group
 
 _ATTR = "_plait_placement"
@@ -138,7 +139,7 @@ def grad_norm(
     # the gradients' precision, never below float32 (bf16 sums of many squares lose digits)
     wide = any(p.grad is not None and p.grad.dtype == torch.float64 for _, p in grads)
     dtype = torch.float64 if wide else torch.float32
-    total = torch.zeros((), dtype=dtype)
+    total = torch.zeros((), dtype=dtype, device=control_device(p.grad for _, p in grads))
     for name, p in named:
         where = placement(p)
         if where is None:

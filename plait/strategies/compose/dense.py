@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.strategies.compose.experts import gather_experts, gather_stacked
 from plait.strategies.pipeline.split import Layer
@@ -126,7 +127,7 @@ def count_params(
 
 def _power(g: torch.Tensor, norm_type: float) -> torch.Tensor:
     if g.numel() == 0:
-        return torch.zeros((), dtype=g.dtype)
+        return torch.zeros((), dtype=g.dtype, device=g.device)
     if math.isinf(norm_type):
         return g.abs().max()
     return torch.linalg.vector_norm(g, norm_type).pow(norm_type)
@@ -143,7 +144,8 @@ def global_grad_norm(
     """Combine this rank's ``|g|^p`` terms (or maxima for ``inf``) over ``groups``; the
     p-th root of the total. Collective: one scalar all-reduce per group."""
     infinite = math.isinf(norm_type)
-    total = torch.zeros((), dtype=dtype)
+    where = control_device(local_terms, next(iter(groups), None))
+    total = torch.zeros((), dtype=dtype, device=where)
     for t in local_terms:
         total = torch.maximum(total, t.to(dtype)) if infinite else total + t.to(dtype)
     for g in groups:

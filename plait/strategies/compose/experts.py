@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from plait.comm import ops
+from plait.comm.device import host_list
 from plait.comm.group import Group
 from plait.strategies.moe import stacked
 from plait.strategies.moe.layer import MoE, moe_layers
@@ -192,13 +193,16 @@ def average(params: Sequence[nn.Parameter], group: Group, *, divide: int, algori
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
+        local = [float(q.grad is not None) for q in qs]
+        flags = torch.tensor(local, dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group.size > 1:
             ops.all_reduce(flat, "sum", group=group, algorithm=algorithm)
         flat[: -len(qs)].div_(divide)
         offset = 0
-        for q, has in zip(qs, flat[-len(qs) :].tolist(), strict=True):
+        # which parameters some rank had a gradient for: read on the host (a GPU waits here)
+        agreed = host_list(flat[-len(qs) :], local)
+        for q, has in zip(qs, agreed, strict=True):
             n = q.numel()
             if has > 0:
                 if q.grad is None:

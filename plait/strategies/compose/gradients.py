@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.strategies.compose.dense import global_grad_norm, norm_terms, shard_terms
 from plait.strategies.compose.experts import average
 from plait.strategies.compose.reproducible import tree_average
@@ -38,7 +39,8 @@ def check_finite(ptdp: PTDP) -> None:
     me = ranks_of_mesh.index(ptdp.mesh.global_rank)
     first = first_nonfinite((i, c.param.grad) for i, c in enumerate(ptdp.counted))
     bad = None if first is None else ptdp.counted[first].name
-    flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64)
+    where = control_device((c.param for c in ptdp.counted), ptdp.mesh_groups()[0])
+    flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64, device=where)
     flags[me] = 0 if bad is None else 1
     for group in ptdp.mesh_groups():
         ops.all_reduce(flags, "sum", group=group, algorithm=ptdp.algorithm)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.comm.group import Group
 
 if TYPE_CHECKING:
@@ -75,13 +76,12 @@ class Unscaler:
         if self.sharded is not None:
             found = self.sharded(float(inv_scale)).to(torch.float32).reshape(())
         else:
-            found = torch.zeros((), dtype=torch.float32)
-            for p in self.params():
-                if p.grad is None:
-                    continue
-                p.grad.mul_(inv_scale)
-                if not bool(torch.isfinite(p.grad).all()):
-                    found.fill_(1.0)
+            grads = [p.grad for p in self.params() if p.grad is not None]
+            found = torch.zeros((), dtype=torch.float32, device=control_device(grads))
+            for grad in grads:
+                grad.mul_(inv_scale)
+                # on the device: no host read per gradient (one per step, by the scaler)
+                found = torch.maximum(found, (~torch.isfinite(grad)).any().to(torch.float32))
         for g in self.groups:
             if g.size > 1:
                 ops.all_reduce(found, "max", group=g, algorithm=self.algorithm)

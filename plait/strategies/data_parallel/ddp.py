@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm import device
 from plait.comm.group import Group
 from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
@@ -492,6 +493,11 @@ class DistributedDataParallel(nn.Module):
         except Exception as exc:
             raise self._failure(exc, self.buckets[-1], self._seqs[-1]) from exc
 
+    def _control_device(self) -> torch.device:
+        """Where flags for the group's collectives are made (NCCL: the GPU; gloo: the
+        parameters' device, staged by plait)."""
+        return device.control_device((p for _, p in self._named), self.group)
+
     def _reduce_unused(self) -> list[bool] | None:
         """Fill the slots of parameters without a gradient in this pass, launch the rest of
         the buckets; with ``find_unused_parameters``, agree on which parameters any rank
@@ -518,7 +524,8 @@ class DistributedDataParallel(nn.Module):
             self._launch_ready()
         if not self.find_unused_parameters:
             return None
-        flags = torch.tensor(self._used, dtype=torch.int32)
+        local = [int(u) for u in self._used]
+        flags = torch.tensor(local, dtype=torch.int32, device=self._control_device())
         if self.group.size > 1:
             seq = self.group.seq + 1
             try:
@@ -531,7 +538,7 @@ class DistributedDataParallel(nn.Module):
                     group=self.group,
                     seq=seq,
                 ) from exc
-        return [bool(v) for v in flags.tolist()]
+        return [bool(v) for v in device.host_list(flags, local)]  # a host read (as torch's DDP)
 
     def _averages_finite(self) -> bool:
         """After the all-reduce: True unless some rank flagged a bucket (its element 0 is
@@ -566,10 +573,13 @@ class DistributedDataParallel(nn.Module):
         """After the first step: buckets in the order rank 0 saw gradients become ready."""
         self._rebuilt = True
         padding = [-1] * (len(self._named) - len(self._ready_order))
-        order = torch.tensor(self._ready_order + padding, dtype=torch.int64)
+        local = self._ready_order + padding
+        order = torch.tensor(local, dtype=torch.int64, device=self._control_device())
         if self.group.size > 1:
             comm.broadcast(order, 0, group=self.group, algorithm="auto")
-        seen = [int(i) for i in order.tolist() if i >= 0]
+        # once, after the first backward; rank 0's own order where no data moves (fake)
+        seen = [int(i) for i in device.host_list(order, local if self.group.rank == 0 else None)]
+        seen = [i for i in seen if i >= 0]
         unseen = set(range(len(self._named))) - set(seen)
         rest = [i for i in reversed(range(len(self._named))) if i in unseen]
         ordered = [self._named[i] for i in seen + rest]

@@ -61,10 +61,14 @@ def collective_failure(
     group: Group,
     seq: int | None,
     collective: str = "all_reduce",
-) -> CollectiveError:
+) -> Exception:
     """The error to raise when ``what`` (``collective`` number ``seq`` on ``group``, e.g.
     "the gradient all-reduce of bucket 0") failed with ``exc``: names the ranks that had
-    not reached it."""
+    not reached it. An argument the collective refused before sending anything (a tensor
+    off the group's device, a wrong dtype: ``ValueError``/``TypeError``) is this rank's own
+    mistake and is raised as it is."""
+    if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, CollectiveError):
+        return exc
     me = group.global_rank
     missing: list[int] = []
     if isinstance(exc, CollectiveTimeout) and exc.missing:
@@ -146,7 +150,7 @@ def name_culprits(local: int | None, group: Group) -> list[tuple[int, int]]:
     all-reduce (sum) of ``group.size`` int64 values, this rank's ``local`` index + 1 in
     its own slot.
     """
-    flags = torch.zeros(group.size, dtype=torch.int64)
+    flags = torch.zeros(group.size, dtype=torch.int64, device=group.device)
     if local is not None:
         flags[group.rank] = local + 1
     if group.size > 1:

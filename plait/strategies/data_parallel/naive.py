@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm import device
 from plait.comm.group import Group
 from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
@@ -160,23 +161,26 @@ class NaiveDataParallel(nn.Module):
         g, n = self.group, len(self._named)
         # one int32 per parameter (used by this rank), then one per rank (index + 1 of its
         # first parameter with a non-finite gradient, 0 if none): agreed in one all-reduce
-        flags = torch.zeros(n + g.size, dtype=torch.int32)
-        flags[:n] = torch.tensor(self._used, dtype=torch.int32)
+        local = [int(u) for u in self._used] + [0] * g.size
         self._used = [False] * n
         if self.check_finite is not None:
             bad = grad_sync.first_nonfinite((i, p.grad) for i, (_, p) in enumerate(self._named))
-            flags[n + g.rank] = 0 if bad is None else bad + 1
+            local[n + g.rank] = 0 if bad is None else bad + 1
+        where = device.control_device((p for _, p in self._named), g)
+        flags = torch.tensor(local, dtype=torch.int32, device=where)
         if g.size > 1:
             self._all_reduce(
                 flags, "sum", "all_reduce used flags", "the all-reduce of the used-parameter flags"
             )
-        culprits = [(g.ranks[r], int(v) - 1) for r, v in enumerate(flags[n:].tolist()) if v > 0]
+        # the teaching version reads its flags on the host every step (DDP does not)
+        agreed = device.host_list(flags, local)
+        culprits = [(g.ranks[r], int(v) - 1) for r, v in enumerate(agreed[n:]) if v > 0]
         if culprits:
             self._nonfinite(culprits)
             return
         if g.size == 1:
             return
-        for (name, p), used in zip(self._named, flags[:n].tolist(), strict=True):
+        for (name, p), used in zip(self._named, agreed[:n], strict=True):
             if not used:
                 continue  # no rank used it: leave .grad as it is
             if p.grad is None:

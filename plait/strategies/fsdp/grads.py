@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from plait import comm
+from plait.comm.device import control_device
 
 if TYPE_CHECKING:
     from plait.strategies.fsdp.unit import ShardedUnit
@@ -95,9 +96,11 @@ def _agree_on_inf(args: Any, kwargs: Any) -> None:
     unit = next((g.unit for g in guards if g.unit is not None), None)
     if unit is None or unit.config.group is None or not isinstance(found, torch.Tensor):
         return
-    flag = found.detach().float().cpu().reshape(1)
-    comm.all_reduce(flag, "max", group=unit.config.group)
-    found.fill_(flag.item())
+    group = unit.config.group
+    # on the flag's device (NCCL moves CUDA tensors only), read by no one on the host here
+    flag = found.detach().float().reshape(1).to(control_device((found,), group), copy=True)
+    comm.all_reduce(flag, "max", group=group)
+    found.copy_(flag.reshape(found.shape).to(found.device, found.dtype))
 
 
 def guard_grad(grad: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
@@ -131,9 +134,10 @@ def clip_units_grad_norm_(
         plain = [g.as_subclass(torch.Tensor) for g in grads if g is not None]
         # the gradients' own precision (float64 stays float64), never below float32
         wide = torch.float64 if any(g.dtype == torch.float64 for g in plain) else torch.float32
-        local = torch.zeros(1, dtype=wide)
+        # on the group's device (NCCL), else the gradients' (offloaded: the CPU)
+        local = torch.zeros(1, dtype=wide, device=control_device(plain, group))
         for g in plain:
-            g32 = g.detach().to(wide).cpu()
+            g32 = g.detach().to(local.device, wide)
             if math.isinf(norm_type):
                 local = torch.maximum(local, g32.abs().max().reshape(1)) if g32.numel() else local
             elif norm_type == 0:

@@ -303,7 +303,11 @@ class ShardedUnit:
         """This rank's shard of the flat buffer the full ``tensors`` (one per parameter,
         in unit order) would make: only the overlapping pieces are copied."""
         start, end = self.shard_range()
-        out = torch.zeros(self.shard_numel, dtype=tensors[0].dtype if tensors else torch.float32)
+        out = torch.zeros(
+            self.shard_numel,
+            dtype=tensors[0].dtype if tensors else torch.float32,
+            device=tensors[0].device if tensors else None,
+        )
         offset = 0
         for t, n in zip(tensors, self.numels, strict=True):
             lo, hi = max(start, offset), min(end, offset + n)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.strategies.moe.gshard_gate import Routing
 
@@ -141,14 +142,17 @@ def all_to_all_rows(
 
 
 def gather_counts(local: list[int], group: Group | None) -> torch.Tensor:
-    """Every rank's ``local`` counts as a ``[p, len(local)]`` int64 matrix. Collective
-    (an all-gather over ``group``); ``[1, len]`` without a group."""
-    mine = torch.tensor(local, dtype=torch.int64)
+    """Every rank's ``local`` counts as a ``[p, len(local)]`` int64 matrix on the host.
+    Collective (an all-gather over ``group``, on its device); ``[1, len]`` without a group.
+    The sizes of the expert all-to-all are read from it on the host: on a GPU one
+    synchronization per MoE layer and step, as in every dropless MoE."""
     if group is None or group.size == 1:
-        return mine.unsqueeze(0)
-    out = torch.empty(group.size, mine.numel(), dtype=torch.int64)
+        return torch.tensor(local, dtype=torch.int64).unsqueeze(0)
+    where = control_device(group=group)  # NCCL: the GPU
+    mine = torch.tensor(local, dtype=torch.int64, device=where)
+    out = torch.empty(group.size, mine.numel(), dtype=torch.int64, device=where)
     comm.all_gather(out, mine, group=group, algorithm="auto")
-    return out
+    return out.cpu()
 
 
 def _expert_major(counts: torch.Tensor, first: int, local: int) -> tuple[torch.Tensor, list[int]]:

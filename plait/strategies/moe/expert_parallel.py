@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies.consistency import verify_same_parameters
@@ -258,7 +259,8 @@ def _check_finite(
     and a count of ranks whose reduced gradients are not finite."""
     group = info.batch_group
     after = grad_sync.first_nonfinite((i, q.grad) for i, q in enumerate(ordered))
-    flags = torch.zeros(group.size + 1, dtype=torch.int64)
+    where = control_device((q.grad for q in ordered if q.grad is not None), group)
+    flags = torch.zeros(group.size + 1, dtype=torch.int64, device=where)
     if before is not None:
         flags[group.rank] = before + 1
     flags[-1] = int(after is not None)

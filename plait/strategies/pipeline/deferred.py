@@ -381,7 +381,7 @@ class SplitBackward:
                 into is None
                 or not torch.is_grad_enabled()
                 or not all(p.requires_grad and not _hooked(p) for p in params)
-                or torch.is_autocast_enabled(x.device.type)
+                or _autocast_on(x.device)
             ):
                 return original(module, x)  # type: ignore[no-any-return]
             return rule.forward(module, x, into)
@@ -402,3 +402,12 @@ class SplitBackward:
             for m, _ in self._forwards:
                 m.__dict__.pop("forward", None)
             self._into = None
+
+
+def _autocast_on(device: torch.device) -> bool:
+    """Autocast is on for ``device``'s type (a type autocast does not know, such as
+    ``meta``, never has it on)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False

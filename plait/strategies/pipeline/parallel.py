@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies import placement
@@ -378,7 +379,8 @@ class PipelineParallel(nn.Module):
         (on that path only, also the first parameter whose value is not finite). Collective:
         one all-reduce (sum) of ``4 * p`` int64 over the pp group, every step."""
         p = self.group.size
-        flags = torch.zeros(p, 4, dtype=torch.int64)
+        where = control_device((prm for _, prm in self._indexed), self.group)
+        flags = torch.zeros(p, 4, dtype=torch.int64, device=where)
         row = flags[self.group.rank]
         bad_fwd = self.runtime.nonfinite_forward
         if bad_fwd is not None:

@@ -215,7 +215,7 @@ class ReproducibleRunner:
         everyone = local
         if self.world > 1:
             assert self.group is not None
-            everyone = torch.empty(total, dtype=local.dtype)
+            everyone = torch.empty(total, dtype=local.dtype, device=local.device)
             comm.all_gather(everyone, local, group=self.group)
             if self.microbatches.interleaved:  # rank-major to micro-batch index order
                 everyone = everyone.reshape(self.world, -1).t().reshape(-1)

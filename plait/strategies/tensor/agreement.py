@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from plait.comm import ops
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.strategies.consistency import verify_same_parameters
 
@@ -61,8 +62,12 @@ def check_agreement(
         return
     plan_entries = [(f"plan {line}", torch.empty(0)) for line in plan_lines]
     verify_same_parameters([*named, *plan_entries], group, who=who)
-    mine = torch.tensor([fingerprint(p) for _, p in named] or [(0.0, 0.0)], dtype=torch.float64)
-    every = torch.empty((group.size, *mine.shape), dtype=torch.float64)
+    if any(p.is_meta for _, p in named):
+        return  # a model on the meta device holds no values to compare
+    values = [fingerprint(p) for _, p in named] or [(0.0, 0.0)]
+    where = control_device((p for _, p in named), group)  # NCCL: the GPU
+    mine = torch.tensor(values, dtype=torch.float64, device=where)
+    every = torch.empty((group.size, *mine.shape), dtype=torch.float64, device=where)
     ops.all_gather(every, mine, group=group)
     for i, (name, p) in enumerate(named):
         for r in range(1, group.size):

@@ -317,7 +317,7 @@ class ShardGradients:
         infinite = math.isinf(norm_type)
         grad = self.flat if self.averaged() else None
         if grad is None or grad.numel() == 0:
-            local = torch.zeros((), dtype=opt.shard.dtype)
+            local = torch.zeros((), dtype=opt.shard.dtype, device=opt.shard.device)
         elif infinite:
             local = grad.abs().max()
         else:
@@ -341,13 +341,13 @@ class ShardGradients:
     def unscale_(self, inv_scale: float | torch.Tensor) -> torch.Tensor:
         """See :meth:`ZeroOptimizer.unscale_grads_`."""
         opt = self.opt
-        found = torch.zeros((), dtype=torch.float32)
+        found = torch.zeros((), dtype=torch.float32, device=opt.shard.device)
         if self.averaged():
             grad = self.flat
             assert grad is not None
-            grad.mul_(torch.as_tensor(inv_scale, dtype=grad.dtype))
-            if grad.numel() and not bool(torch.isfinite(grad).all()):
-                found.fill_(1.0)
+            grad.mul_(torch.as_tensor(inv_scale, dtype=grad.dtype, device=grad.device))
+            if grad.numel():  # on the device: the scaler reads the agreed flag once
+                found = (~torch.isfinite(grad)).any().to(torch.float32).reshape(())
         if opt.group.size > 1:
             comm.all_reduce(found, "max", group=opt.group, algorithm=opt.algorithm)
         return found

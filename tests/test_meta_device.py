@@ -1,0 +1,144 @@
+"""Device discipline without a GPU: every strategy steps a model on ``meta`` in one process
+playing rank 0 of a fake world (``tests/meta_device_fns.py``), and a tensor off the group's
+device handed to a collective is refused naming the call and the tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import plait
+from plait import comm
+from plait.strategies.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from tests import meta_device_fns as fns
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def fake() -> Iterator[plait.comm.Group]:
+    with fns.fake_world() as world:
+        yield world
+
+
+NO_CHECK = {"check_finite": None}  # the non-finite checks read a flag on the host: see below
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+# every case: one process, rank 0 of the fake world, a model on meta, STEPS steps
+CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "ddp": lambda: fns.data_parallel("ddp", **NO_CHECK),
+    "ddp-unused": lambda: fns.data_parallel("ddp", find_unused_parameters=True, **NO_CHECK),
+    "ddp-bf16": lambda: fns.data_parallel("ddp", mixed_precision="bf16", **NO_CHECK),
+    "naive": lambda: fns.data_parallel("naive", **NO_CHECK),
+    "zero1": lambda: fns.data_parallel("zero1"),
+    "zero2": lambda: fns.data_parallel("zero2"),
+    "zero2-bf16": lambda: fns.data_parallel("zero2", mixed_precision="bf16"),
+    "fsdp": lambda: fns.data_parallel("fsdp"),
+    "fsdp-bf16": lambda: fns.data_parallel("fsdp", mp_policy=BF16),
+    "tp": lambda: fns.tensor_parallel(False, **NO_CHECK),
+    "tp-sp": lambda: fns.tensor_parallel(True, **NO_CHECK),
+    **{f"pipeline-{s}": (lambda s=s: fns.pipeline(s, **NO_CHECK)) for s in fns.FLAT_SCHEDULES},
+    "cp-ring": lambda: fns.context_parallel("ring", **NO_CHECK),
+    "cp-ulysses": lambda: fns.context_parallel("ulysses", **NO_CHECK),
+    "ptdp-tp-pp-dp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2}, **NO_CHECK),
+    "ptdp-tp-pp-dp-cp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2, "cp": 2}, **NO_CHECK),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_strategy_steps_a_meta_model_on_the_fake_backend(fake, case):
+    comm.reset_stats()
+    out = CASES[case]()
+    assert out["off_meta"] == [], f"{case}: parameters left the meta device: {out['off_meta']}"
+    # the step did communicate: every tensor those collectives and messages took was on meta
+    calls = {key: s.calls for key, s in comm.stats().items() if s.calls}
+    assert sum(calls.values()) >= 2, f"{case}: no collective ran ({calls})"
+
+
+def test_plait_init_creates_the_fake_world():
+    with fns.fake_world(8, adopt=False) as world:
+        assert (world.backend, world.size, world.rank) == ("fake", 8, 0)
+        assert world.device == torch.device("meta")
+        mesh = plait.Mesh(tp=2, dp=4)
+        assert mesh.group("tp").device.type == "meta"
+        flags = torch.zeros(3, device="meta")
+        comm.all_reduce(flags, "sum", group=mesh.group("dp"), algorithm="ring")
+        comm.all_reduce(flags, "sum", group=mesh.group("dp"), algorithm="native")
+
+
+def test_a_cpu_tensor_handed_to_a_collective_is_refused_naming_the_call(fake):
+    with pytest.raises(ValueError) as info:
+        comm.all_reduce(torch.zeros(3), "max", group=fake)
+    text = str(info.value)
+    assert "all_reduce: tensor (shape (3,), torch.float32) is on cpu" in text
+    assert "moves meta tensors only" in text
+    assert "test_meta_device.py" in text and "test_a_cpu_tensor_handed" in text
+
+
+def test_a_cpu_flag_planted_in_ddp_is_refused_naming_ddp_and_the_flag(fake, monkeypatch):
+    """DDP's used-parameter flags, made on the CPU (as before this check), are refused
+    with the strategy's file, method and the flags' shape."""
+    from plait.strategies.data_parallel.ddp import DistributedDataParallel
+
+    monkeypatch.setattr(
+        DistributedDataParallel, "_control_device", lambda self: torch.device("cpu")
+    )
+    with pytest.raises(ValueError) as info:
+        fns.data_parallel("ddp", check_finite=None, find_unused_parameters=True)
+    text = str(info.value)
+    assert "is on cpu but group" in text and "moves meta tensors only" in text
+    assert "data_parallel/ddp.py" in text and "DistributedDataParallel._reduce_unused" in text
+    assert "torch.int32" in text
+
+
+def test_a_cpu_message_on_the_pipeline_path_is_refused(fake, monkeypatch):
+    """The pipeline's point-to-point messages go through the same check (``Channel``)."""
+    from plait.strategies.pipeline import messages
+
+    real = messages.Link.irecv
+
+    def on_cpu(self: Any, shape: Any, dtype: Any, peer: int, tag: int, verb: str, what: str,
+               device: Any = None) -> Any:  # fmt: skip
+        return real(self, shape, dtype, peer, tag, verb, what, device=torch.device("cpu"))
+
+    monkeypatch.setattr(messages.Link, "irecv", on_cpu)
+    with pytest.raises(Exception) as info:
+        fns.pipeline("1f1b", **NO_CHECK)
+    text = str(info.value)
+    assert "a message's buffer" in text and "is on cpu" in text and "pipeline" in text
+
+
+def test_the_parameter_server_keeps_its_model_on_the_cpu(fake):
+    assert "keep it on CPU" in fns.parameter_server()
+
+
+def test_fsdp_offload_of_a_meta_model_is_refused_naming_the_setting(fake):
+    with pytest.raises(ValueError, match="offload_policy keeps the shards in host memory"):
+        fns.data_parallel("fsdp", offload_policy=OffloadPolicy(params=True))
+
+
+# What cannot run on meta: a decision that reads values on the host, by design. Each case
+# stops exactly there (a meta tensor refuses .item()/.tolist()), not at a device refusal.
+DATA_DEPENDENT = {
+    # expert parallelism: the routing (its draw counter, then the per-expert counts that
+    # size the all-to-all) is read on the host, as in every dropless MoE
+    "ep": (lambda: fns.expert_parallel(**NO_CHECK), "plait/strategies/moe/"),
+    # rank 0 also holds a later stage, whose input shape arrives in a message
+    "pipeline-interleaved": (
+        lambda: fns.pipeline("interleaved", **NO_CHECK),
+        "plait/strategies/pipeline/messages.py",
+    ),
+    "pipeline-zbv": (lambda: fns.pipeline("zbv", **NO_CHECK), "plait/strategies/pipeline/"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_DEPENDENT))
+def test_what_cannot_run_on_meta_stops_at_its_host_read(fake, case):
+    run, where = DATA_DEPENDENT[case]
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors") as info:
+        run()
+    frames = [entry.path.as_posix() for entry in info.traceback]
+    assert any(where in f for f in frames), frames
