@@ -19,9 +19,9 @@ SMALL = {"steps": 6, "evals": 2, "width": 32, "seq_len": 16, "batch_size": 4, "d
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("n", "tp", "sp"), [(2, 2, True), (4, 2, False)])
-def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, sp):
+def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, sp, pool_of):
     config = GPTDemoConfig(world_size=n, tp=tp, sequence_parallel=sp, name="g", **SMALL)
-    report = run(config, check=True, out_dir=tmp_path)
+    report = run(config, check=True, out_dir=tmp_path, pool=pool_of(config.world_size))
     assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     saved = json.loads((tmp_path / "g" / "report.json").read_text())
     assert [h["step"] for h in saved["history"]] == [3, 6]
@@ -41,9 +41,9 @@ def test_gpt_demo_trains_reports_and_matches_one_process(tmp_path: Path, n, tp, 
 
 
 @pytest.mark.timeout(300)
-def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: Path):
+def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: Path, pool_of):
     config = GPTDemoConfig(world_size=2, tp=1, pp=2, schedule="1f1b", name="p", **SMALL)
-    report = run(config, check=True, out_dir=tmp_path)
+    report = run(config, check=True, out_dir=tmp_path, pool=pool_of(config.world_size))
     assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"pp"}
     b = report.bubble
@@ -53,9 +53,9 @@ def test_gpt_demo_pipeline_reports_the_bubble_and_matches_one_process(tmp_path: 
 
 
 @pytest.mark.timeout(300)
-def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path):
+def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path, pool_of):
     config = GPTDemoConfig(world_size=2, tp=1, moe=True, ep=2, name="m", **SMALL)
-    report = run(config, check=True, out_dir=tmp_path)
+    report = run(config, check=True, out_dir=tmp_path, pool=pool_of(config.world_size))
     assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert len(report.moe) == SMALL["steps"]
     (layer,) = report.moe[-1]
@@ -67,10 +67,10 @@ def test_gpt_demo_moe_reports_the_load_and_matches_one_process(tmp_path: Path):
 
 
 @pytest.mark.timeout(300)
-def test_gpt_demo_ptdp_matches_one_process(tmp_path: Path):
+def test_gpt_demo_ptdp_matches_one_process(tmp_path: Path, pool_of):
     """pp 2 x tp 2 through plait.strategies.compose (the held-out evaluation steps too)."""
     config = GPTDemoConfig(world_size=4, tp=2, pp=2, name="c", **SMALL)
-    report = run(config, check=True, out_dir=tmp_path)
+    report = run(config, check=True, out_dir=tmp_path, pool=pool_of(config.world_size))
     assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"pp", "tp"}
 
@@ -171,9 +171,9 @@ def test_library_users_get_the_same_refusal():
 
 
 @pytest.mark.timeout(300)
-def test_gpt_demo_on_a_2d_grid_matches_one_process(tmp_path: Path):
+def test_gpt_demo_on_a_2d_grid_matches_one_process(tmp_path: Path, pool_of):
     config = GPTDemoConfig(world_size=4, tp=4, tp_mode="2d", name="d", **SMALL)
-    report = run(config, check=True, out_dir=tmp_path)
+    report = run(config, check=True, out_dir=tmp_path, pool=pool_of(config.world_size))
     assert report.max_param_diff is not None and report.max_param_diff < FLOAT64_BOUND
     assert set(report.bytes_by_dim) == {"row", "col"}
 

@@ -550,9 +550,17 @@ def _label(c: GPTDemoConfig) -> str:
 
 
 def run(
-    config: GPTDemoConfig, *, check: bool = False, out_dir: Path = Path("runs")
+    config: GPTDemoConfig,
+    *,
+    check: bool = False,
+    out_dir: Path = Path("runs"),
+    pool: plait.RankPool | None = None,
 ) -> GPTDemoReport:
-    """Validate, train on ``config.world_size`` spawned ranks, print and write the report."""
+    """Validate, train on ``config.world_size`` ranks, print and write the report.
+
+    The ranks are spawned for this run, or are ``pool``'s when given (a kept
+    :class:`~plait.RankPool` of ``config.world_size`` ranks: the tour runs its layouts on one,
+    sparing four processes' start and imports per layout)."""
     validate(config)
     name = config.name or f"{_label(config)}-n{config.world_size}-{time.strftime('%H%M%S')}"
     run_dir = out_dir / name
@@ -560,7 +568,17 @@ def run(
         f"plait demo: {describe(config)}, {config.steps} steps of {config.batch_size} windows",
         flush=True,
     )
-    results = plait.spawn(train_rank, world_size=config.world_size, args=(config,), timeout=3600)
+    if pool is None:
+        results = plait.spawn(
+            train_rank, world_size=config.world_size, args=(config,), timeout=3600
+        )
+    elif pool.world_size != config.world_size:
+        raise ValueError(
+            f"the pool has {pool.world_size} ranks, the layout {describe(config)} needs "
+            f"{config.world_size}; pass a pool of that size or none (spawn)"
+        )
+    else:
+        results = pool.run(train_rank, config, timeout=3600)
     return summarize(config, results, check=check, run_dir=run_dir)
 
 

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from plait import checkpoint
+from plait import RankPool, checkpoint
 from plait.demo import context, reference
 from plait.demo.gpt import GPTDemoReport, check_passed, judged_value, run
 from plait.demo.options import GPTDemoConfig
@@ -308,11 +308,13 @@ def tour(
         flush=True,
     )
     done: list[tuple[str, GPTDemoReport]] = []
-    for i, stop in enumerate(all_stops, 1):
-        print(f"=== {i}/{len(all_stops)}: {stop.name} ===", flush=True)
-        config = replace(stop.config, name=f"tour-{stamp}-{i}")
-        done.append((stop.name, run(config, check=True, out_dir=out_dir)))
-        print(flush=True)
+    world = all_stops[0].config.world_size
+    with RankPool(world) as pool:  # one set of ranks runs every layout in turn
+        for i, stop in enumerate(all_stops, 1):
+            print(f"=== {i}/{len(all_stops)}: {stop.name} ===", flush=True)
+            config = replace(stop.config, name=f"tour-{stamp}-{i}")
+            done.append((stop.name, run(config, check=True, out_dir=out_dir, pool=pool)))
+            print(flush=True)
     rows = [row(name, rep) for name, rep in done]
     result = Tour(rows, ref, folder, text)
     _write(result, done, all_stops, out_dir, stamp)
