@@ -8,7 +8,8 @@ rank; every rank then computes the same record, and rank 0 writes it::
 
     loss            the mean of the losses the ranks passed (ranks passing none, e.g. a
                     pipeline's first stages, are left out)
-    step_s          the slowest rank's mean step time over the window
+    step_s          the slowest rank's mean step time over the window (step_s_per_rank:
+                    each rank's)
     tokens_per_s    tokens / step_s (``tokens``: the global batch's, every rank the same)
     tokens_per_s_per_rank   tokens / ranks / that rank's own step time
     tflops_per_rank flops_per_token x tokens_per_s / ranks / 1e12
@@ -18,7 +19,7 @@ rank; every rank then computes the same record, and rank 0 writes it::
     bytes_sent_per_rank     every group together, per rank
     data_s          the slowest rank's data-loading time per step
 
-Communication: one ``all_reduce`` (sum) of a ``ranks x 8`` float64 table (``64 x ranks``
+Communication: one ``all_reduce`` (sum) of a ``ranks x 9`` float64 table (``72 x ranks``
 bytes) on the group's device, every ``every`` steps and at :meth:`Metrics.close` if steps
 are pending; it goes to the backend directly (``torch.distributed.all_reduce`` on the
 group's process group, under its timeout), not through plait's algorithms, so plait's byte
@@ -347,6 +348,7 @@ class Metrics:
             "loss": sum(r[LOSS] for r in rows) / losses if losses else None,
             "tokens": tokens or None,
             "step_s": slowest,
+            "step_s_per_rank": step_s,
             "data_s": max(r[DATA_S] for r in rows) / n,
             "tokens_per_s": rate,
             "tokens_per_s_per_rank": [
