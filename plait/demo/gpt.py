@@ -164,7 +164,8 @@ def train_rank(config: GPTDemoConfig, run_dir: Path | None = None) -> dict[str, 
     since, loss_sum = 0, 0.0
     bar = _progress(config, show=lead)
     for step in range(config.steps):
-        x, y = global_batch(config, train_tokens, step)
+        with meter.data():
+            x, y = global_batch(config, train_tokens, step)
         t.optimizer.zero_grad()
         last_step_ns = time.perf_counter_ns()
         loss = t.step(x[a:b], y[a:b])

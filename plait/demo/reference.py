@@ -150,7 +150,8 @@ def _train(
     for step in range(schedule.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, schedule)
-        x, y = global_batch(config, train_tokens, step)
+        with meter.data():
+            x, y = global_batch(config, train_tokens, step)
         opt.zero_grad()
         value = loss(model(x), y)
         value.backward()
