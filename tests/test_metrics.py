@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,36 @@ m.close()
 """
 
 
+def _wandb_history(path: Path) -> list[dict[str, float]]:
+    """The history rows of a W&B run file: a LevelDB-style log (a 7-byte header, then
+    32 KiB blocks of records, each a 7-byte header: CRC32, length, type 1 full / 2 first /
+    3 middle / 4 last) of ``wandb_internal_pb2.Record`` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    pos, block, data, rows = 7, 32768, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            data = b""
+            if rec.WhichOneof("record_type") == "history":
+                items = rec.history.item
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+        elif kind == 0:
+            break
+    return rows
+
+
 @pytest.mark.timeout(120)
 def test_wandb_offline_writes_its_run_directory(tmp_path: Path):
     script = tmp_path / "run.py"
@@ -158,4 +189,12 @@ def test_wandb_offline_writes_its_run_directory(tmp_path: Path):
     assert done.returncode == 0, done.stdout + done.stderr
     runs = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((tmp_path / "out").rglob("*"))
-    assert list(runs[0].glob("run-*.wandb"))  # the run's records, for `wandb sync`
+    (run_file,) = runs[0].glob("run-*.wandb")  # the run's records, for `wandb sync`
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    history = _wandb_history(run_file)
+    assert [h["_step"] for h in history] == [r["step"] for r in records] == [1, 2, 3]
+    for h, r in zip(history, records, strict=True):
+        for key in ("loss", "tokens_per_s", "mfu", "step_s"):
+            assert h[key] == pytest.approx(r[key], rel=1e-12), key
+        assert h["memory_peak_bytes/rank0"] == r["memory_peak_bytes"][0]

@@ -1,6 +1,7 @@
 """The one call a training loop makes each step: :meth:`Metrics.step`.
 
-Each rank times its steps (the wall time between two calls), the time it spent loading
+Each rank times its steps (the wall time between two calls, less the metrics' own
+reduction and writes), the time it spent loading
 data (:meth:`Metrics.data`, :meth:`Metrics.batches`), and reads its peak memory and the
 bytes plait sent on each of its groups (:mod:`plait.metrics.probes`). Every ``every``
 steps the ranks put what they measured in one table and reduce it together, one row per
@@ -315,6 +316,7 @@ class Metrics:
         self.records.append(record)
         for w in self._writers:
             w.write(record)
+        self._clock = time.perf_counter()  # the reduction and the writes are no step's time
         return record
 
     def _record(self, rows: list[list[float]]) -> dict[str, Any]:
