@@ -70,6 +70,17 @@ class Metrics:
     error is a terminal) over ``total`` steps. ``every``: steps per record.
     """
 
+    # the window since the last record (_window): steps, seconds, sums (floats, or tensors
+    # on the loss's device until the record), rank 0's latest scalars
+    _n: int
+    _step_s: float
+    _data_s: float
+    _loss: Any
+    _losses: int
+    _tokens: Any
+    _scalars: dict[str, Any]
+    _mine: dict[str, int]  # this rank's bytes per group in the window
+
     def __init__(
         self,
         *,
@@ -243,7 +254,7 @@ class Metrics:
             parts.append(f"MFU {s['mfu']:.2%} ({s['tflops_per_rank']:.3g} TFLOP/s per rank)")
         mib = s["memory_peak_bytes"] / 2**20
         parts.append(f"peak memory {mib:,.0f} MiB per rank ({self.memory_kind})")
-        sent = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["bytes_sent"].items())
+        sent = ", ".join(f"{k} {_size(v)}" for k, v in s["bytes_sent"].items())
         if sent:
             parts.append(f"sent per step by rank {self.rank}: {sent}")
         return f"metrics ({where}): " + "; ".join(parts)
@@ -280,10 +291,10 @@ class Metrics:
     def _window(self) -> None:
         self._n = 0
         self._step_s = self._data_s = 0.0
-        self._loss: Any = 0.0
+        self._loss = 0.0
         self._losses = 0
-        self._tokens: Any = 0.0
-        self._scalars: dict[str, Any] = {}
+        self._tokens = 0.0
+        self._scalars = {}
 
     def _row(self, device: torch.device) -> torch.Tensor:
         table = torch.zeros(self.size, COLUMNS, dtype=torch.float64, device=device)
@@ -391,6 +402,12 @@ def _compute_device() -> torch.device:
 
 def _default_dir() -> Path:
     return Path("runs") / f"metrics-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
 
 def _number(value: Any) -> float:
