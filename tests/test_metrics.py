@@ -58,6 +58,16 @@ def test_the_flops_per_token_are_the_planners_for_plait_gpt_and_hugging_face_lla
         Metrics(model=torch.nn.Linear(2, 2), jsonl=False)
 
 
+def test_a_cuda_device_the_planners_table_names_gets_its_peak(monkeypatch):
+    from plait.metrics import device_peak
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    peak = device_peak(torch.device("cuda", 0))
+    assert peak.flops == 989e12 and peak.source == "NVIDIA H200: the planner's table, dense bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert device_peak(torch.device("cuda", 0)).flops == 312e12
+
+
 def test_a_record_flattens_to_tags_per_rank_and_per_group():
     record = {"step": 3, "time": 1.0, "loss": 2.0, "mfu": None, "memory_peak_bytes": [5, 6],
               "bytes_sent": {"tp": 8.0}}  # fmt: skip

@@ -22,22 +22,20 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.models.gpt import GPTConfig
-from plait.plan import hardware
-from plait.plan.hf import FAMILIES, from_hf_config
-from plait.plan.model import ModelSpec, from_gpt_config
+
+if TYPE_CHECKING:
+    from plait.plan.model import ModelSpec
+
+# plait.plan (the whole planner, imported with its package) is imported when FLOPs or a
+# peak are asked for, so a run that logs no MFU does not load it
 
 #: CUDA device names (a substring of ``torch.cuda.get_device_name``) -> the planner's preset
-DEVICES = {
-    "H200": hardware.h200,
-    "H100": hardware.h100,
-    "A100": hardware.a100,
-    "B200": hardware.b200,
-}
+DEVICES = ("H200", "H100", "A100", "B200")
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,9 @@ def model_spec(model: Any) -> ModelSpec:
     ``GPTConfig``, a Hugging Face model or config (or its dict), also inside a wrapper that
     keeps the model as ``.module``, ``._orig_mod`` or ``.model``. Raises ``ValueError``
     naming ``flops_per_token=`` for anything else."""
+    from plait.plan.hf import FAMILIES, from_hf_config
+    from plait.plan.model import ModelSpec, from_gpt_config
+
     seen = model
     for _ in range(4):  # a compiled model inside a strategy's wrapper, at most
         if isinstance(model, ModelSpec):
@@ -99,11 +100,14 @@ def flops_per_token(model: Any, *, seq_len: int | None = None) -> float:
 
 def device_peak(device: torch.device, *, local_ranks: int | None = None) -> Peak:
     """The peak FLOP/s of ``device`` for one rank (module doc)."""
+    from plait.plan import hardware
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, preset in DEVICES.items():
+        for key in DEVICES:
             if key in name:
-                return Peak(preset().peak_flops, f"{name}: the planner's table, dense bf16")
+                peak = hardware.preset(key.lower()).peak_flops
+                return Peak(peak, f"{name}: the planner's table, dense bf16")
         return Peak(_cuda_matmul(device), f"{name}: a bf16 matmul timed on it")
     local = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
