@@ -20,6 +20,7 @@ from _common import adamw, batch, tokens
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import plait
+from plait.metrics import Metrics
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--pipeline", action="store_true")
@@ -32,15 +33,16 @@ config = GPT2Config(
 )  # fmt: skip
 model = GPT2LMHeadModel(config)
 n = plait.world().size
+mesh = plait.Mesh(pp=n) if pipeline else plait.Mesh(tp=n)
 if pipeline:
-    model, opt = plait.prepare(
-        model, adamw(model), strategy="pipeline", mesh=plait.Mesh(pp=n), microbatches=4
-    )
+    model, opt = plait.prepare(model, adamw(model), strategy="pipeline", mesh=mesh, microbatches=4)
 else:
-    model, opt = plait.prepare(model, adamw(model), strategy="tp", mesh=plait.Mesh(tp=n))
+    model, opt = plait.prepare(model, adamw(model), strategy="tp", mesh=mesh)
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, mesh=mesh, total=20, log_dir="runs/gpt2_tp")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64)  # every rank: the same batch
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64)  # every rank: the same batch
     if pipeline:
         loss = model.step(x, x)  # Hugging Face labels: the plan's loss shifts them
     else:
@@ -49,6 +51,10 @@ for step in range(20):
     norm = plait.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if plait.world().rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import plait
+from plait.metrics import Metrics
 
 plait.init()
 torch.manual_seed(0)
@@ -24,13 +25,19 @@ model.gradient_checkpointing_enable()
 model, opt = plait.prepare(model, adamw(model), strategy="fsdp", wrap={LlamaDecoderLayer})
 world, rank = plait.world().size, plait.world().rank
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, total=20, log_dir="runs/llama_fsdp")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64).chunk(world)[rank]  # this rank's rows
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64).chunk(world)[rank]  # this rank's rows
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
     norm = plait.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if rank == 0:
+    print(metrics.describe())
 plait.shutdown()

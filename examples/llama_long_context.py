@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import plait
+from plait.metrics import Metrics
 from plait.strategies.context import shard_sequence
 
 SEQ = 512  # long for this model: 4 layers of width 128
@@ -43,17 +44,20 @@ config = LlamaConfig(
 model = LlamaForCausalLM(config)
 world = plait.world().size
 data = tokens()
+metrics = Metrics(model=config, seq_len=SEQ, total=20, log_dir="runs/llama_long_context")
 if "--pipeline" in sys.argv:
     mesh = plait.Mesh(pp=2, dp=1, tp=1, cp=world // 2)
     ptdp, opt = plait.prepare(
         model, adamw(model), strategy="ptdp", mesh=mesh, context="ring", microbatches=2
     )
     for step in range(20):
-        x = batch(data, step, batch=4, seq=SEQ)  # every rank passes the same global batch
+        with metrics.data():
+            x = batch(data, step, batch=4, seq=SEQ)  # every rank passes the same global batch
         loss = ptdp.step(x, x)  # Hugging Face labels: PTD-P shifts them over the sequence
         norm = ptdp.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+        metrics.step(loss, tokens=4 * SEQ, grad_norm=norm)  # tokens: the global batch's
         if plait.world().rank == 0 and step % 5 == 4:
             print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
 else:
@@ -63,7 +67,8 @@ else:
     )
     assert opt is not None
     for step in range(20):
-        x = batch(data, step, batch=4, seq=SEQ)  # the same windows as --pipeline
+        with metrics.data():
+            x = batch(data, step, batch=4, seq=SEQ)  # the same windows as --pipeline
         # next-token targets over the whole window (the last has none), then cut like x
         targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
         count = int((targets != -100).sum())  # the global batch's loss items
@@ -78,6 +83,10 @@ else:
         opt.zero_grad()
         mean = loss.detach().clone()
         plait.comm.all_reduce(mean, "avg")  # the global batch's loss
+        metrics.step(mean, tokens=4 * SEQ, grad_norm=norm)
         if plait.world().rank == 0 and step % 5 == 4:
             print(f"step {step + 1}: loss {mean.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

@@ -15,6 +15,7 @@ from _common import adamw, batch, tokens
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import plait
+from plait.metrics import Metrics
 
 plait.init()
 torch.manual_seed(0)
@@ -23,17 +24,23 @@ config = LlamaConfig(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
 )  # fmt: skip
 model = LlamaForCausalLM(config)
+mesh = plait.Mesh(pp=plait.world().size)
 pipe, opt = plait.prepare(
-    model, adamw(model), strategy="pipeline", mesh=plait.Mesh(pp=plait.world().size),
-    schedule="1f1b", microbatches=4,
-)  # fmt: skip
+    model, adamw(model), strategy="pipeline", mesh=mesh, schedule="1f1b", microbatches=4
+)
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, mesh=mesh, total=20, log_dir="runs/llama_pipeline")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64)  # every rank passes the same global batch
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64)  # every rank passes the same global batch
     loss = pipe.step(x, x)  # Hugging Face labels: the model shifts them itself
     norm = plait.clip_grad_norm_(pipe.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if plait.world().rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

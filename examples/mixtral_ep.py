@@ -14,6 +14,7 @@ from _common import adamw, batch, tokens
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import plait
+from plait.metrics import Metrics
 
 plait.init()
 torch.manual_seed(0)
@@ -24,16 +25,23 @@ config = MixtralConfig(
 )  # fmt: skip
 model = MixtralForCausalLM(config)
 world = plait.world().size
-model, opt = plait.prepare(model, adamw(model), strategy="ep", mesh=plait.Mesh(ep=world))
+mesh = plait.Mesh(ep=world)
+model, opt = plait.prepare(model, adamw(model), strategy="ep", mesh=mesh)
 rank = model.plait_expert_parallel.batch_rank
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, mesh=mesh, total=20, log_dir="runs/mixtral_ep")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64).chunk(world)[rank]  # this rank's rows
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64).chunk(world)[rank]  # this rank's rows
     loss = model(input_ids=x, labels=x).loss  # includes the load-balancing loss
     loss.backward()
     norm = plait.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if plait.world().rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

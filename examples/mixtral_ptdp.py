@@ -23,6 +23,7 @@ from _common import adamw, batch, tokens
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import plait
+from plait.metrics import Metrics
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ep", type=int, default=1)
@@ -40,12 +41,18 @@ ptdp, opt = plait.prepare(
     model, adamw(model), strategy="ptdp", mesh=mesh, schedule="1f1b", microbatches=4
 )
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, mesh=mesh, total=20, log_dir="runs/mixtral_ptdp")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64)  # every rank passes the same global batch
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64)  # every rank passes the same global batch
     loss = ptdp.step(x, x)  # Hugging Face labels: the model shifts them itself
     norm = ptdp.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if plait.world().rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

@@ -17,6 +17,7 @@ from _common import adamw, batch, tokens
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 import plait
+from plait.metrics import Metrics
 
 plait.init()
 torch.manual_seed(0)  # every rank builds the same model
@@ -27,17 +28,23 @@ config = Qwen2MoeConfig(
     num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
 )  # fmt: skip
 model = Qwen2MoeForCausalLM(config)
+mesh = plait.Mesh(pp=plait.world().size)
 pipe, opt = plait.prepare(
-    model, adamw(model), strategy="pipeline", mesh=plait.Mesh(pp=plait.world().size),
-    schedule="zb-h1", microbatches=4,
-)  # fmt: skip
+    model, adamw(model), strategy="pipeline", mesh=mesh, schedule="zb-h1", microbatches=4
+)
 data = tokens()
+metrics = Metrics(model=config, seq_len=64, mesh=mesh, total=20, log_dir="runs/qwen_moe_pipeline")
 for step in range(20):
-    x = batch(data, step, batch=8, seq=64)  # every rank: the same global batch
+    with metrics.data():
+        x = batch(data, step, batch=8, seq=64)  # every rank: the same global batch
     loss = pipe.step(x, x)  # the language-model loss + the load-balancing loss
     norm = plait.clip_grad_norm_(pipe.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    metrics.step(loss, tokens=8 * 64, grad_norm=norm)  # tokens: the global batch's
     if plait.world().rank == 0 and step % 5 == 4:
         print(f"step {step + 1}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
+metrics.close()
+if plait.world().rank == 0:
+    print(metrics.describe())
 plait.shutdown()

@@ -61,6 +61,7 @@ from plait.demo.closeness import distance, max_diff, one_thread
 from plait.demo.options import GPTDemoConfig, validate
 from plait.demo.pictures import timeline_png
 from plait.extras import require
+from plait.metrics import Metrics
 from plait.models import GPT, CharTokenizer, python_docs, token_batches
 from plait.models.gpt import loss
 from plait.strategies.pipeline import bubble_report
@@ -119,8 +120,9 @@ def _dimension_bytes(mesh: plait.Mesh) -> dict[str, dict[str, int]]:
     return out
 
 
-def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
-    """Runs on every rank: build the mesh, split the GPT, train, report."""
+def train_rank(config: GPTDemoConfig, run_dir: Path | None = None) -> dict[str, Any]:
+    """Runs on every rank: build the mesh, split the GPT, train, report (rank 0 writes
+    ``metrics.jsonl`` into ``run_dir`` when given: :class:`plait.metrics.Metrics`)."""
     validate(config)
     world = plait.world()
     if config.tp_mode != "1d":  # the tp ranks as a 2D / 2.5D / 3D grid, dp outside it
@@ -153,19 +155,25 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
     ends: list[float] = []  # seconds since the start at the end of every step
     loads: list[dict[str, Any]] = []
     comm.reset_stats()
+    meter = Metrics(
+        mesh=mesh, model=config.model_config(), seq_len=config.seq_len, progress=False,
+        log_dir=run_dir, jsonl=run_dir is not None,
+    )  # fmt: skip
     start = last = time.perf_counter()
     last_step_ns = last_step_end_ns = 0  # the last training step (the held-out pass after it
     # is a whole pipeline step too: kept out of the bubble and the timeline)
     since, loss_sum = 0, 0.0
     bar = _progress(config, show=lead)
     for step in range(config.steps):
-        x, y = global_batch(config, train_tokens, step)
+        with meter.data():
+            x, y = global_batch(config, train_tokens, step)
         t.optimizer.zero_grad()
         last_step_ns = time.perf_counter_ns()
         loss = t.step(x[a:b], y[a:b])
         with tracer.span("optimizer step", stream="compute"):
             t.optimizer.step()
         last_step_end_ns = time.perf_counter_ns()
+        meter.step(loss, tokens=config.batch_size * config.seq_len)
         if config.moe:
             loads.append(moe.collect(t.model))
         losses.append(loss.item())
@@ -196,8 +204,10 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
                     flush=True,
                 )
             since, loss_sum, last = 0, 0.0, time.perf_counter()
+            meter.start()  # the held-out pass is no training step's time
         ends.append(time.perf_counter() - start)
     bar.close()
+    meter.close()
     train_s = time.perf_counter() - start
     sent = _dimension_bytes(mesh)  # training only: full_state_dict below gathers over tp
     return {
@@ -213,6 +223,7 @@ def train_rank(config: GPTDemoConfig) -> dict[str, Any]:
         "train_s": train_s,
         "layout": str(mesh) if lead else "",
         "moe": [{k: v.as_dict() for k, v in step.items()} for step in loads],
+        "metrics": {"info": meter.info, "summary": meter.summary()},
     }
 
 
@@ -389,6 +400,20 @@ class GPTDemoReport:
     # --cp: the attention bytes on cp, counted per rank and by the formula (context.check)
     cp_bytes: dict[str, Any] = field(default_factory=dict)
     max_loss_diff: float | None = None  # --check: the largest per-step loss difference
+    metrics: dict[str, Any] = field(default_factory=dict)  # plait.metrics: info, summary
+
+
+def metrics_line(m: dict[str, Any]) -> str:
+    """The run's MFU and peak memory per rank in one line (``m``: a rank's
+    ``{"info", "summary"}`` of :class:`plait.metrics.Metrics`)."""
+    info, s = m["info"], m["summary"]
+    mfu = "-" if s.get("mfu") is None else f"{s['mfu']:.1%}"
+    peaks = info.get("peak_flops_per_rank") or [info.get("peak_flops") or 0.0]
+    return (
+        f"MFU {mfu} ({s.get('tflops_per_rank') or 0.0:.4f} model TFLOP/s per rank of "
+        f"{max(peaks) / 1e12:.4f} peak), peak memory {s['memory_peak_bytes'] / 2**20:,.0f} "
+        f"MiB per rank ({info['memory_kind']})"
+    )
 
 
 def last_step(result: dict[str, Any]) -> list[Any]:
@@ -570,7 +595,7 @@ def run(
     )
     if pool is None:
         results = plait.spawn(
-            train_rank, world_size=config.world_size, args=(config,), timeout=3600
+            train_rank, world_size=config.world_size, args=(config, run_dir), timeout=3600
         )
     elif pool.world_size != config.world_size:
         raise ValueError(
@@ -578,7 +603,7 @@ def run(
             f"{config.world_size}; pass a pool of that size or none (spawn)"
         )
     else:
-        results = pool.run(train_rank, config, timeout=3600)
+        results = pool.run(train_rank, config, run_dir, timeout=3600)
     return summarize(config, results, check=check, run_dir=run_dir)
 
 
@@ -612,6 +637,7 @@ def summarize(
         step_ends=lead["ends"],
         text=sample(state, config),
         moe=lead["moe"],
+        metrics=lead.get("metrics", {}),
     )
     timeline_png(
         [sp for r in results for sp in last_step(r)], run_dir / "timeline.png",
@@ -635,6 +661,8 @@ def summarize(
     _plot(history, run_dir / "curves.png", f"plait: {describe(config)}")
     print(f"\nfinal training loss   {report.final_loss:.4f} (held-out {report.held_out_loss:.4f})")
     print(f"throughput            {report.tokens_per_s:,.0f} tokens/s ({train_s:.1f} s)")
+    if report.metrics:
+        print(f"metrics               {metrics_line(report.metrics)}")
     mib = [b / 2**20 for b in report.param_bytes_per_rank]
     print(f"parameters per rank   {min(mib):.2f}-{max(mib):.2f} MiB")
     for dim, row in report.bytes_by_dim.items():
@@ -662,6 +690,8 @@ def summarize(
     if report.max_param_diff is not None:
         print("\n".join(check_lines(report)))
     pictures += ["moe_load.png"] if config.moe else []
+    if (run_dir / "metrics.jsonl").exists():
+        pictures += ["metrics.jsonl"]
     print(f"wrote {run_dir}/report.json, trace.json, curves.png, {', '.join(pictures)}")
     if not math.isfinite(report.final_loss):
         print("the loss diverged; lower --lr", file=sys.stderr)

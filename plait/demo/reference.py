@@ -25,6 +25,7 @@ import torch
 from plait import checkpoint
 from plait.demo.gpt import PROMPT, corpus, global_batch, held_out_windows
 from plait.demo.options import GPTDemoConfig
+from plait.metrics import Metrics
 from plait.models import GPT, CharTokenizer
 from plait.models.gpt import loss
 
@@ -94,13 +95,16 @@ class Reference:
         return self.held_out_nats / math.log(2)
 
 
-def train(config: GPTDemoConfig, schedule: Schedule, *, root: Path) -> Reference:
+def train(
+    config: GPTDemoConfig, schedule: Schedule, *, root: Path, metrics_dir: Path | None = None
+) -> Reference:
     """Train the dense GPT of ``config`` (its model, batch and seed) in this process on the
-    same global batches the layouts use, and save it under ``root`` at its last step."""
+    same global batches the layouts use, and save it under ``root`` at its last step
+    (``metrics_dir``: where :class:`plait.metrics.Metrics` writes every step's line)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(schedule.threads or fastest_threads(config))
-        return _train(config, schedule, root)
+        return _train(config, schedule, root, metrics_dir)
     finally:
         torch.set_num_threads(threads)
 
@@ -128,7 +132,9 @@ def fastest_threads(config: GPTDemoConfig, *, repeats: int = 3) -> int:
     return best
 
 
-def _train(config: GPTDemoConfig, schedule: Schedule, root: Path) -> Reference:
+def _train(
+    config: GPTDemoConfig, schedule: Schedule, root: Path, metrics_dir: Path | None
+) -> Reference:
     train_tokens, held_tokens = corpus()
     model = GPT(config.model_config())
     opt = torch.optim.Adam(model.parameters(), lr=schedule.peak_lr)
@@ -136,17 +142,23 @@ def _train(config: GPTDemoConfig, schedule: Schedule, root: Path) -> Reference:
     losses: list[float] = []
     ends: list[float] = []
     history: list[dict[str, Any]] = []
+    meter = Metrics(
+        model=config.model_config(), progress=False, log_dir=metrics_dir,
+        jsonl=metrics_dir is not None,
+    )  # fmt: skip
     start = time.perf_counter()
     for step in range(schedule.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, schedule)
-        x, y = global_batch(config, train_tokens, step)
+        with meter.data():
+            x, y = global_batch(config, train_tokens, step)
         opt.zero_grad()
         value = loss(model(x), y)
         value.backward()
         opt.step()
         losses.append(value.item())
         ends.append(time.perf_counter() - start)
+        meter.step(losses[-1], tokens=x.numel(), lr=lr_at(step, schedule))
         if step + 1 in marks:
             since = len(losses) - (history[-1]["step"] if history else 0)
             point = {
@@ -164,6 +176,8 @@ def _train(config: GPTDemoConfig, schedule: Schedule, root: Path) -> Reference:
                 f"{point['elapsed_s']:5.1f} s  | {line}",
                 flush=True,
             )
+            meter.start()  # the held-out pass and the line it writes are no step's time
+    meter.close()
     train_s = time.perf_counter() - start
     checkpoint.save(root, step=schedule.steps, model=model, rng=False, keep_last=1)
     return Reference(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from plait import RankPool, checkpoint
+from plait import RankPool, checkpoint, metrics
 from plait.demo import context, reference
 from plait.demo.gpt import GPTDemoReport, check_passed, judged_value, run
 from plait.demo.options import GPTDemoConfig
@@ -143,6 +144,8 @@ class Row:
     max_param_diff: float  # float32: the parameters' distance (plait.demo.gpt.judge)
     check_bound: float  # the difference --check accepts
     passed: bool = False
+    mfu: float | None = None  # plait.metrics: model FLOP/s over the ranks' measured peak
+    memory_peak_mib: float | None = None  # plait.metrics: the largest rank's peak
 
 
 def row(name: str, report: GPTDemoReport) -> Row:
@@ -150,6 +153,7 @@ def row(name: str, report: GPTDemoReport) -> Row:
     sent = sum(sum(r.values()) for r in report.bytes_by_dim.values())
     b = report.bubble or {}
     cp = report.cp_bytes or {}
+    summary = report.metrics.get("summary", {})
     return Row(
         layout=name,
         step_ms=1e3 * report.train_seconds / c.steps,
@@ -166,6 +170,8 @@ def row(name: str, report: GPTDemoReport) -> Row:
         max_param_diff=checked if (checked := judged_value(report)) is not None else -1.0,
         check_bound=report.check_bound if report.check_bound is not None else -1.0,
         passed=report.max_param_diff is not None and check_passed(report),
+        mfu=summary.get("mfu"),
+        memory_peak_mib=summary["memory_peak_bytes"] / 2**20 if summary else None,
     )
 
 
@@ -173,10 +179,14 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _mfu(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def table(rows: list[Row]) -> str:
     head = (
-        "| layout | step ms | params/rank MiB | sent/step MiB | bubble meas / sim / formula "
-        "| loss | held-out | diff vs 1 process (bound) |\n|---|---|---|---|---|---|---|---|"
+        "| layout | step ms | MFU | params/rank MiB | sent/step MiB | bubble meas / sim / formula "
+        "| loss | held-out | diff vs 1 process (bound) |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -186,7 +196,7 @@ def table(rows: list[Row]) -> str:
             else f"{_pct(r.bubble)} / {_pct(r.bubble_simulated)} / {_pct(r.bubble_formula)}"
         )
         lines.append(
-            f"| {r.layout} | {r.step_ms:.0f} | {r.param_mib_per_rank:.2f} | "
+            f"| {r.layout} | {r.step_ms:.0f} | {_mfu(r.mfu)} | {r.param_mib_per_rank:.2f} | "
             f"{r.mib_sent_per_step:.2f} | {bubble} | {r.final_loss:.3f} | "
             f"{r.held_out_loss:.3f} | {r.max_param_diff:.1e} ({r.check_bound:.0e}) |"
         )
@@ -195,9 +205,10 @@ def table(rows: list[Row]) -> str:
 
 #: the table's legend, two lines
 LEGEND = (
-    "step ms: wall time per step, 4 ranks sharing this machine's cores; params/rank: the "
-    "largest rank's parameters, in the run's dtype (x4 with gradients and Adam); sent/step: "
-    "what rank 0 sends.\n"
+    "step ms: wall time per step, 4 ranks sharing this machine's cores; MFU: the model's "
+    "FLOP/s over the ranks' measured peak (plait.metrics); params/rank: the largest rank's "
+    "parameters, in the run's dtype (x4 with gradients and Adam); sent/step: what rank 0 "
+    "sends.\n"
     "bubble: idle share of the pipeline's ranks in its last step, measured / simulated / "
     "formula; loss: nats per character; diff: largest parameter difference to one process "
     "(float32: the parameters' distance to it, relative to how far training moved them)."
@@ -288,7 +299,9 @@ def tour(
         f"in one process, {schedule.steps} steps of {ref_config.batch_size} windows\n",
         flush=True,
     )
-    ref = reference.train(ref_config, schedule, root=folder / "reference")
+    ref = reference.train(
+        ref_config, schedule, root=folder / "reference", metrics_dir=folder / "reference-metrics"
+    )
     model_ = GPT(ref_config.model_config())
     checkpoint.load(ref.root, model=model_, rng=False)
     text = reference.write(model_, ref_config, chars=300)
@@ -354,6 +367,27 @@ def _write(
         if stop.config.pp > 1 and (run_dir / "schedule.png").exists():
             shutil.copy(run_dir / "schedule.png", t.folder / "schedule.png")
             t.files.append("schedule.png")
+    if _tensorboard(t.folder, all_stops, out_dir, stamp):
+        t.files.append("tensorboard")
+
+
+def _tensorboard(folder: Path, all_stops: list[Stop], out_dir: Path, stamp: str) -> bool:
+    """The reference's and every layout's ``metrics.jsonl`` (:mod:`plait.metrics`) as
+    TensorBoard runs under ``folder/tensorboard``, one folder each; False without
+    tensorboard installed."""
+    runs = [("0-reference", folder / "reference-metrics" / "metrics.jsonl")] + [
+        (f"{i}-{re.sub('[^a-z0-9]+', '-', stop.name.lower())}",
+         out_dir / f"tour-{stamp}-{i}" / "metrics.jsonl")
+        for i, stop in enumerate(all_stops, 1)
+    ]  # fmt: skip
+    try:
+        for name, path in runs:
+            if path.exists():
+                metrics.to_tensorboard(path, folder / "tensorboard" / name)
+    except ImportError as exc:
+        print(f"no TensorBoard events: {exc}")
+        return False
+    return True
 
 
 def _print(t: Tour, all_stops: list[Stop]) -> None:
@@ -372,10 +406,16 @@ def _print(t: Tour, all_stops: list[Stop]) -> None:
         print("  schedule.png  the pipeline's last step as it ran (forwards blue, backwards green)")
     if "timeline.png" in t.files:
         print("  timeline.png  DDP's last step: compute and communication per rank")
+    if "tensorboard" in t.files:
+        print(
+            f"  tensorboard/  every run's loss, tokens/s, MFU, peak memory and bytes per step: "
+            f"tensorboard --logdir {t.folder}/tensorboard"
+        )
     first = t.folder.name
     print(
         f"  every layout's own folder {first}-<1..{len(all_stops)}>/: trace.json (open it in "
-        f"https://ui.perfetto.dev or chrome://tracing), curves.png, timeline.png; the MoE's "
+        f"https://ui.perfetto.dev or chrome://tracing), curves.png, timeline.png, "
+        f"metrics.jsonl (plait.metrics, a line a step); the MoE's "
         f"moe_load.png shows tokens per expert over training\n"
     )
     worst = max(t.rows, key=lambda r: r.max_param_diff / r.check_bound if r.check_bound > 0 else 1)
