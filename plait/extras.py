@@ -11,7 +11,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"transformers": "hf", "tqdm": "demo", "sklearn": "demo", "matplotlib": "demo"}
+EXTRAS = {
+    "transformers": "hf",
+    "tqdm": "demo",
+    "sklearn": "demo",
+    "matplotlib": "demo",
+    "tensorboard": "metrics",
+    "wandb": "metrics",
+}
 
 
 def require(module: str, *, why: str) -> ModuleType:

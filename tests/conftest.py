@@ -104,6 +104,7 @@ SLOW: dict[str, str] = {
     "tests/test_launch_env.py::test_kubeflow_torch_runtime": "torchrun under PET_ variables",
     "tests/test_launch_env.py::test_elastic_c10d_rendezvous": "two elastic agents",
     "tests/test_readme_snippets.py::test_readme_blocks_run_as_written": "the README's HF blocks",
+    "tests/test_metrics.py::test_wandb_offline_writes": "wandb in its own process",
 }
 
 
