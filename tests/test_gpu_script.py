@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 
 from benchmarks import gpu, gpu_ranks
+from plait import RankTimeout
 
 
 def _run(tmp_path: Path, sections: str) -> tuple[int, dict[str, Any], str]:
-    code = gpu.main(["--device", "cpu", "--quick", "--sections", sections, "--out", str(tmp_path)])
+    # no time budget: these tests check every check's verdict, not the budget
+    argv = ["--device", "cpu", "--quick", "--budget-s", "0", "--sections", sections]
+    code = gpu.main([*argv, "--out", str(tmp_path)])
     (json_path,) = tmp_path.glob("gpu-cpu-*.json")
     (md_path,) = tmp_path.glob("gpu-cpu-*.md")
     return code, json.loads(json_path.read_text()), md_path.read_text()
@@ -122,6 +125,166 @@ def test_one_failing_check_does_not_stop_the_others_and_fails_the_exit_code(
     results = json.loads(json_path.read_text())["results"]
     assert [(r["name"], r["status"]) for r in results] == [("broken", "fail"), ("after it", "pass")]
     assert results[0]["reason"].startswith("ZeroDivisionError")
+
+
+# --- the time budget and the record written after every check, without processes ---------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_budget_counts_from_its_start_and_limits_waits() -> None:
+    clock = FakeClock()
+    budget = gpu.Budget(100.0, clock=clock, min_start=10.0)
+    assert budget.left() == 100.0 and budget.fits()
+    assert budget.limit(600.0) == (100.0 - gpu.CUT_MARGIN_S, True)  # the budget sets it
+    assert budget.limit(30.0) == (30.0, False)  # the check's own cap sets it
+    clock.now += 91.0
+    assert not budget.fits() and budget.left() == 9.0
+    assert budget.limit(30.0) == (9.0 - gpu.CUT_MARGIN_S, True)
+    clock.now += 50.0
+    assert budget.limit(30.0) == (1.0, True)  # never a zero or negative timeout
+    unlimited = gpu.Budget(0.0, clock=clock)
+    assert unlimited.left() == float("inf") and unlimited.limit(600.0) == (600.0, False)
+
+
+def test_a_run_writes_after_every_check_skips_what_does_not_fit_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three checks of 30 (fake) seconds in a 70 s budget: two run, the third is not
+    started; a check that the budget cut (a pool timing out at the budget's limit) is a
+    skip, not a failure; the files on disk hold every check done before the next began."""
+    clock = FakeClock()
+    seen_on_disk: list[list[str]] = []
+
+    def on_disk() -> list[str]:
+        (path,) = tmp_path.glob("gpu-cpu-*.json")
+        return [r["name"] for r in json.loads(path.read_text())["results"]]
+
+    def section(run: gpu.Run) -> None:
+        for name in ("first", "second", "third"):
+
+            def body() -> dict[str, Any]:
+                if run.results:
+                    seen_on_disk.append(on_disk())
+                clock.now += 30.0
+                return {"at": clock.now}
+
+            run.check("environment", name, body)
+
+    def cut_section(run: gpu.Run) -> None:
+        def body() -> dict[str, Any]:
+            run.limit()  # the pool's wait would end at the budget
+            clock.now += 1000.0
+            raise RankTimeout("ranks [0] did not finish within 67 s", [0])
+
+        run.check("init", "cut", body)
+
+    monkeypatch.setitem(gpu.RUNNERS, "environment", section)
+    monkeypatch.setitem(gpu.RUNNERS, "init", cut_section)
+    monkeypatch.setattr(gpu, "CLOCK", clock)
+    argv = ["--device", "cpu", "--sections", "environment", "--budget-s", "70"]
+    assert gpu.main([*argv, "--out", str(tmp_path)]) == 0
+    assert seen_on_disk == [["first"], ["first", "second"]]
+    (path,) = tmp_path.glob("gpu-cpu-*.json")
+    payload = json.loads(path.read_text())
+    got = [(r["name"], r["status"]) for r in payload["results"]]
+    assert got == [("first", "pass"), ("second", "pass"), ("third", "skip")]
+    assert payload["results"][2]["reason"].startswith("not started: 10 s of the 70 s time budget")
+    assert payload["finished"] is True and payload["budget_s"] == 70.0
+    md = next(tmp_path.glob("gpu-cpu-*.md")).read_text()
+    assert "| environment | third | skip |" in md
+    assert "Time budget 70 s; 60 s spent; finished." in md
+
+    clock.now = 1000.0
+    argv = ["--device", "cpu", "--sections", "init", "--budget-s", "70"]
+    assert gpu.main([*argv, "--out", str(tmp_path / "cut")]) == 0  # cut is not failed
+    (path,) = (tmp_path / "cut").glob("gpu-cpu-*.json")
+    (cut,) = json.loads(path.read_text())["results"]
+    assert cut["status"] == "skip" and cut["reason"].startswith("cut at the time budget (70 s)")
+
+
+# A lent GPU machine has its own PyTorch and nothing else: importing the script and what its
+# ranks import must need no package outside the standard library, torch (with the packages
+# torch itself requires) and plait. Anything else is refused as if it were not installed.
+_ONLY_TORCH = r"""
+import importlib.abc, importlib.metadata as md, re, sys
+
+def requirements(dist, seen):
+    if dist in seen:
+        return seen
+    seen.add(dist)
+    try:
+        reqs = md.requires(dist) or []
+    except md.PackageNotFoundError:
+        return seen
+    for req in reqs:
+        if "extra ==" in req:
+            continue
+        name = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0]
+        requirements(norm(name), seen)
+    return seen
+
+def norm(d):
+    return re.sub(r"[-_.]+", "-", d).lower()
+
+dists = requirements("torch", set())
+owners = md.packages_distributions()
+allowed = {m for m, ds in owners.items() if any(norm(d) in dists for d in ds)}
+allowed |= set(sys.stdlib_module_names) | {"torch", "torchgen", "functorch", "plait", "benchmarks"}
+refused = set()
+
+class OnlyTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in allowed and top not in sys.builtin_module_names and not top.startswith("_"):
+            refused.add(top)
+            raise ModuleNotFoundError(f"{top} is not installed (a machine with torch only)")
+        return None
+
+sys.meta_path.insert(0, OnlyTorch())
+import benchmarks.gpu, benchmarks.gpu_ranks
+import plait.checkpoint, plait.plan, plait.strategies.tensor  # what the ranks import later
+import torch.distributed.fsdp, torch.distributed.device_mesh
+print("REFUSED", sorted(refused))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_script_imports_nothing_but_torch_and_plait() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONLY_TORCH],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # torch tries some optional packages (numpy, ...) and goes on without them: refused is
+    # fine as long as the imports above succeeded
+    assert "REFUSED" in proc.stdout, proc.stdout
+
+
+def test_defaults_fit_the_lent_machine() -> None:
+    assert gpu.parse([]).budget_s == 480.0  # 8 minutes of a 15-minute lease
+    assert gpu.parse(["--quick"]).budget_s == 60.0
+    assert gpu.parse(["--budget-s", "0"]).budget_s == 0.0
+    assert gpu.SECTIONS[:6] == (
+        "environment",
+        "init",
+        "one_rank",
+        "correctness",
+        "overhead",
+        "memory",
+    )
 
 
 # --- AdamW through the strategies that rebuild the optimizer (found by the overhead race) -------
