@@ -445,6 +445,10 @@ def checkpoint_section(run: Run) -> None:
     saved: dict[str, Any] = {}
 
     def save() -> dict[str, Any]:
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is None:
+            raise Outcome("skip", "plait.checkpoint writes safetensors files: not installed here")
         saved.update(
             run.on_ranks(
                 run.world, ranks.checkpoint_save, root, run.device, backend=run.multi_backend

@@ -3,6 +3,7 @@ and a few compiled training steps against the one-process oracle."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ def wrapped(strategy: str) -> tuple[nn.Module, tuple[Any, ...]]:
     mine = x[r * GLOBAL_BATCH // n : (r + 1) * GLOBAL_BATCH // n]
     if strategy in ("ddp", "zero1", "zero2", "fsdp"):
         module, _ = plait.prepare(model, opt, strategy=strategy)
+        return module, (mine,)
+    if strategy in ("ddp_buffers", "torch_ddp_buffers"):  # DDP broadcasts buffers in forward
+        model.register_buffer("running", torch.ones(16))
+        if strategy == "torch_ddp_buffers":
+            return torch.nn.parallel.DistributedDataParallel(model), (mine,)
+        module, _ = plait.prepare(model, opt, strategy="ddp")
+        model.running.fill_(r + 1.0)  # rank 0's value must reach every rank in forward
         return module, (mine,)
     if strategy == "torch_ddp":
         return torch.nn.parallel.DistributedDataParallel(model), (mine,)
@@ -79,12 +87,18 @@ def graph_breaks(strategy: str) -> dict[str, Any]:
 
     module, args = wrapped(strategy)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(module)(*args)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(module)(*args)
+    caught = [str(w.message) for w in record]
     breaks = [{"reason": str(b.reason)[:600], "stack": _frames(b)} for b in explained.break_reasons]
     by_plait = [
         b for b in breaks if "plait" in b["reason"] or any(PLAIT_DIR in f for f in b["stack"])
     ]
+    buffers = [float(b.flatten()[0]) for b in module.buffers()]
     return {
+        "buffers": buffers,
+        "warnings": [m for m in caught if "crc32" in m or PLAIT_DIR in m],
         "graphs": explained.graph_count,
         "breaks": breaks,
         "by_plait": by_plait,
@@ -100,6 +114,10 @@ def trains_like_eager(strategy: str, backend: str, when: str = "after", steps: i
     from plait import checkpoint
 
     torch._dynamo.reset()  # kept ranks: start from no cached graph (and its recompile limit)
+    if backend == "inductor":
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = 1  # no pool of compile workers on 2 cores
     n, r = plait.world().size, plait.world().rank
 
     def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
