@@ -11,7 +11,7 @@ leaves what it measured. Every check records ``pass``, ``fail`` or ``skip`` with
 one failing check never stops the others (a failed pool is replaced), and the exit code is 1
 when any correctness check failed (benchmark goals missed are reported, not failed).
 
-The run keeps to a time budget (``--budget-s``, default 480 s, 60 s with ``--quick``, 0 for
+The run keeps to a time budget (``--budget-s``, default 480 s, 50 s with ``--quick``, 0 for
 none) counted from the start of the process: a check is not started with less than
 :data:`MIN_START_S` left (recorded as ``skip``, "not started: ..."), and a check still
 running when the budget ends is stopped (its ranks killed) and recorded as ``skip``, "cut at
@@ -104,9 +104,11 @@ SECTIONS = (  # in order of value: what a cut run must have measured first
     "cuda_tests",
 )
 BUDGET_S = 480.0  # the default budget: a lent GPU for 15 minutes, 1-2 of them to start it
-QUICK_BUDGET_S = 60.0
-MIN_START_S = 15.0  # a check is not started with less than this left (3 s with --quick)
-CUT_MARGIN_S = 3.0  # stop a running check this long before the budget ends: time to write
+QUICK_BUDGET_S = 50.0  # under a minute with the start and the exit
+MIN_START_S = 20.0  # a check is not started with less than this left (12 s with --quick)
+# a running check is stopped this long before the budget ends: killing its ranks, closing
+# the other pools and writing the files take a few seconds on a loaded machine
+CUT_MARGIN_S = 8.0
 CLOCK: Callable[[], float] = time.perf_counter  # the budget's clock (a test's fake one)
 FLOAT64_TOL = 1e-9  # float64 parameters after two Adam steps
 UPDATE_TOL = {"fsdp_bf16": 0.05, "fsdp_fp16_scaled": 0.01}  # relative SGD update error
@@ -178,7 +180,7 @@ class Run:
         self.facts: dict[str, Any] = {}
         self.started = CLOCK() if started is None else started
         self.budget = Budget(
-            args.budget_s, started=self.started, min_start=3.0 if self.quick else MIN_START_S
+            args.budget_s, started=self.started, min_start=12.0 if self.quick else MIN_START_S
         )
         self.finished = False  # every wanted section ran (or was skipped)
         self.cut = False  # set when the budget, not the check's own timeout, ended a wait

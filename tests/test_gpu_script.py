@@ -144,7 +144,7 @@ def test_budget_counts_from_its_start_and_limits_waits() -> None:
     assert budget.limit(30.0) == (30.0, False)  # the check's own cap sets it
     clock.now += 91.0
     assert not budget.fits() and budget.left() == 9.0
-    assert budget.limit(30.0) == (9.0 - gpu.CUT_MARGIN_S, True)
+    assert budget.limit(30.0) == (max(1.0, 9.0 - gpu.CUT_MARGIN_S), True)
     clock.now += 50.0
     assert budget.limit(30.0) == (1.0, True)  # never a zero or negative timeout
     unlimited = gpu.Budget(0.0, clock=clock)
@@ -280,7 +280,7 @@ def test_the_script_imports_nothing_but_torch_and_plait(tmp_path: Path) -> None:
 
 def test_defaults_fit_the_lent_machine() -> None:
     assert gpu.parse([]).budget_s == 480.0  # 8 minutes of a 15-minute lease
-    assert gpu.parse(["--quick"]).budget_s == 60.0
+    assert gpu.parse(["--quick"]).budget_s == 50.0
     assert gpu.parse(["--budget-s", "0"]).budget_s == 0.0
     assert gpu.SECTIONS[:6] == (
         "environment",
