@@ -1,45 +1,57 @@
 """One script that proves plait on a GPU: correctness on CUDA, overhead, memory, CPU collectives.
 
-    .venv/bin/python benchmarks/gpu.py                          # the lent GPU machine, ~15-25 min
-    .venv/bin/python benchmarks/gpu.py --device cpu --quick     # anywhere, toy sizes, < 1 min
-    .venv/bin/python benchmarks/gpu.py --sections correctness,checkpoint
+    PYTHONPATH=. python3 benchmarks/gpu.py --out DIR            # the lent GPU machine, <= 8 min
+    PYTHONPATH=. python3 benchmarks/gpu.py --device cpu --quick # anywhere, toy sizes, <= 1 min
+    PYTHONPATH=. python3 benchmarks/gpu.py --sections correctness,checkpoint
 
-Writes ``benchmarks/results/gpu-<device>-<date>.md`` and ``.json`` (``--out`` for another
-folder). Every check records ``pass``, ``fail`` or ``skip`` with its reason; one failing
-check never stops the others (a failed pool is replaced), and the exit code is 1 when any
-correctness check failed (benchmark goals missed are reported, not failed). Nothing is
-downloaded or installed at run time. Sections, in order (``--sections`` picks some):
+It needs torch and plait only (no pytest, tqdm, transformers, safetensors: a lent machine
+has its own PyTorch and nothing else). Writes ``gpu-<device>-<date>.md`` and ``.json`` to
+``--out`` (default ``benchmarks/results/``) after **every** check, so a run cut short still
+leaves what it measured. Every check records ``pass``, ``fail`` or ``skip`` with its reason;
+one failing check never stops the others (a failed pool is replaced), and the exit code is 1
+when any correctness check failed (benchmark goals missed are reported, not failed).
+
+The run keeps to a time budget (``--budget-s``, default 480 s, 50 s with ``--quick``, 0 for
+none) counted from the start of the process: a check is not started with less than
+:data:`MIN_START_S` left (recorded as ``skip``, "not started: ..."), and a check still
+running when the budget ends is stopped (its ranks killed) and recorded as ``skip``, "cut at
+the time budget". Sections run in order of value (``--sections`` picks some):
 
 - ``environment``: torch, CUDA, NCCL, the device, the cores;
 - ``init``: ``plait.init()`` on one rank chooses NCCL where the rank owns a GPU (gloo on the
   CPU), and plait's all-reduce, all-gather, reduce-scatter and broadcast move tensors of
   this device over it, values checked;
-- ``shared_gpu``: whether NCCL accepts several ranks on the one GPU (NCCL 2.5+ refuses:
-  "Duplicate GPU detected"); the multi-rank checks then use gloo with CUDA tensors
-  (staged through host memory), and the results say so;
+- ``one_rank``: every case of ``correctness`` (below) on the one rank a GPU gives NCCL
+  (``plait.init()`` chooses the backend: NCCL on CUDA, gloo on the CPU): every tensor a
+  strategy hands a NCCL group must be on the GPU, which plait checks even at one rank;
 - ``correctness``: on ``--ranks`` ranks (default 4 on CUDA, 2 on the CPU) sharing the
   device, each case of :data:`gpu_ranks.CASES` (DDP, ZeRO-1/2, FSDP, FSDP in bf16 and in
   fp16 with loss scaling, FSDP with CPU offload (pinned on CUDA), 1D tensor parallelism,
   1F1B and ZB-H1 pipelines, MoE with expert parallelism, PTD-P) trains the reference GPT
   and is compared with the same GPT trained in one process on the global batch in
   float64: parameters within 1e-9 after two Adam steps; the 16-bit cases' SGD update
-  within 5% (bf16) or 1% (fp16) of the oracle's;
-- ``checkpoint``: FSDP on the ranks saves with ``plait.checkpoint.save``; DDP at the same
-  world size and a plain model on one rank load it (reshard) bitwise, parameters on the
-  device;
+  within 5% (bf16) or 1% (fp16) of the oracle's. The ranks share the one GPU over gloo
+  (CUDA tensors staged through host memory): NCCL refuses two ranks on one device;
 - ``overhead``: one rank, GPT-2 small's shape (124M, sequence 1024, bf16 autocast, AdamW),
   the largest micro-batch whose bare step fits in 60% of the card: the bare model against
   plait DDP, ZeRO-1, FSDP, TP and a pipeline at size 1 and PyTorch DDP and FSDP2, step
   times interleaved; model FLOPs utilisation against the card's bf16 peak. Goals: every
-  plait wrapper within 3% of bare and no slower than PyTorch's counterpart;
+  plait wrapper within 3% of bare and no slower than PyTorch's counterpart. The timed
+  rounds stop early when the check's share of the budget runs out (at least one each);
 - ``memory``: on the ranks, DDP, ZeRO-1/2 and FSDP in fp32 (two Adam steps, micro-batch 1):
   ``torch.cuda.max_memory_allocated`` against ``plait.plan``'s model states plus
   activations for that layout. Goal: within 5%;
+- ``checkpoint``: FSDP on the ranks saves with ``plait.checkpoint.save``; DDP at the same
+  world size and a plain model on one rank load it (reshard) bitwise, parameters on the
+  device;
+- ``shared_gpu``: whether NCCL accepts several ranks on the one GPU (NCCL 2.5+ refuses:
+  "Duplicate GPU detected"), which is why the multi-rank checks use gloo there;
 - ``comm``: plait's collectives (``plait.bench.measure_rank``, what ``benchmarks/comm.py``
   runs) at 2, 4, 8 and 16 CPU ranks (those the cores allow), over gloo and over shared
   memory;
 - ``cuda_tests``: the test suite's CUDA tests (``pytest -k cuda`` on the test files that
-  use ``torch.cuda``); skipped tests are reported with their reasons.
+  use ``torch.cuda``; skipped where pytest is not installed); skipped tests are reported
+  with their reasons.
 
 The JSON holds ``facts`` (versions, device, cores, command, commit, the multi-rank
 backend), ``date``, ``seconds`` and ``results``: one object per check with ``section``,
@@ -51,21 +63,24 @@ collective tables.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
-import re
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+
+STARTED = time.perf_counter()  # the budget counts from here, before torch is imported
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,17 +91,25 @@ from benchmarks import gpu_ranks as ranks  # noqa: E402
 from plait import RankError, RankPool, RankTimeout, bench  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
-SECTIONS = (
+SECTIONS = (  # in order of value: what a cut run must have measured first
     "environment",
     "init",
-    "shared_gpu",
+    "one_rank",
     "correctness",
-    "checkpoint",
     "overhead",
     "memory",
+    "checkpoint",
+    "shared_gpu",
     "comm",
     "cuda_tests",
 )
+BUDGET_S = 480.0  # the default budget: a lent GPU for 15 minutes, 1-2 of them to start it
+QUICK_BUDGET_S = 50.0  # under a minute with the start and the exit
+MIN_START_S = 20.0  # a check is not started with less than this left (12 s with --quick)
+# a running check is stopped this long before the budget ends: killing its ranks, closing
+# the other pools and writing the files take a few seconds on a loaded machine
+CUT_MARGIN_S = 8.0
+CLOCK: Callable[[], float] = time.perf_counter  # the budget's clock (a test's fake one)
 FLOAT64_TOL = 1e-9  # float64 parameters after two Adam steps
 UPDATE_TOL = {"fsdp_bf16": 0.05, "fsdp_fp16_scaled": 0.01}  # relative SGD update error
 OVERHEAD_GOAL = 1.03  # plait wrapper step time / bare model's
@@ -111,18 +134,64 @@ class Outcome(Exception):
         self.status, self.reason, self.data = status, reason, data or {}
 
 
+class Budget:
+    """The run's time budget: ``seconds`` from ``started`` (0: none), on ``clock``."""
+
+    def __init__(
+        self,
+        seconds: float,
+        *,
+        started: float | None = None,
+        clock: Callable[[], float] | None = None,
+        min_start: float = MIN_START_S,
+    ) -> None:
+        self.seconds = seconds
+        self.clock = clock or CLOCK
+        self.started = clock() if started is None else started
+        self.min_start = min_start
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def left(self) -> float:
+        """Seconds left (infinite without a budget)."""
+        return self.seconds - self.elapsed() if self.seconds > 0 else float("inf")
+
+    def fits(self) -> bool:
+        """Enough is left to start a check."""
+        return self.left() >= self.min_start
+
+    def limit(self, cap: float) -> tuple[float, bool]:
+        """The timeout for a blocking step that may take up to ``cap`` seconds, and whether
+        the budget (not ``cap``) set it."""
+        left = self.left() - CUT_MARGIN_S
+        return (max(1.0, left), True) if left < cap else (cap, False)
+
+
 class Run:
     """The run's settings, its pools of ranks and its results."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, started: float | None = None) -> None:
         self.args = args
         self.device: str = args.device
         self.quick: bool = args.quick
         self.world: int = args.ranks or (4 if self.device == "cuda" and not self.quick else 2)
         self.results: list[Result] = []
         self.facts: dict[str, Any] = {}
-        self.started = time.perf_counter()
+        self.started = CLOCK() if started is None else started
+        self.budget = Budget(
+            args.budget_s, started=self.started, min_start=12.0 if self.quick else MIN_START_S
+        )
+        self.finished = False  # every wanted section ran (or was skipped)
+        self.cut = False  # set when the budget, not the check's own timeout, ended a wait
+        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
         self._pools: dict[tuple[int, str | None], RankPool] = {}
+
+    def limit(self, cap: float | None = None) -> float:
+        """The timeout of the next blocking step of a check (at most ``--check-timeout``)."""
+        timeout, by_budget = self.budget.limit(cap or self.args.check_timeout)
+        self.cut = self.cut or by_budget
+        return timeout
 
     @property
     def multi_backend(self) -> str:
@@ -138,7 +207,12 @@ class Run:
         key = (world, backend)
         pool = self._pools.get(key)
         if pool is None or pool.closed:
-            pool = RankPool(world, backend=backend, timeout=self.args.collective_timeout)
+            pool = RankPool(
+                world,
+                backend=backend,
+                timeout=self.args.collective_timeout,
+                start_timeout=self.limit(120.0),
+            )
             self._pools[key] = pool
         return pool
 
@@ -150,30 +224,47 @@ class Run:
     def on_ranks(
         self, world: int, fn: Callable[..., Any], *args: Any, backend: str | None = "gloo"
     ) -> list[Any]:
-        return self.pool(world, backend).run(fn, *args, timeout=self.args.check_timeout)
+        pool = self.pool(world, backend)
+        return pool.run(fn, *args, timeout=self.limit())
 
     # --- checks -----------------------------------------------------------------------------
     def check(self, section: str, name: str, body: Callable[[], dict[str, Any]]) -> Result:
         """Run ``body``; it returns data (pass) or raises :class:`Outcome` or an error
-        (fail, with the error). Past ``--budget-s`` the check is skipped instead."""
-        elapsed = time.perf_counter() - self.started
-        if elapsed > self.args.budget_s:
-            result = Result(section, name, "skip", f"time budget of {self.args.budget_s:g} s spent")
-            return self._record(result)
+        (fail, with the error). A check the budget has no room for is skipped, and one the
+        budget ended is recorded as cut (skip), not failed."""
+        if not self.budget.fits():
+            left = max(0.0, self.budget.left())
+            reason = (
+                f"not started: {left:.0f} s of the {self.budget.seconds:g} s time budget left "
+                f"(a check needs {self.budget.min_start:g} s)"
+            )
+            return self._record(Result(section, name, "skip", reason))
+        self.cut = False
         t0 = time.perf_counter()
         try:
             result = Result(section, name, "pass", data=body())
         except Outcome as o:
             result = Result(section, name, o.status, o.reason, data=o.data)
+        except (RankTimeout, subprocess.TimeoutExpired) as exc:
+            if self.cut and not self.budget.fits():
+                reason = (
+                    f"cut at the time budget ({self.budget.seconds:g} s) after "
+                    f"{time.perf_counter() - t0:.0f} s: {_error_text(exc)[:200]}"
+                )
+                result = Result(section, name, "skip", reason, data=_error_data(exc))
+            else:
+                result = Result(section, name, "fail", _error_text(exc), data=_error_data(exc))
         except Exception as exc:
             result = Result(section, name, "fail", _error_text(exc), data=_error_data(exc))
         result.seconds = time.perf_counter() - t0
         return self._record(result)
 
     def _record(self, result: Result) -> Result:
+        """Keep ``result``, print it, and rewrite the Markdown and JSON files with it."""
         self.results.append(result)
         line = f"[{result.status:>4}] {result.section}/{result.name} ({result.seconds:.1f} s)"
         print(line + (f": {result.reason}" if result.reason else ""), flush=True)
+        write(self, self.args.out)
         return result
 
     def skip(self, section: str, name: str, reason: str) -> None:
@@ -271,8 +362,8 @@ def shared_gpu(run: Run) -> None:
     def body() -> dict[str, Any]:
         # a pool of its own: a refused NCCL communicator may leave its ranks unusable
         try:
-            with RankPool(run.world, timeout=60) as pool:
-                probe = pool.run(ranks.nccl_shared_probe, timeout=120)
+            with RankPool(run.world, timeout=60, start_timeout=run.limit(120.0)) as pool:
+                probe = pool.run(ranks.nccl_shared_probe, timeout=run.limit(120.0))
         except (RankError, RankTimeout) as exc:  # a crash or a hang is a refusal too
             probe = [{"allowed": False, "error": _error_text(exc)}]
         allowed = all(p["allowed"] for p in probe)
@@ -281,6 +372,23 @@ def shared_gpu(run: Run) -> None:
         raise Outcome("pass", f"{verdict}; the multi-rank checks use {run.multi_backend}", data)
 
     run.check("shared_gpu", name, body)
+
+
+def one_rank(run: Run) -> None:
+    """Every correctness case at one rank, the backend ``plait.init()`` picks (NCCL on a
+    GPU): a CPU tensor reaching a NCCL group is refused even where nothing is sent."""
+    for case in ranks.CASES:
+        if case == "ptdp":
+            run.skip("one_rank", case, "PTD-P here needs two pipeline stages (two ranks)")
+            continue
+
+        def body(case: str = case) -> dict[str, Any]:
+            per_rank = run.on_ranks(1, ranks.check_case, case, run.device, backend=None)
+            data = judge(case, per_rank, run.device)
+            data["backend"] = per_rank[0]["backend"]
+            return data
+
+        run.check("one_rank", f"{case} (1 rank, backend plait.init() chose)", body)
 
 
 def correctness(run: Run) -> None:
@@ -339,6 +447,10 @@ def checkpoint_section(run: Run) -> None:
     saved: dict[str, Any] = {}
 
     def save() -> dict[str, Any]:
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is None:
+            raise Outcome("skip", "plait.checkpoint writes safetensors files: not installed here")
         saved.update(
             run.on_ranks(
                 run.world, ranks.checkpoint_save, root, run.device, backend=run.multi_backend
@@ -398,6 +510,8 @@ def overhead_section(run: Run) -> None:
         if not chosen.get("microbatch"):
             raise Outcome("skip", "no micro-batch chosen")
         warmup, steps = (1, 1) if run.quick else (3, 20)
+        # the timed rounds get 60% of what this check may take; the rest builds the variants
+        seconds = 0.6 * min(run.budget.left(), run.args.check_timeout)
         res = run.on_ranks(
             1,
             ranks.overhead,
@@ -406,6 +520,7 @@ def overhead_section(run: Run) -> None:
             chosen["microbatch"],
             warmup,
             steps,
+            seconds,
             backend=backend,
         )[0]
         return judge_overhead(res, run)
@@ -513,7 +628,8 @@ def comm_section(run: Run) -> None:
                 world: int = world, transport: str = transport, algorithms: list[str] = algorithms
             ) -> dict[str, Any]:
                 env = {"PLAIT_TRANSPORT": transport}
-                with RankPool(world, env=env, timeout=120) as pool:
+                start = run.limit(120.0)
+                with RankPool(world, env=env, timeout=120, start_timeout=start) as pool:
                     rows = pool.run(
                         bench.measure_rank,
                         collectives,
@@ -521,7 +637,7 @@ def comm_section(run: Run) -> None:
                         sizes,
                         max_iters=10,
                         budget_s=budget,
-                        timeout=run.args.check_timeout,
+                        timeout=run.limit(),
                     )[0]
                 return {"rows": bench.as_json(rows), "table": bench.format_rows(rows)}
 
@@ -530,6 +646,10 @@ def comm_section(run: Run) -> None:
 
 def cuda_tests(run: Run) -> None:
     def body() -> dict[str, Any]:
+        import importlib.util
+
+        if importlib.util.find_spec("pytest") is None:
+            raise Outcome("skip", "pytest is not installed here (a lent GPU has torch only)")
         files = sorted(
             str(p.relative_to(ROOT))
             for p in (ROOT / "tests").glob("test_*.py")
@@ -543,7 +663,7 @@ def cuda_tests(run: Run) -> None:
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=run.args.check_timeout,
+            timeout=run.limit(),
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         tail = proc.stdout[-3000:]
@@ -562,14 +682,16 @@ def cuda_tests(run: Run) -> None:
 RUNNERS: dict[str, Callable[[Run], None]] = {
     "environment": environment,
     "init": init_section,
-    "shared_gpu": shared_gpu,
+    "one_rank": one_rank,
     "correctness": correctness,
-    "checkpoint": checkpoint_section,
     "overhead": overhead_section,
     "memory": memory_section,
+    "checkpoint": checkpoint_section,
+    "shared_gpu": shared_gpu,
     "comm": comm_section,
     "cuda_tests": cuda_tests,
 }
+assert tuple(RUNNERS) == SECTIONS
 
 
 # --- the results file -----------------------------------------------------------------------------
@@ -603,6 +725,9 @@ def markdown(run: Run, date: str) -> str:
             lines += ["", f"{r.name}:", "", "```", r.data["table"], "```"]
     counts = {s: sum(r.status == s for r in run.results) for s in ("pass", "fail", "skip")}
     lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped."]
+    budget = f"{run.budget.seconds:g} s" if run.budget.seconds > 0 else "none"
+    state = "finished" if run.finished else "still running or stopped (a partial record)"
+    lines += [f"Time budget {budget}; {run.budget.elapsed():.0f} s spent; {state}."]
     return "\n".join(lines) + "\n"
 
 
@@ -632,7 +757,12 @@ def _overhead_table(d: dict[str, Any]) -> str:
         f"Overhead at one rank: {d['params'] / 1e6:.0f}M parameters, micro-batch "
         f"{d['microbatch']}, sequence {d['seq']}"
         + (", bf16 autocast" if d.get("autocast_bf16") else ", fp32")
-        + "; medians of interleaved steps.",
+        + f"; medians of {d.get('rounds', '?')} rounds of interleaved steps"
+        + (
+            f" ({d['rounds_asked']} asked; the budget stopped the rest)."
+            if d.get("rounds", 0) < d.get("rounds_asked", 0)
+            else "."
+        ),
         "",
         "| variant | step ms | vs bare | tokens/s | MFU |",
         "|---|---|---|---|---|",
@@ -648,18 +778,27 @@ def _overhead_table(d: dict[str, Any]) -> str:
 
 
 def write(run: Run, out: Path) -> tuple[Path, Path]:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    """Write (rewrite) the Markdown and JSON of what the run has measured so far; each
+    file is written whole to a temporary name and renamed, so a reader never sees half."""
+    date = run.date
     stem = f"gpu-{device_slug(run)}-{date}"
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "facts": run.facts,
         "date": date,
         "seconds": time.perf_counter() - run.started,
+        "budget_s": run.budget.seconds,
+        "finished": run.finished,
         "results": [asdict(r) for r in run.results],
     }
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(payload, indent=1, default=str))
-    md_path.write_text(markdown(run, date))
+    for path, text in (
+        (json_path, json.dumps(payload, indent=1, default=str)),
+        (md_path, markdown(run, date)),
+    ):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return md_path, json_path
 
 
@@ -671,11 +810,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=0, help="ranks of the multi-rank checks")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--budget-s", type=float, default=1500.0, help="skip checks after this")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"seconds for the whole run, from its start (default {BUDGET_S:g}, "
+        f"{QUICK_BUDGET_S:g} with --quick; 0: no budget)",
+    )
     parser.add_argument("--check-timeout", type=float, default=600.0, help="seconds per check")
     parser.add_argument("--collective-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.budget_s is None:
+        args.budget_s = QUICK_BUDGET_S if args.quick else BUDGET_S
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
@@ -686,24 +833,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """Run the wanted sections; ``started``: when the budget began (default: now)."""
     args = parse(argv)
-    run = Run(args)
+    run = Run(args, started)
     collect_facts(run)
     wanted = set(args.sections.split(","))
     try:
         for section in SECTIONS:
             if section in wanted:
                 RUNNERS[section](run)
-            if section == "memory":
+            if section == "shared_gpu":
                 run.close_pools()  # the comm section starts pools of its own
+        run.finished = True
     finally:
         run.close_pools()
-    md_path, json_path = write(run, args.out)
+        md_path, json_path = write(run, args.out)
     failed = [r for r in run.results if r.status == "fail"]
     print(f"wrote {md_path} and {json_path}; {len(failed)} failed")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

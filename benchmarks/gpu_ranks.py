@@ -174,6 +174,7 @@ def check_case(case: str, device: str) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown case {case!r}; use one of {CASES}")
     sync(dev)
+    out["backend"] = world.backend
     return out
 
 
@@ -517,11 +518,15 @@ def largest_microbatch(device: str, quick: bool, candidates: list[int]) -> dict[
     return {"microbatch": 0, "tried": tried, "total_bytes": total}
 
 
-def overhead(device: str, quick: bool, mb: int, warmup: int, steps: int) -> dict[str, Any]:
+def overhead(
+    device: str, quick: bool, mb: int, warmup: int, steps: int, seconds: float = float("inf")
+) -> dict[str, Any]:
     """Every variant of :data:`VARIANTS` at one rank: ``warmup`` steps each, then ``steps``
     rounds in which every variant takes one step, in a rotating order (noise hits all
-    alike). Returns the step times (ms) per variant and the errors of variants that failed
-    (a failed variant leaves the race; the others go on)."""
+    alike), fewer if the rounds would pass ``seconds`` from the start (one at least).
+    Returns the step times (ms) per variant and the errors of variants that failed (a
+    failed variant leaves the race; the others go on)."""
+    start = time.perf_counter()
     dev = rank_device(device)
     config = big_config(quick)
     runners: list[_Runner] = []
@@ -535,7 +540,11 @@ def overhead(device: str, quick: bool, mb: int, warmup: int, steps: int) -> dict
         except Exception as exc:  # recorded per variant; the race goes on without it
             errors[name] = f"{type(exc).__name__}: {exc}"[:400]
     times: dict[str, list[float]] = {r.name: [] for r in runners}
+    rounds = 0
     for i in range(steps):
+        if i and time.perf_counter() - start > seconds:
+            break
+        rounds += 1
         shift = i % max(1, len(runners))
         for runner in runners[shift:] + runners[:shift]:
             if runner.name in errors:
@@ -559,6 +568,8 @@ def overhead(device: str, quick: bool, mb: int, warmup: int, steps: int) -> dict
         "microbatch": mb,
         "seq": config.seq_len,
         "autocast_bf16": dev.type == "cuda",
+        "rounds": rounds,
+        "rounds_asked": steps,
     }
 
 

@@ -53,14 +53,17 @@ class Row:
     iters: int
     resolved: str  # what "auto" picked; the algorithm itself otherwise
     transport: str = "gloo"  # "shm" when every rank of the world shares memory
+    backend: str = "gloo"  # the world group's backend
 
 
-def _call(collective: str, algorithm: str, nbytes: int, n: int) -> Callable[[], object]:
-    """A closure running one collective of about ``nbytes`` float32 bytes."""
+def _call(
+    collective: str, algorithm: str, nbytes: int, n: int, device: torch.device | str = "cpu"
+) -> Callable[[], object]:
+    """A closure running one collective of about ``nbytes`` float32 bytes on ``device``."""
     numel = max(n, (nbytes // 4) // n * n)
-    buf = torch.ones(numel)
-    part = torch.ones(numel // n)
-    out = torch.empty(numel)
+    buf = torch.ones(numel, device=device)
+    part = torch.ones(numel // n, device=device)
+    out = torch.empty(numel, device=device)
     if collective == "all_reduce":
         return lambda: comm.all_reduce(buf, algorithm=algorithm)
     if collective == "reduce_scatter":
@@ -76,8 +79,8 @@ def _call(collective: str, algorithm: str, nbytes: int, n: int) -> Callable[[], 
     raise ValueError(f"unknown collective {collective!r}; use one of {COLLECTIVES}")
 
 
-def _slowest(seconds: list[float]) -> list[float]:
-    t = torch.tensor(seconds, dtype=torch.float64)
+def _slowest(seconds: list[float], device: torch.device | str = "cpu") -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(t, dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -101,6 +104,8 @@ def measure_rank(
 
     g = comm.world()
     shared = ops.shared(g)
+    # NCCL takes tensors of this rank's GPU only (a table for it is measured there)
+    device = torch.device("cuda", torch.cuda.current_device()) if g.backend == "nccl" else "cpu"
     rows = []
     for collective in collectives:
         algos = [
@@ -109,7 +114,7 @@ def measure_rank(
             if a == "auto" or (a in comm.SUPPORTED[collective] and (shared or a != "shm"))
         ]
         for nbytes in sizes:
-            fns = {a: _call(collective, a, nbytes, g.size) for a in algos}
+            fns = {a: _call(collective, a, nbytes, g.size, device) for a in algos}
             for fn in fns.values():
                 for _ in range(warmup):
                     fn()
@@ -117,7 +122,7 @@ def measure_rank(
             t0 = time.perf_counter()
             for fn in fns.values():
                 fn()
-            first = _slowest([time.perf_counter() - t0])[0]
+            first = _slowest([time.perf_counter() - t0], device)[0]
             iters = int(min(max_iters, max(3, budget_s / max(first, 1e-6))))
             times: dict[str, list[float]] = {a: [] for a in algos}
             for _ in range(iters):
@@ -125,12 +130,18 @@ def measure_rank(
                     dist.barrier()
                     t0 = time.perf_counter()
                     fn()
+                    if device != "cpu":  # NCCL's work waits on the stream, not the host
+                        torch.cuda.synchronize(device)
                     times[a].append(time.perf_counter() - t0)
             real = max(g.size, (nbytes // 4) // g.size * g.size) * 4
             for a in algos:
-                median = statistics.median(_slowest(times[a]))
+                median = statistics.median(_slowest(times[a], device))
                 algbw = real / median / 1e9
-                resolved = tuner.choose(collective, real, g.size, shm=shared) if a == "auto" else a
+                resolved = (
+                    tuner.choose(collective, real, g.size, shm=shared, backend=g.backend)
+                    if a == "auto"
+                    else a
+                )
                 row = Row(
                     collective,
                     a,
@@ -142,6 +153,7 @@ def measure_rank(
                     iters,
                     resolved,
                     "shm" if shared else "gloo",
+                    g.backend,
                 )
                 rows.append(row)
                 if on_row is not None and g.rank == 0:
@@ -203,6 +215,11 @@ def as_json(rows: Sequence[Row]) -> list[dict[str, object]]:
 def table_transport(rows: Sequence[Row]) -> str:
     """The transport a tuning table built from ``rows`` was measured on."""
     return "shm" if rows and all(r.transport == "shm" for r in rows) else "gloo"
+
+
+def table_backend(rows: Sequence[Row]) -> str:
+    """The backend a tuning table built from ``rows`` was measured on."""
+    return rows[0].backend if rows else "gloo"
 
 
 def tune_table(rows: Sequence[Row]) -> dict[str, dict[int, list[tuple[int, str]]]]:

@@ -247,14 +247,15 @@ def _bench_comm(args: argparse.Namespace) -> int:
     if args.tune:
         path = Path(args.tune_file) if args.tune_file else tuner.table_path()
         transport = bench.table_transport(rows)  # a table measured on shm is an shm table
+        backend = bench.table_backend(rows)
         table: dict[str, dict[int, list[tuple[int, str]]]] = {}
         if path.exists():
             tuner.load(path)
-            if tuner._transport == transport:
+            if tuner._transport == transport and tuner._backend == backend:
                 table = dict(tuner._table or {})
         for collective, per_world in bench.tune_table(rows).items():
             table.setdefault(collective, {}).update(per_world)
-        tuner.save(table, path, backend="gloo", transport=transport)
+        tuner.save(table, path, backend=backend, transport=transport)
         print(f"wrote the tuning table for world size {args.nproc} to {path}")
     return 0
 

@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 
 from benchmarks import gpu, gpu_ranks
+from plait import RankTimeout
 
 
 def _run(tmp_path: Path, sections: str) -> tuple[int, dict[str, Any], str]:
-    code = gpu.main(["--device", "cpu", "--quick", "--sections", sections, "--out", str(tmp_path)])
+    # no time budget: these tests check every check's verdict, not the budget
+    argv = ["--device", "cpu", "--quick", "--budget-s", "0", "--sections", sections]
+    code = gpu.main([*argv, "--out", str(tmp_path)])
     (json_path,) = tmp_path.glob("gpu-cpu-*.json")
     (md_path,) = tmp_path.glob("gpu-cpu-*.md")
     return code, json.loads(json_path.read_text()), md_path.read_text()
@@ -122,6 +125,171 @@ def test_one_failing_check_does_not_stop_the_others_and_fails_the_exit_code(
     results = json.loads(json_path.read_text())["results"]
     assert [(r["name"], r["status"]) for r in results] == [("broken", "fail"), ("after it", "pass")]
     assert results[0]["reason"].startswith("ZeroDivisionError")
+
+
+# --- the time budget and the record written after every check, without processes ---------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_budget_counts_from_its_start_and_limits_waits() -> None:
+    clock = FakeClock()
+    budget = gpu.Budget(100.0, clock=clock, min_start=10.0)
+    assert budget.left() == 100.0 and budget.fits()
+    assert budget.limit(600.0) == (100.0 - gpu.CUT_MARGIN_S, True)  # the budget sets it
+    assert budget.limit(30.0) == (30.0, False)  # the check's own cap sets it
+    clock.now += 91.0
+    assert not budget.fits() and budget.left() == 9.0
+    assert budget.limit(30.0) == (max(1.0, 9.0 - gpu.CUT_MARGIN_S), True)
+    clock.now += 50.0
+    assert budget.limit(30.0) == (1.0, True)  # never a zero or negative timeout
+    unlimited = gpu.Budget(0.0, clock=clock)
+    assert unlimited.left() == float("inf") and unlimited.limit(600.0) == (600.0, False)
+
+
+def test_a_run_writes_after_every_check_skips_what_does_not_fit_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three checks of 30 (fake) seconds in a 70 s budget: two run, the third is not
+    started; a check that the budget cut (a pool timing out at the budget's limit) is a
+    skip, not a failure; the files on disk hold every check done before the next began."""
+    clock = FakeClock()
+    seen_on_disk: list[list[str]] = []
+
+    def on_disk() -> list[str]:
+        (path,) = tmp_path.glob("gpu-cpu-*.json")
+        return [r["name"] for r in json.loads(path.read_text())["results"]]
+
+    def section(run: gpu.Run) -> None:
+        for name in ("first", "second", "third"):
+
+            def body() -> dict[str, Any]:
+                if run.results:
+                    seen_on_disk.append(on_disk())
+                clock.now += 30.0
+                return {"at": clock.now}
+
+            run.check("environment", name, body)
+
+    def cut_section(run: gpu.Run) -> None:
+        def body() -> dict[str, Any]:
+            run.limit()  # the pool's wait would end at the budget
+            clock.now += 1000.0
+            raise RankTimeout("ranks [0] did not finish within 67 s", [0])
+
+        run.check("init", "cut", body)
+
+    monkeypatch.setitem(gpu.RUNNERS, "environment", section)
+    monkeypatch.setitem(gpu.RUNNERS, "init", cut_section)
+    monkeypatch.setattr(gpu, "CLOCK", clock)
+    argv = ["--device", "cpu", "--sections", "environment", "--budget-s", "70"]
+    assert gpu.main([*argv, "--out", str(tmp_path)]) == 0
+    assert seen_on_disk == [["first"]]  # the second check began with the first on disk
+    (path,) = tmp_path.glob("gpu-cpu-*.json")
+    payload = json.loads(path.read_text())
+    got = [(r["name"], r["status"]) for r in payload["results"]]
+    assert got == [("first", "pass"), ("second", "pass"), ("third", "skip")]
+    assert payload["results"][2]["reason"].startswith("not started: 10 s of the 70 s time budget")
+    assert payload["finished"] is True and payload["budget_s"] == 70.0
+    md = next(tmp_path.glob("gpu-cpu-*.md")).read_text()
+    assert "| environment | third | skip |" in md
+    assert "Time budget 70 s; 60 s spent; finished." in md
+
+    clock.now = 1000.0
+    argv = ["--device", "cpu", "--sections", "init", "--budget-s", "70"]
+    assert gpu.main([*argv, "--out", str(tmp_path / "cut")]) == 0  # cut is not failed
+    (path,) = (tmp_path / "cut").glob("gpu-cpu-*.json")
+    (cut,) = json.loads(path.read_text())["results"]
+    assert cut["status"] == "skip" and cut["reason"].startswith("cut at the time budget (70 s)")
+
+
+# A lent GPU machine has its own PyTorch and nothing else. The script, and what its ranks
+# import, run here in an interpreter without site-packages (``python -S``) that sees only
+# torch and the packages torch itself requires (linked into a folder), plus plait.
+def _torch_only_folder(folder: Path) -> None:
+    import importlib.metadata as md
+    import importlib.util
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    wanted: set[str] = set()
+
+    def add(dist: str) -> None:
+        if dist in wanted:
+            return
+        wanted.add(dist)
+        try:
+            reqs = md.requires(dist) or []
+        except md.PackageNotFoundError:
+            return
+        for req in reqs:
+            if "extra ==" not in req:
+                add(norm(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0]))
+
+    add("torch")
+    for dist in md.distributions():
+        if norm(dist.metadata["Name"]) not in wanted:
+            continue
+        tops = {str(f).split("/")[0] for f in dist.files or []}
+        for top in tops:
+            name = top.removesuffix(".py")
+            if top.endswith(".dist-info") or (
+                name.isidentifier() and importlib.util.find_spec(name)
+            ):
+                target = Path(str(dist.locate_file(top)))
+                if target.exists() and not (folder / top).exists():
+                    (folder / top).symlink_to(target)
+
+
+_IMPORTS = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import benchmarks.gpu, benchmarks.gpu_ranks
+import plait.checkpoint, plait.plan, plait.strategies.tensor  # what the ranks import later
+import torch.distributed.fsdp, torch.distributed.device_mesh
+print("imported", len(sys.modules), "modules")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_script_imports_nothing_but_torch_and_plait(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    _torch_only_folder(tmp_path)
+    assert (tmp_path / "torch").exists()
+    assert not (tmp_path / "numpy").exists() and not (tmp_path / "pytest").exists()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", _IMPORTS, str(tmp_path), str(root)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "imported" in proc.stdout
+
+
+def test_defaults_fit_the_lent_machine() -> None:
+    assert gpu.parse([]).budget_s == 480.0  # 8 minutes of a 15-minute lease
+    assert gpu.parse(["--quick"]).budget_s == 50.0
+    assert gpu.parse(["--budget-s", "0"]).budget_s == 0.0
+    assert gpu.SECTIONS[:6] == (
+        "environment",
+        "init",
+        "one_rank",
+        "correctness",
+        "overhead",
+        "memory",
+    )
 
 
 # --- AdamW through the strategies that rebuild the optimizer (found by the overhead race) -------

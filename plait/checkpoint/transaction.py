@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from plait.checkpoint.agree import CheckpointCorrupt
@@ -182,8 +181,20 @@ def read_files(
             )
         if sha256_bytes(data) != entry["sha256"]:
             raise CheckpointCorrupt(f"{who} does not match its SHA-256 in the manifest")
-        tensors.update(safetensors.torch.load(data))
+        tensors.update(_safetensors().load(data))
     return tensors
+
+
+def _safetensors() -> Any:
+    """``safetensors.torch``, imported when a checkpoint is read or written: importing plait
+    needs torch only (a lent GPU machine has nothing else)."""
+    try:
+        import safetensors.torch
+    except ImportError as exc:
+        raise ImportError(
+            "plait.checkpoint writes and reads safetensors files: pip install safetensors"
+        ) from exc
+    return safetensors.torch
 
 
 # --- writing and committing ----------------------------------------------------------------
@@ -219,7 +230,7 @@ def write_part(
     """Write this rank's file into the partial directory; its name, size and SHA-256, its
     header's size and SHA-256, and the SHA-256 of every ``block_bytes`` block of every
     tensor (``blocks.describe``)."""
-    data = safetensors.torch.save(tensors)
+    data = _safetensors().save(tensors)
     name = part_name(rank, world_size)
     sha = write_durable(partial / name, data, after_first_chunk=lambda: fault_point("write"))
     return {"file": name, "bytes": len(data), "sha256": sha, **describe(data, block_bytes)}

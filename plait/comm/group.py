@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import itertools
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,24 @@ def signature_tag(seq: int, sig: str) -> int:
     h = zlib.crc32(sig.encode()) & ((1 << _SIG_BITS) - 1)
     tag = COLLECTIVE_TAG_BIT | ((seq % (1 << _SEQ_BITS)) << _SIG_BITS) | h
     return tag - 1 if tag == RESERVED_TAG else tag
+
+
+# Groups by key, for the collectives a compiled graph holds (traceable.py): a graph node
+# names its group by this string, as PyTorch's functional collectives name theirs.
+_by_key: weakref.WeakValueDictionary[str, Group] = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+
+def group_by_key(key: str) -> Group:
+    """The live group whose :attr:`Group.key` is ``key`` (raises naming it if it is gone)."""
+    group = _by_key.get(key)
+    if group is None or group.destroyed:
+        raise RuntimeError(
+            f"no live plait group has key {key!r}: a compiled graph runs a collective on a "
+            f"group that was destroyed (plait.destroy_group, Mesh.destroy, plait.shutdown); "
+            f"compile the model again after making its groups anew"
+        )
+    return group
 
 
 @dataclass
@@ -375,6 +395,9 @@ class Group:
         self._node_of: list[str] | None = None
         # this rank's shared-memory link to its ranks on this host (transport.attach)
         self.shm: ShmLink | None = None
+        # unique in this process: how a compiled graph's collective names the group
+        self.key = f"{name}#{next(_keys)}"
+        _by_key[self.key] = self
         progress.register(self)
 
     def __repr__(self) -> str:

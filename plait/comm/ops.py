@@ -175,7 +175,9 @@ def shared(group: Group) -> bool:
 
 def _choose(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
     if algorithm == "auto":
-        algorithm = tuner.choose(collective, nbytes, group.size, shm=shared(group))
+        algorithm = tuner.choose(
+            collective, nbytes, group.size, shm=shared(group), backend=group.backend
+        )
     elif algorithm == "shm" and not shared(group):
         raise ValueError(
             f"{collective}: algorithm 'shm' needs every rank of group {group.name!r} on this "

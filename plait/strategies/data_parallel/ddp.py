@@ -270,24 +270,30 @@ class DistributedDataParallel(nn.Module):
             self.microbatches.check_driven("DistributedDataParallel")
         with span:
             if self.broadcast_buffers and self.group.size > 1:
-                buffers = list(self.module.buffers())
-                if buffers:
-                    seq = self.group.seq + 1
-                    try:
-                        broadcast_tensors(buffers, self.group, "auto")
-                    except Exception as exc:
-                        raise grad_sync.collective_failure(
-                            exc,
-                            who="DistributedDataParallel",
-                            what="the broadcast of rank 0's buffers in forward",
-                            group=self.group,
-                            seq=seq,
-                            collective="broadcast",
-                        ) from exc
+                self._broadcast_buffers()
             out = self.module(*args, **kwargs)
         if tracer is not None and torch.is_grad_enabled():
             self._mark_backward_start(out)
         return out
+
+    # outside a compiled graph, as PyTorch DDP's own buffer broadcast (its pre-forward)
+    @torch.compiler.disable(reason="plait DDP broadcasts rank 0's buffers outside the graph")
+    def _broadcast_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        seq = self.group.seq + 1
+        try:
+            broadcast_tensors(buffers, self.group, "auto")
+        except Exception as exc:
+            raise grad_sync.collective_failure(
+                exc,
+                who="DistributedDataParallel",
+                what="the broadcast of rank 0's buffers in forward",
+                group=self.group,
+                seq=seq,
+                collective="broadcast",
+            ) from exc
 
     def _mark_backward_start(self, out: Any) -> None:
         """Open the trace's backward span when the first output gradient is computed."""

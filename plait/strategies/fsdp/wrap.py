@@ -50,6 +50,19 @@ READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
+HOOKS_OUTSIDE_GRAPH = "plait FSDP hooks (all-gather, install views, reshard) run outside the graph"
+
+
+def outside_graph(hook: Any) -> Any:
+    """``hook`` run eagerly when a compiled model calls it, as PyTorch's FSDP2 runs its own
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``, ``_dynamo_disable``): it
+    gathers and frees storage and swaps parameters, which a graph cannot hold. Under
+    ``torch.compile`` of a wrapped model the graph breaks at each unit's boundary there, as
+    it does for FSDP2 (compile each block instead, as torchtitan does, for one graph per
+    block); the reason Dynamo gives names :data:`HOOKS_OUTSIDE_GRAPH`."""
+    return torch.compiler.disable(hook, recursive=True, reason=HOOKS_OUTSIDE_GRAPH)
+
+
 def _become_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
@@ -309,8 +322,8 @@ def fully_shard(
         m.__dict__[UNITS_ATTR] = units
         m.__dict__[UNIT_ATTR] = units[0]
         for unit in units:
-            m.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-            m.register_forward_hook(unit.post_forward)
+            m.register_forward_pre_hook(outside_graph(unit.pre_forward), with_kwargs=True)
+            m.register_forward_hook(outside_graph(unit.post_forward))
         _become_fsdp_module(m)
         new_units += units
         roots = units

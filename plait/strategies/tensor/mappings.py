@@ -33,14 +33,13 @@ from typing import Any
 
 import torch
 
-from plait import comm
+from plait.comm import traceable
 from plait.comm.group import Group
 
 
 def _all_reduce(x: torch.Tensor, group: Group, algorithm: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    comm.all_reduce(out, group=group, algorithm=algorithm)
-    return out
+    # traceable: under torch.compile one graph node (plait/comm/traceable.py), no break
+    return traceable.all_reduce(x, group=group, algorithm=algorithm)
 
 
 def _check_divisible(x: torch.Tensor, dim: int, group: Group, what: str) -> int:
@@ -65,8 +64,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: Group, algorithm: str) -> t
     if group.size == 1:
         return x
     dim = dim % x.dim()
-    out = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, x.contiguous(), group=group, algorithm=algorithm)
+    out = traceable.all_gather(x, group=group, algorithm=algorithm)
     # [t, ..., n, ...] -> [..., t, n, ...] -> [..., t*n, ...]
     moved = out.movedim(0, dim)
     shape = list(x.shape)
@@ -83,9 +81,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group, algorithm: str) 
     shape = list(x.shape)
     blocks = x.unflatten(dim, (group.size, part)).movedim(dim, 0).contiguous()
     shape[dim] = part
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, blocks, group=group, algorithm=algorithm)
-    return out
+    return traceable.reduce_scatter(blocks, group=group, algorithm=algorithm).view(shape)
 
 
 class _CopyToTP(torch.autograd.Function):
