@@ -105,6 +105,8 @@ SLOW: dict[str, str] = {
     "tests/test_launch_env.py::test_elastic_c10d_rendezvous": "two elastic agents",
     "tests/test_readme_snippets.py::test_readme_blocks_run_as_written": "the README's HF blocks",
     "tests/test_metrics.py::test_wandb_offline_writes": "wandb in its own process",
+    "tests/test_compile.py::test_compiled_forward_has_no_graph_break": "Dynamo, 6 strategies",
+    "tests/test_compile.py::test_tensor_parallel_compiled_with_inductor": "a cold inductor build",
 }
 
 
