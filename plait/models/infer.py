@@ -24,13 +24,18 @@ proves what it read by running it (:mod:`plait.models.verify_plan`):
    integer attributes named like head counts (``num_heads``, ``num_key_value_heads``,
    ``num_key_value_groups``) or widths (``embed_dim``, ``hidden_size``, ``split_size``)
    holding those values are the candidates to set to each rank's counts.
-4. **Proof**: the first block is cut into ``t`` simulated ranks in one process, in float64,
-   its row-parallel outputs summed as the all-reduce would, and compared with the whole block
-   on the activations the model itself feeds it. Whether a fused projection splits as one
-   run of heads or per part (``Style(blocks=3)``: queries, keys, values; ``blocks=2``: gate
-   and up) and which candidate attributes the forward reads are decided here: the largest
-   set of attributes that reproduces the block is kept. Nothing is guessed: a plan that
-   reproduces no block is refused, naming the module and what was tried.
+4. **Proof** (:mod:`plait.models.verify_plan`): the blocks are cut into ``t`` simulated
+   ranks in one process, in float64, their collectives run as the layers run them, and
+   compared with the whole blocks on the activations the model itself feeds them. Whether a
+   fused projection splits as one run of heads or per part (``Style(blocks=3)``: queries,
+   keys, values; ``blocks=2``: gate and up) and which candidate attributes the forward reads
+   are decided on the first block: the largest set of attributes that reproduces it is
+   kept. Then every kind of block (sliding and global attention, dense and sparse, the
+   last block) is run forward and backward: outputs, input gradients and every parameter's
+   gradient must be the whole block's; a norm inside the attention whose gradient is right
+   only summed over the ranks gets the ``"per_head"`` style. Nothing is guessed: a plan that
+   reproduces no block, or fails a later kind, is refused, naming the block, how it differs
+   from the first and what was tried.
 
 Embedding and head: split by vocabulary only when recognisable, the token embedding being a
 plain ``nn.Embedding`` (Hugging Face's ``get_input_embeddings()``, or one whose weight a
@@ -42,9 +47,9 @@ own forward) stays replicated on every rank: safe, only not split.
 
 Not inferred (refused with an example plan to write): sequence parallelism, 2D/2.5D/3D
 modes, fused ``qkv`` with grouped-query heads whose split the proof cannot confirm, forwards
-that read head counts from a shared config, per-head norms, blocks that differ (dense and MoE
-layers alternating), models the example token ids cannot run (pass ``example=``). The
-inferred plan leaves out the hand-written plans' ``"gather"`` entries (one backward
+that read head counts from a shared config, per-head parameters (GPT-OSS's attention sinks),
+blocks that hold other linears (dense and MoE layers alternating), models the example token
+ids cannot run (pass ``example=``). The inferred plan leaves out the hand-written plans' ``"gather"`` entries (one backward
 all-reduce per block instead of one per column-parallel projection): the same result, a
 little more communication. The plan is logged at info as Python source
 (:func:`plan_source`) to copy, edit and pass as ``plan=``.
@@ -431,8 +436,9 @@ def infer_tp_plan(model: nn.Module, *, tp: int | None = None, example: Any = Non
     both the query and key/value heads); a size the heads do not fit is refused naming the
     module. ``example``: the model's input for the proof (default: token ids ``(2, 5)``
     below the embedding's vocabulary, ``use_cache=False`` where the forward takes it).
-    Cost: one forward of the model up to its first block and ``~ 3 t`` forwards of a
-    float64 copy of that block per candidate (a few dozen at most); no collective.
+    Cost: one forward of the model on the example; ``t`` threaded forwards of a float64 copy
+    of the first block per candidate (a few dozen at most); one forward and backward of a
+    float64 copy of each kind of block (and the last) on ``t`` threads; no collective.
     """
 
     found = find(model)
