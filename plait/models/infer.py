@@ -49,10 +49,10 @@ Not inferred (refused with an example plan to write): sequence parallelism, 2D/2
 modes, fused ``qkv`` with grouped-query heads whose split the proof cannot confirm, forwards
 that read head counts from a shared config, per-head parameters (GPT-OSS's attention sinks),
 blocks that hold other linears (dense and MoE layers alternating), models the example token
-ids cannot run (pass ``example=``). The inferred plan leaves out the hand-written plans' ``"gather"`` entries (one backward
-all-reduce per block instead of one per column-parallel projection): the same result, a
-little more communication. The plan is logged at info as Python source
-(:func:`plan_source`) to copy, edit and pass as ``plan=``.
+ids cannot run (pass ``example=``). The inferred plan leaves out the hand-written plans'
+``"gather"`` entries (one backward all-reduce per block instead of one per column-parallel
+projection): the same result, a little more communication. The plan is logged at info as
+Python source (:func:`plan_source`) to copy, edit and pass as ``plan=``.
 """
 
 from __future__ import annotations
