@@ -172,8 +172,9 @@ def _is_linear(module: nn.Module) -> bool | None:
     return None
 
 
-def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """The longest list of same-class modules holding linears, outermost first."""
+def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The longest list of same-class modules holding linears, outermost first (the
+    decoder's blocks), or None."""
     best: tuple[str, list[nn.Module]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.ModuleDict) or not len(module):
@@ -187,6 +188,11 @@ def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
             continue  # a list inside a block (experts): the blocks come first
         if best is None or len(kids) > len(best[1]):
             best = (name, kids)
+    return best
+
+
+def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    best = repeated_blocks(model)
     if best is None:
         raise refuse(model, "it has no nn.ModuleList of repeated blocks holding linears")
     return best
