@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from plait.models.verify_plan import prove
-from plait.strategies.tensor.parallelize import Style
+from plait.strategies.tensor.parallelize import Style, computes_linear
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
 log = logging.getLogger("plait")
@@ -204,11 +204,12 @@ def _linears(block: nn.Module, model: nn.Module, where: str) -> list[Linear]:
         kind = _is_linear(module)
         if kind is None:
             continue
-        if kind and type(module).forward is not nn.Linear.forward:
+        if kind and not computes_linear(module):
             raise refuse(
                 model,
                 f"linear '{where}.{path}' is a {type(module).__name__}, a subclass of nn.Linear "
-                f"with its own forward, which a split would replace",
+                f"whose own forward computes something else than x @ W.T + b (checked on a "
+                f"random input), which a split would replace",
             )
         weight = module.weight
         n_out, n_in = weight.shape if kind else weight.shape[::-1]

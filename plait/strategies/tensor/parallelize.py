@@ -38,12 +38,13 @@ style          module              becomes
                ``nn.Embedding``    them for every entry (see ``parallelize_nd``)
 =============  ==================  ==========================================================
 
-``nn.Linear``/``nn.Embedding`` include subclasses that keep the base class's ``forward``
-(a subclass with its own forward is refused by name); ``Style(transposed=True)`` splits a
-linear storing its weight as ``[in, out]`` (GPT-2's ``Conv1D``), ``Style(blocks=k)`` a fused
-projection part by part. A :class:`~plait.strategies.tensor.plan.TensorPlan` adds the
-attention heads: their counts are checked against ``t`` by name and the attributes that
-hold them set to this rank's.
+``nn.Linear``/``nn.Embedding`` include subclasses that keep the base class's ``forward``, and
+linears whose own forward is checked, on a random input, to compute ``x @ W.T + b``
+(:func:`computes_linear`: Falcon's ``FalconLinear``); any other is refused by name.
+``Style(transposed=True)`` splits a linear storing its weight as ``[in, out]`` (GPT-2's
+``Conv1D``), ``Style(blocks=k)`` a fused projection part by part. A
+:class:`~plait.strategies.tensor.plan.TensorPlan` adds the attention heads: their counts are
+checked against ``t`` by name and the attributes that hold them set to this rank's.
 
 A plan with any ``"sequence"`` (or ``"scatter"``) entry turns on sequence parallelism for
 the whole model: activations between the tensor-parallel regions are then sliced along the
@@ -75,6 +76,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from plait.comm.group import Group
 from plait.renames import accepts_model
@@ -232,20 +234,53 @@ def _check_dropout(model: nn.Module) -> None:
             )
 
 
+def computes_linear(module: nn.Module) -> bool:
+    """Whether ``module``, an ``nn.Linear`` (or a subclass with its own forward: Falcon's
+    ``FalconLinear``), computes ``x @ weight.T + bias``: checked on a random input of
+    ``2 x 3`` rows, not assumed. A module on the ``meta`` device cannot be checked (False)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if type(module).forward is nn.Linear.forward:
+        return True
+    weight = module.weight
+    if weight.device.type == "meta":
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, module.in_features, generator=g, dtype=torch.float64)
+    x = x.to(device=weight.device, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            got = module(x)
+            want = F.linear(x, weight, module.bias)
+    except Exception:  # noqa: BLE001 - a forward that cannot take a plain input is no linear
+        return False
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    tol = (
+        1e-12 if weight.dtype == torch.float64 else 1e-5 if weight.dtype == torch.float32 else 1e-2
+    )
+    scale = float(want.abs().max()) or 1.0
+    return float((got - want).abs().max()) <= tol * scale
+
+
 def _plain(name: str, module: nn.Module, base: type[nn.Module], kind: str) -> None:
-    """Refuse ``module`` unless it computes what ``base`` computes: ``base`` itself or a
+    """Refuse ``module`` unless it computes what ``base`` computes: ``base`` itself, a
     subclass that keeps ``base.forward`` (torchtitan's and others' own Linear/Embedding
-    classes that only change initialisation)."""
+    classes that only change initialisation), or a linear whose own forward is checked to
+    be plain (:func:`computes_linear`)."""
     if not isinstance(module, base):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}; style {kind!r} applies to "
             f"nn.{base.__name__} (or a subclass of it)"
         )
-    if type(module).forward is not base.forward:
+    if type(module).forward is not base.forward and not (
+        base is nn.Linear and computes_linear(module)
+    ):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}, a subclass of nn.{base.__name__} "
-            f"with its own forward; style {kind!r} would replace that forward by "
-            f"nn.{base.__name__}'s. Give it the style 'replicate', or split it yourself"
+            f"with its own forward that computes something else than nn.{base.__name__}'s "
+            f"(checked on a random input); style {kind!r} would replace it. Give it the style "
+            f"'replicate', or split it yourself"
         )
 
 
