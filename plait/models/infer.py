@@ -14,7 +14,9 @@ proves what it read by running it (:mod:`plait.models.verify_plan`):
      side is ``"colwise"``, the output ``"rowwise"``;
    - an *MLP* holds one or two input linears (``up_proj``, ``gate_proj``, ``fc1``,
      ``c_fc``, ``gate_up_proj``, ...) and one output linear (``down_proj``, ``fc2``,
-     ``c_proj``, ...): ``"colwise"`` then ``"rowwise"``.
+     ``c_proj``, ...): ``"colwise"`` then ``"rowwise"``; a sparse block (stacked experts,
+     3-D weights) has none or only its shared expert's, and its router and experts stay
+     whole on every rank, which runs them on the replicated input.
 
    A linear these names do not classify is refused by name.
 3. **Heads**: the query and key/value head counts come from the model's ``config``
@@ -226,8 +228,11 @@ def _read(sources: list[Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _classify(model: nn.Module, where: str, linears: list[Linear]) -> dict[str, Any]:
-    """Parent path -> its role and children by role; refuses a linear no rule classifies."""
+def _classify(
+    model: nn.Module, where: str, linears: list[Linear], *, sparse: bool = False
+) -> dict[str, Any]:
+    """Parent path -> its role and children by role; refuses a linear no rule classifies.
+    ``sparse``: the block holds stacked experts, so it may have no MLP of linears."""
     parents: dict[str, dict[str, Linear]] = {}
     for lin in linears:
         parent, _, leaf = lin.path.rpartition(".")
@@ -266,7 +271,7 @@ def _classify(model: nn.Module, where: str, linears: list[Linear]) -> dict[str, 
                 f"qkv) nor an MLP one (up/gate/fc1/c_fc, then down/fc2/c_proj)",
                 example=_example(where.rpartition(".")[0], None),
             )
-    if attention is None or mlp is None:
+    if attention is None or (mlp is None and not sparse):
         missing = "an attention module" if attention is None else "an MLP"
         raise refuse(model, f"block '{where}' has no {missing} the rules recognise")
     return {"attention": attention, "mlp": mlp}
@@ -288,7 +293,9 @@ def find(model: nn.Module) -> Found:
                 f"({sorted(set(other) ^ set(shape))[:3]}): the blocks differ, so one pattern "
                 f"does not fit them all",
             )
-    roles = _classify(model, first, linears)
+    # stacked experts (3-D weights: a sparse block) stay whole on every rank
+    sparse = any(p.dim() == 3 for p in blocks[0].parameters())
+    roles = _classify(model, first, linears, sparse=sparse)
     attn, mlp = roles["attention"], roles["mlp"]
     attn_module = blocks[0].get_submodule(attn["path"]) if attn["path"] else blocks[0]
     # the model's config, else the one its attention holds (a model of one's own wrapping
@@ -340,11 +347,12 @@ def find(model: nn.Module) -> Found:
             styles[lin.path] = Style("colwise", transposed=lin.transposed)
         key_value = (rel(k), rel(v))
     styles[out.path] = Style("rowwise", transposed=out.transposed)
-    for lin in mlp["in"]:
+    for lin in mlp["in"] if mlp else ():
         styles[lin.path] = Style("colwise", transposed=lin.transposed)
         if len(mlp["in"]) == 1:
             fused[lin.path] = (1, 2)  # fc1, or gate and up fused: the proof says which
-    styles[mlp["out"].path] = Style("rowwise", transposed=mlp["out"].transposed)
+    if mlp:
+        styles[mlp["out"].path] = Style("rowwise", transposed=mlp["out"].transposed)
     attributes = _head_attributes(attn_module, heads, kv, head_dim)
     pattern = f"{blocks_path}.*" + (f".{attn['path']}" if attn["path"] else "")
     nearest = TensorPlan(
