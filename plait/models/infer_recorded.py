@@ -166,12 +166,12 @@ def _logits(out: Any) -> torch.Tensor:
 
 def _phases(
     model: nn.Module, blocks_path: str, blocks: list[nn.Module], ids: torch.Tensor
-) -> tuple[dict[str, int], tuple, list[int]]:
-    """One real forward: for each module outside the blocks, the phase it ran in (0 before
-    block 0, 2 after the last; the first time it ran), the blocks' other outputs, and the
+) -> tuple[dict[str, set[int]], tuple, list[int]]:
+    """One real forward: for each module outside the blocks, the phases it ran in (0 before
+    block 0, 1 between blocks, 2 after the last), the last block's other outputs, and the
     order the blocks were called in."""
     phase = [0]
-    ran: dict[str, int] = {}
+    ran: dict[str, set[int]] = {}
     order: list[int] = []
     rest: list[tuple] = []
     inside = f"{blocks_path}."
@@ -180,7 +180,7 @@ def _phases(
         if name and name != blocks_path and not name.startswith(inside):
 
             def note(_: nn.Module, __: Any, n: str = name) -> None:
-                ran.setdefault(n, phase[0])
+                ran.setdefault(n, set()).add(phase[0])
 
             hooks.append(module.register_forward_pre_hook(note))
     for i, block in enumerate(blocks):
@@ -234,17 +234,21 @@ def recorded_plan(
     stray = [name for name in owners if not name.startswith(inside) and name not in ran]
     if stray:
         raise refuse(model, f"module '{stray[0]}' holds parameters but never ran in a forward")
-    embed = tuple((n, owners[n]) for n in owners if ran.get(n) == 0)
-    head = tuple((n, owners[n]) for n in owners if ran.get(n) == 2)
-    between = [n for n in owners if ran.get(n) == 1]
+    embed = tuple((n, owners[n]) for n in owners if ran.get(n) == {0})
+    head = tuple((n, owners[n]) for n in owners if ran.get(n) == {2})
+    between = [n for n in owners if ran.get(n, {0}) not in ({0}, {2})]
     if between:
-        raise refuse(model, f"module '{between[0]}' runs between the blocks, outside them")
+        raise refuse(
+            model,
+            f"module '{between[0]}' holds parameters and runs between the blocks or both "
+            f"before and after them, so no one stage can own it",
+        )
     if not head:
         raise refuse(model, "no module with parameters runs after its last block (no head)")
     context_modules = tuple(
         (name, m)
         for name, m in modules.items()
-        if ran.get(name) == 0 and name not in owners and list(m.buffers(recurse=False))
+        if 0 in ran.get(name, ()) and name not in owners and list(m.buffers(recurse=False))
     )
     recorder = Recorder(model, container, rest)
     config: Any = getattr(model, "config")  # noqa: B009
