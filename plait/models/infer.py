@@ -135,9 +135,12 @@ class Found:
     where: str  # the first block's attention module, for messages
     example: str  # the nearest plan, as source, for a refusal
 
+    shared_kv: bool = False  # multi-query: key and value the whole tail of a fused qkv
+
     @property
     def heads_fields(self) -> dict[str, Any]:
-        return {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+        fields = {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+        return fields | ({"shared_kv": True} if self.shared_kv else {})
 
 
 def refuse(model: nn.Module, why: str, *, example: str | None = None) -> PlanInferenceError:
@@ -317,6 +320,7 @@ def find(model: nn.Module) -> Found:
     styles: dict[str, Style] = {}
     fused: dict[str, tuple[int, ...]] = {}
     key_value: tuple[str, ...] = ()
+    shared_kv = False
 
     def rel(lin: Linear) -> str:
         return lin.path[len(attn["path"]) + 1 :] if attn["path"] else lin.path
@@ -324,6 +328,8 @@ def find(model: nn.Module) -> Found:
     if attn["qkv"]:
         (qkv,) = attn["qkv"]
         head_dim = _read(sources, ("head_dim", "head_size")) or out.n_in // heads
+        if qkv.n_out != (heads + 2 * kv) * head_dim and qkv.n_out == (heads + 2) * head_dim:
+            kv = 1  # the shapes say multi-query, whatever the config's key/value count
         if qkv.n_out != (heads + 2 * kv) * head_dim:
             raise refuse(
                 model,
@@ -331,8 +337,13 @@ def find(model: nn.Module) -> Found:
                 f"kv heads {kv}) x head_dim {head_dim}, so its split is unclear",
                 example=example,
             )
-        styles[qkv.path] = Style("colwise", transposed=qkv.transposed)
-        fused[qkv.path] = (1, 3) if kv == heads else (1,)
+        if kv == 1 < heads and not qkv.transposed:
+            # multi-query: the query rows split, the one key and value head whole on every rank
+            styles[qkv.path] = Style("colwise", tail=2 * head_dim)
+            shared_kv = True
+        else:
+            styles[qkv.path] = Style("colwise", transposed=qkv.transposed)
+            fused[qkv.path] = (1, 3) if kv == heads else (1,)
     else:
         (q,), (k,), (v,) = attn["q"], attn["k"], attn["v"]
         head_dim = q.n_out // heads
@@ -378,6 +389,7 @@ def find(model: nn.Module) -> Found:
         head_dim=head_dim,
         key_value=key_value,
         attributes=attributes,
+        shared_kv=shared_kv,
         where=f"{first}.{attn['path']}" if attn["path"] else first,
         example="    plan = " + plan_source(nearest).replace("\n", "\n    "),
     )
@@ -500,6 +512,7 @@ def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
                 "key_value": h.key_value,
                 "attributes": dict(h.attributes),
                 "head_dim": h.head_dim,
+                "shared_kv": h.shared_kv or None,
             }
             args = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in (None, (), {}))
             lines.append(f"        AttentionHeads({h.modules!r}, {args}),")
@@ -513,7 +526,7 @@ def _style_source(style: Any) -> str:
     default = Style(style.kind)
     extra = [
         f"{f}={getattr(style, f)!r}"
-        for f in ("input", "output", "transposed", "blocks")
+        for f in ("input", "output", "transposed", "blocks", "tail")
         if getattr(style, f) != getattr(default, f)
     ]
     return f"Style({', '.join([repr(style.kind), *extra])})"

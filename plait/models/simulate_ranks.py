@@ -100,6 +100,27 @@ class _Column(nn.Module):
         return F.linear(x, self.weight[self.rows], bias)
 
 
+class _MultiQuery(nn.Module):
+    """The query rows of a fused multi-query projection split, its key/value tail whole."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, bus: _Bus, rank: int, tail: int
+    ) -> None:
+        super().__init__()
+        n = weight.shape[0] - tail
+        rows = slice(rank * n // bus.t, (rank + 1) * n // bus.t)
+        self.weight = nn.Parameter(weight[rows].clone())
+        self.tail_weight = nn.Parameter(weight[n:].clone())
+        self.bias = None if bias is None else nn.Parameter(bias[rows].clone())
+        self.tail_bias = None if bias is None else nn.Parameter(bias[n:].clone())
+        self.bus, self.rank = bus, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _F.apply(x, self.bus, self.rank)
+        head = F.linear(x, self.weight, self.bias)
+        return torch.cat([head, F.linear(x, self.tail_weight, self.tail_bias)], dim=-1)
+
+
 class _Row(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bus: _Bus, rank: int):
         super().__init__()
@@ -116,11 +137,11 @@ class _Row(nn.Module):
 class Grad:
     """How rank ``r``'s gradient of a parameter relates to the dense one: ``"split"`` (it
     is ``part(dense)``), ``"replicated"`` (it is the dense gradient itself) or ``"summed"``
-    (the sum over the ranks is the dense gradient)."""
+    (the sum over the ranks is the dense gradient, or ``part`` of it)."""
 
     dense: str  # the parameter's name in the dense block
     rule: str
-    part: Callable[[torch.Tensor], torch.Tensor] | None = None
+    part: Callable[[torch.Tensor], torch.Tensor] | None = None  # of the dense gradient
 
 
 def _column_part(k: int, t: int, rank: int, transposed: bool) -> Callable[..., torch.Tensor]:
@@ -172,6 +193,14 @@ def shard(
             head = rank // local["replicas"]
             new = _Column(weight, bias, bus, rank, slice(head * width, (head + 1) * width))
             grads.update({f"{path}.{n}": Grad(d, "summed") for n, d in names.items()})
+        elif style.kind == "colwise" and style.tail:
+            new = _MultiQuery(weight, bias, bus, rank, style.tail)
+            n = n_out - style.tail
+            query = _column_part(1, t, rank, False)
+            for name, dense_name in names.items():
+                grads[f"{path}.{name}"] = Grad(dense_name, "split", lambda d, q=query, n=n: q(d[:n]))
+                tail = (lambda d, n=n: d[n:])
+                grads[f"{path}.tail_{name}"] = Grad(dense_name, "summed", tail)
         elif style.kind == "colwise":
             part = _column_part(style.blocks, t, rank, style.transposed)
             w = _column_part(style.blocks, t, rank, False)(weight)

@@ -184,6 +184,8 @@ def _check_grads(
             )
         elif rule.rule == "summed":
             total = None if any(m is None for m in mine) else torch.stack(mine).sum(0)  # type: ignore[arg-type]
+            if dense is not None and rule.part is not None:
+                dense = rule.part(dense)
             err = _error(total, dense)
         else:
             err = max(_error(m, dense) for m in mine)

@@ -93,6 +93,7 @@ from plait.strategies.tensor.layers import (
     VocabParallelEmbedding,
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
+from plait.strategies.tensor.multi_query import MultiQueryLinear
 from plait.strategies.tensor.parallelize_nd import loss_fn as loss_fn_nd
 from plait.strategies.tensor.parallelize_nd import parallelize_nd, prepare_nd
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
@@ -115,6 +116,7 @@ KINDS = (
 # styles that only move activations at a module's entry: they split no parameter
 HOOKS = ("scatter", "gather")
 PARALLEL_LAYERS = (
+    MultiQueryLinear,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -135,15 +137,23 @@ class Style:
     is and ``full_state_dict`` gives its weight back in its own layout. ``blocks``: a fused
     column-parallel projection whose output is ``blocks`` equal parts (GPT-2's ``c_attn``:
     queries, keys, values): each part is split separately, so every rank holds its slice
-    of each."""
+    of each. ``tail``: a fused multi-query projection whose last ``tail`` outputs (the one
+    shared key and value head) stay whole on every rank while the query rows are split
+    (:class:`~plait.strategies.tensor.multi_query.MultiQueryLinear`)."""
 
     kind: str
     input: str | None = None
     output: str | None = None
     transposed: bool = False
     blocks: int = 1
+    tail: int = 0
 
     def __post_init__(self) -> None:
+        if self.tail and (self.kind != "colwise" or self.blocks != 1 or self.transposed):
+            raise ValueError(
+                f"Style({self.kind!r}, tail={self.tail}): a whole tail (multi-query key and "
+                f"value) is for a plain 'colwise' linear without blocks"
+            )
         if self.kind not in KINDS:
             raise ValueError(f"unknown tensor-parallel style {self.kind!r}; use one of {KINDS}")
         if self.blocks < 1 or (self.blocks > 1 and self.kind != "colwise"):
@@ -332,6 +342,14 @@ def _convert(
             group=group,
             head_dim=head_dim,
             replicas=replicas,
+            input=style.input or seq_or_rep,
+            algorithm=algorithm,
+        )
+    if kind == "colwise" and style.tail:
+        return MultiQueryLinear.from_dense(
+            module,  # type: ignore[arg-type]
+            group=group,
+            tail=style.tail,
             input=style.input or seq_or_rep,
             algorithm=algorithm,
         )
@@ -562,6 +580,8 @@ _SPLIT = {
     (ColumnParallelLinear, "bias"),
     (RowParallelLinear, "weight"),
     (VocabParallelEmbedding, "weight"),
+    (MultiQueryLinear, "weight"),
+    (MultiQueryLinear, "bias"),
 }
 
 
@@ -631,6 +651,8 @@ def _gather_tp(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
             prefix = f"{name}." if name else ""
             for key, value in module.full_state().items():
                 state[prefix + key] = value
+            for key in getattr(module, "local_only", ()):
+                state.pop(prefix + key, None)
     return state
 
 
