@@ -197,10 +197,10 @@ def shard(
             new = _MultiQuery(weight, bias, bus, rank, style.tail)
             n = n_out - style.tail
             query = _column_part(1, t, rank, False)
-            head = lambda d, q=query, n=n: q(d[:n])  # noqa: E731 - the query rows
+            rows = lambda d, q=query, n=n: q(d[:n])  # noqa: E731 - the query rows
             tail = lambda d, n=n: d[n:]  # noqa: E731 - the whole key and value
             for name, dense_name in names.items():
-                grads[f"{path}.{name}"] = Grad(dense_name, "split", head)
+                grads[f"{path}.{name}"] = Grad(dense_name, "split", rows)
                 grads[f"{path}.tail_{name}"] = Grad(dense_name, "summed", tail)
         elif style.kind == "colwise":
             part = _column_part(style.blocks, t, rank, style.transposed)
