@@ -1,20 +1,28 @@
 """An MoE-block plan inferred for models no family knows, where that is safe.
 
 Hugging Face 5.x MoE families share one layout for their experts (Mixtral, Qwen-MoE, OLMoE,
-DeepSeek-V3, ...): a container holding every expert's ``gate_up_proj [E, 2I, d]`` and
-``down_proj [E, d, I]`` stacked on dimension 0, with an integer attribute holding ``E``,
-called by its block as ``experts(hidden [T, d], top_k_index [T, k], top_k_weights [T, k])``.
+DeepSeek-V3, GPT-OSS, ...): a container holding every expert's weights stacked on dimension
+0 (3-D ``gate_up_proj``, ``down_proj``, and biases where the family has them), with an
+integer attribute holding ``E``, called by its block as
+``experts(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d]``.
 :func:`infer_moe_plan` finds such containers by their parameters, and proves on each class
 of them, in float64 on random tokens and random choices, that the container's own forward
-equals ``sum_k w_k * down_proj[e_k] (act(g) * u)`` with ``[g; u] = gate_up_proj[e_k] x``
-(Mixtral's :func:`~plait.models.mixtral.run_stacked_expert`, which expert parallelism runs
-on the rank holding each expert). The routers (a sibling of the container holding a
-``[E, d]`` weight whose output is a tuple, the logits first) are named for the
-load-balancing loss when the model computes one.
+is ``sum_k w_k * expert_{e_k}(x)`` for one of two ways to run expert ``e`` alone:
 
-Not inferred (refused naming the container): experts that compute anything else (GPT-OSS:
-biases, interleaved gate and up, a clamp, its own activation), experts as a list of modules
-(Hugging Face 4.x), containers without their expert count.
+- Mixtral's :func:`~plait.models.mixtral.run_stacked_expert` (``down_proj[e] (act(g) * u)``
+  with ``[g; u] = gate_up_proj[e] x``), the fast one;
+- the container's own class forward with every row routed to ``e`` at weight 1
+  (:func:`run_own_expert`: GPT-OSS's biases, interleaved gate and up, clamp and activation
+  kept as the family wrote them).
+
+Expert parallelism runs it on the rank holding expert ``e``, over the stacked weights it
+keeps (every parameter of the container, sliced on dimension 0). The routers (a sibling of
+the container holding an ``[E, d]`` weight whose output is a tuple, the logits first) are
+named for the load-balancing loss when the model computes one.
+
+Not inferred (refused naming the container): experts whose forward is not such a weighted
+sum (a capacity, a shared state across experts), parameters not stacked by expert, experts
+as a list of modules (Hugging Face 4.x), containers without their expert count.
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ from plait.models.infer import PlanInferenceError
 from plait.models.mixtral import _MASKED, _aux_loss_on, run_stacked_expert
 from plait.strategies.moe.plan import MoEPlan
 
-STACKED = ("gate_up_proj", "down_proj")
 COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
 TOLERANCE = 1e-9
 
@@ -43,59 +50,62 @@ def refuse(model: nn.Module, why: str) -> PlanInferenceError:
     )
 
 
+def run_own_expert(box: nn.Module, e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of a stacked container on ``rows [n, d]``, by the container's own class
+    forward (not the expert-parallel one set on the instance) with every row routed to
+    ``e`` at weight 1."""
+    index = torch.full((rows.shape[0], 1), e, dtype=torch.long, device=rows.device)
+    weights = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+    return type(box).forward(box, rows, index, weights)  # type: ignore[no-any-return]
+
+
 def _count(module: nn.Module) -> str | None:
     """The attribute holding the number of experts of a stacked container, or None."""
-    weight = getattr(module, STACKED[0], None)
-    if not isinstance(weight, torch.Tensor):
-        return None
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
     for name in COUNT_NAMES:
         value = getattr(module, name, None)
-        if isinstance(value, int) and value == weight.shape[0]:
+        if isinstance(value, int) and stacked and value == stacked[0].shape[0]:
             return name
     return None
 
 
 def containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules holding stacked experts (3-D ``gate_up_proj`` and ``down_proj``)."""
+    """The modules holding stacked experts: at least two 3-D parameters of their own."""
     out = []
     for name, module in model.named_modules():
-        params = dict(module.named_parameters(recurse=False))
-        if all(k in params and params[k].dim() == 3 for k in STACKED):
+        if sum(p.dim() == 3 for p in module.parameters(recurse=False)) >= 2:
             out.append((name, module))
     return out
 
 
-def _prove(model: nn.Module, name: str, box: nn.Module) -> None:
+def _error(model: nn.Module, name: str, box: nn.Module, run: Any) -> float:
+    """How far ``run`` (expert ``e`` alone) summed by the routing is from the container's
+    own forward, relative to its largest value (inf: it does not run)."""
     dense = copy.deepcopy(box).to(torch.float64)
-    experts, two_i, d = dense.gate_up_proj.shape  # type: ignore[union-attr]
+    experts = getattr(dense, _count(box) or "")
+    # the hidden width is one of the stacked weights' other dimensions: each is tried
+    cubes = [p for p in dense.parameters(recurse=False) if p.dim() == 3]
+    widths = sorted({int(n) for p in cubes for n in p.shape[1:]})
     g = torch.Generator().manual_seed(0)
     tokens, k = 6, min(2, experts)
-    x = torch.randn(tokens, d, generator=g, dtype=torch.float64)
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            got = dense(x, index, weights)
-            want = torch.zeros_like(x)
-            for t in range(tokens):
-                for j in range(k):
-                    row = run_stacked_expert(dense, int(index[t, j]), x[t : t + 1])
-                    want[t] += weights[t, j] * row[0]
-    except Exception as exc:  # noqa: BLE001 - any failure: not this layout
-        raise refuse(
-            model,
-            f"experts '{name}' ({type(box).__name__}) do not run as "
-            f"experts(hidden, top_k_index, top_k_weights) with gate_up_proj [E, 2I, d] and "
-            f"down_proj [E, d, I] ({type(exc).__name__}: {exc})",
-        ) from exc
-    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
-    if err > TOLERANCE:
-        raise refuse(
-            model,
-            f"experts '{name}' ({type(box).__name__}) compute something else than "
-            f"down_proj[e] (act(gate) * up) with [gate; up] = gate_up_proj[e] x (relative "
-            f"difference {err:.1e}: biases, interleaved gate and up, a clamp?)",
-        )
+    errors = []
+    for width in sorted(
+        {d, *(p.shape[2] for p in dense.parameters(recurse=False) if p.dim() == 3)}
+    ):
+        x = torch.randn(tokens, width, generator=g, dtype=torch.float64)
+        try:
+            with torch.no_grad():
+                got = type(dense).forward(dense, x, index, weights)
+                want = torch.zeros_like(got)
+                for t in range(tokens):
+                    for j in range(k):
+                        want[t] += weights[t, j] * run(dense, int(index[t, j]), x[t : t + 1])[0]
+        except Exception:  # noqa: BLE001 - not this width, or not this way
+            continue
+        errors.append(float((got - want).abs().max()) / (float(want.abs().max()) or 1.0))
+    return min(errors, default=float("inf"))
 
 
 def _router(model: nn.Module, name: str, box: nn.Module, count: int) -> str | None:
@@ -125,29 +135,51 @@ def infer_moe_plan(model: nn.Module) -> MoEPlan | None:
     found = containers(model)
     if not found:
         return None
-    classes: dict[str, str] = {}
+    counts: dict[str, str] = {}
+    stacked: dict[str, tuple[str, ...]] = {}
+    runs: dict[str, Any] = {}
     routers: set[str] = set()
     for name, box in found:
+        kind = type(box).__name__
         count = _count(box)
         if count is None:
             raise refuse(
                 model,
-                f"experts '{name}' ({type(box).__name__}) hold no attribute naming their "
-                f"number ({', '.join(COUNT_NAMES)})",
+                f"experts '{name}' ({kind}) hold no attribute naming their number "
+                f"({', '.join(COUNT_NAMES)}) equal to their weights' first dimension",
             )
-        if type(box).__name__ not in classes:
-            _prove(model, name, box)
-        classes.setdefault(type(box).__name__, count)
-        router = _router(model, name, box, getattr(box, count))
+        E = getattr(box, count)
+        own = dict(box.named_parameters(recurse=False))
+        loose = [n for n, p in own.items() if p.dim() == 0 or p.shape[0] != E]
+        if loose:
+            raise refuse(
+                model, f"parameter '{name}.{loose[0]}' of the experts is not stacked by expert"
+            )
+        if kind not in runs:
+            for run in (run_stacked_expert, run_own_expert):
+                if _error(model, name, box, run) <= TOLERANCE:
+                    runs[kind] = run
+                    break
+            else:
+                raise refuse(
+                    model,
+                    f"experts '{name}' ({kind}) are not a weighted sum of one expert per "
+                    f"choice, experts(hidden, top_k_index, top_k_weights), as far as running "
+                    f"them alone shows",
+                )
+        counts[kind], stacked[kind] = count, tuple(own)
+        router = _router(model, name, box, E)
         if router is not None:
             routers.add(router)
-    if len(set(classes.values())) != 1:
-        raise refuse(model, f"its expert containers name their count differently: {classes}")
+    if len(set(counts.values())) != 1 or len(set(stacked.values())) != 1:
+        raise refuse(model, f"its expert containers differ: {sorted(counts)}")
+    if len(set(runs.values())) != 1:
+        raise refuse(model, f"its expert containers run differently: {sorted(runs)}")
     return MoEPlan(
-        experts=tuple(classes),
-        stacked=STACKED,
-        run_expert=run_stacked_expert,
-        num_experts=next(iter(classes.values())),
+        experts=tuple(counts),
+        stacked=next(iter(stacked.values())),
+        run_expert=next(iter(runs.values())),
+        num_experts=next(iter(counts.values())),
         routers=tuple(sorted(routers)),
         logits_index=0,
         aux_loss_on=_aux_loss_on,
@@ -155,4 +187,4 @@ def infer_moe_plan(model: nn.Module) -> MoEPlan | None:
     )
 
 
-__all__: list[Any] = ["infer_moe_plan", "containers"]
+__all__ = ["containers", "infer_moe_plan", "run_own_expert"]
