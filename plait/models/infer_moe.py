@@ -91,9 +91,7 @@ def _error(model: nn.Module, name: str, box: nn.Module, run: Any) -> float:
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g, dtype=torch.float64)
     errors = []
-    for width in sorted(
-        {d, *(p.shape[2] for p in dense.parameters(recurse=False) if p.dim() == 3)}
-    ):
+    for width in widths:
         x = torch.randn(tokens, width, generator=g, dtype=torch.float64)
         try:
             with torch.no_grad():
