@@ -180,6 +180,8 @@ def shard(
     kv_paths = {prefix + p for p in heads.key_value}
     grads: dict[str, Grad] = {}
     for path, style in styles.items():
+        if style.kind not in ("colwise", "rowwise"):
+            continue  # "per_head" comes as per_head=
         module = block.get_submodule(path)
         weight: torch.Tensor = module.weight.detach()  # type: ignore[operator]
         weight = weight.t() if style.transposed else weight

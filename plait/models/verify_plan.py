@@ -83,7 +83,9 @@ def capture(
 def _describe(value: Any) -> Any:
     """What a block input is, for telling kinds of block apart (not its activations)."""
     if isinstance(value, torch.Tensor):
-        summary = float(value.double().nan_to_num(0.0, -1e300, 1e300).sum())
+        v = value.detach().double().nan_to_num(0.0, 1e30, -1e30)
+        # a mask's large negative entries counted, the rest summed (a sum would overflow)
+        summary = (int((v <= -1e4).sum()), round(float(v.clamp(-1e4, 1e4).sum()), 6))
         return (tuple(value.shape), str(value.dtype), summary)
     if isinstance(value, tuple | list):
         return tuple(_describe(v) for v in value)
