@@ -79,11 +79,13 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
 
     For ``"tp"`` (1D, no sequence parallelism) a model no family knows gets the plan
     :func:`~plait.models.infer.infer_tp_plan` infers and proves, or its refusal
-    (``PlanInferenceError``, a ``ValueError`` naming the module and the plan to write); for
+    (``PlanInferenceError``, a ``ValueError`` naming the module and the plan to write),
+    proven at ``options["tp"]`` ranks when given (``plait.prepare`` passes its mesh's); for
     ``"pipeline"`` a causal LM gets
     :func:`~plait.models.infer_pipeline.infer_pipeline_plan`'s, or its refusal; for
     ``"moe"`` a model with stacked experts :func:`~plait.models.infer_moe.infer_moe_plan`'s
     (None without them)."""
+    tp = options.pop("tp", None)  # the size an inferred tp plan is proven at
     own = getattr(model, "plait_plan", None)
     if callable(own):
         return own(kind, **options)
@@ -97,12 +99,12 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
             return infer_pipeline_plan(model)
         if kind == "moe":
             return infer_moe_plan(model)
-        return _inferred(model, **options) if kind == "tp" else None
+        return _inferred(model, tp=tp, **options) if kind == "tp" else None
     fn = getattr(importlib.import_module(name), f"{kind}_plan", None)
     return None if fn is None else fn(model, **options)
 
 
-def _inferred(model: nn.Module, **options: Any) -> Any | None:
+def _inferred(model: nn.Module, *, tp: int | None = None, **options: Any) -> Any | None:
     """The inferred 1D plan; other modes stay unknown (None), sequence parallelism is refused."""
 
     if options.get("mode", "1d") != "1d":
@@ -114,4 +116,4 @@ def _inferred(model: nn.Module, **options: Any) -> Any | None:
             "and where it is gathered, depends on the forward); mark the 'sequence' and "
             "'scatter' entries in a plan of your own",
         )
-    return infer_tp_plan(model)
+    return infer_tp_plan(model, tp=tp)
