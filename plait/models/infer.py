@@ -136,10 +136,12 @@ class Found:
     example: str  # the nearest plan, as source, for a refusal
 
     shared_kv: bool = False  # multi-query: key and value the whole tail of a fused qkv
+    head_params: tuple[str, ...] = ()  # the attention's own per-head parameters (sinks)
 
     @property
     def heads_fields(self) -> dict[str, Any]:
         fields = {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+        fields |= {"head_params": self.head_params} if self.head_params else {}
         return fields | ({"shared_kv": True} if self.shared_kv else {})
 
 
@@ -390,6 +392,11 @@ def find(model: nn.Module) -> Found:
         key_value=key_value,
         attributes=attributes,
         shared_kv=shared_kv,
+        head_params=tuple(
+            n
+            for n, p in attn_module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] == heads
+        ),
         where=f"{first}.{attn['path']}" if attn["path"] else first,
         example="    plan = " + plan_source(nearest).replace("\n", "\n    "),
     )
@@ -513,6 +520,7 @@ def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
                 "attributes": dict(h.attributes),
                 "head_dim": h.head_dim,
                 "shared_kv": h.shared_kv or None,
+                "head_params": h.head_params,
             }
             args = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in (None, (), {}))
             lines.append(f"        AttentionHeads({h.modules!r}, {args}),")

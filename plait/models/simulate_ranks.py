@@ -223,6 +223,11 @@ def shard(
     for name, kind in heads.attributes.items():
         if hasattr(module, name):
             setattr(module, name, local[kind])
+    for name in heads.head_params:  # one entry per query head: this rank's heads
+        p = getattr(module, name)
+        part = lambda d: d.reshape(t, -1, *d.shape[1:])[rank]  # noqa: E731
+        setattr(module, name, nn.Parameter(part(p.detach()).clone()))
+        grads[prefix + name] = Grad(prefix + name, "split", part)
     for name, _ in block.named_parameters():
         if name not in grads:
             owner = name.rpartition(".")[0]

@@ -562,6 +562,7 @@ def parallelize(
         for attr, what in heads.attributes.items():
             if hasattr(module, attr):
                 setattr(module, attr, local[what])
+        _split_head_params(module, heads, group)
     _place(model, group)
     vocab = [
         m.out_features
@@ -585,6 +586,25 @@ _SPLIT = {
 }
 
 
+def _split_head_params(module: nn.Module, heads: AttentionHeads, group: Group) -> None:
+    """This rank's entries of the attention's per-head parameters (``head_params``): a
+    slice of dimension 0, noted on the module for :func:`full_state_dict`."""
+    if not heads.head_params or hasattr(module, "plait_head_params"):
+        return
+    for name in heads.head_params:
+        p = getattr(module, name, None)
+        if not isinstance(p, nn.Parameter) or p.dim() < 1 or p.shape[0] != heads.heads:
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(
+                f"attention {heads.modules!r}: head_params {name!r} must be a parameter with "
+                f"one entry per query head ({heads.heads}) on dimension 0; got {got}"
+            )
+        part = heads.heads // group.size
+        rows = slice(group.rank * part, (group.rank + 1) * part)
+        setattr(module, name, nn.Parameter(p.detach()[rows].clone(), p.requires_grad))
+    object.__setattr__(module, "plait_head_params", (heads.head_params, group))
+
+
 def _place(model: nn.Module, group: Group) -> None:
     """Record every parameter's placement: slices of a split weight shard over ``group``,
     everything else (LayerNorms, row-parallel biases, whole key/value projections,
@@ -592,6 +612,7 @@ def _place(model: nn.Module, group: Group) -> None:
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             split = any(isinstance(module, cls) and pname == n for cls, n in _SPLIT)
+            split = split or pname in getattr(module, "plait_head_params", ((), None))[0]
             place(p, shard=(group,) if split else (), replicate=() if split else (group,))
 
 
@@ -647,6 +668,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _gather_tp(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
+        names, group = getattr(module, "plait_head_params", ((), None))
+        for pname in names:  # per-head parameters: every rank's heads, in rank order
+            key = f"{name}.{pname}" if name else pname
+            state[key] = M.all_gather_dim(getattr(module, pname).detach(), 0, group, "auto")
         if isinstance(module, PARALLEL_LAYERS):
             prefix = f"{name}." if name else ""
             for key, value in module.full_state().items():

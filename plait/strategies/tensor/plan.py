@@ -55,6 +55,8 @@ class AttentionHeads:
     (GPT-2's ``split_size``). ``shared_kv``: the key/value heads are the whole tail of a
     fused projection (``Style("colwise", tail=...)``: multi-query attention), kept whole on
     every rank, so ``t`` may exceed ``kv_heads`` without naming ``key_value``.
+    ``head_params``: parameters of the attention module itself holding one entry per query
+    head on dimension 0 (GPT-OSS's attention ``sinks``), split with the heads.
     """
 
     modules: str
@@ -64,6 +66,7 @@ class AttentionHeads:
     attributes: Mapping[str, str] = field(default_factory=dict)
     head_dim: int | None = None  # needed by a "width" attribute
     shared_kv: bool = False  # kv heads in a fused projection's whole tail (Style(tail=))
+    head_params: tuple[str, ...] = ()  # own parameters with one entry per query head
 
     def __post_init__(self) -> None:
         if "width" in self.attributes.values() and self.head_dim is None:
