@@ -51,15 +51,17 @@ def test_gemma3_per_head_norms_are_summed():
     assert "model.embed_tokens" not in plan.styles and "lm_head" not in plan.styles
 
 
-def test_per_head_parameters_that_no_sum_repairs_are_refused():
+def test_attention_sinks_are_split_with_their_heads():
     """GPT-OSS's attention sinks: one learned logit per head, held by the attention module
-    itself, whole on every rank: a split by heads reads the wrong ones."""
+    itself: split with the heads (a whole copy would give a rank the wrong heads' sinks, or
+    the wrong count); its sparse blocks stay whole on every rank."""
     pytest.importorskip("transformers")
     from tests import zoo_fns
 
-    model = zoo_fns.build("gpt_oss")
-    with pytest.raises(PlanInferenceError, match="block"):
-        infer_tp_plan(model, tp=2)
+    plan = infer_tp_plan(zoo_fns.build("gpt_oss"), tp=2)
+    (heads,) = plan.attention
+    assert heads.head_params == ("sinks",)
+    assert not any("experts" in k or "router" in k for k in plan.styles)
 
 
 def test_simulated_ranks_meet_at_every_collective():
