@@ -11,7 +11,6 @@ import torch
 
 from plait.models import simulate_ranks
 from plait.models.infer import PlanInferenceError, infer_tp_plan
-from plait.strategies.tensor.parallelize import Style
 from tests import zoo_planted
 
 
@@ -46,7 +45,7 @@ def test_gemma3_per_head_norms_are_summed():
     model = zoo_fns.build("gemma3")
     plan = infer_tp_plan(model, tp=2)
     for norm in ("q_norm", "k_norm"):
-        assert plan.styles[f"model.layers.*.self_attn.{norm}"] == Style("per_head")
+        assert plan.styles[f"model.layers.*.self_attn.{norm}"] == "per_head"
     # the scaled embedding (its own forward) and the head tied to it stay whole
     assert "model.embed_tokens" not in plan.styles and "lm_head" not in plan.styles
 

@@ -122,7 +122,8 @@ ZOO: dict[str, Member] = {
 
 
 def build(name: str) -> nn.Module:
-    """The zoo's ``name``: random init (seed 0), float64, eager attention, dropout 0."""
+    """The zoo's ``name``: random init (seed 0), float64, eager attention and experts,
+    dropout 0."""
     import transformers
 
     member = ZOO[name]
@@ -134,6 +135,7 @@ def build(name: str) -> nn.Module:
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the grouped matmul takes no float64
     torch.manual_seed(0)
     model = getattr(transformers, member.model)(config).to(torch.float64)
     return model  # type: ignore[no-any-return]
