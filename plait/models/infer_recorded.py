@@ -222,12 +222,9 @@ def recorded_plan(
             f"its forward calls the blocks of '{blocks_path}' in the order {order[:8]}, not "
             f"each once from 0 to {n - 1}",
         )
-    if any(isinstance(r, torch.Tensor) for r in rest):
-        raise refuse(
-            model,
-            f"its blocks return tensors besides the hidden states ({len(rest)} more), which "
-            f"a pipeline stage does not pass on",
-        )
+    # what else a block returns (attention weights) is not passed between stages: the
+    # stand-ins return None there, and the proof shows the logits and loss do not need it
+    rest = tuple(None for _ in rest)
     modules = dict(model.named_modules())
     owners = {n: m for n, m in modules.items() if list(m.parameters(recurse=False))}
     inside = f"{blocks_path}."
