@@ -242,10 +242,14 @@ def recorded_plan(
         )
     if not head:
         raise refuse(model, "no module with parameters runs after its last block (no head)")
+    # buffers-only modules the context runs (rotary tables): registered on every stage; a
+    # module holding parameters anywhere below it (the base model) is not one
     context_modules = tuple(
         (name, m)
         for name, m in modules.items()
-        if 0 in ran.get(name, ()) and name not in owners and list(m.buffers(recurse=False))
+        if 0 in ran.get(name, ())
+        and not any(True for _ in m.parameters())
+        and any(True for _ in m.buffers(recurse=False))
     )
     recorder = Recorder(model, container, rest)
     config: Any = getattr(model, "config")  # noqa: B009

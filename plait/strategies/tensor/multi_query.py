@@ -33,8 +33,10 @@ class MultiQueryLinear(nn.Module):
     """``weight``/``bias``: this rank's query rows; ``tail_weight``/``tail_bias``: the key
     and value rows, whole (module doc)."""
 
-    # parameters that are this layer's own, not the dense model's (full_state folds them in)
+    # parameters that are this layer's own, not the dense model's (full_state folds them in),
+    # and the dense parameter each is part of (for the optimizer's groups)
     local_only = ("tail_weight", "tail_bias")
+    dense_names = {"tail_weight": "weight", "tail_bias": "bias"}
 
     def __init__(
         self,

@@ -726,8 +726,13 @@ def rebuild_optimizer(
         groups = {n: 0 for n, _ in model.named_parameters(remove_duplicate=False)}
     params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     for name, p in model.named_parameters():
-        if name in groups:
-            params[groups[name]].append(p)
+        path, _, leaf = name.rpartition(".")
+        # a parallel layer's own parameter stands for part of a dense one (its whole tail)
+        owner = model.get_submodule(path) if path else model
+        dense = getattr(owner, "dense_names", {}).get(leaf)
+        key = name if dense is None else (f"{path}.{dense}" if path else dense)
+        if key in groups:
+            params[groups[key]].append(p)
     cls = type(optimizer)
     # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay);
     # every group keeps all its entries
