@@ -20,7 +20,6 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from plait.models.infer import PlanInferenceError  # noqa: E402
 from plait.models.plans import plan_for  # noqa: E402
 from tests import hf_inferred_fns as fns  # noqa: E402
 
@@ -42,7 +41,11 @@ def test_llama_layout_models_get_an_inferred_plan(family):
 
 @pytest.mark.parametrize(
     ("family", "extra"),
-    [("gemma2", {}), ("cohere", {}), ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0})],
+    [
+        ("gemma2", {}),
+        ("cohere", {}),
+        ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}),
+    ],
 )
 def test_models_whose_forward_does_more_get_a_recorded_plan(family, extra):
     """Soft-capped logits (Gemma 2), scaled logits (Cohere), multipliers (Granite): the
