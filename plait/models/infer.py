@@ -179,6 +179,11 @@ def _is_linear(module: nn.Module) -> bool | None:
     return None
 
 
+def _matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
 def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
     """The longest list of same-class modules holding linears, outermost first (the
     decoder's blocks), or None."""
@@ -189,8 +194,10 @@ def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
         kids = list(module.children())
         if len({type(k) for k in kids}) != 1:
             continue
-        if sum(_is_linear(m) is not None for m in kids[0].modules()) < 2:
-            continue  # a block holds linear pairs; a list of bare linears is no block
+        # a block holds linear pairs (or their tensor-parallel forms: 2-D weights); a list of
+        # bare linears is no block
+        if sum(_is_linear(m) is not None or _matrix(m) for m in kids[0].modules()) < 2:
+            continue
         if best is not None and name.startswith(f"{best[0]}."):
             continue  # a list inside a block (experts): the blocks come first
         if best is None or len(kids) > len(best[1]):
