@@ -669,7 +669,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_tp(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         names, group = getattr(module, "plait_head_params", ((), None))
-        for pname in names if group is not None else ():  # every rank's heads, in rank order
+        for pname in names:  # per-head parameters: every rank's heads, in rank order
+            assert isinstance(group, Group)
             key = f"{name}.{pname}" if name else pname
             state[key] = M.all_gather_dim(getattr(module, pname).detach(), 0, group, "auto")
         if isinstance(module, PARALLEL_LAYERS):
