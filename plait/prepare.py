@@ -115,6 +115,9 @@ def _tp(model: nn.Module, optimizer: Optimizer | None, **options: Any) -> Prepar
         extra: dict[str, Any] = {"mode": mode} if mode != "1d" else {}
         if mode == "1d" and options.pop("sequence_parallel", False):
             extra["sequence_parallel"] = True
+        shape = getattr(options.get("mesh"), "shape", {})
+        if isinstance(shape, dict) and shape.get("tp", 1) > 1:
+            extra["tp"] = shape["tp"]  # an inferred plan is proven at this size
         options["plan"] = plan_for(model, "tp", **extra)
     elif options.get("sequence_parallel"):
         raise ValueError("strategy 'tp': with an explicit plan, mark sequence regions in it")

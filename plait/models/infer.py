@@ -14,7 +14,9 @@ proves what it read by running it (:mod:`plait.models.verify_plan`):
      side is ``"colwise"``, the output ``"rowwise"``;
    - an *MLP* holds one or two input linears (``up_proj``, ``gate_proj``, ``fc1``,
      ``c_fc``, ``gate_up_proj``, ...) and one output linear (``down_proj``, ``fc2``,
-     ``c_proj``, ...): ``"colwise"`` then ``"rowwise"``.
+     ``c_proj``, ...): ``"colwise"`` then ``"rowwise"``; a sparse block (stacked experts,
+     3-D weights) has none or only its shared expert's, and its router and experts stay
+     whole on every rank, which runs them on the replicated input.
 
    A linear these names do not classify is refused by name.
 3. **Heads**: the query and key/value head counts come from the model's ``config``
@@ -24,13 +26,18 @@ proves what it read by running it (:mod:`plait.models.verify_plan`):
    integer attributes named like head counts (``num_heads``, ``num_key_value_heads``,
    ``num_key_value_groups``) or widths (``embed_dim``, ``hidden_size``, ``split_size``)
    holding those values are the candidates to set to each rank's counts.
-4. **Proof**: the first block is cut into ``t`` simulated ranks in one process, in float64,
-   its row-parallel outputs summed as the all-reduce would, and compared with the whole block
-   on the activations the model itself feeds it. Whether a fused projection splits as one
-   run of heads or per part (``Style(blocks=3)``: queries, keys, values; ``blocks=2``: gate
-   and up) and which candidate attributes the forward reads are decided here: the largest
-   set of attributes that reproduces the block is kept. Nothing is guessed: a plan that
-   reproduces no block is refused, naming the module and what was tried.
+4. **Proof** (:mod:`plait.models.verify_plan`): the blocks are cut into ``t`` simulated
+   ranks in one process, in float64, their collectives run as the layers run them, and
+   compared with the whole blocks on the activations the model itself feeds them. Whether a
+   fused projection splits as one run of heads or per part (``Style(blocks=3)``: queries,
+   keys, values; ``blocks=2``: gate and up) and which candidate attributes the forward reads
+   are decided on the first block: the largest set of attributes that reproduces it is
+   kept. Then every kind of block (sliding and global attention, dense and sparse, the
+   last block) is run forward and backward: outputs, input gradients and every parameter's
+   gradient must be the whole block's; a norm inside the attention whose gradient is right
+   only summed over the ranks gets the ``"per_head"`` style. Nothing is guessed: a plan that
+   reproduces no block, or fails a later kind, is refused, naming the block, how it differs
+   from the first and what was tried.
 
 Embedding and head: split by vocabulary only when recognisable, the token embedding being a
 plain ``nn.Embedding`` (Hugging Face's ``get_input_embeddings()``, or one whose weight a
@@ -42,12 +49,12 @@ own forward) stays replicated on every rank: safe, only not split.
 
 Not inferred (refused with an example plan to write): sequence parallelism, 2D/2.5D/3D
 modes, fused ``qkv`` with grouped-query heads whose split the proof cannot confirm, forwards
-that read head counts from a shared config, per-head norms, blocks that differ (dense and MoE
-layers alternating), models the example token ids cannot run (pass ``example=``). The
-inferred plan leaves out the hand-written plans' ``"gather"`` entries (one backward
-all-reduce per block instead of one per column-parallel projection): the same result, a
-little more communication. The plan is logged at info as Python source
-(:func:`plan_source`) to copy, edit and pass as ``plan=``.
+that read head counts from a shared config, per-head parameters (GPT-OSS's attention sinks),
+blocks that hold other linears (dense and MoE layers alternating), models the example token
+ids cannot run (pass ``example=``). The inferred plan leaves out the hand-written plans'
+``"gather"`` entries (one backward all-reduce per block instead of one per column-parallel
+projection): the same result, a little more communication. The plan is logged at info as
+Python source (:func:`plan_source`) to copy, edit and pass as ``plan=``.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ import torch
 from torch import nn
 
 from plait.models.verify_plan import prove
-from plait.strategies.tensor.parallelize import Style
+from plait.strategies.tensor.parallelize import Style, computes_linear
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan
 
 log = logging.getLogger("plait")
@@ -128,9 +135,14 @@ class Found:
     where: str  # the first block's attention module, for messages
     example: str  # the nearest plan, as source, for a refusal
 
+    shared_kv: bool = False  # multi-query: key and value the whole tail of a fused qkv
+    head_params: tuple[str, ...] = ()  # the attention's own per-head parameters (sinks)
+
     @property
     def heads_fields(self) -> dict[str, Any]:
-        return {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+        fields = {"heads": self.heads, "kv_heads": self.kv_heads, "key_value": self.key_value}
+        fields |= {"head_params": self.head_params} if self.head_params else {}
+        return fields | ({"shared_kv": True} if self.shared_kv else {})
 
 
 def refuse(model: nn.Module, why: str, *, example: str | None = None) -> PlanInferenceError:
@@ -167,8 +179,14 @@ def _is_linear(module: nn.Module) -> bool | None:
     return None
 
 
-def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """The longest list of same-class modules holding linears, outermost first."""
+def _matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The longest list of same-class modules holding linears, outermost first (the
+    decoder's blocks), or None."""
     best: tuple[str, list[nn.Module]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.ModuleDict) or not len(module):
@@ -176,12 +194,19 @@ def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
         kids = list(module.children())
         if len({type(k) for k in kids}) != 1:
             continue
-        if sum(_is_linear(m) is not None for m in kids[0].modules()) < 2:
-            continue  # a block holds linear pairs; a list of bare linears is no block
+        # a block holds linear pairs (or their tensor-parallel forms: 2-D weights); a list of
+        # bare linears is no block
+        if sum(_is_linear(m) is not None or _matrix(m) for m in kids[0].modules()) < 2:
+            continue
         if best is not None and name.startswith(f"{best[0]}."):
             continue  # a list inside a block (experts): the blocks come first
         if best is None or len(kids) > len(best[1]):
             best = (name, kids)
+    return best
+
+
+def _blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    best = repeated_blocks(model)
     if best is None:
         raise refuse(model, "it has no nn.ModuleList of repeated blocks holding linears")
     return best
@@ -193,11 +218,12 @@ def _linears(block: nn.Module, model: nn.Module, where: str) -> list[Linear]:
         kind = _is_linear(module)
         if kind is None:
             continue
-        if kind and type(module).forward is not nn.Linear.forward:
+        if kind and not computes_linear(module):
             raise refuse(
                 model,
                 f"linear '{where}.{path}' is a {type(module).__name__}, a subclass of nn.Linear "
-                f"with its own forward, which a split would replace",
+                f"whose own forward computes something else than x @ W.T + b (checked on a "
+                f"random input), which a split would replace",
             )
         weight = module.weight
         n_out, n_in = weight.shape if kind else weight.shape[::-1]
@@ -214,8 +240,11 @@ def _read(sources: list[Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _classify(model: nn.Module, where: str, linears: list[Linear]) -> dict[str, Any]:
-    """Parent path -> its role and children by role; refuses a linear no rule classifies."""
+def _classify(
+    model: nn.Module, where: str, linears: list[Linear], *, sparse: bool = False
+) -> dict[str, Any]:
+    """Parent path -> its role and children by role; refuses a linear no rule classifies.
+    ``sparse``: the block holds stacked experts, so it may have no MLP of linears."""
     parents: dict[str, dict[str, Linear]] = {}
     for lin in linears:
         parent, _, leaf = lin.path.rpartition(".")
@@ -254,7 +283,7 @@ def _classify(model: nn.Module, where: str, linears: list[Linear]) -> dict[str, 
                 f"qkv) nor an MLP one (up/gate/fc1/c_fc, then down/fc2/c_proj)",
                 example=_example(where.rpartition(".")[0], None),
             )
-    if attention is None or mlp is None:
+    if attention is None or (mlp is None and not sparse):
         missing = "an attention module" if attention is None else "an MLP"
         raise refuse(model, f"block '{where}' has no {missing} the rules recognise")
     return {"attention": attention, "mlp": mlp}
@@ -276,7 +305,9 @@ def find(model: nn.Module) -> Found:
                 f"({sorted(set(other) ^ set(shape))[:3]}): the blocks differ, so one pattern "
                 f"does not fit them all",
             )
-    roles = _classify(model, first, linears)
+    # stacked experts (3-D weights: a sparse block) stay whole on every rank
+    sparse = any(p.dim() == 3 for p in blocks[0].parameters())
+    roles = _classify(model, first, linears, sparse=sparse)
     attn, mlp = roles["attention"], roles["mlp"]
     attn_module = blocks[0].get_submodule(attn["path"]) if attn["path"] else blocks[0]
     # the model's config, else the one its attention holds (a model of one's own wrapping
@@ -298,6 +329,7 @@ def find(model: nn.Module) -> Found:
     styles: dict[str, Style] = {}
     fused: dict[str, tuple[int, ...]] = {}
     key_value: tuple[str, ...] = ()
+    shared_kv = False
 
     def rel(lin: Linear) -> str:
         return lin.path[len(attn["path"]) + 1 :] if attn["path"] else lin.path
@@ -305,6 +337,8 @@ def find(model: nn.Module) -> Found:
     if attn["qkv"]:
         (qkv,) = attn["qkv"]
         head_dim = _read(sources, ("head_dim", "head_size")) or out.n_in // heads
+        if qkv.n_out != (heads + 2 * kv) * head_dim and qkv.n_out == (heads + 2) * head_dim:
+            kv = 1  # the shapes say multi-query, whatever the config's key/value count
         if qkv.n_out != (heads + 2 * kv) * head_dim:
             raise refuse(
                 model,
@@ -312,8 +346,13 @@ def find(model: nn.Module) -> Found:
                 f"kv heads {kv}) x head_dim {head_dim}, so its split is unclear",
                 example=example,
             )
-        styles[qkv.path] = Style("colwise", transposed=qkv.transposed)
-        fused[qkv.path] = (1, 3) if kv == heads else (1,)
+        if kv == 1 < heads and not qkv.transposed:
+            # multi-query: the query rows split, the one key and value head whole on every rank
+            styles[qkv.path] = Style("colwise", tail=2 * head_dim)
+            shared_kv = True
+        else:
+            styles[qkv.path] = Style("colwise", transposed=qkv.transposed)
+            fused[qkv.path] = (1, 3) if kv == heads else (1,)
     else:
         (q,), (k,), (v,) = attn["q"], attn["k"], attn["v"]
         head_dim = q.n_out // heads
@@ -328,11 +367,12 @@ def find(model: nn.Module) -> Found:
             styles[lin.path] = Style("colwise", transposed=lin.transposed)
         key_value = (rel(k), rel(v))
     styles[out.path] = Style("rowwise", transposed=out.transposed)
-    for lin in mlp["in"]:
+    for lin in mlp["in"] if mlp else ():
         styles[lin.path] = Style("colwise", transposed=lin.transposed)
         if len(mlp["in"]) == 1:
             fused[lin.path] = (1, 2)  # fc1, or gate and up fused: the proof says which
-    styles[mlp["out"].path] = Style("rowwise", transposed=mlp["out"].transposed)
+    if mlp:
+        styles[mlp["out"].path] = Style("rowwise", transposed=mlp["out"].transposed)
     attributes = _head_attributes(attn_module, heads, kv, head_dim)
     pattern = f"{blocks_path}.*" + (f".{attn['path']}" if attn["path"] else "")
     nearest = TensorPlan(
@@ -358,6 +398,12 @@ def find(model: nn.Module) -> Found:
         head_dim=head_dim,
         key_value=key_value,
         attributes=attributes,
+        shared_kv=shared_kv,
+        head_params=tuple(
+            n
+            for n, p in attn_module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] == heads
+        ),
         where=f"{first}.{attn['path']}" if attn["path"] else first,
         example="    plan = " + plan_source(nearest).replace("\n", "\n    "),
     )
@@ -431,8 +477,9 @@ def infer_tp_plan(model: nn.Module, *, tp: int | None = None, example: Any = Non
     both the query and key/value heads); a size the heads do not fit is refused naming the
     module. ``example``: the model's input for the proof (default: token ids ``(2, 5)``
     below the embedding's vocabulary, ``use_cache=False`` where the forward takes it).
-    Cost: one forward of the model up to its first block and ``~ 3 t`` forwards of a
-    float64 copy of that block per candidate (a few dozen at most); no collective.
+    Cost: one forward of the model on the example; ``t`` threaded forwards of a float64 copy
+    of the first block per candidate (a few dozen at most); one forward and backward of a
+    float64 copy of each kind of block (and the last) on ``t`` threads; no collective.
     """
 
     found = find(model)
@@ -479,6 +526,8 @@ def plan_source(plan: TensorPlan | Mapping[str, Any]) -> str:
                 "key_value": h.key_value,
                 "attributes": dict(h.attributes),
                 "head_dim": h.head_dim,
+                "shared_kv": h.shared_kv or None,
+                "head_params": h.head_params,
             }
             args = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v not in (None, (), {}))
             lines.append(f"        AttentionHeads({h.modules!r}, {args}),")
@@ -492,7 +541,7 @@ def _style_source(style: Any) -> str:
     default = Style(style.kind)
     extra = [
         f"{f}={getattr(style, f)!r}"
-        for f in ("input", "output", "transposed", "blocks")
+        for f in ("input", "output", "transposed", "blocks", "tail")
         if getattr(style, f) != getattr(default, f)
     ]
     return f"Style({', '.join([repr(style.kind), *extra])})"

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from plait.models import llama
-from plait.models.infer import PlanInferenceError
+from plait.models.infer import PlanInferenceError, repeated_blocks
+from plait.models.infer_recorded import recorded_plan
 from plait.strategies.pipeline import PipelinePlan
 
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -51,42 +52,77 @@ EXAMPLE = """    from plait.strategies.pipeline import Layer, PipelinePlan
 
 def refuse(model: nn.Module, why: str) -> PlanInferenceError:
     """The refusal: why no pipeline plan was inferred, and the plan to write instead."""
-    return PlanInferenceError(
+    error = PlanInferenceError(
         f"strategy 'pipeline' needs plan= for a {type(model).__name__}: no pipeline plan is "
         f"known for its family and none can be inferred safely: {why}. Write one "
         f"(plait.strategies.pipeline.plan), e.g.\n{EXAMPLE}\nand pass "
         f"plait.prepare(..., strategy='pipeline', plan=plan)"
     )
+    error.why = why  # type: ignore[attr-defined]
+    return error
 
 
 def looks_like_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a decoder LM worth trying: an ``lm_head`` beside a ``model``
-    holding a ``layers`` list (models without one are left to the strategy's refusal)."""
+    """Whether ``model`` is a decoder LM worth trying: a Hugging Face causal LM (a
+    ``config``, a ``loss_function`` and an output embedding), or an ``lm_head`` beside a
+    ``model`` holding a ``layers`` list (models without either are left to the strategy's
+    refusal)."""
     base = getattr(model, "model", None)
-    return (
+    llama = (
         isinstance(getattr(model, "lm_head", None), nn.Module)
         and isinstance(base, nn.Module)
         and isinstance(getattr(base, "layers", None), nn.ModuleList)
     )
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        head = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        head = None
+    hf = getattr(model, "config", None) is not None and callable(
+        getattr(model, "loss_function", None)
+    )
+    return llama or (hf and isinstance(head, nn.Module))
 
 
 def infer_pipeline_plan(model: nn.Module) -> PipelinePlan:
-    """The Llama-layout pipeline plan of ``model``, proven on a forward (module docstring),
-    or :class:`PlanInferenceError` naming what differs."""
-    names = {n for n, _ in model.named_modules()}
-    missing = [n for n in LAYOUT if n not in names]
-    if missing:
-        raise refuse(model, f"it lacks {missing} of the Llama layout plait can read")
+    """The pipeline plan of a causal LM no family knows, proven on a forward (module
+    docstring): the Llama-layout plan where the model has that layout and it proves, else
+    the plan recorded from the model's own forward (:mod:`plait.models.infer_recorded`);
+    or :class:`PlanInferenceError` naming what differs for each."""
     for attr in ("config", "loss_function"):
         if getattr(model, attr, None) is None:
             raise refuse(model, f"it has no {attr} (a Hugging Face causal LM has one)")
+    names = {n for n, _ in model.named_modules()}
+    reasons = []
+    missing = [n for n in LAYOUT if n not in names]
+    if not missing:
+        try:
+            plan = llama.pipeline_plan(model)
+            plan = replace(plan, name=f"{type(model).__name__} (inferred: Llama layout)")
+            _prove(model, plan)
+            return plan  # type: ignore[no-any-return]
+        except (AttributeError, ValueError) as exc:
+            reasons.append(f"the Llama layout: {getattr(exc, 'why', exc)}")
     try:
-        plan = llama.pipeline_plan(model)
-    except (AttributeError, ValueError) as exc:
-        raise refuse(model, f"the Llama plan does not read it ({exc})") from exc
-    plan = replace(plan, name=f"{type(model).__name__} (inferred: Llama layout)")
-    _prove(model, plan)
-    return plan  # type: ignore[no-any-return]
+        found = repeated_blocks(model)
+        if found is None:
+            raise refuse(model, "it has no nn.ModuleList of repeated blocks holding linears")
+        plan = recorded_plan(model, found[0], refuse, _ids(model))
+        _prove(model, plan)
+        return plan
+    except (AttributeError, ValueError, TypeError) as exc:
+        reasons.append(f"recorded from its forward: {getattr(exc, 'why', exc)}")
+    raise refuse(model, "; ".join(reasons))
+
+
+def _ids(model: nn.Module) -> torch.Tensor:
+    config: Any = getattr(model, "config")  # noqa: B009
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise refuse(model, "its config has no vocab_size")
+    param = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (2, 8), generator=g).to(param.device)
 
 
 def _chain(plan: PipelinePlan, ids: torch.Tensor) -> torch.Tensor:
@@ -105,14 +141,11 @@ def _chain(plan: PipelinePlan, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _prove(model: nn.Module, plan: PipelinePlan) -> None:
-    config: Any = getattr(model, "config")  # noqa: B009
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab < 2:
-        raise refuse(model, "its config has no vocab_size")
-    head: Any = getattr(model.lm_head, "weight", None)
+    getter = getattr(model, "get_output_embeddings", None)
+    out = getter() if callable(getter) else getattr(model, "lm_head", None)
+    head: Any = getattr(out, "weight", None)
     param = next(model.parameters())
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 8), generator=g).to(param.device)
+    ids = _ids(model)
     tol = 1e-2 if param.dtype in (torch.float16, torch.bfloat16) else 1e-5
     was = model.training
     model.eval()
@@ -144,7 +177,7 @@ def _compare(
         assert plan.loss is not None and plan.items is not None
         got_loss = plan.loss(got, ids, num_items=plan.items(ids))
     except Exception as exc:  # the chain fails where the model's own forward does not
-        raise refuse(model, f"its layers do not run as the Llama plan calls them ({exc})") from exc
+        raise refuse(model, f"its layers do not run as the plan calls them ({exc})") from exc
     if got.shape != want.shape:
         raise refuse(
             model,
@@ -157,8 +190,8 @@ def _compare(
         raise refuse(
             model,
             f"the plan's layers give other logits than the model's forward (max difference "
-            f"{diff:.3g}, largest logit {scale:.3g}): its forward does more than the Llama "
-            f"layout shows (a scaled embedding, multipliers, soft-capping)",
+            f"{diff:.3g}, largest logit {scale:.3g}): its forward does more than the plan "
+            f"shows (a scaled embedding, multipliers, soft-capping)",
         )
     if loss and abs(float(got_loss) - float(out.loss)) > tol * max(1.0, abs(float(out.loss))):
         raise refuse(

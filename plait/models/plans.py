@@ -16,10 +16,12 @@ registry, and :func:`register` adds a family for a class name at run time.
 
 A model no family knows gets its 1D tensor-parallel plan inferred where that is safe
 (:func:`plait.models.infer.infer_tp_plan`: linear pairs inside attention and MLP blocks,
-proven on the first block in float64) or is refused naming what to write; a causal LM in
-the Llama layout gets its pipeline plan inferred
-(:func:`plait.models.infer_pipeline.infer_pipeline_plan`: the Llama plan, proven on a
-forward against the model's own logits and loss) or is refused the same way.
+proven on every kind of block, forward and backward, on simulated ranks in float64) or is
+refused naming what to write; a causal LM gets its pipeline plan inferred
+(:func:`plait.models.infer_pipeline.infer_pipeline_plan`: the Llama plan where it has that
+layout, else a plan recorded from its own forward, proven against the model's own logits
+and loss) or is refused the same way; a model holding Hugging Face 5.x stacked experts gets
+its MoE plan inferred and proven (:func:`plait.models.infer_moe.infer_moe_plan`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from plait.models.infer import infer_tp_plan, refuse
+from plait.models.infer_moe import infer_moe_plan
 from plait.models.infer_pipeline import infer_pipeline_plan, looks_like_causal_lm
 
 # class name -> module under plait.models that holds the family's plans
@@ -76,9 +79,13 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
 
     For ``"tp"`` (1D, no sequence parallelism) a model no family knows gets the plan
     :func:`~plait.models.infer.infer_tp_plan` infers and proves, or its refusal
-    (``PlanInferenceError``, a ``ValueError`` naming the module and the plan to write); for
-    ``"pipeline"`` a causal LM (an ``lm_head`` beside ``model.layers``) gets
-    :func:`~plait.models.infer_pipeline.infer_pipeline_plan`'s, or its refusal."""
+    (``PlanInferenceError``, a ``ValueError`` naming the module and the plan to write),
+    proven at ``options["tp"]`` ranks when given (``plait.prepare`` passes its mesh's); for
+    ``"pipeline"`` a causal LM gets
+    :func:`~plait.models.infer_pipeline.infer_pipeline_plan`'s, or its refusal; for
+    ``"moe"`` a model with stacked experts :func:`~plait.models.infer_moe.infer_moe_plan`'s
+    (None without them)."""
+    tp = options.pop("tp", None)  # the size an inferred tp plan is proven at
     own = getattr(model, "plait_plan", None)
     if callable(own):
         return own(kind, **options)
@@ -90,12 +97,14 @@ def plan_for(model: nn.Module, kind: str, **options: Any) -> Any | None:
     if name is None:
         if kind == "pipeline" and looks_like_causal_lm(model):
             return infer_pipeline_plan(model)
-        return _inferred(model, **options) if kind == "tp" else None
+        if kind == "moe":
+            return infer_moe_plan(model)
+        return _inferred(model, tp=tp, **options) if kind == "tp" else None
     fn = getattr(importlib.import_module(name), f"{kind}_plan", None)
     return None if fn is None else fn(model, **options)
 
 
-def _inferred(model: nn.Module, **options: Any) -> Any | None:
+def _inferred(model: nn.Module, *, tp: int | None = None, **options: Any) -> Any | None:
     """The inferred 1D plan; other modes stay unknown (None), sequence parallelism is refused."""
 
     if options.get("mode", "1d") != "1d":
@@ -107,4 +116,4 @@ def _inferred(model: nn.Module, **options: Any) -> Any | None:
             "and where it is gathered, depends on the forward); mark the 'sequence' and "
             "'scatter' entries in a plan of your own",
         )
-    return infer_tp_plan(model)
+    return infer_tp_plan(model, tp=tp)

@@ -38,12 +38,13 @@ style          module              becomes
                ``nn.Embedding``    them for every entry (see ``parallelize_nd``)
 =============  ==================  ==========================================================
 
-``nn.Linear``/``nn.Embedding`` include subclasses that keep the base class's ``forward``
-(a subclass with its own forward is refused by name); ``Style(transposed=True)`` splits a
-linear storing its weight as ``[in, out]`` (GPT-2's ``Conv1D``), ``Style(blocks=k)`` a fused
-projection part by part. A :class:`~plait.strategies.tensor.plan.TensorPlan` adds the
-attention heads: their counts are checked against ``t`` by name and the attributes that
-hold them set to this rank's.
+``nn.Linear``/``nn.Embedding`` include subclasses that keep the base class's ``forward``, and
+linears whose own forward is checked, on a random input, to compute ``x @ W.T + b``
+(:func:`computes_linear`: Falcon's ``FalconLinear``); any other is refused by name.
+``Style(transposed=True)`` splits a linear storing its weight as ``[in, out]`` (GPT-2's
+``Conv1D``), ``Style(blocks=k)`` a fused projection part by part. A
+:class:`~plait.strategies.tensor.plan.TensorPlan` adds the attention heads: their counts are
+checked against ``t`` by name and the attributes that hold them set to this rank's.
 
 A plan with any ``"sequence"`` (or ``"scatter"``) entry turns on sequence parallelism for
 the whole model: activations between the tensor-parallel regions are then sliced along the
@@ -75,6 +76,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from plait.comm.group import Group
 from plait.renames import accepts_model
@@ -91,6 +93,7 @@ from plait.strategies.tensor.layers import (
     VocabParallelEmbedding,
 )
 from plait.strategies.tensor.layers_nd import ND_LAYERS
+from plait.strategies.tensor.multi_query import MultiQueryLinear
 from plait.strategies.tensor.parallelize_nd import loss_fn as loss_fn_nd
 from plait.strategies.tensor.parallelize_nd import parallelize_nd, prepare_nd
 from plait.strategies.tensor.plan import AttentionHeads, TensorPlan, as_plan
@@ -113,6 +116,7 @@ KINDS = (
 # styles that only move activations at a module's entry: they split no parameter
 HOOKS = ("scatter", "gather")
 PARALLEL_LAYERS = (
+    MultiQueryLinear,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -133,15 +137,23 @@ class Style:
     is and ``full_state_dict`` gives its weight back in its own layout. ``blocks``: a fused
     column-parallel projection whose output is ``blocks`` equal parts (GPT-2's ``c_attn``:
     queries, keys, values): each part is split separately, so every rank holds its slice
-    of each."""
+    of each. ``tail``: a fused multi-query projection whose last ``tail`` outputs (the one
+    shared key and value head) stay whole on every rank while the query rows are split
+    (:class:`~plait.strategies.tensor.multi_query.MultiQueryLinear`)."""
 
     kind: str
     input: str | None = None
     output: str | None = None
     transposed: bool = False
     blocks: int = 1
+    tail: int = 0
 
     def __post_init__(self) -> None:
+        if self.tail and (self.kind != "colwise" or self.blocks != 1 or self.transposed):
+            raise ValueError(
+                f"Style({self.kind!r}, tail={self.tail}): a whole tail (multi-query key and "
+                f"value) is for a plain 'colwise' linear without blocks"
+            )
         if self.kind not in KINDS:
             raise ValueError(f"unknown tensor-parallel style {self.kind!r}; use one of {KINDS}")
         if self.blocks < 1 or (self.blocks > 1 and self.kind != "colwise"):
@@ -232,20 +244,53 @@ def _check_dropout(model: nn.Module) -> None:
             )
 
 
+def computes_linear(module: nn.Module) -> bool:
+    """Whether ``module``, an ``nn.Linear`` (or a subclass with its own forward: Falcon's
+    ``FalconLinear``), computes ``x @ weight.T + bias``: checked on a random input of
+    ``2 x 3`` rows, not assumed. A module on the ``meta`` device cannot be checked (False)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if type(module).forward is nn.Linear.forward:
+        return True
+    weight = module.weight
+    if weight.device.type == "meta":
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, module.in_features, generator=g, dtype=torch.float64)
+    x = x.to(device=weight.device, dtype=weight.dtype)
+    try:
+        with torch.no_grad():
+            got = module(x)
+            want = F.linear(x, weight, module.bias)
+    except Exception:  # noqa: BLE001 - a forward that cannot take a plain input is no linear
+        return False
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    tol = (
+        1e-12 if weight.dtype == torch.float64 else 1e-5 if weight.dtype == torch.float32 else 1e-2
+    )
+    scale = float(want.abs().max()) or 1.0
+    return float((got - want).abs().max()) <= tol * scale
+
+
 def _plain(name: str, module: nn.Module, base: type[nn.Module], kind: str) -> None:
-    """Refuse ``module`` unless it computes what ``base`` computes: ``base`` itself or a
+    """Refuse ``module`` unless it computes what ``base`` computes: ``base`` itself, a
     subclass that keeps ``base.forward`` (torchtitan's and others' own Linear/Embedding
-    classes that only change initialisation)."""
+    classes that only change initialisation), or a linear whose own forward is checked to
+    be plain (:func:`computes_linear`)."""
     if not isinstance(module, base):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}; style {kind!r} applies to "
             f"nn.{base.__name__} (or a subclass of it)"
         )
-    if type(module).forward is not base.forward:
+    if type(module).forward is not base.forward and not (
+        base is nn.Linear and computes_linear(module)
+    ):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}, a subclass of nn.{base.__name__} "
-            f"with its own forward; style {kind!r} would replace that forward by "
-            f"nn.{base.__name__}'s. Give it the style 'replicate', or split it yourself"
+            f"with its own forward that computes something else than nn.{base.__name__}'s "
+            f"(checked on a random input); style {kind!r} would replace it. Give it the style "
+            f"'replicate', or split it yourself"
         )
 
 
@@ -297,6 +342,14 @@ def _convert(
             group=group,
             head_dim=head_dim,
             replicas=replicas,
+            input=style.input or seq_or_rep,
+            algorithm=algorithm,
+        )
+    if kind == "colwise" and style.tail:
+        return MultiQueryLinear.from_dense(
+            module,  # type: ignore[arg-type]
+            group=group,
+            tail=style.tail,
             input=style.input or seq_or_rep,
             algorithm=algorithm,
         )
@@ -509,6 +562,7 @@ def parallelize(
         for attr, what in heads.attributes.items():
             if hasattr(module, attr):
                 setattr(module, attr, local[what])
+        _split_head_params(module, heads, group)
     _place(model, group)
     vocab = [
         m.out_features
@@ -527,7 +581,28 @@ _SPLIT = {
     (ColumnParallelLinear, "bias"),
     (RowParallelLinear, "weight"),
     (VocabParallelEmbedding, "weight"),
+    (MultiQueryLinear, "weight"),
+    (MultiQueryLinear, "bias"),
 }
+
+
+def _split_head_params(module: nn.Module, heads: AttentionHeads, group: Group) -> None:
+    """This rank's entries of the attention's per-head parameters (``head_params``): a
+    slice of dimension 0, noted on the module for :func:`full_state_dict`."""
+    if not heads.head_params or hasattr(module, "plait_head_params"):
+        return
+    for name in heads.head_params:
+        p = getattr(module, name, None)
+        if not isinstance(p, nn.Parameter) or p.dim() < 1 or p.shape[0] != heads.heads:
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(
+                f"attention {heads.modules!r}: head_params {name!r} must be a parameter with "
+                f"one entry per query head ({heads.heads}) on dimension 0; got {got}"
+            )
+        part = heads.heads // group.size
+        rows = slice(group.rank * part, (group.rank + 1) * part)
+        setattr(module, name, nn.Parameter(p.detach()[rows].clone(), p.requires_grad))
+    object.__setattr__(module, "plait_head_params", (heads.head_params, group))
 
 
 def _place(model: nn.Module, group: Group) -> None:
@@ -537,6 +612,7 @@ def _place(model: nn.Module, group: Group) -> None:
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             split = any(isinstance(module, cls) and pname == n for cls, n in _SPLIT)
+            split = split or pname in getattr(module, "plait_head_params", ((), None))[0]
             place(p, shard=(group,) if split else (), replicate=() if split else (group,))
 
 
@@ -592,10 +668,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _gather_tp(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
+        names, group = getattr(module, "plait_head_params", ((), None))
+        for pname in names:  # per-head parameters: every rank's heads, in rank order
+            assert isinstance(group, Group)
+            key = f"{name}.{pname}" if name else pname
+            state[key] = M.all_gather_dim(getattr(module, pname).detach(), 0, group, "auto")
         if isinstance(module, PARALLEL_LAYERS):
             prefix = f"{name}." if name else ""
             for key, value in module.full_state().items():
                 state[prefix + key] = value
+            for key in getattr(module, "local_only", ()):
+                state.pop(prefix + key, None)
     return state
 
 
@@ -644,8 +727,13 @@ def rebuild_optimizer(
         groups = {n: 0 for n, _ in model.named_parameters(remove_duplicate=False)}
     params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     for name, p in model.named_parameters():
-        if name in groups:
-            params[groups[name]].append(p)
+        path, _, leaf = name.rpartition(".")
+        # a parallel layer's own parameter stands for part of a dense one (its whole tail)
+        owner = model.get_submodule(path) if path else model
+        dense = getattr(owner, "dense_names", {}).get(leaf)
+        key = name if dense is None else (f"{path}.{dense}" if path else dense)
+        if key in groups:
+            params[groups[key]].append(p)
     cls = type(optimizer)
     # the constructor takes only some of the defaults (AdamW: not decoupled_weight_decay);
     # every group keeps all its entries

@@ -52,7 +52,11 @@ class AttentionHeads:
     to :data:`HEAD_COUNTS` (``"heads"``, ``"kv_heads"``, ``"groups"``); each attribute the
     module has is set to this rank's count (an attribute it lacks is skipped, so one plan
     serves several versions of a library); ``"width"`` is this rank's ``heads * head_dim``
-    (GPT-2's ``split_size``).
+    (GPT-2's ``split_size``). ``shared_kv``: the key/value heads are the whole tail of a
+    fused projection (``Style("colwise", tail=...)``: multi-query attention), kept whole on
+    every rank, so ``t`` may exceed ``kv_heads`` without naming ``key_value``.
+    ``head_params``: parameters of the attention module itself holding one entry per query
+    head on dimension 0 (GPT-OSS's attention ``sinks``), split with the heads.
     """
 
     modules: str
@@ -61,6 +65,8 @@ class AttentionHeads:
     key_value: tuple[str, ...] = ()
     attributes: Mapping[str, str] = field(default_factory=dict)
     head_dim: int | None = None  # needed by a "width" attribute
+    shared_kv: bool = False  # kv heads in a fused projection's whole tail (Style(tail=))
+    head_params: tuple[str, ...] = ()  # own parameters with one entry per query head
 
     def __post_init__(self) -> None:
         if "width" in self.attributes.values() and self.head_dim is None:
@@ -87,7 +93,7 @@ class AttentionHeads:
             )
         if kv % t == 0:
             local_kv, replicas = kv // t, 1
-        elif t % kv == 0 and self.key_value:
+        elif t % kv == 0 and (self.key_value or self.shared_kv):
             local_kv, replicas = 1, t // kv
         else:
             how = (
