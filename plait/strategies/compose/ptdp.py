@@ -309,6 +309,7 @@ class PTDP:
             experts |= ids
         if self.sizes.tp > 1:
             parallelize(model, self.tp_group, tplan, algorithm=algorithm)
+            _refuse_multi_query(model)
         if self.sizes.cp > 1:  # each stage's attention over the cp group (.context)
             # a plan reading position_ids places them itself (step passes the rank's)
             where = False if "position_ids" in dense_pipeline.inputs else positions
@@ -668,3 +669,19 @@ def prepare_ptdp(
         )
     ptdp = compose(model, optimizer, **options)
     return ptdp, ptdp.optimizer
+
+
+def _refuse_multi_query(model: nn.Module) -> None:
+    """PTD-P's parameter accounting (counting, norms, optimizer groups, state) maps each
+    parameter to one dense tensor; a multi-query layer's key/value rows (``tail_weight``,
+    whole on every tp rank beside the split query rows) have no such map yet."""
+    from plait.strategies.tensor.multi_query import MultiQueryLinear
+
+    found = [n for n, m in model.named_modules() if isinstance(m, MultiQueryLinear)]
+    if found:
+        raise NotImplementedError(
+            f"ptdp: {found[0]!r} (and {len(found) - 1} more) is a multi-query attention "
+            "projection whose single key/value head stays whole on every tp rank; PTD-P does "
+            "not account for such parameters yet. Use tp=1 inside ptdp (pp x dp), or "
+            "strategy='tp' or 'pipeline' alone, which run this model exactly"
+        )
