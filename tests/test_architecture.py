@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.trace", 2),
     ("plait.amp", 2),
     ("plait.strategies.placement", 3),  # what strategies share
+    ("plait.strategies.dcp_chunks", 3),  # shards as DCP chunks, for any strategy's state
     ("plait.strategies.consistency", 3),
     ("plait.strategies.reproducible", 3),  # the fixed summation tree every strategy follows
     ("plait.strategies.data_parallel", 4),  # strategies, data parallel first

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from plait import checkpoint
-from plait.checkpoint.dcp_chunks import ShardChunks, flat_range_chunks
+from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks
 from tests import dcp_fns as F
 
 STEPS = 2

@@ -31,7 +31,7 @@ layout                 the values (model, and element-wise optimizer state)
 plain, DDP             the live tensors, whole (replicated: DCP writes each once)
 pipeline               this rank's stages' tensors, whole, under the dense names
 tensor (1D), expert    split layers' tensors as
-parallel               :class:`~plait.checkpoint.dcp_chunks.ShardChunks`: rectangles of
+parallel               :class:`~plait.strategies.dcp_chunks.ShardChunks`: rectangles of
                        the one-process tensor, views of the local shard
                        (``dcp_tensor.py``); the rest whole
 ZeRO-1/2               the model whole; of each parameter's optimizer state, this rank's
@@ -61,10 +61,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from plait.checkpoint import dcp_fsdp, dcp_tensor, dcp_zero
+from plait.checkpoint import dcp_tensor, dcp_zero
 from plait.checkpoint.full import pipeline_of, unwrap
 from plait.checkpoint.kept import describe
 from plait.strategies.fsdp import FSDPModule
+from plait.strategies.fsdp import dcp as dcp_fsdp
 from plait.strategies.tensor.layers_nd import ND_LAYERS
 from plait.strategies.zero import ZeroOptimizer
 
@@ -286,7 +287,9 @@ def _options(options: Any, who: str) -> bool:
     set away from their defaults)."""
     if options is None:
         return False
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,  # deferred: only when options are given
+    )
 
     default = StateDictOptions()
     changed = [

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint.dcp_chunks import Chunk, ShardChunks
+from plait.strategies.dcp_chunks import Chunk, ShardChunks
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

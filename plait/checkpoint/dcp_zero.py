@@ -8,7 +8,7 @@ boundaries into one local flat tensor per group (``opt.shards[g]``, whose state 
 optimizer keeps). A piece of parameter i in group g sits in ``opt.shards[g]`` at
 ``offsets[i] + start - lo - local[g][0]`` (``lo``: the rank's first flat element,
 ``local[g][0]``: where group g starts in the rank's range). :func:`optimizer_state` gives
-each parameter's element-wise state as :class:`~plait.checkpoint.dcp_chunks.ShardChunks`
+each parameter's element-wise state as :class:`~plait.strategies.dcp_chunks.ShardChunks`
 of its piece (views of the local state), scalars (``step``) as they are; the model itself
 is replicated under ZeRO-1/2 and saved whole. No communication.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
+from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
 from plait.strategies.zero import ZeroOptimizer
 
 PARAMS = "params"

@@ -51,8 +51,11 @@ def model_spec(model: Any) -> ModelSpec:
     ``GPTConfig``, a Hugging Face model or config (or its dict), also inside a wrapper that
     keeps the model as ``.module``, ``._orig_mod`` or ``.model``. Raises ``ValueError``
     naming ``flops_per_token=`` for anything else."""
-    from plait.plan.hf import FAMILIES, from_hf_config
-    from plait.plan.model import ModelSpec, from_gpt_config
+    from plait.plan.hf import (  # deferred: the planner costs 2 s to import, needed only for FLOPs
+        FAMILIES,
+        from_hf_config,
+    )
+    from plait.plan.model import ModelSpec, from_gpt_config  # deferred: as above
 
     seen = model
     for _ in range(4):  # a compiled model inside a strategy's wrapper, at most
@@ -100,7 +103,7 @@ def flops_per_token(model: Any, *, seq_len: int | None = None) -> float:
 
 def device_peak(device: torch.device, *, local_ranks: int | None = None) -> Peak:
     """The peak FLOP/s of ``device`` for one rank (module doc)."""
-    from plait.plan import hardware
+    from plait.plan import hardware  # deferred: as above
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

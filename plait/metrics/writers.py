@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from plait.extras import require
+
 EXTRA = "pip install 'plait[metrics]'"
 #: per-rank lists longer than this reach TensorBoard and W&B as min / mean / max only
 MAX_RANK_TAGS = 64
@@ -72,7 +74,9 @@ class TensorBoard:
 
     def __init__(self, log_dir: Path, info: dict[str, Any]) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import (
+                SummaryWriter,  # deferred: an optional extra (plait[metrics])
+            )
         except ImportError as exc:
             raise ImportError(
                 f"metrics: tensorboard=True needs the tensorboard package ({EXTRA}): {exc}"
@@ -96,7 +100,7 @@ class WandB:
 
     def __init__(self, log_dir: Path, info: dict[str, Any], options: dict[str, Any]) -> None:
         try:
-            import wandb
+            import wandb  # deferred: an optional extra (plait[metrics])
         except ImportError as exc:
             raise ImportError(
                 f"metrics: wandb=True needs the wandb package ({EXTRA}): {exc}"
@@ -120,8 +124,6 @@ class Progress:
     MFU beside it."""
 
     def __init__(self, total: int | None) -> None:
-        from plait.extras import require
-
         tqdm = require("tqdm", why="plait.metrics' progress bar (progress=True)").tqdm
         self._bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr,
                          dynamic_ncols=True)  # fmt: skip

@@ -155,6 +155,7 @@ from plait.strategies.moe.layer import moe_layers
 from plait.strategies.pipeline import PipelineParallel
 from plait.strategies.pipeline.plan import check_rows, given
 from plait.strategies.tensor import parallelize
+from plait.strategies.tensor.multi_query import MultiQueryLinear
 from plait.strategies.zero import ZeroOptimizer
 from plait.strategies.zero.groups import constructor_kwargs
 
@@ -675,8 +676,6 @@ def _refuse_multi_query(model: nn.Module) -> None:
     """PTD-P's parameter accounting (counting, norms, optimizer groups, state) maps each
     parameter to one dense tensor; a multi-query layer's key/value rows (``tail_weight``,
     whole on every tp rank beside the split query rows) have no such map yet."""
-    from plait.strategies.tensor.multi_query import MultiQueryLinear
-
     found = [n for n, m in model.named_modules() if isinstance(m, MultiQueryLinear)]
     if found:
         raise NotImplementedError(

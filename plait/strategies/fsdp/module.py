@@ -112,7 +112,7 @@ class FSDPModule(nn.Module):
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> Any:
         """The model's own keys (as before sharding), each parameter's value this rank's
-        part of it as ``plait.checkpoint.dcp_chunks.ShardChunks``: rectangles of the full
+        part of it as ``plait.strategies.dcp_chunks.ShardChunks``: rectangles of the full
         shape, views of the flat shards, that ``torch.distributed.checkpoint`` saves and
         loads (reshards) as it does FSDP2's DTensors; buffers and unsharded parameters
         whole. Not for computing: ``plait.checkpoint.full_state_dict(model)`` gathers the
@@ -122,7 +122,7 @@ class FSDPModule(nn.Module):
                 f"fully_shard: {type(self).__name__}.state_dict() takes keyword arguments "
                 f"only (destination=, prefix=, keep_vars=)"
             )
-        from plait.checkpoint import dcp_fsdp  # deferred: plait.checkpoint imports fsdp
+        from plait.strategies.fsdp import dcp as dcp_fsdp  # deferred: dcp imports this module
 
         out = destination if destination is not None else {}
         out.update(dcp_fsdp.model_state(self, prefix))
@@ -141,7 +141,7 @@ class FSDPModule(nn.Module):
                 f"fully_shard: {type(self).__name__}.load_state_dict(assign=True) would "
                 f"replace the flat shards; load with assign=False (values are copied)"
             )
-        from plait.checkpoint import dcp_fsdp  # deferred, as above
+        from plait.strategies.fsdp import dcp as dcp_fsdp  # deferred: dcp imports this module
 
         dcp_fsdp.load_model_state(self, dict(state_dict), strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])

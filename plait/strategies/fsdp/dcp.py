@@ -4,7 +4,7 @@ Rank r holds elements ``[r*k, (r+1)*k)`` of each unit's padded flat buffer; of p
 of the unit (elements ``[o_i, o_i + n_i)`` of the buffer) that is its elements
 ``[max(r*k, o_i) - o_i, min((r+1)*k, o_i + n_i) - o_i)``, stored at the same place in the
 shard. :func:`model_state` gives every parameter as
-:class:`~plait.checkpoint.dcp_chunks.ShardChunks` of those elements (views of the shard),
+:class:`~plait.strategies.dcp_chunks.ShardChunks` of those elements (views of the shard),
 buffers and unsharded parameters whole; :func:`optimizer_state` does the same for the
 element-wise state of each shard (``exp_avg``, ``exp_avg_sq``: views), scalars
 (``step``) as they are, under every parameter the shard holds. The loaders copy chunks
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.checkpoint.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
+from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
 from plait.strategies.fsdp import FSDPModule
 from plait.strategies.fsdp.state import _optimizer_order, _units_by_shard
 from plait.strategies.fsdp.unit import NAMES_ATTR, SHARD_NAME, ShardedUnit
