@@ -105,7 +105,7 @@ def _layout(**kw):
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"shape": {"pp": 1, "dp": 4}}, ["Mesh(pp=.., dp=.., tp=..)", "size 1"]),
+        # (a mesh without pp, dp or tp means size 1 there: tests/test_readme_snippets.py)
         ({"shape": {"pp": 1, "dp": 1, "tp": 1, "xp": 2}}, ["['xp']", "ep=..", "cp=.."]),
         ({"shape": {"pp": 1, "dp": 1, "tp": 1, "ep": 2}}, ["ep=2", "no MoE blocks"]),
         ({"tp_mode": "2d"}, ["tp_mode='2d'", "tp_mode='1d'", "strategy='tp'"]),
