@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import SLOW
+from tests.conftest import SLOW, measured_slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +20,17 @@ def test_every_slow_entry_names_an_existing_test_and_a_reason() -> None:
         if name:  # a function (or a prefix of one), maybe with a parametrization id
             function = re.escape(name.split("[")[0])
             assert re.search(rf"^def {function}", source, re.M), f"{prefix}: no such test"
+
+
+def test_every_measured_entry_names_an_existing_test() -> None:
+    measured = measured_slow()
+    assert len(measured) > 10
+    for nodeid, seconds in measured.items():
+        path, _, name = nodeid.partition("::")
+        function = re.escape(name.split("[")[0])
+        source = (ROOT / path).read_text()
+        assert re.search(rf"^(async )?def {function}\(", source, re.M), f"{nodeid}: no such test"
+        assert seconds >= 7.5, nodeid
 
 
 def test_make_test_leaves_the_slow_set_out_and_ci_runs_it() -> None:
