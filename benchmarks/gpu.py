@@ -650,6 +650,8 @@ def cuda_tests(run: Run) -> None:
 
         if importlib.util.find_spec("pytest") is None:
             raise Outcome("skip", "pytest is not installed here (a lent GPU has torch only)")
+        if not torch.cuda.is_available():  # what -k cuda selects may also pass on a CPU
+            raise Outcome("skip", "the suite's CUDA tests: needs a CUDA device")
         files = sorted(
             str(p.relative_to(ROOT))
             for p in (ROOT / "tests").glob("test_*.py")

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -194,10 +195,10 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 2
     text = "\n".join(outputs)
     for p in procs:
         assert p.returncode == 0, text
+    # ranks under one torchrun share its stdout: two RESULT lines may land on one line
+    decoder = json.JSONDecoder()
     results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("RESULT ")
+        decoder.raw_decode(text, m.end())[0] for m in re.finditer(r"RESULT (?=\{)", text)
     ]
     return sorted(results, key=lambda r: r["rank"])
 
