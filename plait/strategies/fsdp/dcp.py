@@ -193,7 +193,9 @@ def load_optimizer_state(
                     ):
                         flat = entry.get(name)
                         if not isinstance(flat, torch.Tensor) or flat.shape != (unit.shard_numel,):
-                            flat = torch.zeros(unit.shard_numel, dtype=value.dtype)
+                            flat = torch.zeros(
+                                unit.shard_numel, dtype=value.dtype, device=unit.shard.device
+                            )
                             entry[name] = flat
                         _fill(flat, unit, i, value, key, name)
                     elif name not in entry:
