@@ -99,8 +99,8 @@ def tour_png(
     :class:`plait.demo.gpt.GPTDemoReport`) of each continuation; ``rows``: the table's
     :class:`plait.demo.tour.Row` s, in the same order."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (full, steps), (wall, bars) = axes
+    fig, axes = plt.subplots(2, 3, figsize=(19, 8.5))
+    (full, steps, speed), (wall, bars, peak) = axes
     n = len(reference.losses)
     k = max(1, n // 40)
     full.plot(range(1, n + 1), _smooth(reference.losses, k), color="black", lw=1,
@@ -146,8 +146,38 @@ def tour_png(
     h1, l1 = bars.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
     bars.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    _speed_panels(speed, peak, rows)
     fig.suptitle(f"plait tour: the same GPT on 4 ranks under {len(layouts)} layouts")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _speed_panels(speed: Any, peak: Any, rows: Sequence[Any]) -> None:
+    """The tour's plait.metrics figures per layout: MFU and step time (``speed``), and the
+    largest rank's peak memory (``peak``). A layout without a metrics summary shows no bar."""
+    names = [r.layout for r in rows]
+    at = list(range(len(rows)))
+    mfu = [100 * r.mfu if r.mfu is not None else 0.0 for r in rows]
+    speed.bar([i - 0.2 for i in at], mfu, width=0.4, color="#59a14f",
+              label="MFU (%, model FLOP/s over the measured peak)")  # fmt: skip
+    twin = speed.twinx()
+    twin.bar([i + 0.2 for i in at], [r.step_ms for r in rows], width=0.4, color="#b07aa1",
+             label="step time (ms)")  # fmt: skip
+    speed.set_xticks(at)
+    speed.set_xticklabels(names, fontsize=8, rotation=15)
+    speed.set_ylabel("MFU (%)", color="#59a14f")
+    twin.set_ylabel("ms per step", color="#b07aa1")
+    speed.set_title("speed (plait.metrics): MFU (green) and step time (purple)\n"
+                    "(4 ranks sharing this machine's cores)", fontsize=10)  # fmt: skip
+    h1, l1 = speed.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    speed.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    mem = [r.memory_peak_mib if r.memory_peak_mib is not None else 0.0 for r in rows]
+    peak.bar(at, mem, width=0.5, color="#76b7b2")
+    peak.set_xticks(at)
+    peak.set_xticklabels(names, fontsize=8, rotation=15)
+    peak.set_ylabel("MiB")
+    peak.set_title("peak memory of the largest rank (plait.metrics: max RSS on a CPU,\n"
+                   "the whole process, not only the layout's tensors)", fontsize=10)  # fmt: skip
