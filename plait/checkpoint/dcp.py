@@ -59,6 +59,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.checkpoint import dcp_tensor, dcp_zero
@@ -82,12 +83,13 @@ STATE, GROUPS, PARAMS = "state", "param_groups", "params"
 
 # --- which layout --------------------------------------------------------------------------
 def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> str:
-    """``"fsdp"``, ``"zero"`` (a whole model, ZeRO-1/2's optimizer) or ``"modules"``
-    (tensors held by the modules, whole or split: plain, DDP, pipeline, tensor and expert
-    parallel); anything else is refused naming the layout."""
+    """``"fsdp"``, ``"zero"`` (ZeRO-1/2's optimizer over whole tensors: a model, or a
+    pipeline's or PTD-P's stages without a tensor-parallel split) or ``"modules"`` (tensors
+    held by the modules, whole or split: plain, DDP, context, pipeline, tensor and expert
+    parallel, PTD-P); anything else is refused naming the layout."""
     inner = unwrap(model)
-    if not isinstance(inner, nn.Module):
-        _refuse(who, "PTD-P (prepare(strategy='ptdp'))")
+    if not isinstance(inner, nn.Module) and pipeline_of(inner) is None:
+        _refuse(who, f"a {type(inner).__name__} (no modules, no pipeline stages)")
     if isinstance(inner, FSDPModule):
         return "fsdp"
     for root in _roots(inner):
@@ -95,12 +97,13 @@ def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> st
             if isinstance(m, ND_LAYERS):
                 _refuse(who, f"{name!r} is a {type(m).__name__} (2D/2.5D/3D tensor parallel)")
     if isinstance(optimizer, ZeroOptimizer):
-        split = any(
-            dcp_tensor.split_chunks(m, name, t) is not None
-            for _, m, name, t in dcp_tensor.named_tensors(_roots(inner))
-        )
-        if len(_roots(inner)) > 1 or split:
-            _refuse(who, f"ZeRO-1/2 with {describe(model)}")
+        split = [
+            key
+            for key, m, name, t in dcp_tensor.named_tensors(_roots(inner))
+            if dcp_tensor.split_chunks(m, name, t) is not None
+        ]
+        if split:
+            _refuse(who, f"ZeRO-1/2 over split tensors ({split[:3]}...) with {describe(model)}")
         return "zero"
     return "modules"
 
@@ -115,9 +118,9 @@ def _refuse(who: str, layout: str) -> NoReturn:
     )
 
 
-def _roots(inner: nn.Module) -> list[nn.Module]:
+def _roots(inner: Any) -> list[nn.Module]:
     """The modules holding this rank's tensors under the model's own names: a pipeline's
-    stages, else the model."""
+    (or a PTD-P layout's) stages, else the model."""
     pipe = pipeline_of(inner)
     return list(pipe.stages.values()) if pipe is not None else [inner]
 
@@ -151,10 +154,15 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Give an optimizer that has not stepped its state tensors, as PyTorch's
     ``get_optimizer_state_dict`` does: one ``step`` with zero gradients and every group's
     ``lr`` at 0 (the parameters do not move), then ``zero_grad``. A ZeroOptimizer's local
-    optimizer (over its flat shards) is stepped, so no communication runs."""
+    optimizer (over its flat shards) is stepped, and a strategy's step hooks (a PTD-P
+    layout's gradient averaging and finite check) are left out, so no communication runs."""
     local = optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer
     if local.state or any(p.grad is not None for g in local.param_groups for p in g[PARAMS]):
         return
+    hooks = (local._optimizer_step_pre_hooks, local._optimizer_step_post_hooks)
+    kept = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
     lrs = []
     for group in local.param_groups:
         for p in group[PARAMS]:
@@ -163,7 +171,11 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
         lrs.append(group.get("lr"))
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-    local.step()
+    try:
+        local.step()
+    finally:
+        for h, k in zip(hooks, kept, strict=True):
+            h.update(k)
     for group, lr in zip(local.param_groups, lrs, strict=True):
         if lr is not None:
             group["lr"] = lr
@@ -182,21 +194,28 @@ def get_optimizer_state_dict(
     docstring's table says (views of the optimizer's state), scalars (``step``) as they
     are. ``options``: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``; only
     ``flatten_optimizer_state_dict`` (torchtitan's format) is honoured, other fields must
-    keep their defaults. No communication (see :func:`_ensure_state`)."""
+    keep their defaults.
+
+    Where ranks hold different parameters (a pipeline's or PTD-P's stages, expert
+    parallelism's experts), the nested format's ``param_groups`` (one DCP key, one copy
+    kept) list every rank's parameters: one ``all_gather_object`` of the names over the
+    default process group (every rank calls this together, as PyTorch's does). Nothing
+    else communicates (see :func:`_ensure_state`)."""
     who = "get_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
-    _pipeline_needs_flat(model, flatten, who)
     _ensure_state(optimizer)
     inner = unwrap(model)
     if kind == "fsdp":
         state, fqns = dcp_fsdp.optimizer_state(inner, optimizer)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        state = dcp_zero.optimizer_state(inner, optimizer)
-        fqns = dcp_zero.group_fqns(inner, optimizer, who)
+        state = dcp_zero.optimizer_state(_roots(inner), optimizer)
+        fqns = dcp_zero.group_fqns(_roots(inner), optimizer, who)
     else:
         state, fqns = dcp_tensor.optimizer_state(_roots(inner), optimizer)
+    if not flatten and _ranks_differ(inner):
+        fqns = _every_rank(fqns)
     groups = [
         {**_hyper(group), PARAMS: names}
         for group, names in zip(optimizer.param_groups, fqns, strict=True)
@@ -219,49 +238,68 @@ def set_optimizer_state_dict(
     who = "set_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
-    _pipeline_needs_flat(model, flatten, who)
     inner = unwrap(model)
     if kind == "fsdp":
         fqns = dcp_fsdp.group_fqns(inner, optimizer)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        fqns = dcp_zero.group_fqns(inner, optimizer, who)
+        fqns = dcp_zero.group_fqns(_roots(inner), optimizer, who)
     else:
         slots = dcp_tensor.param_slots(_roots(inner), optimizer, who)
         fqns = [[key for key, _, _, _ in group] for group in slots]
     given = _unflatten(optim_state_dict, fqns) if flatten else optim_state_dict
-    hypers = _match_groups(given[GROUPS], fqns)
+    hypers = _match_groups(given[GROUPS], fqns, optimizer)
     saved = given[STATE]
     if kind == "fsdp":
         dcp_fsdp.load_optimizer_state(inner, optimizer, saved, hypers)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        dcp_zero.load_optimizer_state(inner, optimizer, saved, hypers)
+        dcp_zero.load_optimizer_state(_roots(inner), optimizer, saved, hypers)
     else:
         dcp_tensor.load_optimizer_state(_roots(inner), optimizer, saved, hypers)
 
 
-def _pipeline_needs_flat(model: nn.Module, flatten: bool, who: str) -> None:
-    """A pipeline's ranks hold different parameters, so their nested ``param_groups``
-    (one list per group, the same DCP key on every rank) would overwrite each other;
-    PyTorch's flattened format keys them per parameter."""
-    if not flatten and pipeline_of(unwrap(model)) is not None:
-        raise ValueError(
-            f"plait.checkpoint.dcp.{who}: under a pipeline each rank's optimizer holds other "
-            f"parameters, and DCP keeps one copy of the nested param_groups; pass "
-            f"options=StateDictOptions(flatten_optimizer_state_dict=True) (as torchtitan "
-            f"does; torch.distributed.checkpoint.state_dict.StateDictOptions)"
-        )
+def _ranks_differ(inner: Any) -> bool:
+    """Whether this layout's ranks may hold different parameters: pipeline stages (PTD-P
+    too) or expert parallelism's experts."""
+    return pipeline_of(inner) is not None or hasattr(inner, "plait_expert_parallel")
 
 
-def _match_groups(saved: list[dict[str, Any]], fqns: list[list[str]]) -> list[dict[str, Any]]:
-    """The saved hyper-parameters of each of this optimizer's groups (by their FQNs)."""
+def _every_rank(fqns: list[list[str]]) -> list[list[str]]:
+    """Each param group's FQNs over every rank (first seen first, each once). Collective:
+    one ``all_gather_object`` over the default process group; none without one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fqns
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, fqns)
+    out: list[list[str]] = [[] for _ in fqns]
+    for theirs in every:
+        if len(theirs) != len(fqns):
+            raise ValueError(
+                f"plait.checkpoint.dcp.get_optimizer_state_dict: this rank's optimizer has "
+                f"{len(fqns)} param groups, another rank's {len(theirs)}; build every rank's "
+                f"optimizer with the same groups"
+            )
+        for names, more in zip(out, theirs, strict=True):
+            seen = set(names)
+            names += [f for f in more if f not in seen]
+    return out
+
+
+def _match_groups(
+    saved: list[dict[str, Any]], fqns: list[list[str]], optimizer: torch.optim.Optimizer
+) -> list[dict[str, Any]]:
+    """The saved hyper-parameters of each of this optimizer's groups (by their FQNs; a
+    group with no parameter on this rank, a pipeline stage's, keeps its own)."""
     by_fqn = {}
     for j, group in enumerate(saved):
         for f in group[PARAMS]:
             by_fqn[f] = j
     out = []
     for g, names in enumerate(fqns):
+        if not names:
+            out.append(_hyper(optimizer.param_groups[g]))
+            continue
         found = {by_fqn.get(f) for f in names}
         if None in found or len(found) != 1:
             missing = [f for f in names if f not in by_fqn][:6]

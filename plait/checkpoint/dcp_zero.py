@@ -10,7 +10,9 @@ optimizer keeps). A piece of parameter i in group g sits in ``opt.shards[g]`` at
 ``local[g][0]``: where group g starts in the rank's range). :func:`optimizer_state` gives
 each parameter's element-wise state as :class:`~plait.strategies.dcp_chunks.ShardChunks`
 of its piece (views of the local state), scalars (``step``) as they are; the model itself
-is replicated under ZeRO-1/2 and saved whole. No communication.
+is replicated under ZeRO-1/2 and saved whole. ``roots``: the modules holding this rank's
+parameters under the model's own names (the model; a pipeline's or PTD-P layout's stages,
+whose ZeroOptimizer partitions their parameters over the dp group). No communication.
 """
 
 from __future__ import annotations
@@ -20,28 +22,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.checkpoint.dcp_tensor import named_tensors
 from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
 from plait.strategies.zero import ZeroOptimizer
 
 PARAMS = "params"
 
 
-def _names(model: nn.Module, opt: ZeroOptimizer, who: str) -> dict[int, str]:
-    names = {id(p): n for n, p in model.named_parameters()}
+def _names(roots: list[nn.Module], opt: ZeroOptimizer, who: str) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for key, _, _, t in named_tensors(roots):
+        if isinstance(t, nn.Parameter):
+            names.setdefault(id(t), key)
     for g, group in enumerate(opt.param_groups):
         for p in group[PARAMS]:
             if id(p) not in names:
                 raise ValueError(
                     f"plait.checkpoint.dcp.{who}: param group {g} of the ZeroOptimizer holds "
-                    f"a tensor of shape {tuple(p.shape)} that is not a parameter of the "
-                    f"model; build the optimizer on the model's parameters()"
+                    f"a tensor of shape {tuple(p.shape)} that is not a parameter of this "
+                    f"rank's model; build the optimizer on the model's parameters()"
                 )
     return names
 
 
-def group_fqns(model: nn.Module, opt: ZeroOptimizer, who: str) -> list[list[str]]:
+def group_fqns(roots: list[nn.Module], opt: ZeroOptimizer, who: str) -> list[list[str]]:
     """The FQNs of each param group (frozen parameters included), in the group's order."""
-    names = _names(model, opt, who)
+    names = _names(roots, opt, who)
     return [[names[id(p)] for p in group[PARAMS]] for group in opt.param_groups]
 
 
@@ -67,11 +73,11 @@ def _is_elementwise(key: str, value: Any, shard: torch.Tensor) -> bool:
     return key != "step" and isinstance(value, torch.Tensor) and value.shape == shard.shape
 
 
-def optimizer_state(model: nn.Module, opt: ZeroOptimizer) -> dict[str, dict[str, Any]]:
+def optimizer_state(roots: list[nn.Module], opt: ZeroOptimizer) -> dict[str, dict[str, Any]]:
     """``{fqn: {key: value}}`` of every trainable parameter whose group's local state
     exists on this rank (element-wise values cut to its piece, views)."""
     opt._sync_hyperparameters()
-    names = _names(model, opt, "get_optimizer_state_dict")
+    names = _names(roots, opt, "get_optimizer_state_dict")
     state: dict[str, dict[str, Any]] = {}
     for i, g, start, stop, at in _pieces(opt):
         shard = opt.shards[g]
@@ -91,7 +97,7 @@ def optimizer_state(model: nn.Module, opt: ZeroOptimizer) -> dict[str, dict[str,
 
 
 def load_optimizer_state(
-    model: nn.Module,
+    roots: list[nn.Module],
     opt: ZeroOptimizer,
     saved: dict[str, dict[str, Any]],
     hypers: list[dict[str, Any]],
@@ -100,7 +106,7 @@ def load_optimizer_state(
     parameters' pieces (chunks or whole tensors), scalars from its first parameter with
     state; each group's hyper-parameters from ``hypers``. Then the master shard is re-read
     from the (loaded) parameters."""
-    names = _names(model, opt, "set_optimizer_state_dict")
+    names = _names(roots, opt, "set_optimizer_state_dict")
     local_state: dict[int, dict[str, Any]] = {}
     for i, g, start, stop, at in _pieces(opt):
         p = opt._params[i]
