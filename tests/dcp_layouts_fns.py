@@ -271,3 +271,30 @@ def one_process_load(family: str, directory: str, flatten: bool) -> dict[str, An
     _ce(model(ids), targets).backward()
     optimizer.step()
     return {"loaded": loaded, "after": whole()}
+
+
+# --- refusals ------------------------------------------------------------------------------------
+def refusals() -> dict[str, str]:
+    """The error text of each layout DCP state dicts do not map yet (4 ranks)."""
+    from plait.strategies.tensor import parallelize
+    from plait.strategies.tensor.parallelize_nd import gpt_plan
+    from tests import tensor_gpt_fns
+    from tests.tensor_nd_fns import make_mesh
+
+    out = {}
+    cfg = tensor_gpt_fns.config(tied=False)
+    model = GPT(cfg)
+    parallelize(model, make_mesh("2d", False), gpt_plan("2d", layers=cfg.layers))
+    try:
+        plait_dcp.get_model_state_dict(model)
+    except NotImplementedError as exc:
+        out["2d"] = str(exc)
+    lay = GPT(config("gpt", 0))
+    ptdp, opt = plait.prepare(
+        lay, adam(lay.parameters()), strategy="ptdp", mesh=plait.Mesh(tp=2, dp=2), zero=1
+    )
+    try:
+        plait_dcp.get_optimizer_state_dict(ptdp, opt)
+    except NotImplementedError as exc:
+        out["zero_tp"] = str(exc)
+    return out

@@ -117,3 +117,13 @@ def test_layout_loads_what_fsdp2_saved(ranks, fsdp2_saved, name, source, flat):
     for r, got in enumerate(mine):
         if name != "cp":  # cp holds everything; the others only their part
             assert 0 < got["read"] < got["total"], (where, r, got["read"], got["total"])
+
+
+def test_unmapped_layouts_are_refused_by_name(ranks):
+    """2D tensor parallelism (Colossal-AI's layouts) and ZeRO-1/2 over tensor-parallel
+    slices have no DCP mapping yet: refused, naming the layer or the layout and what to
+    use instead."""
+    got = ranks(4, F.refusals, timeout=120)[0]
+    assert "2D/2.5D/3D tensor parallel" in got["2d"] and "plait.checkpoint.save" in got["2d"]
+    assert "ZeRO-1/2 over split tensors" in got["zero_tp"], got
+    assert "PTD-P" in got["zero_tp"] and "plait.checkpoint.save" in got["zero_tp"]

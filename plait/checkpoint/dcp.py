@@ -28,12 +28,20 @@ What each layout's tensors are:
 =====================  ===================================================================
 layout                 the values (model, and element-wise optimizer state)
 =====================  ===================================================================
-plain, DDP             the live tensors, whole (replicated: DCP writes each once)
+plain, DDP, context    the live tensors, whole (replicated: DCP writes each once)
+parallel
 pipeline               this rank's stages' tensors, whole, under the dense names
 tensor (1D), expert    split layers' tensors as
 parallel               :class:`~plait.strategies.dcp_chunks.ShardChunks`: rectangles of
                        the one-process tensor, views of the local shard
-                       (``dcp_tensor.py``); the rest whole
+                       (``dcp_tensor.py``; stacked experts: rows ``first ..``); plait's
+                       MoE experts whole under their global ``experts.<e>`` keys; the
+                       rest whole
+PTD-P                  pass the layout (``get_model_state_dict(ptdp)``,
+(``ptdp``)             ``get_optimizer_state_dict(ptdp, ptdp.optimizer)``): its stages'
+                       tensors as above (tp slices as chunks, dp replicas' identical
+                       chunks written once by DCP's planner); under ``zero=1`` the
+                       optimizer state as ZeRO's pieces
 ZeRO-1/2               the model whole; of each parameter's optimizer state, this rank's
                        piece of the ZeRO partition as ``ShardChunks`` (``dcp_zero.py``)
 FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter as
@@ -42,13 +50,14 @@ FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter
                        (``dcp_fsdp.py``); buffers and unsharded parameters whole
 =====================  ===================================================================
 
-2D/2.5D/3D tensor parallelism, PTD-P (``prepare(strategy="ptdp")``) and ZeRO-1/2 over a
-split or pipelined model are refused by name (use plait's own ``checkpoint.save``/``load``,
-which reshard across all of them, or ``full_state_dict``).
+2D/2.5D/3D tensor parallelism and ZeRO-1/2 over tensor-parallel slices are refused by name
+(use plait's own ``checkpoint.save``/``load``, which reshard across all of them, or
+``full_state_dict``).
 
-No function here communicates, except that an optimizer without state is first given its
-state by one local step with zero gradients and lr 0, as PyTorch's
-``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load`` themselves are collective over
+No function here communicates, except :func:`get_optimizer_state_dict` in the nested
+format where ranks hold different parameters (one ``all_gather_object`` of the names, see
+there); an optimizer without state is first given its state by one local step with zero
+gradients and lr 0, as PyTorch's ``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load`` themselves are collective over
 the default process group: DCP gathers every rank's plan to the coordinator and scatters
 the global plan back (and gathers the write results on save); only pickled plans and
 metadata travel, each rank writing and reading its own tensor bytes.
@@ -113,8 +122,8 @@ def _refuse(who: str, layout: str) -> NoReturn:
         f"plait.checkpoint.dcp.{who}: DCP state dicts are not supported yet for this "
         f"layout: {layout}. Save with plait.checkpoint.save (it reshards across every "
         f"layout), or write a DCP checkpoint of plait.checkpoint.full_state_dict(model) "
-        f"from one rank; supported here: plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, 1D tensor and "
-        f"expert parallelism and pipelines"
+        f"from one rank; supported here: plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, 1D tensor, "
+        f"expert and context parallelism, pipelines and PTD-P (without ZeRO over tp slices)"
     )
 
 
@@ -159,10 +168,10 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     local = optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer
     if local.state or any(p.grad is not None for g in local.param_groups for p in g[PARAMS]):
         return
-    hooks = (local._optimizer_step_pre_hooks, local._optimizer_step_post_hooks)
-    kept = [dict(h) for h in hooks]
-    for h in hooks:
-        h.clear()
+    pre, post = local._optimizer_step_pre_hooks, local._optimizer_step_post_hooks
+    kept_pre, kept_post = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
     lrs = []
     for group in local.param_groups:
         for p in group[PARAMS]:
@@ -174,8 +183,8 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     try:
         local.step()
     finally:
-        for h, k in zip(hooks, kept, strict=True):
-            h.update(k)
+        pre.update(kept_pre)
+        post.update(kept_post)
     for group, lr in zip(local.param_groups, lrs, strict=True):
         if lr is not None:
             group["lr"] = lr

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.dcp_tensor import named_tensors
-from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
+from plait.strategies.dcp_chunks import ShardChunks, fill_flat, shard_chunks
 from plait.strategies.zero import ZeroOptimizer
 
 PARAMS = "params"
@@ -122,7 +122,7 @@ def load_optimizer_state(
                 if not isinstance(flat, torch.Tensor) or flat.shape != shard.shape:
                     flat = torch.zeros(shard.shape, dtype=shard.dtype)
                     entry[key] = flat
-                _fill(flat[at : at + stop - start], p.shape, start, stop, value, fqn, key)
+                fill_flat(flat[at : at + stop - start], p.shape, start, stop, value, fqn)
             elif key not in entry:
                 entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
     local_groups = []
@@ -133,28 +133,3 @@ def load_optimizer_state(
     state = {g: entry for g, entry in local_state.items() if entry}
     opt.optim.load_state_dict({"state": state, "param_groups": local_groups})
     opt._refresh_shard()
-
-
-def _fill(
-    dest: torch.Tensor,
-    shape: torch.Size,
-    start: int,
-    stop: int,
-    value: Any,
-    fqn: str,
-    key: str,
-) -> None:
-    if start == stop:
-        return
-    if isinstance(value, ShardChunks):
-        for chunk in flat_range_chunks(shape, start, stop):
-            source = value.chunk_at(chunk.offsets)
-            if source is None:
-                raise ValueError(
-                    f"set_optimizer_state_dict: {fqn!r} {key!r} holds no chunk at "
-                    f"{chunk.offsets} on this rank: it was made by another layout or world "
-                    f"size; dcp.load into this optimizer's get_optimizer_state_dict(...)"
-                )
-            dest[chunk.start - start : chunk.stop - start] = source.reshape(-1)
-    else:
-        dest.copy_(value.detach().reshape(-1)[start:stop])
