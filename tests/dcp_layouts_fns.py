@@ -62,7 +62,14 @@ def adam(params: Any) -> torch.optim.Optimizer:
 
 
 # --- plait layouts ---------------------------------------------------------------------------
-FAMILY = {"ep": "moe", "cp": "gpt", "pp2_tp2": "gpt", "pp2_dp2": "gpt", "pp2_dp2_zero1": "gpt"}
+FAMILY = {
+    "ep": "moe",
+    "ep2_dp2": "moe",
+    "cp": "gpt",
+    "pp2_tp2": "gpt",
+    "pp2_dp2": "gpt",
+    "pp2_dp2_zero1": "gpt",
+}
 
 
 @dataclasses.dataclass
@@ -78,7 +85,7 @@ class Layout:
         self.optimizer.zero_grad()
         if self.name.startswith("pp2"):  # PTD-P: the global batch on every rank
             self.model.step(ids, targets)
-        elif self.name == "ep":  # this rank's slice of the batch
+        elif self.name.startswith("ep"):  # this rank's slice of the batch
             b = unwrap(self.model).plait_expert_parallel.batch_rank
             n = ROWS // dist.get_world_size()
             rows = slice(b * n, (b + 1) * n)
@@ -96,8 +103,9 @@ class Layout:
 def layout(name: str, seed: int) -> Layout:
     model = GPT(config(FAMILY[name], seed))
     opt = adam(model.parameters())
-    if name == "ep":
-        m, o = plait.prepare(model, opt, strategy="ep", mesh=plait.Mesh(ep=2))
+    if name.startswith("ep"):  # ep2_dp2: each expert on 2 ranks (dp replicas)
+        mesh = plait.Mesh(ep=2, dp=2) if name == "ep2_dp2" else plait.Mesh(ep=2)
+        m, o = plait.prepare(model, opt, strategy="ep", mesh=mesh)
         return Layout(name, m, o)
     if name == "cp":
         mesh = plait.Mesh(cp=2)

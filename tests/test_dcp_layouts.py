@@ -64,13 +64,13 @@ def _saved(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # each layout's world size (the FSDP2 side always runs on 4 ranks)
-WORLD = {"ep": 2, "cp": 2, "pp2_tp2": 4, "pp2_dp2": 4, "pp2_dp2_zero1": 4}
+WORLD = {"ep": 2, "ep2_dp2": 4, "cp": 2, "pp2_tp2": 4, "pp2_dp2": 4, "pp2_dp2_zero1": 4}
 
 
 @pytest.mark.parametrize("name", list(WORLD))
 def test_layout_saves_what_fsdp2_and_one_process_load(ranks, tmp_path, name):
-    """ep and cp (2 ranks), PTD-P pp2 x tp2, pp2 x dp2 and pp2 x dp2 with ZeRO-1 (4 ranks)
-    save (the nested optimizer format); one process and FSDP2 on 4 ranks load them
+    """ep and cp (2 ranks), ep2 x dp2, PTD-P pp2 x tp2, pp2 x dp2 and pp2 x dp2 with ZeRO-1
+    (4 ranks) save (the nested optimizer format); one process and FSDP2 on 4 ranks load them
     bitwise; FSDP2's next step equals one process's."""
     root = str(tmp_path)
     saved = _saved(ranks(WORLD[name], F.plait_save_all, [name], root, timeout=300))[name]
@@ -96,6 +96,7 @@ def fsdp2_saved(ranks, tmp_path_factory):
     ("name", "source", "flat"),
     [
         ("ep", "moe-False", False),
+        ("ep2_dp2", "moe-False", False),
         ("cp", "gpt-True", True),
         ("pp2_tp2", "gpt-False", False),
         ("pp2_dp2", "gpt-True", True),
