@@ -69,6 +69,8 @@ FAMILY = {
     "pp2_tp2": "gpt",
     "pp2_dp2": "gpt",
     "pp2_dp2_zero1": "gpt",
+    "pp2_ep2": "moe",
+    "pp2_cp2": "gpt",
 }
 
 
@@ -111,7 +113,11 @@ def layout(name: str, seed: int) -> Layout:
         mesh = plait.Mesh(cp=2)
         m, o = plait.prepare(model, opt, strategy="cp", mesh=mesh, context="ring")
         return Layout(name, m, o, mesh)
-    shape = {"pp2_tp2": {"pp": 2, "tp": 2}}.get(name, {"pp": 2, "dp": 2})
+    shape = {
+        "pp2_tp2": {"pp": 2, "tp": 2},
+        "pp2_ep2": {"pp": 2, "dp": 1, "ep": 2, "tp": 1},
+        "pp2_cp2": {"pp": 2, "dp": 1, "cp": 2, "tp": 1},
+    }.get(name, {"pp": 2, "dp": 2})
     zero = 1 if name.endswith("zero1") else 0
     ptdp, o = plait.prepare(
         model, opt, strategy="ptdp", mesh=plait.Mesh(**shape), microbatches=2, zero=zero

@@ -64,14 +64,23 @@ def _saved(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # each layout's world size (the FSDP2 side always runs on 4 ranks)
-WORLD = {"ep": 2, "ep2_dp2": 4, "cp": 2, "pp2_tp2": 4, "pp2_dp2": 4, "pp2_dp2_zero1": 4}
+WORLD = {
+    "ep": 2,
+    "ep2_dp2": 4,
+    "cp": 2,
+    "pp2_tp2": 4,
+    "pp2_dp2": 4,
+    "pp2_dp2_zero1": 4,
+    "pp2_ep2": 4,
+    "pp2_cp2": 4,
+}
 
 
 @pytest.mark.parametrize("name", list(WORLD))
 def test_layout_saves_what_fsdp2_and_one_process_load(ranks, tmp_path, name):
-    """ep and cp (2 ranks), ep2 x dp2, PTD-P pp2 x tp2, pp2 x dp2 and pp2 x dp2 with ZeRO-1
-    (4 ranks) save (the nested optimizer format); one process and FSDP2 on 4 ranks load them
-    bitwise; FSDP2's next step equals one process's."""
+    """ep and cp (2 ranks), ep2 x dp2, PTD-P pp2 x tp2, pp2 x dp2, pp2 x dp2 with ZeRO-1,
+    pp2 x ep2 and pp2 x cp2 (4 ranks) save (the nested optimizer format); one process and
+    FSDP2 on 4 ranks load them bitwise; FSDP2's next step equals one process's."""
     root = str(tmp_path)
     saved = _saved(ranks(WORLD[name], F.plait_save_all, [name], root, timeout=300))[name]
     alone = F.one_process_load(F.FAMILY[name], f"{root}/{name}", False)
@@ -101,6 +110,8 @@ def fsdp2_saved(ranks, tmp_path_factory):
         ("pp2_tp2", "gpt-False", False),
         ("pp2_dp2", "gpt-True", True),
         ("pp2_dp2_zero1", "gpt-False", False),
+        ("pp2_ep2", "moe-False", False),
+        ("pp2_cp2", "gpt-True", True),
     ],
 )
 def test_layout_loads_what_fsdp2_saved(ranks, fsdp2_saved, name, source, flat):
