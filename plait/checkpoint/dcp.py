@@ -54,13 +54,13 @@ FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter
 (use plait's own ``checkpoint.save``/``load``, which reshard across all of them, or
 ``full_state_dict``).
 
-No function here communicates, except :func:`get_optimizer_state_dict` in the nested
-format where ranks hold different parameters (one ``all_gather_object`` of the names, see
-there); an optimizer without state is first given its state by one local step with zero
-gradients and lr 0, as PyTorch's ``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load`` themselves are collective over
-the default process group: DCP gathers every rank's plan to the coordinator and scatters
-the global plan back (and gathers the write results on save); only pickled plans and
-metadata travel, each rank writing and reading its own tensor bytes.
+No function here communicates, except :func:`get_optimizer_state_dict` in the nested format
+where ranks hold different parameters (one ``all_gather_object`` of the names, see there);
+an optimizer without state is first given its state by one local step with zero gradients
+and lr 0, as PyTorch's ``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load``
+themselves are collective over the default process group: DCP gathers every rank's plan to
+the coordinator and scatters the global plan back (and gathers the write results on save);
+only pickled plans and metadata travel, each rank writing and reading its own tensor bytes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ state tensor). It implements DCP's checkpointable protocol (``__create_write_ite
 it (every rank writes its rectangles; ``.metadata`` holds the global shape and every
 chunk) and loads into it (each rank reads only what overlaps its rectangles, writing into
 the views, i.e. into the model's shards). Nothing else can compute with it: any torch
-operation raises, naming what to use instead. No communication here.
+operation raises, naming what to use instead. Every layout's loader copies what
+``dcp.load`` filled (or whole one-process tensors) back through :func:`copy_into` (into a
+``ShardChunks``' views) and :func:`fill_flat` (into a flat range: FSDP's shards, ZeRO's
+pieces). No communication here.
 """
 
 from __future__ import annotations
