@@ -71,7 +71,9 @@ FAMILY = {
     "pp2_dp2_zero1": "gpt",
     "pp2_ep2": "moe",
     "pp2_cp2": "gpt",
+    "tp2_dp2_zero1": "gpt",
 }
+PTDP = ("pp2_tp2", "pp2_dp2", "pp2_dp2_zero1", "pp2_ep2", "pp2_cp2", "tp2_dp2_zero1")
 
 
 @dataclasses.dataclass
@@ -85,7 +87,7 @@ class Layout:
     def step(self, step: int) -> None:
         ids, targets = global_batch(step)
         self.optimizer.zero_grad()
-        if self.name.startswith("pp2"):  # PTD-P: the global batch on every rank
+        if self.name in PTDP:  # the global batch on every rank
             self.model.step(ids, targets)
         elif self.name.startswith("ep"):  # this rank's slice of the batch
             b = unwrap(self.model).plait_expert_parallel.batch_rank
@@ -117,6 +119,7 @@ def layout(name: str, seed: int) -> Layout:
         "pp2_tp2": {"pp": 2, "tp": 2},
         "pp2_ep2": {"pp": 2, "dp": 1, "ep": 2, "tp": 1},
         "pp2_cp2": {"pp": 2, "dp": 1, "cp": 2, "tp": 1},
+        "tp2_dp2_zero1": {"pp": 1, "dp": 2, "tp": 2},
     }.get(name, {"pp": 2, "dp": 2})
     zero = 1 if name.endswith("zero1") else 0
     ptdp, o = plait.prepare(
@@ -127,7 +130,7 @@ def layout(name: str, seed: int) -> Layout:
 
 def whole_state(lay: Layout) -> dict[str, Any]:
     """The whole parameters and optimizer state, through plait's own gathering (collective)."""
-    if lay.name.startswith("pp2"):
+    if lay.name in PTDP:
         state = lay.model.state_dict()
         names = lay.model.param_names
         optimizer = {names[int(i)]: dict(s) for i, s in state["optimizer"]["state"].items()}
@@ -289,7 +292,7 @@ def one_process_load(family: str, directory: str, flatten: bool) -> dict[str, An
 
 # --- refusals ------------------------------------------------------------------------------------
 def refusals() -> dict[str, str]:
-    """The error text of each layout DCP state dicts do not map yet (4 ranks)."""
+    """The error text of the layout DCP state dicts do not map yet (4 ranks)."""
     from plait.strategies.tensor import parallelize
     from plait.strategies.tensor.parallelize_nd import gpt_plan
     from tests import tensor_gpt_fns
@@ -303,12 +306,4 @@ def refusals() -> dict[str, str]:
         plait_dcp.get_model_state_dict(model)
     except NotImplementedError as exc:
         out["2d"] = str(exc)
-    lay = GPT(config("gpt", 0))
-    ptdp, opt = plait.prepare(
-        lay, adam(lay.parameters()), strategy="ptdp", mesh=plait.Mesh(tp=2, dp=2), zero=1
-    )
-    try:
-        plait_dcp.get_optimizer_state_dict(ptdp, opt)
-    except NotImplementedError as exc:
-        out["zero_tp"] = str(exc)
     return out

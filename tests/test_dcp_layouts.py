@@ -73,14 +73,16 @@ WORLD = {
     "pp2_dp2_zero1": 4,
     "pp2_ep2": 4,
     "pp2_cp2": 4,
+    "tp2_dp2_zero1": 4,
 }
 
 
 @pytest.mark.parametrize("name", list(WORLD))
 def test_layout_saves_what_fsdp2_and_one_process_load(ranks, tmp_path, name):
     """ep and cp (2 ranks), ep2 x dp2, PTD-P pp2 x tp2, pp2 x dp2, pp2 x dp2 with ZeRO-1,
-    pp2 x ep2 and pp2 x cp2 (4 ranks) save (the nested optimizer format); one process and
-    FSDP2 on 4 ranks load them bitwise; FSDP2's next step equals one process's."""
+    pp2 x ep2, pp2 x cp2 and tp2 x dp2 with ZeRO-1 (4 ranks) save (the nested optimizer
+    format); one process and FSDP2 on 4 ranks load them bitwise; FSDP2's next step equals
+    one process's."""
     root = str(tmp_path)
     saved = _saved(ranks(WORLD[name], F.plait_save_all, [name], root, timeout=300))[name]
     alone = F.one_process_load(F.FAMILY[name], f"{root}/{name}", False)
@@ -112,6 +114,7 @@ def fsdp2_saved(ranks, tmp_path_factory):
         ("pp2_dp2_zero1", "gpt-False", False),
         ("pp2_ep2", "moe-False", False),
         ("pp2_cp2", "gpt-True", True),
+        ("tp2_dp2_zero1", "gpt-False", False),
     ],
 )
 def test_layout_loads_what_fsdp2_saved(ranks, fsdp2_saved, name, source, flat):
@@ -131,11 +134,8 @@ def test_layout_loads_what_fsdp2_saved(ranks, fsdp2_saved, name, source, flat):
             assert 0 < got["read"] < got["total"], (where, r, got["read"], got["total"])
 
 
-def test_unmapped_layouts_are_refused_by_name(ranks):
-    """2D tensor parallelism (Colossal-AI's layouts) and ZeRO-1/2 over tensor-parallel
-    slices have no DCP mapping yet: refused, naming the layer or the layout and what to
-    use instead."""
+def test_2d_tensor_parallel_is_refused_by_name(ranks):
+    """2D tensor parallelism (Colossal-AI's layouts) has no DCP mapping yet: refused,
+    naming the layer and what to use instead."""
     got = ranks(4, F.refusals, timeout=120)[0]
     assert "2D/2.5D/3D tensor parallel" in got["2d"] and "plait.checkpoint.save" in got["2d"]
-    assert "ZeRO-1/2 over split tensors" in got["zero_tp"], got
-    assert "PTD-P" in got["zero_tp"] and "plait.checkpoint.save" in got["zero_tp"]

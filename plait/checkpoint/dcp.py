@@ -41,7 +41,8 @@ PTD-P                  pass the layout (``get_model_state_dict(ptdp)``,
 (``ptdp``)             ``get_optimizer_state_dict(ptdp, ptdp.optimizer)``): its stages'
                        tensors as above (tp slices as chunks, dp replicas' identical
                        chunks written once by DCP's planner); under ``zero=1`` the
-                       optimizer state as ZeRO's pieces
+                       optimizer state as ZeRO's pieces, cut into rectangles of each
+                       block of a tp slice (``dcp_zero.py``)
 ZeRO-1/2               the model whole; of each parameter's optimizer state, this rank's
                        piece of the ZeRO partition as ``ShardChunks`` (``dcp_zero.py``)
 FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter as
@@ -50,9 +51,9 @@ FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter
                        (``dcp_fsdp.py``); buffers and unsharded parameters whole
 =====================  ===================================================================
 
-2D/2.5D/3D tensor parallelism and ZeRO-1/2 over tensor-parallel slices are refused by name
-(use plait's own ``checkpoint.save``/``load``, which reshard across all of them, or
-``full_state_dict``).
+2D/2.5D/3D tensor parallelism, and ZeRO-1/2 over a tensor-parallel weight stored transposed
+(GPT-2's ``Conv1D``), are refused by name (use plait's own ``checkpoint.save``/``load``,
+which reshard across all of them, or ``full_state_dict``).
 
 No function here communicates, except :func:`get_optimizer_state_dict` in the nested format
 where ranks hold different parameters (one ``all_gather_object`` of the names, see there);
@@ -73,7 +74,6 @@ from torch import nn
 
 from plait.checkpoint import dcp_tensor, dcp_zero
 from plait.checkpoint.full import pipeline_of, unwrap
-from plait.checkpoint.kept import describe
 from plait.strategies.fsdp import FSDPModule
 from plait.strategies.fsdp import dcp as dcp_fsdp
 from plait.strategies.tensor.layers_nd import ND_LAYERS
@@ -92,8 +92,8 @@ STATE, GROUPS, PARAMS = "state", "param_groups", "params"
 
 # --- which layout --------------------------------------------------------------------------
 def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> str:
-    """``"fsdp"``, ``"zero"`` (ZeRO-1/2's optimizer over whole tensors: a model, or a
-    pipeline's or PTD-P's stages without a tensor-parallel split) or ``"modules"`` (tensors
+    """``"fsdp"``, ``"zero"`` (ZeRO-1/2's optimizer: over a model, or a pipeline's or
+    PTD-P's stages, whole or tensor-parallel slices) or ``"modules"`` (tensors
     held by the modules, whole or split: plain, DDP, context, pipeline, tensor and expert
     parallel, PTD-P); anything else is refused naming the layout."""
     inner = unwrap(model)
@@ -106,13 +106,6 @@ def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> st
             if isinstance(m, ND_LAYERS):
                 _refuse(who, f"{name!r} is a {type(m).__name__} (2D/2.5D/3D tensor parallel)")
     if isinstance(optimizer, ZeroOptimizer):
-        split = [
-            key
-            for key, m, name, t in dcp_tensor.named_tensors(_roots(inner))
-            if dcp_tensor.split_chunks(m, name, t) is not None
-        ]
-        if split:
-            _refuse(who, f"ZeRO-1/2 over split tensors ({split[:3]}...) with {describe(model)}")
         return "zero"
     return "modules"
 
@@ -123,7 +116,7 @@ def _refuse(who: str, layout: str) -> NoReturn:
         f"layout: {layout}. Save with plait.checkpoint.save (it reshards across every "
         f"layout), or write a DCP checkpoint of plait.checkpoint.full_state_dict(model) "
         f"from one rank; supported here: plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, 1D tensor, "
-        f"expert and context parallelism, pipelines and PTD-P (without ZeRO over tp slices)"
+        f"expert and context parallelism, pipelines and PTD-P"
     )
 
 
