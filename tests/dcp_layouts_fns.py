@@ -292,7 +292,7 @@ def one_process_load(family: str, directory: str, flatten: bool) -> dict[str, An
 
 # --- refusals ------------------------------------------------------------------------------------
 def refusals() -> dict[str, str]:
-    """The error text of the layout DCP state dicts do not map yet (4 ranks)."""
+    """The error text of each layout DCP state dicts do not map yet (4 ranks)."""
     from plait.strategies.tensor import parallelize
     from plait.strategies.tensor.parallelize_nd import gpt_plan
     from tests import tensor_gpt_fns
@@ -306,4 +306,14 @@ def refusals() -> dict[str, str]:
         plait_dcp.get_model_state_dict(model)
     except NotImplementedError as exc:
         out["2d"] = str(exc)
+    from tests.hf_tp_fns import gpt2  # GPT-2's Conv1D: weights stored [in, out]
+
+    hf = gpt2(tied=False)
+    ptdp, opt = plait.prepare(
+        hf, adam(hf.parameters()), strategy="ptdp", mesh=plait.Mesh(tp=2, dp=2), zero=1
+    )
+    try:
+        plait_dcp.get_optimizer_state_dict(ptdp, opt)
+    except NotImplementedError as exc:
+        out["conv1d_zero"] = str(exc)
     return out

@@ -134,8 +134,12 @@ def test_layout_loads_what_fsdp2_saved(ranks, fsdp2_saved, name, source, flat):
             assert 0 < got["read"] < got["total"], (where, r, got["read"], got["total"])
 
 
-def test_2d_tensor_parallel_is_refused_by_name(ranks):
-    """2D tensor parallelism (Colossal-AI's layouts) has no DCP mapping yet: refused,
-    naming the layer and what to use instead."""
+def test_unmapped_layouts_are_refused_by_name(ranks):
+    """2D tensor parallelism (Colossal-AI's layouts) and ZeRO-1 over a tensor-parallel
+    weight stored transposed (GPT-2's Conv1D) have no DCP mapping yet: refused, naming
+    the layer or parameter and what to use instead."""
+    pytest.importorskip("transformers")
     got = ranks(4, F.refusals, timeout=120)[0]
     assert "2D/2.5D/3D tensor parallel" in got["2d"] and "plait.checkpoint.save" in got["2d"]
+    text = got.get("conv1d_zero", "NOT REFUSED")
+    assert "stored transposed" in text and "'transformer.h.0.attn.c_attn.weight'" in text, text
