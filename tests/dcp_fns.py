@@ -292,7 +292,7 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
-# a pipeline's optimizer state needs PyTorch's flattened format (ranks hold other parameters)
+# torchtitan's flattened optimizer format (a pipeline's nested one lists every rank's names)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -331,34 +331,38 @@ def pipeline_state(pipe: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
     }
 
 
-def pipeline_save(directory: str, steps: int) -> dict[str, Any]:
+def pipeline_save(directory: str, steps: int, flatten: bool) -> dict[str, Any]:
     pipe, optimizer = pipeline(0)
     pipeline_train(pipe, optimizer, range(steps))
     dcp.save(
         {
             "model": plait_dcp.get_model_state_dict(pipe),
-            "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer, options=FLAT),
+            "optimizer": plait_dcp.get_optimizer_state_dict(
+                pipe, optimizer, options=_options(flatten)
+            ),
         },
         checkpoint_id=directory,
     )
     return pipeline_state(pipe, optimizer)
 
 
-def pipeline_load(directory: str, start: int) -> dict[str, Any]:
+def pipeline_load(directory: str, start: int, flatten: bool) -> dict[str, Any]:
     pipe, optimizer = pipeline(1)
     state = {
         "model": plait_dcp.get_model_state_dict(pipe),
-        "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer, options=FLAT),
+        "optimizer": plait_dcp.get_optimizer_state_dict(pipe, optimizer, options=_options(flatten)),
     }
     dcp.load(state, checkpoint_id=directory)
     plait_dcp.set_model_state_dict(pipe, state["model"])
-    plait_dcp.set_optimizer_state_dict(pipe, optimizer, state["optimizer"], options=FLAT)
+    plait_dcp.set_optimizer_state_dict(
+        pipe, optimizer, state["optimizer"], options=_options(flatten)
+    )
     loaded = pipeline_state(pipe, optimizer)
     pipeline_train(pipe, optimizer, range(start, start + 1))
     return {"loaded": loaded, "after": pipeline_state(pipe, optimizer)}
 
 
-def one_process_seq(directory: str, steps: int, save: bool) -> dict[str, Any]:
+def one_process_seq(directory: str, steps: int, save: bool, flatten: bool) -> dict[str, Any]:
     """The plain Sequential in this process: trained ``steps`` and saved with
     ``no_dist=True`` (``save``), or loaded from ``directory`` and stepped once more."""
     model = make_seq(0 if save else 1)
@@ -367,17 +371,23 @@ def one_process_seq(directory: str, steps: int, save: bool) -> dict[str, Any]:
         train(model, optimizer, range(steps))
         state = {
             "model": plait_dcp.get_model_state_dict(model),
-            "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer, options=FLAT),
+            "optimizer": plait_dcp.get_optimizer_state_dict(
+                model, optimizer, options=_options(flatten)
+            ),
         }
         dcp.save(state, checkpoint_id=directory, no_dist=True)
         return {"loaded": plait_state(model, optimizer)}
     state = {
         "model": plait_dcp.get_model_state_dict(model),
-        "optimizer": plait_dcp.get_optimizer_state_dict(model, optimizer, options=FLAT),
+        "optimizer": plait_dcp.get_optimizer_state_dict(
+            model, optimizer, options=_options(flatten)
+        ),
     }
     dcp.load(state, checkpoint_id=directory, no_dist=True)
     model.load_state_dict(state["model"])
-    plait_dcp.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=FLAT)
+    plait_dcp.set_optimizer_state_dict(
+        model, optimizer, state["optimizer"], options=_options(flatten)
+    )
     loaded = plait_state(model, optimizer)
     train(model, optimizer, range(steps, steps + 1))
     return {"loaded": loaded, "after": plait_state(model, optimizer)}

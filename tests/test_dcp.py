@@ -179,18 +179,20 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def test_pipeline_saves_and_loads_dcp(ranks, tmp_path):
+@pytest.mark.parametrize("flatten", [True, False])
+def test_pipeline_saves_and_loads_dcp(ranks, tmp_path, flatten):
     """A 2-stage pipeline saves what one process loads (no_dist) bitwise; a directory one
     process saved loads into the pipeline's stages bitwise and the next step equals one
-    process's."""
+    process's. In torchtitan's flattened optimizer format and in the nested one (whose
+    param_groups then list both stages' parameters)."""
     d = str(tmp_path / "from_pipeline")
-    saved = _merge(ranks(2, F.pipeline_save, d, STEPS, timeout=180))
-    alone = F.one_process_seq(d, STEPS, save=False)
+    saved = _merge(ranks(2, F.pipeline_save, d, STEPS, flatten, timeout=180))
+    alone = F.one_process_seq(d, STEPS, save=False, flatten=flatten)
     _equal(saved, alone["loaded"], "pipeline (2 stages) -> one process")
 
     d = str(tmp_path / "from_one_process")
-    want = F.one_process_seq(d, STEPS, save=True)["loaded"]
-    got = ranks(2, F.pipeline_load, d, STEPS, timeout=180)
+    want = F.one_process_seq(d, STEPS, save=True, flatten=flatten)["loaded"]
+    got = ranks(2, F.pipeline_load, d, STEPS, flatten, timeout=180)
     _equal(want, _merge([g["loaded"] for g in got]), "one process -> pipeline (2 stages)")
-    oracle = F.one_process_seq(d, STEPS, save=False)["after"]
+    oracle = F.one_process_seq(d, STEPS, save=False, flatten=flatten)["after"]
     _close(oracle, _merge([g["after"] for g in got]), "pipeline: the step after loading")

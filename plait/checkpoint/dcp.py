@@ -28,12 +28,21 @@ What each layout's tensors are:
 =====================  ===================================================================
 layout                 the values (model, and element-wise optimizer state)
 =====================  ===================================================================
-plain, DDP             the live tensors, whole (replicated: DCP writes each once)
+plain, DDP, context    the live tensors, whole (replicated: DCP writes each once)
+parallel
 pipeline               this rank's stages' tensors, whole, under the dense names
 tensor (1D), expert    split layers' tensors as
 parallel               :class:`~plait.strategies.dcp_chunks.ShardChunks`: rectangles of
                        the one-process tensor, views of the local shard
-                       (``dcp_tensor.py``); the rest whole
+                       (``dcp_tensor.py``; stacked experts: rows ``first ..``); plait's
+                       MoE experts whole under their global ``experts.<e>`` keys; the
+                       rest whole
+PTD-P                  pass the layout (``get_model_state_dict(ptdp)``,
+(``ptdp``)             ``get_optimizer_state_dict(ptdp, ptdp.optimizer)``): its stages'
+                       tensors as above (tp slices as chunks, dp replicas' identical
+                       chunks written once by DCP's planner); under ``zero=1`` the
+                       optimizer state as ZeRO's pieces, cut into rectangles of each
+                       block of a tp slice (``dcp_zero.py``)
 ZeRO-1/2               the model whole; of each parameter's optimizer state, this rank's
                        piece of the ZeRO partition as ``ShardChunks`` (``dcp_zero.py``)
 FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter as
@@ -42,16 +51,17 @@ FSDP, ZeRO-3           ``ShardChunks``: this rank's flat range of each parameter
                        (``dcp_fsdp.py``); buffers and unsharded parameters whole
 =====================  ===================================================================
 
-2D/2.5D/3D tensor parallelism, PTD-P (``prepare(strategy="ptdp")``) and ZeRO-1/2 over a
-split or pipelined model are refused by name (use plait's own ``checkpoint.save``/``load``,
+2D/2.5D/3D tensor parallelism, and ZeRO-1/2 over a tensor-parallel weight stored transposed
+(GPT-2's ``Conv1D``), are refused by name (use plait's own ``checkpoint.save``/``load``,
 which reshard across all of them, or ``full_state_dict``).
 
-No function here communicates, except that an optimizer without state is first given its
-state by one local step with zero gradients and lr 0, as PyTorch's
-``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load`` themselves are collective over
-the default process group: DCP gathers every rank's plan to the coordinator and scatters
-the global plan back (and gathers the write results on save); only pickled plans and
-metadata travel, each rank writing and reading its own tensor bytes.
+No function here communicates, except :func:`get_optimizer_state_dict` in the nested format
+where ranks hold different parameters (one ``all_gather_object`` of the names, see there);
+an optimizer without state is first given its state by one local step with zero gradients
+and lr 0, as PyTorch's ``get_optimizer_state_dict`` does. ``dcp.save``/``dcp.load``
+themselves are collective over the default process group: DCP gathers every rank's plan to
+the coordinator and scatters the global plan back (and gathers the write results on save);
+only pickled plans and metadata travel, each rank writing and reading its own tensor bytes.
 """
 
 from __future__ import annotations
@@ -59,11 +69,11 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.checkpoint import dcp_tensor, dcp_zero
 from plait.checkpoint.full import pipeline_of, unwrap
-from plait.checkpoint.kept import describe
 from plait.strategies.fsdp import FSDPModule
 from plait.strategies.fsdp import dcp as dcp_fsdp
 from plait.strategies.tensor.layers_nd import ND_LAYERS
@@ -82,12 +92,13 @@ STATE, GROUPS, PARAMS = "state", "param_groups", "params"
 
 # --- which layout --------------------------------------------------------------------------
 def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> str:
-    """``"fsdp"``, ``"zero"`` (a whole model, ZeRO-1/2's optimizer) or ``"modules"``
-    (tensors held by the modules, whole or split: plain, DDP, pipeline, tensor and expert
-    parallel); anything else is refused naming the layout."""
+    """``"fsdp"``, ``"zero"`` (ZeRO-1/2's optimizer: over a model, or a pipeline's or
+    PTD-P's stages, whole or tensor-parallel slices) or ``"modules"`` (tensors
+    held by the modules, whole or split: plain, DDP, context, pipeline, tensor and expert
+    parallel, PTD-P); anything else is refused naming the layout."""
     inner = unwrap(model)
-    if not isinstance(inner, nn.Module):
-        _refuse(who, "PTD-P (prepare(strategy='ptdp'))")
+    if not isinstance(inner, nn.Module) and pipeline_of(inner) is None:
+        _refuse(who, f"a {type(inner).__name__} (no modules, no pipeline stages)")
     if isinstance(inner, FSDPModule):
         return "fsdp"
     for root in _roots(inner):
@@ -95,12 +106,6 @@ def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> st
             if isinstance(m, ND_LAYERS):
                 _refuse(who, f"{name!r} is a {type(m).__name__} (2D/2.5D/3D tensor parallel)")
     if isinstance(optimizer, ZeroOptimizer):
-        split = any(
-            dcp_tensor.split_chunks(m, name, t) is not None
-            for _, m, name, t in dcp_tensor.named_tensors(_roots(inner))
-        )
-        if len(_roots(inner)) > 1 or split:
-            _refuse(who, f"ZeRO-1/2 with {describe(model)}")
         return "zero"
     return "modules"
 
@@ -110,14 +115,14 @@ def _refuse(who: str, layout: str) -> NoReturn:
         f"plait.checkpoint.dcp.{who}: DCP state dicts are not supported yet for this "
         f"layout: {layout}. Save with plait.checkpoint.save (it reshards across every "
         f"layout), or write a DCP checkpoint of plait.checkpoint.full_state_dict(model) "
-        f"from one rank; supported here: plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, 1D tensor and "
-        f"expert parallelism and pipelines"
+        f"from one rank; supported here: plain, DDP, ZeRO-1/2, FSDP/ZeRO-3, 1D tensor, "
+        f"expert and context parallelism, pipelines and PTD-P"
     )
 
 
-def _roots(inner: nn.Module) -> list[nn.Module]:
+def _roots(inner: Any) -> list[nn.Module]:
     """The modules holding this rank's tensors under the model's own names: a pipeline's
-    stages, else the model."""
+    (or a PTD-P layout's) stages, else the model."""
     pipe = pipeline_of(inner)
     return list(pipe.stages.values()) if pipe is not None else [inner]
 
@@ -151,10 +156,15 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Give an optimizer that has not stepped its state tensors, as PyTorch's
     ``get_optimizer_state_dict`` does: one ``step`` with zero gradients and every group's
     ``lr`` at 0 (the parameters do not move), then ``zero_grad``. A ZeroOptimizer's local
-    optimizer (over its flat shards) is stepped, so no communication runs."""
+    optimizer (over its flat shards) is stepped, and a strategy's step hooks (a PTD-P
+    layout's gradient averaging and finite check) are left out, so no communication runs."""
     local = optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer
     if local.state or any(p.grad is not None for g in local.param_groups for p in g[PARAMS]):
         return
+    pre, post = local._optimizer_step_pre_hooks, local._optimizer_step_post_hooks
+    kept_pre, kept_post = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
     lrs = []
     for group in local.param_groups:
         for p in group[PARAMS]:
@@ -163,7 +173,11 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
         lrs.append(group.get("lr"))
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-    local.step()
+    try:
+        local.step()
+    finally:
+        pre.update(kept_pre)
+        post.update(kept_post)
     for group, lr in zip(local.param_groups, lrs, strict=True):
         if lr is not None:
             group["lr"] = lr
@@ -182,21 +196,28 @@ def get_optimizer_state_dict(
     docstring's table says (views of the optimizer's state), scalars (``step``) as they
     are. ``options``: a ``torch.distributed.checkpoint.state_dict.StateDictOptions``; only
     ``flatten_optimizer_state_dict`` (torchtitan's format) is honoured, other fields must
-    keep their defaults. No communication (see :func:`_ensure_state`)."""
+    keep their defaults.
+
+    Where ranks hold different parameters (a pipeline's or PTD-P's stages, expert
+    parallelism's experts), the nested format's ``param_groups`` (one DCP key, one copy
+    kept) list every rank's parameters: one ``all_gather_object`` of the names over the
+    default process group (every rank calls this together, as PyTorch's does). Nothing
+    else communicates (see :func:`_ensure_state`)."""
     who = "get_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
-    _pipeline_needs_flat(model, flatten, who)
     _ensure_state(optimizer)
     inner = unwrap(model)
     if kind == "fsdp":
         state, fqns = dcp_fsdp.optimizer_state(inner, optimizer)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        state = dcp_zero.optimizer_state(inner, optimizer)
-        fqns = dcp_zero.group_fqns(inner, optimizer, who)
+        state = dcp_zero.optimizer_state(_roots(inner), optimizer)
+        fqns = dcp_zero.group_fqns(_roots(inner), optimizer, who)
     else:
         state, fqns = dcp_tensor.optimizer_state(_roots(inner), optimizer)
+    if not flatten and _ranks_differ(inner):
+        fqns = _every_rank(fqns)
     groups = [
         {**_hyper(group), PARAMS: names}
         for group, names in zip(optimizer.param_groups, fqns, strict=True)
@@ -219,49 +240,68 @@ def set_optimizer_state_dict(
     who = "set_optimizer_state_dict"
     flatten = _options(options, who)
     kind = _layout(model, optimizer, who)
-    _pipeline_needs_flat(model, flatten, who)
     inner = unwrap(model)
     if kind == "fsdp":
         fqns = dcp_fsdp.group_fqns(inner, optimizer)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        fqns = dcp_zero.group_fqns(inner, optimizer, who)
+        fqns = dcp_zero.group_fqns(_roots(inner), optimizer, who)
     else:
         slots = dcp_tensor.param_slots(_roots(inner), optimizer, who)
         fqns = [[key for key, _, _, _ in group] for group in slots]
     given = _unflatten(optim_state_dict, fqns) if flatten else optim_state_dict
-    hypers = _match_groups(given[GROUPS], fqns)
+    hypers = _match_groups(given[GROUPS], fqns, optimizer)
     saved = given[STATE]
     if kind == "fsdp":
         dcp_fsdp.load_optimizer_state(inner, optimizer, saved, hypers)
     elif kind == "zero":
         assert isinstance(optimizer, ZeroOptimizer)
-        dcp_zero.load_optimizer_state(inner, optimizer, saved, hypers)
+        dcp_zero.load_optimizer_state(_roots(inner), optimizer, saved, hypers)
     else:
         dcp_tensor.load_optimizer_state(_roots(inner), optimizer, saved, hypers)
 
 
-def _pipeline_needs_flat(model: nn.Module, flatten: bool, who: str) -> None:
-    """A pipeline's ranks hold different parameters, so their nested ``param_groups``
-    (one list per group, the same DCP key on every rank) would overwrite each other;
-    PyTorch's flattened format keys them per parameter."""
-    if not flatten and pipeline_of(unwrap(model)) is not None:
-        raise ValueError(
-            f"plait.checkpoint.dcp.{who}: under a pipeline each rank's optimizer holds other "
-            f"parameters, and DCP keeps one copy of the nested param_groups; pass "
-            f"options=StateDictOptions(flatten_optimizer_state_dict=True) (as torchtitan "
-            f"does; torch.distributed.checkpoint.state_dict.StateDictOptions)"
-        )
+def _ranks_differ(inner: Any) -> bool:
+    """Whether this layout's ranks may hold different parameters: pipeline stages (PTD-P
+    too) or expert parallelism's experts."""
+    return pipeline_of(inner) is not None or hasattr(inner, "plait_expert_parallel")
 
 
-def _match_groups(saved: list[dict[str, Any]], fqns: list[list[str]]) -> list[dict[str, Any]]:
-    """The saved hyper-parameters of each of this optimizer's groups (by their FQNs)."""
+def _every_rank(fqns: list[list[str]]) -> list[list[str]]:
+    """Each param group's FQNs over every rank (first seen first, each once). Collective:
+    one ``all_gather_object`` over the default process group; none without one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fqns
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, fqns)
+    out: list[list[str]] = [[] for _ in fqns]
+    for theirs in every:
+        if len(theirs) != len(fqns):
+            raise ValueError(
+                f"plait.checkpoint.dcp.get_optimizer_state_dict: this rank's optimizer has "
+                f"{len(fqns)} param groups, another rank's {len(theirs)}; build every rank's "
+                f"optimizer with the same groups"
+            )
+        for names, more in zip(out, theirs, strict=True):
+            seen = set(names)
+            names += [f for f in more if f not in seen]
+    return out
+
+
+def _match_groups(
+    saved: list[dict[str, Any]], fqns: list[list[str]], optimizer: torch.optim.Optimizer
+) -> list[dict[str, Any]]:
+    """The saved hyper-parameters of each of this optimizer's groups (by their FQNs; a
+    group with no parameter on this rank, a pipeline stage's, keeps its own)."""
     by_fqn = {}
     for j, group in enumerate(saved):
         for f in group[PARAMS]:
             by_fqn[f] = j
     out = []
     for g, names in enumerate(fqns):
+        if not names:
+            out.append(_hyper(optimizer.param_groups[g]))
+            continue
         found = {by_fqn.get(f) for f in names}
         if None in found or len(found) != 1:
             missing = [f for f in names if f not in by_fqn][:6]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.strategies.dcp_chunks import Chunk, ShardChunks
+from plait.strategies.dcp_chunks import Chunk, ShardChunks, copy_into
 from plait.strategies.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,27 +86,6 @@ def _chunks(full: Sequence[int], blocks: list[Block], t: torch.Tensor) -> ShardC
     kept = [(o, s, v) for o, s, v in blocks if all(s)]  # a padded tail holds no elements
     chunks = [Chunk(tuple(o), tuple(s), 0, 0) for o, s, _ in kept]
     return ShardChunks(full, chunks, [v for _, _, v in kept], dtype=t.dtype, device=t.device)
-
-
-def copy_into(want: ShardChunks, got: torch.Tensor, key: str) -> None:
-    """Copy ``got`` (ShardChunks with ``want``'s chunks, or the whole tensor) into
-    ``want``'s local views."""
-    for chunk, piece in zip(want.chunks, want.pieces, strict=True):
-        if isinstance(got, ShardChunks):
-            source = got.chunk_at(chunk.offsets)
-            if source is None or tuple(source.shape) != chunk.sizes:
-                raise ValueError(
-                    f"plait.checkpoint.dcp: {key!r} holds chunks at "
-                    f"{[c.offsets for c in got.chunks][:4]} on this rank, this model's are at "
-                    f"{[c.offsets for c in want.chunks][:4]}: it was made by another layout. "
-                    f"Load the DCP checkpoint into this model's own state dict (dcp.load "
-                    f"reshards)"
-                )
-        else:
-            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-            source = got.detach()[index]
-        if source.data_ptr() != piece.data_ptr():
-            piece.copy_(source)
 
 
 # --- the model and optimizer of a module layout (plain, DDP, pipeline, tensor, expert) ----

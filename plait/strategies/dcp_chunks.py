@@ -16,7 +16,10 @@ state tensor). It implements DCP's checkpointable protocol (``__create_write_ite
 it (every rank writes its rectangles; ``.metadata`` holds the global shape and every
 chunk) and loads into it (each rank reads only what overlaps its rectangles, writing into
 the views, i.e. into the model's shards). Nothing else can compute with it: any torch
-operation raises, naming what to use instead. No communication here.
+operation raises, naming what to use instead. Every layout's loader copies what
+``dcp.load`` filled (or whole one-process tensors) back through :func:`copy_into` (into a
+``ShardChunks``' views) and :func:`fill_flat` (into a flat range: FSDP's shards, ZeRO's
+pieces). No communication here.
 """
 
 from __future__ import annotations
@@ -221,3 +224,61 @@ def shard_chunks(shape: Sequence[int], start: int, stop: int, flat: torch.Tensor
     flat = flat.reshape(-1)
     pieces = [flat[c.start - start : c.stop - start].view(c.sizes) for c in chunks]
     return ShardChunks(shape, chunks, pieces, dtype=flat.dtype, device=flat.device)
+
+
+# --- copying loaded values into a rank's own tensors (shared by every layout's loader) -----
+_DISTRIBUTED = ("DTensor", "ShardedTensor")
+
+
+def _rectangle(chunk: Chunk) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
+
+
+def chunk_source(got: Any, chunk: Chunk, key: str, theirs: ShardChunks | None = None) -> Any:
+    """The values of ``chunk`` in ``got``: the local tensor of ``got``'s chunk at the same
+    offsets (``got`` a :class:`ShardChunks` that ``dcp.load`` filled), or that rectangle of
+    ``got`` (a whole tensor of the one-process shape). Raises naming ``key`` when ``got``
+    holds other chunks (made by another layout or world size) or is a DTensor."""
+    if isinstance(got, ShardChunks):
+        source = got.chunk_at(chunk.offsets)
+        if source is None or tuple(source.shape) != chunk.sizes:
+            mine = [c.offsets for c in theirs.chunks][:4] if theirs is not None else [chunk]
+            raise ValueError(
+                f"plait DCP load: {key!r} holds chunks at {[c.offsets for c in got.chunks][:4]} "
+                f"on this rank, this model's are at {mine}: it was made by another layout or "
+                f"world size. dcp.load into this model's own state dict "
+                f"(plait.checkpoint.dcp.get_model_state_dict / get_optimizer_state_dict), "
+                f"which reshards"
+            )
+        return source
+    if isinstance(got, torch.Tensor) and type(got).__name__ not in _DISTRIBUTED:
+        return got.detach()[_rectangle(chunk)]
+    raise TypeError(
+        f"plait DCP load: {key!r} is a {type(got).__name__}; pass this model's state dict "
+        f"filled by dcp.load, or whole tensors"
+    )
+
+
+def copy_into(want: ShardChunks, got: Any, key: str) -> None:
+    """Copy ``got`` (a :class:`ShardChunks` with ``want``'s chunks, or the whole tensor)
+    into ``want``'s local views (skipping a view ``dcp.load`` already wrote into)."""
+    for chunk, piece in zip(want.chunks, want.pieces, strict=True):
+        source = chunk_source(got, chunk, key, want)
+        if source.data_ptr() != piece.data_ptr():
+            piece.copy_(source)
+
+
+def fill_flat(
+    dest: torch.Tensor, shape: Sequence[int], start: int, stop: int, got: Any, key: str
+) -> None:
+    """Write elements ``[start, stop)`` of the row-major flattening of a tensor of
+    ``shape`` into ``dest`` (``stop - start`` elements), taken from ``got``: chunks that
+    ``dcp.load`` filled (those of :func:`flat_range_chunks`) or the whole tensor."""
+    if start == stop:
+        return
+    if isinstance(got, ShardChunks):
+        for chunk in flat_range_chunks(shape, start, stop):
+            piece = chunk_source(got, chunk, key)
+            dest[chunk.start - start : chunk.stop - start] = piece.reshape(-1)
+    else:
+        dest.copy_(got.detach().reshape(-1)[start:stop])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.strategies.dcp_chunks import ShardChunks, flat_range_chunks, shard_chunks
+from plait.strategies.dcp_chunks import ShardChunks, copy_into, fill_flat, shard_chunks
 from plait.strategies.fsdp import FSDPModule
 from plait.strategies.fsdp.state import _optimizer_order, _units_by_shard
 from plait.strategies.fsdp.unit import NAMES_ATTR, SHARD_NAME, ShardedUnit
@@ -98,37 +98,9 @@ def load_model_state(
                 continue
             got = state[key]
             if isinstance(want, ShardChunks):
-                _copy_chunks(want, got, key)
+                copy_into(want, got, key)
             elif got is not want:
                 want.copy_(got)
-
-
-def _copy_chunks(want: ShardChunks, got: Any, key: str) -> None:
-    """Copy ``got`` (ShardChunks with the same chunks, or a whole tensor) into ``want``'s
-    local views."""
-    for chunk, piece in zip(want.chunks, want.pieces, strict=True):
-        if isinstance(got, ShardChunks):
-            source = got.chunk_at(chunk.offsets)
-            if source is None or tuple(source.shape) != chunk.sizes:
-                raise ValueError(
-                    f"load_state_dict: {key!r} holds chunks at "
-                    f"{[c.offsets for c in got.chunks][:4]} on this rank, this model's are at "
-                    f"{[c.offsets for c in want.chunks][:4]}: it was made by another layout "
-                    f"or world size. Load the DCP checkpoint into this model's own "
-                    f"model.state_dict() (dcp.load reshards)"
-                )
-        elif isinstance(got, torch.Tensor) and type(got).__name__ not in _DISTRIBUTED:
-            source = got.detach().reshape(-1)[chunk.start : chunk.stop].view(chunk.sizes)
-        else:
-            raise TypeError(
-                f"load_state_dict: {key!r} is a {type(got).__name__}; pass this model's "
-                f"model.state_dict() filled by dcp.load, or whole tensors"
-            )
-        if source.data_ptr() != piece.data_ptr():
-            piece.copy_(source)
-
-
-_DISTRIBUTED = ("DTensor", "ShardedTensor")
 
 
 # --- optimizer -----------------------------------------------------------------------------
@@ -197,7 +169,8 @@ def load_optimizer_state(
                                 unit.shard_numel, dtype=value.dtype, device=unit.shard.device
                             )
                             entry[name] = flat
-                        _fill(flat, unit, i, value, key, name)
+                        a, b, at = param_range(unit, i)
+                        fill_flat(flat[at : at + b - a], unit.shapes[i], a, b, value, key)
                     elif name not in entry:
                         entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
             if entry:
@@ -206,21 +179,3 @@ def load_optimizer_state(
             index += 1
         local_groups.append({**hyper, PARAMS: indices})
     optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-
-
-def _fill(flat: torch.Tensor, unit: ShardedUnit, i: int, value: Any, key: str, name: str) -> None:
-    """Copy parameter ``i``'s elements of ``value`` (chunks or whole) into ``flat``, this
-    rank's shard-shaped state tensor."""
-    a, b, at = param_range(unit, i)
-    if isinstance(value, ShardChunks):
-        for chunk in flat_range_chunks(unit.shapes[i], a, b):
-            source = value.chunk_at(chunk.offsets)
-            if source is None:
-                raise ValueError(
-                    f"set_optimizer_state_dict: {key!r} {name!r} holds no chunk at "
-                    f"{chunk.offsets} on this rank: it was made by another layout or world "
-                    f"size; dcp.load into this optimizer's get_optimizer_state_dict(...)"
-                )
-            flat[at + chunk.start - a : at + chunk.stop - a] = source.reshape(-1)
-    else:
-        flat[at : at + b - a] = value.detach().reshape(-1)[a:b]
