@@ -205,6 +205,13 @@ def _choose(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
     return algorithm
 
 
+def resolve(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
+    """The algorithm ``collective`` of ``nbytes`` on ``group`` runs under ``algorithm``
+    (``"auto"`` resolved; the name checked). ``"native"`` asynchronous on a device backend:
+    started on the caller's thread and stream (:func:`_direct`)."""
+    return _choose(collective, algorithm, nbytes, group)
+
+
 def _lowered(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op is ReduceOp.AVG else op
 
