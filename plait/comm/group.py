@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, device, progress, recorder, watchdog
+from plait.comm import debug, device, progress, recorder, tuner, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ class Channel:
         group = self.group
         timeout = group.timeout_delta
         link = group.shm
+        on_device = tuner.is_device_backend(group.backend)
         for p in pending:
             if p is None:
                 continue
@@ -265,6 +266,10 @@ class Channel:
                     # backend's completes (a peer may wait on them first)
                     link.poll_until(p.work.is_completed, None)
                     p.work.wait(timeout)
+                elif on_device:
+                    # NCCL: the current stream waits for the message, the host does not
+                    # (a timeout would block it); the process group holds the timeout
+                    p.work.wait()
                 else:
                     p.work.wait(timeout)
             except RuntimeError as exc:
@@ -397,6 +402,8 @@ class Group:
         self._node_of: list[str] | None = None
         # this rank's shared-memory link to its ranks on this host (transport.attach)
         self.shm: ShmLink | None = None
+        # the process group for messages from higher to lower ranks (runtime.reverse_group)
+        self.reverse: Group | None = None
         # unique in this process: how a compiled graph's collective names the group
         self.key = f"{name}#{next(_keys)}"
         _by_key[self.key] = self
