@@ -207,3 +207,21 @@ def test_fsdp_prefetches_the_next_gather_and_waits_reduce_scatters_at_the_end(
         assert len(scatters) == len(scatter_waits) == 4, bwd
         # reduce-scatters leave during backward and are all waited after it
         assert scatters[0] < last_backward < min(scatter_waits), bwd
+
+
+def test_ddp_check_finite_reads_nothing_on_the_host_before_a_bucket_leaves(fake, monkeypatch):
+    """The default ``check_finite="raise"`` on a device backend keeps its flags on the
+    device: on ``meta`` (where any host read raises) every bucket's all-reduce is issued
+    and the step stops only at the one read per step, after all of them were waited."""
+    rec = _Recorder(monkeypatch)
+    model = _mlp()
+    mesh = plait.Mesh(dp=4, ranks=range(4))
+    ddp = plait.DistributedDataParallel(model, mesh=mesh, bucket_mb=1e-7)
+    assert ddp.check_finite == "raise" and ddp.flags_on_device
+    x = torch.empty(4, 8, device="meta", requires_grad=True)
+    rec.log.clear()  # the wrap-time broadcast
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors") as info:
+        ddp(x).sum().backward()
+    assert [e[:2] for e in rec.kinds("issue")] == [("issue", "all_reduce")] * 8
+    assert len(rec.kinds("wait")) == 0  # waited through the futures, then the one read
+    assert any(entry.name == "_averages_finite" for entry in info.traceback)
