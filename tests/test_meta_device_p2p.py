@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 import plait
-
 from plait.strategies.pipeline.schedules import SCHEDULES, build
 from tests.meta_device_p2p import stuck
 

@@ -171,9 +171,7 @@ def test_ddp_issues_bucket_all_reduces_during_backward_and_waits_at_its_end(fake
         assert {log[i][2] for i in issues + waits} == {threading.current_thread().name}
 
 
-def test_fsdp_prefetches_the_next_gather_and_waits_reduce_scatters_at_the_end(
-    fake, monkeypatch
-):
+def test_fsdp_prefetches_the_next_gather_and_waits_reduce_scatters_at_the_end(fake, monkeypatch):
     rec = _Recorder(monkeypatch)
     model = _mlp()
     for i, layer in enumerate(model):
@@ -225,3 +223,63 @@ def test_ddp_check_finite_reads_nothing_on_the_host_before_a_bucket_leaves(fake,
     assert [e[:2] for e in rec.kinds("issue")] == [("issue", "all_reduce")] * 8
     assert len(rec.kinds("wait")) == 0  # waited through the futures, then the one read
     assert any(entry.name == "_averages_finite" for entry in info.traceback)
+
+
+def test_fsdp_side_streams_order_issue_and_wait_through_events(monkeypatch):
+    """The CUDA-only protocol of ``fsdp/streams.py``, with stand-in streams recording what
+    is asked of them (no GPU here): the side stream waits for the compute stream before
+    the block, records an event after it, and a wait makes the compute stream wait for
+    that event after the collective's own wait. Off CUDA there are no side streams."""
+    from plait.strategies.fsdp import streams
+
+    assert streams.for_device(torch.device("cpu")) is None
+    assert streams.for_device(torch.device("meta")) is None
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.device = name, torch.device("cuda", 0)
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append(f"{self.name} waits for {other.name}")
+
+        def record_event(self) -> str:
+            log.append(f"event on {self.name}")
+            return f"event of {self.name}"
+
+        def wait_event(self, event: str) -> None:
+            log.append(f"{self.name} waits for {event}")
+
+    compute, side = Stream("compute"), Stream("all_gather")
+    current = [compute]
+
+    class Use:
+        def __init__(self, stream: Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", Use)
+
+    class Done:
+        def wait(self) -> None:
+            log.append(f"collective waited on {current[-1].name}")
+
+    with streams.issued_on(side) as issued:
+        log.append(f"issue on {current[-1].name}")
+        handle = streams.ordered(Done(), issued)
+    handle.wait()
+    assert log == [
+        "all_gather waits for compute",
+        "issue on all_gather",
+        "event on all_gather",
+        "collective waited on compute",
+        "compute waits for event of all_gather",
+    ]
+    with streams.issued_on(None) as plain:
+        assert streams.ordered(handle, plain) is handle

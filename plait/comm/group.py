@@ -665,11 +665,12 @@ class Handle:
     It wraps the worker thread's future, or, for a backend collective started directly
     on the caller's thread, the backend's own ``Work`` (:class:`Started`; on a device
     backend every native asynchronous collective) or ``torch.futures.Future``: those are
-    waited on the thread that calls ``wait()``, where the result is needed. Every error reaches the caller as a
-    :class:`~plait.comm.errors.CollectiveError` naming the collective (and the peer where
-    known), through ``wait()`` and through ``get_future()`` alike; a future chained from
-    ``get_future()`` with ``.then(...)`` carries it too, as long as the callback reads
-    ``fut.value()`` (torch runs ``.then`` callbacks on failed futures as well).
+    waited on the thread that calls ``wait()``, where the result is needed. Every error
+    reaches the caller as a :class:`~plait.comm.errors.CollectiveError` naming the
+    collective (and the peer where known), through ``wait()`` and through
+    ``get_future()`` alike; a future chained from ``get_future()`` with ``.then(...)``
+    carries it too, as long as the callback reads ``fut.value()`` (torch runs ``.then``
+    callbacks on failed futures as well).
     """
 
     __slots__ = ("_future", "_call")

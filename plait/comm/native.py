@@ -117,7 +117,11 @@ def start_reduce_scatter(
         row[: t.numel()].copy_(t)
     mine = output.new_empty(largest)
     work = _reduce_scatter_single(mine, padded.view(-1), rop, group=pg, async_op=True)
-    return _started(group, work, lambda: output.copy_(mine[: output.numel()]))
+
+    def finish() -> None:
+        output.copy_(mine[: output.numel()])
+
+    return _started(group, work, finish)
 
 
 def start_all_gather(chunks: list[torch.Tensor], group: Group) -> Started:

@@ -509,7 +509,7 @@ def reduce_scatter(
         else:
             inputs = [_Flat(b, g).flat for b in blocks]
         before = prescaled(rop, output.dtype)
-        if before and sum(t.numel() for t in inputs):  # new tensors: ``input`` unchanged
+        if before and any(t.numel() for t in inputs):  # new tensors: ``input`` unchanged
             inputs = [t / g.size for t in inputs]
 
         def finish() -> None:

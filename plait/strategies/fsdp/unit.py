@@ -137,7 +137,8 @@ class ShardedUnit:
         self.full_bytes_per_element = torch.empty(0, dtype=self.param_dtype).element_size()
         self.full_data: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
-        self._gathering: tuple[Handle, torch.Tensor] | None = None  # async gather, its input
+        # an async gather (its handle, ordered after its side stream on CUDA) and its input
+        self._gathering: tuple[Handle | streams.Ordered, torch.Tensor] | None = None
 
     def name(self, paths: dict[int, str]) -> None:
         """Record where the unit and its parameters live (``paths``: module id to name
@@ -199,10 +200,8 @@ class ShardedUnit:
         if async_op and cfg.side_streams is not None:  # a prefetch: FSDP2's all-gather stream
             nbytes = self.padded * self.full_bytes_per_element
             side = cfg.side(cfg.side_streams.all_gather, "all_gather", nbytes)
-        with streams.issued_on(side):
-            source = self.shard.detach().to(
-                cfg.compute_device, self.param_dtype, non_blocking=True
-            )
+        with streams.issued_on(side) as issued:
+            source = self.shard.detach().to(cfg.compute_device, self.param_dtype, non_blocking=True)
             if cfg.group is None:
                 self.full_data.copy_(source)
                 return
@@ -213,7 +212,7 @@ class ShardedUnit:
         if async_op:
             assert handle is not None
             self._trace_end_when_done(token, handle)
-            self._gathering = (handle, source)
+            self._gathering = (streams.ordered(handle, issued), source)
         else:
             self._trace_end_when_done(token, None)
 
@@ -277,11 +276,11 @@ class ShardedUnit:
         if side is not None:
             # made on the compute stream, read on the side stream: not reused before that
             grad.record_stream(side)
-        with streams.issued_on(side):
-            self._reduce(grad)
+        with streams.issued_on(side) as issued:
+            self._reduce(grad, issued)
         self.reshard()
 
-    def _reduce(self, grad: torch.Tensor) -> None:
+    def _reduce(self, grad: torch.Tensor, issued: streams.Issued) -> None:
         """Reduce-scatter (average) the full gradient ``grad`` asynchronously; queue the
         handle, the output and the gradient (kept alive until the wait) on the root."""
         assert self.state is not None
@@ -310,7 +309,7 @@ class ShardedUnit:
             )
             assert handle is not None
             self._trace_end_when_done(token, handle)
-        self.state.reductions.append((self, handle, out, grad))
+        self.state.reductions.append((self, streams.ordered(handle, issued), out, grad))
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         tree = self.config.microbatches
