@@ -403,6 +403,41 @@ def new_group(
     return group
 
 
+def reverse_group(group: Group) -> Group:
+    """A second process group over ``group``'s ranks, for the messages that travel from a
+    higher group rank to a lower one (``group`` carries the others); made once per group
+    and destroyed with it.
+
+    Why: NCCL runs every send and receive between two ranks on one stream per process
+    group, in issue order, so a receive posted early blocks a send to the same peer
+    queued behind it, and two ranks that each wait for the other's send deadlock (the
+    pipeline posts receives early: ``tests/test_meta_device_p2p.py``). With each
+    direction of a pair on its own process group, hence its own stream, a send is never
+    queued behind a receive. Collective over the group's ranks only (every member calls
+    it, in the same order; ``use_local_synchronization``): the first message of a
+    pipeline makes it on device backends."""
+    twin = getattr(group, "reverse", None)
+    if twin is not None:
+        return twin  # type: ignore[no-any-return]
+    pg = dist.new_group(
+        list(group.ranks), timeout=group.timeout_delta, use_local_synchronization=True
+    )
+    twin = Group(
+        pg=pg,
+        ranks=group.ranks,
+        global_rank=group.global_rank,
+        name=f"{group.name}.reverse",
+        backend=group.backend,
+        timeout=group.timeout,
+        debug=group.debug,
+        node_size=group.node_size,
+        check=group.check,
+    )
+    group.reverse = twin
+    _subgroups.append(twin)
+    return twin
+
+
 def live_groups() -> list[Group]:
     """The groups :func:`new_group` made on this rank that are not destroyed yet, oldest
     first (the world group is not among them)."""
@@ -424,6 +459,9 @@ def destroy_group(group: Group | None) -> None:
         return
     if group is _world:
         raise ValueError("destroy_group: the world group is left by plait.shutdown()")
+    if group.reverse is not None:  # reverse_group's twin goes with it
+        destroy_group(group.reverse)
+        group.reverse = None
     if group not in _subgroups:
         if group.destroyed:
             return

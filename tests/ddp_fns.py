@@ -267,10 +267,15 @@ def unused_vs_torch_ddp(opt: str) -> tuple[list[torch.Tensor], list[torch.Tensor
 
 
 def nonfinite(
-    policy: str, bad_rank: int, options: dict[str, Any] | None = None, strategy: str = "ddp"
+    policy: str,
+    bad_rank: int,
+    options: dict[str, Any] | None = None,
+    strategy: str = "ddp",
+    flags_on_device: bool = False,
 ) -> dict[str, Any]:
     """Step 1: rank ``bad_rank`` feeds a NaN; what the wrapper with ``check_finite=policy``
-    does."""
+    does. ``flags_on_device``: DDP keeps its per-bucket flags on the device, as it does on
+    a device backend (here the CPU: the same code)."""
     import time
     import warnings
 
@@ -279,6 +284,8 @@ def nonfinite(
     optimizer = make_optimizer(model, "adam")
     wrapper = plait.DistributedDataParallel if strategy == "ddp" else plait.NaiveDataParallel
     ddp = wrapper(model, check_finite=policy, **(options or {}))
+    if flags_on_device:
+        ddp.flags_on_device = True
     out: dict[str, Any] = {"skipped": []}
     for step in range(3):
         x, y = batch(step)

@@ -169,15 +169,16 @@ def tensor_parallel(sequence_parallel: bool, **options: Any) -> dict[str, Any]:
     return {"off_meta": _on_meta(wrapped.parameters())}
 
 
-def pipeline(schedule: str, **options: Any) -> dict[str, Any]:
+def pipeline(schedule: str, *, microbatches: int = 4, **options: Any) -> dict[str, Any]:
     mesh = plait.Mesh(pp=4, ranks=range(4))
     model = gpt(layers=8)
     pipe, opt = plait.prepare(
-        model, sgd(model), strategy="pipeline", mesh=mesh, schedule=schedule, microbatches=4,
+        model, sgd(model), strategy="pipeline", mesh=mesh, schedule=schedule,
+        microbatches=microbatches,
         **options,
     )  # fmt: skip
     assert opt is not None
-    _runner_steps(pipe, opt)
+    _runner_steps(pipe, opt, max(BATCH, microbatches))
     return {"off_meta": _on_meta(pipe.parameters())}
 
 

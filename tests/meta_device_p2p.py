@@ -10,10 +10,12 @@ receives of one step (``batch_isend_irecv``). This module runs a schedule's acti
 a rendezvous (the worst case: a large activation cannot sit in NCCL's buffers), and
 reports whether every action completes.
 
-Two host models: ``blocking`` (each wait a host wait, as plait's waits are on NCCL today:
-a timeout makes ``Work.wait`` block the thread) and ``streams`` (waits only order the
-compute stream, PyTorch's default without a timeout). Deadlock on the pair streams is the
-same in both; ``blocking`` only stops the host issuing while it waits.
+Two host models: ``blocking`` (each wait a host wait: ``Work.wait(timeout)`` on NCCL) and
+``streams`` (waits only order the compute stream: ``Work.wait()`` without a timeout, what
+plait's waits do on a device backend). Deadlock on the pair streams is the same in both;
+``blocking`` only stops the host issuing while it waits. Streams are keyed by plait's own
+rule (:func:`plait.strategies.pipeline.messages.direction`): with ``per_direction`` (what
+the pipeline does on device backends) each direction of a pair has its process group.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
+from plait.strategies.pipeline.messages import direction
 
 
 @dataclass
@@ -63,16 +66,19 @@ def stuck(schedule: Schedule, *, blocking: bool = True, per_direction: bool = Fa
     pair has its own stream (a process group per direction), not one for both."""
     p = schedule.p
     compute: list[list[_Op]] = [[] for _ in range(p)]
-    pair: list[dict[int, list[_Op]]] = [{} for _ in range(p)]
+    pair: list[dict[tuple[int, int], list[_Op]]] = [{} for _ in range(p)]
     posted: list[dict[tuple[str, int, int], _Op]] = [{} for _ in range(p)]
     issued = [0] * p
     last_compute: list[_Op | None] = [None] * p
 
-    def _stream(a: Action) -> tuple[int, str]:
-        """A pair's one stream, or (``per_direction``) one per direction of the pair."""
-        if not per_direction:
-            return (_peer(schedule, a), "")
-        return (_peer(schedule, a), "out" if a.kind in (Kind.SEND_F, Kind.SEND_B) else "in")
+    def _stream(r: int, a: Action) -> tuple[int, int]:
+        """The stream of rank ``r``'s message: its peer and the process group it takes
+        (plait's rule, ``messages.direction``: with ``per_direction`` one group per
+        direction of a pair, as the pipeline does on NCCL; else the pair's one group)."""
+        peer = _peer(schedule, a)
+        sends = a.kind in (Kind.SEND_F, Kind.SEND_B)
+        sender, receiver = (r, peer) if sends else (peer, r)
+        return (peer, direction(sender, receiver, per_direction=per_direction))
 
     def reads(r: int, a: Action) -> tuple[str, int, int] | None:
         s = a.stage
@@ -93,7 +99,7 @@ def stuck(schedule: Schedule, *, blocking: bool = True, per_direction: bool = Fa
         if last_compute[r] is not None:
             op.deps.append(last_compute[r])  # type: ignore[arg-type]
         if a.kind.is_comm:
-            pair[r].setdefault(_stream(a), []).append(op)
+            pair[r].setdefault(_stream(r, a), []).append(op)
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
                 posted[r][_key(a)] = op
         else:
@@ -119,7 +125,7 @@ def stuck(schedule: Schedule, *, blocking: bool = True, per_direction: bool = Fa
             for (peer, way), q in pair[r].items():
                 if not q or q[0].action.kind not in (Kind.SEND_F, Kind.SEND_B):
                     continue
-                other = pair[peer].get((r, "in" if way == "out" else ""), [])
+                other = pair[peer].get((r, way), [])  # the receive takes the same group
                 s, rv = q[0], (other[0] if other else None)
                 if rv is None or _key(rv.action) != _key(s.action):
                     continue

@@ -71,6 +71,24 @@ def test_nonfinite_gradient_raises_on_every_rank_naming_the_rank(ranks, strategy
     )
 
 
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_flags_kept_on_the_device_name_the_same_rank_and_parameter(ranks, policy):
+    """The device backends' check (no host read before a bucket's launch), run on the
+    CPU: same decision, same culprit, same replicas as the host read's."""
+    options = {"gradient_as_bucket_view": True, "bucket_mb": 0.0005}
+    results = ranks(2, ddp_fns.nonfinite, policy, 1, options, "ddp", True)
+    for r in results:
+        if policy == "raise":
+            assert r["culprits"] == [(1, "fc1.weight")], r
+            assert r["skipped"] == [False]
+        else:
+            assert r["skipped"] == [False, True, False], r
+            assert "rank 1 in parameter 'fc1.weight'" in r["warning"]
+    if policy == "skip":
+        for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize(
     "strategy,options",

@@ -126,12 +126,6 @@ DATA_DEPENDENT = {
     # expert parallelism: the routing (its draw counter, then the per-expert counts that
     # size the all-to-all) is read on the host, as in every dropless MoE
     "ep": (lambda: fns.expert_parallel(**NO_CHECK), "plait/strategies/moe/"),
-    # rank 0 also holds a later stage, whose input shape arrives in a message
-    "pipeline-interleaved": (
-        lambda: fns.pipeline("interleaved", **NO_CHECK),
-        "plait/strategies/pipeline/messages.py",
-    ),
-    "pipeline-zbv": (lambda: fns.pipeline("zbv", **NO_CHECK), "plait/strategies/pipeline/"),
 }
 
 
@@ -142,3 +136,14 @@ def test_what_cannot_run_on_meta_stops_at_its_host_read(fake, case):
         run()
     frames = [entry.path.as_posix() for entry in info.traceback]
     assert any(where in f for f in frames), frames
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv", "dualpipev"])
+def test_a_later_stage_on_rank_0_is_refused_on_meta_naming_the_schedule(fake, schedule):
+    """Rank 0 also holds a later stage, whose input shape arrives in a message: on meta
+    the message carries no values, and the runtime says so instead of failing inside."""
+    with pytest.raises(
+        RuntimeError, match="on the meta device a message carries no values"
+    ) as info:
+        fns.pipeline(schedule, microbatches=8, **NO_CHECK)
+    assert f"schedule {schedule!r} places stage" in str(info.value)

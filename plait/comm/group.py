@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, device, progress, recorder, watchdog
+from plait.comm import debug, device, progress, recorder, tuner, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ class Channel:
         group = self.group
         timeout = group.timeout_delta
         link = group.shm
+        on_device = tuner.is_device_backend(group.backend)
         for p in pending:
             if p is None:
                 continue
@@ -265,6 +266,10 @@ class Channel:
                     # backend's completes (a peer may wait on them first)
                     link.poll_until(p.work.is_completed, None)
                     p.work.wait(timeout)
+                elif on_device:
+                    # NCCL: the current stream waits for the message, the host does not
+                    # (a timeout would block it); the process group holds the timeout
+                    p.work.wait()
                 else:
                     p.work.wait(timeout)
             except RuntimeError as exc:
@@ -392,9 +397,13 @@ class Group:
         self.failure: CollectiveError | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future[Any] | None = None
+        # backend collectives started on the caller's thread and not yet waited (start_native)
+        self._started: list[Started] = []
         self._node_of: list[str] | None = None
         # this rank's shared-memory link to its ranks on this host (transport.attach)
         self.shm: ShmLink | None = None
+        # the process group for messages from higher to lower ranks (runtime.reverse_group)
+        self.reverse: Group | None = None
         # unique in this process: how a compiled graph's collective names the group
         self.key = f"{name}#{next(_keys)}"
         _by_key[self.key] = self
@@ -482,14 +491,37 @@ class Group:
         """No asynchronous collective of this group is still queued or running."""
         return self._last is None or self._last.done()
 
-    def start_native(self, collective: str, payload_bytes: int, start: Callable[[], Any]) -> Handle:
-        """Issue a backend collective that is asynchronous by itself, without the worker
-        thread (one thread hop less). Only while :meth:`idle`: otherwise it would overtake
-        queued collectives, and backends match collectives by issue order."""
-        assert self.idle()
+    def start_native(
+        self,
+        collective: str,
+        payload_bytes: int,
+        start: Callable[[], Any],
+        *,
+        signature: str = "",
+        desc: str = "",
+    ) -> Handle:
+        """Issue a backend collective that is asynchronous by itself on the calling thread,
+        without the worker thread, and hand what the backend returns (a :class:`Started`
+        ``Work``, or a ``torch.futures.Future``) to the :class:`Handle`: it is waited on the
+        thread that calls ``Handle.wait()``, where the result is needed.
+
+        Issue order: backends match collectives by the order they are issued, so when
+        asynchronous collectives of plait's own algorithms are still queued on the worker
+        thread, this first waits for them (their errors stay with their handles); on a
+        device backend ``auto`` picks the backend's collectives, so that happens only
+        when a plait algorithm was named.
+        """
+        if not self.idle():
+            self.settle()
         self.seq += 1
-        call = Call(self, collective, "native", self.seq, payload_bytes)
-        self.entered = (call.seq, collective, "", "")
+        sig = f"native {signature}" if signature else "native"
+        call = Call(self, collective, "native", self.seq, payload_bytes, sig, desc)
+        call.origin = device.origin()
+        if self.debug:
+            debug.check_signature(call, f"{sig} {desc}")
+        if self.failure is not None:
+            raise self._broken(call)
+        self.entered = (call.seq, collective, call.sig, call.desc)
         entry = recorder.start(call)
         try:
             future = start()
@@ -498,6 +530,9 @@ class Group:
             raise Channel(call).failure(None, "start", exc) from exc
         recorder.end(entry, "started")
         call.commit()
+        if isinstance(future, Started):
+            future.call = call
+            self._started = [s for s in self._started if not s.finished] + [future]
         return Handle(future, call)
 
     def _broken(self, call: Call) -> CollectiveError:
@@ -516,9 +551,14 @@ class Group:
         return self._last
 
     def synchronize(self) -> None:
-        """Wait for every asynchronous collective issued on this group so far."""
+        """Wait for every asynchronous collective issued on this group so far (those on
+        the worker thread, and the backend's own started on the caller's thread)."""
         if self._last is not None:
             self._last.result()
+        started, self._started = self._started, []
+        for s in started:
+            if not s.finished:
+                Handle(s, s.call).wait()
 
     def settle(self) -> None:
         """Wait for every asynchronous collective issued so far, failed ones included,
@@ -536,22 +576,108 @@ class Group:
             self.shm = None
 
 
+class Started:
+    """A backend collective started on the caller's thread (:meth:`Group.start_native`):
+    the backend's ``Work`` (None: nothing to send, an empty tensor), what remains to do
+    once it completes (``finish``: copy a staged result back, divide an average), and the
+    value its future carries (``result``).
+
+    ``timeout``: what ``Work.wait`` is given. On a device backend it is None: on NCCL,
+    ``Work.wait()`` makes the waiting thread's current CUDA stream wait for NCCL's stream
+    and returns at once, while ``Work.wait(timeout)`` would block the host until the
+    collective ends (PyTorch's ``WorkNCCL::synchronizeInternal``); the group's timeout
+    is then the process group's own (plait creates every process group with it),
+    enforced by ProcessGroupNCCL's watchdog, which fails the work. ``finish`` runs once,
+    after that wait (or in the future's callback, when ``get_future()`` was asked for),
+    so on the device it is ordered after the collective.
+    """
+
+    __slots__ = ("work", "finish", "result", "timeout", "call", "finished", "_chained", "_lock")
+
+    def __init__(
+        self,
+        work: Any,
+        finish: Callable[[], None] | None = None,
+        result: Any = None,
+        *,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self.work = work
+        self.finish = finish
+        self.result = result
+        self.timeout = timeout
+        self.call: Call | None = None  # set by Group.start_native
+        self.finished = False
+        self._chained: torch.futures.Future[Any] | None = None
+        # reentrant: a future completed already runs its ``then`` callback at once, inside
+        # ``future()``, and the callback completes this one
+        self._lock = threading.RLock()
+
+    def complete(self) -> None:
+        """Run ``finish`` (once): the collective has completed (or, on a device, the
+        current stream waits for it)."""
+        with self._lock:
+            if self.finished:
+                return
+            self.finished = True
+        if self.finish is not None:
+            self.finish()
+
+    def wait(self) -> None:
+        """Wait for the backend's work on this thread (see the class docstring)."""
+        if self._chained is not None:
+            self._chained.wait()
+        elif self.work is not None:
+            if self.timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(self.timeout)
+        self.complete()
+
+    def future(self, error: Callable[[BaseException], BaseException]) -> torch.futures.Future[Any]:
+        """The work's future, chained with ``finish``; errors become ``error(exc)``."""
+        with self._lock:
+            if self._chained is None:
+                if self.work is None:
+                    base: torch.futures.Future[Any] = torch.futures.Future()
+                    base.set_result(None)
+                else:
+                    base = self.work.get_future()
+
+                def checked(f: torch.futures.Future[Any]) -> Any:
+                    try:
+                        f.value()
+                    except Exception as exc:
+                        raise error(exc) from exc
+                    self.complete()
+                    return self.result
+
+                self._chained = base.then(checked)
+            return self._chained
+
+    def is_completed(self) -> bool:
+        return self.finished or self.work is None or bool(self.work.is_completed())
+
+
 class Handle:
     """Returned by ``async_op=True``: ``wait()`` blocks until the collective is done.
 
-    It wraps the worker thread's future, or, for a backend collective started directly,
-    the backend's own ``torch.futures.Future``. Every error reaches the caller as a
-    :class:`~plait.comm.errors.CollectiveError` naming the collective (and the peer where
-    known), through ``wait()`` and through ``get_future()`` alike; a future chained from
-    ``get_future()`` with ``.then(...)`` carries it too, as long as the callback reads
-    ``fut.value()`` (torch runs ``.then`` callbacks on failed futures as well).
+    It wraps the worker thread's future, or, for a backend collective started directly
+    on the caller's thread, the backend's own ``Work`` (:class:`Started`; on a device
+    backend every native asynchronous collective) or ``torch.futures.Future``: those are
+    waited on the thread that calls ``wait()``, where the result is needed. Every error
+    reaches the caller as a :class:`~plait.comm.errors.CollectiveError` naming the
+    collective (and the peer where known), through ``wait()`` and through
+    ``get_future()`` alike; a future chained from ``get_future()`` with ``.then(...)``
+    carries it too, as long as the callback reads ``fut.value()`` (torch runs ``.then``
+    callbacks on failed futures as well).
     """
 
     __slots__ = ("_future", "_call")
 
     def __init__(
         self,
-        future: concurrent.futures.Future[Any] | torch.futures.Future[Any] | None,
+        future: concurrent.futures.Future[Any] | torch.futures.Future[Any] | Started | None,
         call: Call | None = None,
     ) -> None:
         self._future = future
@@ -568,7 +694,7 @@ class Handle:
         The collective itself is bounded by its group's timeout, so this never hangs
         forever even with ``timeout=None``.
         """
-        if isinstance(self._future, torch._C.Future):
+        if isinstance(self._future, (torch._C.Future, Started)):
             call = self._call
             if call is not None:
                 call.group.waiting = (None, call, time.monotonic())
@@ -583,10 +709,14 @@ class Handle:
             self._future.result(timeout)
 
     def is_completed(self) -> bool:
+        if isinstance(self._future, Started):
+            return self._future.is_completed()
         return self._future is None or self._future.done()
 
     def get_future(self) -> torch.futures.Future[Any]:
         """A ``torch.futures.Future`` completed (or failed) with the collective."""
+        if isinstance(self._future, Started):
+            return self._future.future(self._error)
         if isinstance(self._future, torch._C.Future):
 
             def checked(f: torch.futures.Future[Any]) -> Any:

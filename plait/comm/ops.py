@@ -69,7 +69,15 @@ from plait.comm import (
     tuner,
 )
 from plait.comm.chunks import split
-from plait.comm.group import COLLECTIVE_TAG_BIT, COMPLETED, Call, Channel, Group, Handle
+from plait.comm.group import (
+    COLLECTIVE_TAG_BIT,
+    COMPLETED,
+    Call,
+    Channel,
+    Group,
+    Handle,
+    Started,
+)
 from plait.comm.reduce_op import ReduceOp, parse_op, prescaled
 
 ALGORITHMS: dict[str, ModuleType] = {
@@ -197,8 +205,23 @@ def _choose(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
     return algorithm
 
 
+def resolve(collective: str, algorithm: str, nbytes: int, group: Group) -> str:
+    """The algorithm ``collective`` of ``nbytes`` on ``group`` runs under ``algorithm``
+    (``"auto"`` resolved; the name checked). ``"native"`` asynchronous on a device backend:
+    started on the caller's thread and stream (:func:`_direct`)."""
+    return _choose(collective, algorithm, nbytes, group)
+
+
 def _lowered(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+def _direct(g: Group, algo: str, async_op: bool) -> bool:
+    """An asynchronous backend collective on a device backend (NCCL, fake): started on
+    the caller's thread, its ``Work`` handed to the :class:`Handle` and waited where the
+    caller waits (:meth:`Group.start_native`), so it overlaps the compute issued after it
+    as PyTorch's own does. Elsewhere it runs on the group's worker thread."""
+    return async_op and algo == "native" and tuner.is_device_backend(g.backend)
 
 
 # --- buffers ------------------------------------------------------------------------------
@@ -275,6 +298,28 @@ def all_reduce(
         return COMPLETED if async_op else None
     nbytes = tensor.numel() * tensor.element_size()
     algo = _choose("all_reduce", algorithm, nbytes, g)
+    sig = f"{rop.value} {_dtype(tensor)} bytes={nbytes}"
+    desc = f"shape={tuple(tensor.shape)}"
+
+    def start() -> Started:
+        buf = _Flat(tensor, g)
+        before = prescaled(rop, tensor.dtype)
+        if before:
+            buf.flat.div_(g.size)
+
+        def finish() -> None:
+            if rop is ReduceOp.AVG and not before:
+                buf.flat.div_(g.size)
+            buf.done()
+
+        if tensor.numel() == 0:
+            return Started(None, None, tensor)
+        started = native.start_all_reduce(buf.flat, _lowered(rop), g)
+        started.finish, started.result = finish, tensor
+        return started
+
+    if _direct(g, algo, async_op):
+        return g.start_native("all_reduce", nbytes, start, signature=sig, desc=desc)
     fast = not g.debug and not g.check and g.idle() and tensor.is_contiguous()
     if algo == "native" and async_op and fast:
         return g.start_native("all_reduce", nbytes, lambda: native.all_reduce_async(tensor, rop, g))
@@ -292,8 +337,7 @@ def all_reduce(
             buf.flat.div_(g.size)
         buf.done()
 
-    sig = f"{rop.value} {_dtype(tensor)} bytes={nbytes}"
-    return _run(g, "all_reduce", algo, body, async_op, nbytes, sig, f"shape={tuple(tensor.shape)}")
+    return _run(g, "all_reduce", algo, body, async_op, nbytes, sig, desc)
 
 
 def broadcast(
@@ -313,6 +357,19 @@ def broadcast(
     nbytes = tensor.numel() * tensor.element_size()
     algo = _choose("broadcast", algorithm, nbytes, g)
     impl = ALGORITHMS[algo].broadcast
+    sig = f"src={src} {_dtype(tensor)} bytes={nbytes}"
+    desc = f"shape={tuple(tensor.shape)}"
+    if _direct(g, algo, async_op):
+
+        def start() -> Started:
+            if tensor.numel() == 0:
+                return Started(None)
+            buf = _Flat(tensor, g, load=g.rank == src)
+            started = native.start_broadcast(buf.flat, src, g)
+            started.finish = buf.done
+            return started
+
+        return g.start_native("broadcast", nbytes, start, signature=sig, desc=desc)
 
     def body(ch: Channel) -> None:
         if tensor.numel() == 0:
@@ -321,8 +378,7 @@ def broadcast(
         impl(ch, buf.flat, src)
         buf.done()
 
-    sig = f"src={src} {_dtype(tensor)} bytes={nbytes}"
-    return _run(g, "broadcast", algo, body, async_op, nbytes, sig, f"shape={tuple(tensor.shape)}")
+    return _run(g, "broadcast", algo, body, async_op, nbytes, sig, desc)
 
 
 def reduce(
@@ -440,27 +496,55 @@ def reduce_scatter(
         return COMPLETED if async_op else None
     algo = _choose("reduce_scatter", algorithm, nbytes, g)
     impl = ALGORITHMS[algo].reduce_scatter
+    sizes = [output.numel()] * g.size if blocks is None else [b.numel() for b in blocks]
+    sig = f"{rop.value} {_dtype(output)} blocks={sizes}"
+    desc = f"shape={tuple(output.shape)}"
 
-    def body(ch: Channel) -> None:
+    def prepare() -> tuple[list[torch.Tensor], _Flat, Callable[[], None]]:
+        """The per-rank input blocks, the output buffer, and what to do once reduced."""
         out = _Flat(output, g, load=False)
         if blocks is None:
             whole = _Flat(input, g).flat  # type: ignore[arg-type]
             inputs = split(whole, [output.numel()] * g.size)
         else:
             inputs = [_Flat(b, g).flat for b in blocks]
+        before = prescaled(rop, output.dtype)
+        if before and any(t.numel() for t in inputs):  # new tensors: ``input`` unchanged
+            inputs = [t / g.size for t in inputs]
+
+        def finish() -> None:
+            if rop is ReduceOp.AVG and not before:
+                out.flat.div_(g.size)
+            out.done()
+
+        return inputs, out, finish
+
+    if _direct(g, algo, async_op):
+
+        def start() -> Started:
+            inputs, out, finish = prepare()
+            if sum(t.numel() for t in inputs) == 0:
+                return Started(None)
+            started = native.start_reduce_scatter(inputs, out.flat, _lowered(rop), g)
+            after = started.finish
+
+            def done() -> None:
+                if after is not None:
+                    after()
+                finish()
+
+            started.finish = done
+            return started
+
+        return g.start_native("reduce_scatter", nbytes, start, signature=sig, desc=desc)
+
+    def body(ch: Channel) -> None:
+        inputs, out, finish = prepare()
         if sum(t.numel() for t in inputs) == 0:
             return
-        before = prescaled(rop, output.dtype)
-        if before:  # new tensors: ``input`` stays unchanged
-            inputs = [t / g.size for t in inputs]
         impl(ch, inputs, out.flat, _lowered(rop))
-        if rop is ReduceOp.AVG and not before:
-            out.flat.div_(g.size)
-        out.done()
+        finish()
 
-    sizes = [output.numel()] * g.size if blocks is None else [b.numel() for b in blocks]
-    sig = f"{rop.value} {_dtype(output)} blocks={sizes}"
-    desc = f"shape={tuple(output.shape)}"
     return _run(g, "reduce_scatter", algo, body, async_op, nbytes, sig, desc)
 
 
@@ -502,8 +586,11 @@ def all_gather(
         return COMPLETED if async_op else None
     algo = _choose("all_gather", algorithm, nbytes, g)
     impl = ALGORITHMS[algo].all_gather
+    sig = f"{_dtype(input)} blocks={sizes}"
+    desc = f"shape={tuple(input.shape)}"
 
-    def body(ch: Channel) -> None:
+    def prepare() -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """The per-rank chunks (this rank's filled) and what to do once gathered."""
         if blocks is None:
             out = _Flat(output, g, load=False)  # type: ignore[arg-type]
             flat = out.flat
@@ -513,17 +600,43 @@ def all_gather(
             flat = torch.empty(sum(sizes), dtype=input.dtype, device=where)
         chunks = split(flat, sizes)
         chunks[g.rank].copy_(input.detach().reshape(-1))
-        if flat.numel():
-            impl(ch, chunks)
-        if blocks is None:
-            out.done()
-        else:
-            with torch.no_grad():
-                for b, c in zip(blocks, chunks, strict=True):
-                    b.copy_(c.view(b.shape))
 
-    sig = f"{_dtype(input)} blocks={sizes}"
-    return _run(g, "all_gather", algo, body, async_op, nbytes, sig, f"shape={tuple(input.shape)}")
+        def finish() -> None:
+            if blocks is None:
+                out.done()
+            else:
+                with torch.no_grad():
+                    for b, c in zip(blocks, chunks, strict=True):
+                        b.copy_(c.view(b.shape))
+
+        return chunks, finish
+
+    if _direct(g, algo, async_op):
+
+        def start() -> Started:
+            chunks, finish = prepare()
+            if sum(sizes) == 0:
+                return Started(None, finish)
+            started = native.start_all_gather(chunks, g)
+            after = started.finish
+
+            def done() -> None:
+                if after is not None:
+                    after()
+                finish()
+
+            started.finish = done
+            return started
+
+        return g.start_native("all_gather", nbytes, start, signature=sig, desc=desc)
+
+    def body(ch: Channel) -> None:
+        chunks, finish = prepare()
+        if sum(sizes):
+            impl(ch, chunks)
+        finish()
+
+    return _run(g, "all_gather", algo, body, async_op, nbytes, sig, desc)
 
 
 def all_to_all(

@@ -49,7 +49,9 @@ collectives ran on plait's communication thread (plait's algorithms: DDP checks 
 last one), not when it used the backend's own all-reduce (``"native"``).
 
 Non-finite gradients (``check_finite``). Before its all-reduce each bucket is checked on
-its rank (one sum: ~1 ms per 25 MiB of float32 on one core); a rank that finds inf or NaN
+its rank (on gloo one sum read on the host, ~1 ms per 25 MiB of float32 on one core; on a
+device backend per-parameter flags computed and kept on the device, so the bucket's launch
+never waits for a host read: ``flags_on_device``); a rank that finds inf or NaN
 sets the bucket's element 0 to NaN, which survives the average, and after the all-reduce
 every rank reads element 0 of each averaged bucket (bitwise the same everywhere), so all
 ranks take the same decision without an extra collective or a second pass. Only then do
@@ -61,6 +63,8 @@ caught here: the next step's gradients are); then ``"raise"`` (default) raises
 every gradient to None on every rank (``optimizer.step()`` leaves the parameters
 bit-identical; ``skipped_steps`` counts them) and warns, ``None`` lets the NaN through
 (what a loss scaler such as ``torch.amp.GradScaler`` wants: it then skips on every rank).
+The decision reads one flag per step on the host, after every bucket was waited for (as
+``torch.amp.GradScaler`` reads its found-inf once per step).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm import device
+from plait.comm import device, tuner
 from plait.comm.group import Group
 from plait.mesh import Mesh, data_parallel_group
 from plait.strategies.consistency import verify_same_parameters
@@ -213,6 +217,10 @@ class DistributedDataParallel(nn.Module):
         self._seqs: list[int | None] = []
         self._used = [False] * len(self._named)  # since the last synchronized backward
         self._local_nonfinite: int | None = None
+        # check_finite's per-bucket flags: kept on the device (per parameter of the
+        # bucket, read only on a step found non-finite) or read on the host at once
+        self.flags_on_device = tuner.is_device_backend(self.group.backend)
+        self._device_flags: dict[int, torch.Tensor] = {}
         self._launched = 0
         self._backward_token: int | None = None
         self._hooks = [
@@ -330,6 +338,7 @@ class DistributedDataParallel(nn.Module):
         self._futures = [None] * len(self.buckets)
         self._seqs = [None] * len(self.buckets)
         self._local_nonfinite = None
+        self._device_flags = {}
         self._backward_passes += 1
         for b in self.buckets:
             b.reset()
@@ -367,6 +376,9 @@ class DistributedDataParallel(nn.Module):
         """Before the all-reduce: if this rank's gradients in ``bucket`` are not finite,
         remember the first such parameter and make the bucket's element 0 a NaN, the flag
         that every rank reads in the averaged bucket (NaN survives any average)."""
+        if self.flags_on_device:
+            self._check_local_on_device(bucket)
+            return
         if grad_sync.bucket_is_finite(bucket.buffer):
             return
         bad = grad_sync.first_nonfinite(
@@ -376,6 +388,34 @@ class DistributedDataParallel(nn.Module):
             self._local_nonfinite = bad
         if bad is not None:
             bucket.buffer[0] = float("nan")
+
+    def _check_local_on_device(self, bucket: Bucket) -> None:
+        """:meth:`_check_local` without a host read: which parameters of the bucket are
+        not finite stays on the device (read only if the step turns out non-finite), and
+        element 0 becomes NaN through ``torch.where``."""
+        buf = bucket.buffer
+        if not buf.dtype.is_floating_point or buf.numel() == 0:
+            return
+        lengths = [p.numel() for p in bucket.params]
+        lengths.append(buf.numel() - sum(lengths))  # padding, if any
+        bad = grad_sync.nonfinite_slots(
+            buf, torch.tensor(lengths, dtype=torch.int64, device=buf.device)
+        )
+        self._device_flags[bucket.index] = bad[:-1]
+        first = buf[:1]
+        first.copy_(torch.where(bad.any(), torch.full_like(first, float("nan")), first))
+
+    def _local_nonfinite_from_device(self) -> int | None:
+        """The first parameter (index) whose own gradient was not finite on this rank, from
+        the flags :meth:`_check_local_on_device` kept (a host read, on a bad step only)."""
+        bad = [
+            self._index_of[b.params[i]]
+            for b in self.buckets
+            if b.index in self._device_flags
+            for i, flag in enumerate(self._device_flags[b.index].tolist())
+            if flag
+        ]
+        return min(bad) if bad else None
 
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite is not None:
@@ -554,6 +594,8 @@ class DistributedDataParallel(nn.Module):
         if bool(torch.isfinite(firsts).all()):
             return True
         after = next(b.names[0] for b in self.buckets if not torch.isfinite(b.buffer[:1]).all())
+        if self.flags_on_device:
+            self._local_nonfinite = self._local_nonfinite_from_device()
         culprits = grad_sync.name_culprits(self._local_nonfinite, self.group)
         named = [(r, self._named[i][0]) for r, i in culprits]
         policy = self.check_finite or "raise"

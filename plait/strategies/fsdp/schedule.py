@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from plait.comm.group import Handle
+from plait.strategies.fsdp import streams
 from plait.strategies.fsdp.unit import ShardedUnit
 
 
@@ -28,7 +29,10 @@ class _RootState:
         self.position = {"forward": 0, "backward": 0}
         self.in_backward = False
         self.kept: set[ShardedUnit] = set()  # gathered from forward to backward (keeps())
-        self.reductions: list[tuple[ShardedUnit, Handle | None, torch.Tensor, torch.Tensor]] = []
+        # (unit, handle (ordered after its side stream on CUDA), reduced shard, gradient)
+        self.reductions: list[
+            tuple[ShardedUnit, Handle | streams.Ordered | None, torch.Tensor, torch.Tensor]
+        ] = []
 
     def step(
         self, order: list[ShardedUnit], unit: ShardedUnit, recorded: bool, phase: str

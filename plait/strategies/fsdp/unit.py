@@ -17,7 +17,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from plait import comm
+from plait.comm import ops
 from plait.comm.group import Group, Handle
+from plait.strategies.fsdp import streams
 from plait.strategies.fsdp.grads import guard_grad
 from plait.strategies.fsdp.placeholder import _Placeholder
 from plait.strategies.placement import place
@@ -49,6 +51,18 @@ class _Config:
     # reproducible=True: the step's micro-batch position and the tree sums on the shards
     # (the ReproducibleRunner driving the step replaces it with its own)
     microbatches: Microbatches | None = None
+    # FSDP2's all-gather and reduce-scatter streams on CUDA (streams.py); None elsewhere
+    side_streams: streams.SideStreams | None = None
+
+    def side(self, stream: Any, collective: str, nbytes: int) -> Any:
+        """``stream`` (a side stream) if the collective is the backend's own, started on
+        the caller's thread (it then runs after the side stream's work); else None: a
+        plait algorithm runs on the group's worker thread, whose stream would not wait
+        for the side stream."""
+        if self.side_streams is None or self.group is None:
+            return None
+        algorithm = ops.resolve(collective, self.algorithm, nbytes, self.group)
+        return stream if algorithm == "native" else None
 
     @property
     def rank(self) -> int:
@@ -123,7 +137,8 @@ class ShardedUnit:
         self.full_bytes_per_element = torch.empty(0, dtype=self.param_dtype).element_size()
         self.full_data: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
-        self._gathering: tuple[Handle, torch.Tensor] | None = None  # async gather, its input
+        # an async gather (its handle, ordered after its side stream on CUDA) and its input
+        self._gathering: tuple[Handle | streams.Ordered, torch.Tensor] | None = None
 
     def name(self, paths: dict[int, str]) -> None:
         """Record where the unit and its parameters live (``paths``: module id to name
@@ -181,18 +196,23 @@ class ShardedUnit:
         else:
             data = self.full_data
             data.untyped_storage().resize_(self.padded * data.element_size())
-        source = self.shard.detach().to(cfg.compute_device, self.param_dtype, non_blocking=True)
-        if cfg.group is None:
-            self.full_data.copy_(source)
-            return
-        token = self._trace_begin("all_gather")
-        handle = comm.all_gather(
-            self.full_data, source, group=cfg.group, algorithm=cfg.algorithm, async_op=async_op
-        )
+        side = None
+        if async_op and cfg.side_streams is not None:  # a prefetch: FSDP2's all-gather stream
+            nbytes = self.padded * self.full_bytes_per_element
+            side = cfg.side(cfg.side_streams.all_gather, "all_gather", nbytes)
+        with streams.issued_on(side) as issued:
+            source = self.shard.detach().to(cfg.compute_device, self.param_dtype, non_blocking=True)
+            if cfg.group is None:
+                self.full_data.copy_(source)
+                return
+            token = self._trace_begin("all_gather")
+            handle = comm.all_gather(
+                self.full_data, source, group=cfg.group, algorithm=cfg.algorithm, async_op=async_op
+            )
         if async_op:
             assert handle is not None
             self._trace_end_when_done(token, handle)
-            self._gathering = (handle, source)
+            self._gathering = (streams.ordered(handle, issued), source)
         else:
             self._trace_end_when_done(token, None)
 
@@ -248,6 +268,23 @@ class ShardedUnit:
         grad, full.grad = full.grad, None
         assert grad is not None and self.state is not None
         cfg = self.config
+        tree = cfg.microbatches
+        side = None
+        if tree is None and cfg.side_streams is not None:  # FSDP2's reduce-scatter stream
+            nbytes = grad.numel() * torch.empty(0, dtype=self.reduce_dtype).element_size()
+            side = cfg.side(cfg.side_streams.reduce_scatter, "reduce_scatter", nbytes)
+        if side is not None:
+            # made on the compute stream, read on the side stream: not reused before that
+            grad.record_stream(side)
+        with streams.issued_on(side) as issued:
+            self._reduce(grad, issued)
+        self.reshard()
+
+    def _reduce(self, grad: torch.Tensor, issued: streams.Issued) -> None:
+        """Reduce-scatter (average) the full gradient ``grad`` asynchronously; queue the
+        handle, the output and the gradient (kept alive until the wait) on the root."""
+        assert self.state is not None
+        cfg = self.config
         grad = grad.to(self.reduce_dtype)
         tree = cfg.microbatches
         if tree is not None:
@@ -272,8 +309,7 @@ class ShardedUnit:
             )
             assert handle is not None
             self._trace_end_when_done(token, handle)
-        self.state.reductions.append((self, handle, out, grad))
-        self.reshard()
+        self.state.reductions.append((self, streams.ordered(handle, issued), out, grad))
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         tree = self.config.microbatches

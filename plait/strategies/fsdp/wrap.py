@@ -20,6 +20,7 @@ from plait.mesh import Mesh, data_parallel_group
 from plait.precision import cast_floating
 from plait.strategies.consistency import verify_same_parameters
 from plait.strategies.data_parallel.ddp import broadcast_tensors
+from plait.strategies.fsdp import streams
 from plait.strategies.fsdp.module import FSDPModule
 from plait.strategies.fsdp.policies import (
     MixedPrecisionPolicy,
@@ -292,6 +293,7 @@ def fully_shard(
         shards_on_cpu=off is not None and off.shards_on_cpu,
         tracer=tracer,
         microbatches=Microbatches(interleaved=True) if reproducible else None,
+        side_streams=streams.for_device(device),
     )
     if reproducible and threads is not None:
         torch.set_num_threads(threads)

@@ -7,6 +7,15 @@ message is its own :class:`~plait.comm.group.Call`, so ``plait.comm.group_stats(
 its bytes under ``pp_activation``, ``pp_gradient``, ``pp_shape`` or ``pp_tied_grad``. A
 wait is bounded by the group's timeout and raises :class:`PipelineError` naming the tensor
 and the peer.
+
+On a device backend (NCCL) each direction of a pair travels on its own process group:
+messages from a lower to a higher pp rank on the ``pp`` group, the others on its twin
+(:func:`plait.runtime.reverse_group`, made when the :class:`Link` is). ProcessGroupNCCL
+runs a pair's sends and receives on one stream per process group in issue order, so with
+both directions on one group the receives the runtime posts early would block the sends
+their peer waits for (a deadlock on every schedule, ``tests/test_meta_device_p2p.py``);
+one stream per direction completes every schedule (:func:`direction`). gloo and the
+shared-memory transport match by tag and move each direction independently: one group.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from typing import Any
 
 import torch
 
+from plait import runtime
+from plait.comm import tuner
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Call, Channel, Group
 from plait.trace import Tracer
@@ -52,22 +63,38 @@ class Message:
     what: str
 
 
+def direction(sender: int, receiver: int, *, per_direction: bool) -> int:
+    """Which process group a message from pp rank ``sender`` to pp rank ``receiver``
+    takes: 0, the ``pp`` group; 1, its reverse twin (device backends, from a higher to a
+    lower rank). The simulation in ``tests/meta_device_p2p.py`` keys NCCL's streams by it."""
+    return 1 if per_direction and sender > receiver else 0
+
+
 class Link:
-    """Posts and waits for this rank's pipeline messages on ``group``."""
+    """Posts and waits for this rank's pipeline messages on ``group`` (and, on a device
+    backend, on its reverse twin: the module docstring). Making one on a device backend is
+    collective over the group's ranks the first time (the twin's process group)."""
 
     def __init__(self, group: Group, tracer: Tracer | None) -> None:
         self.group = group
         self.tracer = tracer
+        self.per_direction = tuner.is_device_backend(group.backend) and group.size > 1
+        self.groups = (group, runtime.reverse_group(group) if self.per_direction else group)
 
-    def channel(self, verb: str, message_tag: int) -> Channel:
-        call = Call(self.group, verb, "p2p", seq=self.group.seq)
+    def channel(
+        self, verb: str, message_tag: int, sender: int | None = None, receiver: int | None = None
+    ) -> Channel:
+        g = self.group
+        if sender is not None and receiver is not None:
+            g = self.groups[direction(sender, receiver, per_direction=self.per_direction)]
+        call = Call(g, verb, "p2p", seq=g.seq)
         call.tag = message_tag
         return Channel(call)
 
     def isend(self, t: torch.Tensor, peer: int, message_tag: int, verb: str, what: str) -> Message:
         """Start sending ``t`` to pp rank ``peer``; does not block."""
         t = t.detach().contiguous()
-        ch = self.channel(verb, message_tag)
+        ch = self.channel(verb, message_tag, self.group.rank, peer)
         return Message(ch, ch.isend(t, peer), t, what)
 
     def irecv(
@@ -83,7 +110,7 @@ class Link:
         """Post a receive into a new buffer (on ``device``, default the CPU) from pp rank
         ``peer``; does not block."""
         t = torch.empty(shape, dtype=dtype, device=device)
-        ch = self.channel(verb, message_tag)
+        ch = self.channel(verb, message_tag, peer, self.group.rank)
         return Message(ch, ch.irecv(t, peer), t, what)
 
     def wait(self, msg: Message) -> torch.Tensor:
@@ -106,18 +133,27 @@ class Link:
         """``t`` plus pp rank ``peer``'s ``t``, added in the same order on both ranks."""
         mine = t.detach().clone().contiguous()
         theirs = torch.empty_like(mine)
-        ch = self.channel("pp_tied_grad", message_tag)
-        r = ch.irecv(theirs, peer)
+        me = self.group.rank
+        ch = self.channel("pp_tied_grad", message_tag, me, peer)
+        # per direction: the receive on the other process group (one call each way)
+        ch_in = self.channel("pp_tied_grad", message_tag, peer, me) if self.per_direction else ch
+        r = ch_in.irecv(theirs, peer)
         w = ch.isend(mine, peer)
         try:
-            ch.wait(r, w)
+            if ch_in is ch:
+                ch.wait(r, w)
+            else:
+                ch_in.wait(r)
+                ch.wait(w)
         except CollectiveError as exc:
             raise PipelineError(
                 f"pipeline: pp rank {self.group.rank} could not exchange the tied gradient "
                 f"with pp rank {peer}: {exc}"
             ) from exc
+        if ch_in is not ch:
+            ch_in.call.commit()
         ch.call.commit()
-        return mine + theirs if self.group.rank < peer else theirs + mine
+        return mine + theirs if me < peer else theirs + mine
 
 
 def encode_meta(y: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,15 @@ class Runtime:
                             device=first.device,
                         )
                     )
+                    if meta.is_meta:
+                        raise RuntimeError(
+                            f"pipeline: schedule {self.schedule.name!r} places stage {s} on "
+                            f"pp rank {self.rank}, whose input shape arrives in a message "
+                            f"from pp rank {self._peer(s - 1)}; on the meta device a "
+                            f"message carries no values, so the shape cannot be read. Run "
+                            f"this schedule on real tensors, or use one with one stage per "
+                            f"rank (gpipe, 1f1b, zb-h1) on meta"
+                        )
                     incoming = inp[s] = decode_meta(meta)
                 x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
