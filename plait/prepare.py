@@ -58,6 +58,7 @@ from plait.strategies.reproducible.runner import REFUSED as REPRODUCIBLE_REFUSED
 from plait.strategies.reproducible.runner import SUPPORTED as REPRODUCIBLE
 from plait.strategies.reproducible.runner import ReproducibleRunner
 from plait.strategies.tensor import prepare_tp as _prepare_tp
+from plait.strategies.whole_matrix import is_whole_matrix, prepare_optimizers
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -284,13 +285,14 @@ def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def prepare(
     module: nn.Module | None = None,
-    optimizer: Optimizer | None = None,
+    optimizer: Optimizer | list[Optimizer] | tuple[Optimizer, ...] | None = None,
     *,
     strategy: str = "ddp",
     tracer: Tracer | None = None,
     model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
     **options: Any,
-) -> Prepared:
+) -> Any:
     """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
 
     ``options`` go to the strategy (for ``"ddp"``: ``group`` (or ``process_group``),
@@ -338,6 +340,14 @@ def prepare(
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
     accepted. ``model=`` is the deprecated name of ``module``.
+
+    Several optimizers (``prepare(model, [muon, adamw], ...)``, each over its own
+    parameters) come back as a list in the same order, each over what this rank keeps.
+    Whole-matrix optimizers (torch's ``Muon`` and ``Adafactor``, and any named in
+    ``whole_matrix=[...]`` or whose class sets ``plait_whole_matrix = True``) are stepped
+    on whole parameters under every sharded layout, by parameter ownership
+    (:mod:`plait.strategies.whole_matrix`, docs/optimizers.md); ``LBFGS`` is refused by
+    name under every strategy but none/naive/ddp.
     """
     if model is not None:
         if module is not None:
@@ -359,6 +369,11 @@ def prepare(
         options["tracer"] = tracer
     reproducible = options.pop("reproducible", False)
     policy = _mixed_precision(strategy, model, options, reproducible=reproducible)
+    if reproducible and (isinstance(optimizer, (list, tuple)) or whole_matrix):
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}, reproducible=True) takes one element-wise "
+            f"optimizer; several or whole-matrix optimizers are not supported in that mode yet"
+        )
     if reproducible:
         wrapped, optimizer = _reproducible(strategy, model, optimizer, options, policy)
         if optimizer is not None and tracer is not None:
@@ -370,6 +385,11 @@ def prepare(
                 f"plait.prepare(strategy={strategy!r}): {key}= is an option of "
                 f"reproducible=True; pass reproducible=True too"
             )
+    several = isinstance(optimizer, (list, tuple))
+    if several or whole_matrix or (
+        optimizer is not None and is_whole_matrix(optimizer) and strategy != "none"  # type: ignore[arg-type]
+    ):
+        return _optimizers(strategy, model, optimizer, options, whole_matrix, policy, tracer)
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
     except TypeError as exc:
@@ -382,6 +402,35 @@ def prepare(
     if optimizer is not None and tracer is not None:
         _trace_steps(optimizer, tracer)
     return wrapped, optimizer
+
+
+def _optimizers(
+    strategy: str,
+    model: nn.Module,
+    given: Any,
+    options: dict[str, Any],
+    declared: Any,
+    policy: precision.MixedPrecisionPolicy | None,
+    tracer: Tracer | None,
+) -> Any:
+    """Several optimizers, or whole-matrix ones (:func:`prepare_optimizers`): the same
+    return shape as given (a list, or one optimizer)."""
+    several = isinstance(given, (list, tuple))
+    optimizers = list(given) if several else [given]
+    if any(o is None for o in optimizers) or not optimizers:
+        raise TypeError("plait.prepare: the list of optimizers is empty or holds None")
+    if policy is not None:
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}): mixed_precision= with several or "
+            f"whole-matrix optimizers is not supported yet; train in full precision"
+        )
+    wrapped, out = prepare_optimizers(
+        strategy, STRATEGIES[strategy], model, optimizers, options, declared=list(declared)
+    )
+    if tracer is not None:
+        for o in out:
+            _trace_steps(o, tracer)
+    return wrapped, (out if several else out[0])
 
 
 def _mixed_precision(

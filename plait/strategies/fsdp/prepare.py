@@ -54,7 +54,8 @@ def check_elementwise(optimizer: Optimizer | None, strategy: str) -> None:
             f"strategy {strategy!r} steps the optimizer on flat 1/n parameter shards, "
             f"which is exact only for element-wise optimizers (SGD, Adam, AdamW, ...); "
             f"{refused[0]} combines elements across a parameter, so its step would "
-            f"differ. Use strategy 'ddp' with it"
+            f"differ. Pass it to plait.prepare(model, [it, ...], strategy={strategy!r}), which "
+            f"steps it on whole parameters by ownership"
         )
     if optimizer.state:
         raise ValueError(

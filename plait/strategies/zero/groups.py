@@ -157,5 +157,6 @@ def check_elementwise(optimizer_class: type[torch.optim.Optimizer]) -> None:
             f"ZeroOptimizer: ZeRO-1/2 steps {optimizer_class.__name__} on flat 1/n shards of "
             f"the parameters, which is exact only for element-wise optimizers (SGD, Adam, "
             f"AdamW, RMSprop, Adagrad, ...); {refused[0]} combines elements across a "
-            f"parameter, so its step would differ. Use strategy 'ddp' with it"
+            f"parameter, so its step would differ. Pass it to plait.prepare(model, [it, ...], "
+            f"strategy='zero1'/'zero2'), which steps it on whole parameters by ownership"
         )

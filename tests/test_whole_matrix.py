@@ -1,0 +1,58 @@
+"""Whole-matrix optimizers (Muon, Adafactor) under sharded strategies equal one process
+on the global batch in float64: parameters and optimizer state, several steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from plait.strategies.fsdp.policies import OffloadPolicy
+from plait.strategies.whole_matrix import is_whole_matrix, ownership
+from tests import whole_matrix_fns as fns
+
+TOL = 1e-10
+
+
+def _check(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    for r in results:
+        assert set(r["params"]) == set(expected["params"])
+        for name, want in expected["params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=0, atol=TOL, msg=name)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for r in results:  # each rank holds the state it owns (the element-wise one, all of it)
+        state.update(r["state"])
+    assert set(state) == set(expected["state"])
+    for name, entry in expected["state"].items():
+        assert set(state[name]) == set(entry), name
+        for key, want in entry.items():
+            torch.testing.assert_close(state[name][key], want, rtol=0, atol=TOL, msg=name + key)
+
+
+def test_ownership_balances_by_size_deterministically() -> None:
+    assert ownership([100, 10, 60, 50], 2) == [0, 0, 1, 1]  # 100 | 60+50, then 10
+    assert ownership([5, 5, 5], 4) == [0, 1, 2]
+    plan_free = ownership([], 3)
+    assert plan_free == []
+
+
+def test_known_and_declared_optimizers() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert is_whole_matrix(torch.optim.Muon(p))
+    assert is_whole_matrix(torch.optim.Adafactor(p))
+    adam = torch.optim.Adam(p)
+    assert not is_whole_matrix(adam)
+    assert is_whole_matrix(adam, declared=[adam])
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("zero1", {}), ("zero2", {}), ("fsdp", {}), ("fsdp", {"offload": OffloadPolicy(params=True, optimizer_state=True)})],
+    ids=["zero1", "zero2", "fsdp", "fsdp-offload"],
+)
+def test_muon_and_adamw_equal_one_process(ranks: Any, strategy: str,
+                                          options: dict[str, Any]) -> None:
+    results = ranks(2, fns.train, strategy, "muon", **options, timeout=60)
+    _check(results, fns.oracle("muon"))
+    assert sorted(results[0]["owners"]) == [0, 1]  # one hidden matrix per rank

@@ -1,0 +1,116 @@
+"""Rank functions for the whole-matrix optimizer tests: a float64 MLP whose hidden 2-D
+weights take Muon (or Adafactor, or Shampoo) and the rest AdamW, as Muon is used, and
+the one-process oracle on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait.strategies.fsdp.state import full_optimizer_state_dict, full_state_dict
+
+GLOBAL_BATCH = 8
+STEPS = 3
+HIDDEN = ("2.weight", "4.weight")  # the hidden matrices (input and output layers take AdamW)
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 16),
+        nn.Tanh(), nn.Linear(16, 3),
+    ).double()
+
+
+def make_optimizers(model: nn.Module, kind: str = "muon") -> list[torch.optim.Optimizer]:
+    hidden = [p for n, p in model.named_parameters() if n in HIDDEN]
+    rest = [p for n, p in model.named_parameters() if n not in HIDDEN]
+    if kind == "muon":
+        whole: torch.optim.Optimizer = torch.optim.Muon(
+            hidden, lr=0.05, momentum=0.9, weight_decay=0.01
+        )
+    elif kind == "adafactor":
+        whole = torch.optim.Adafactor(hidden, lr=0.02, weight_decay=0.01)
+    elif kind == "shampoo":
+        from tests.shampoo import Shampoo
+
+        whole = Shampoo(hidden, lr=0.05)
+    else:
+        raise ValueError(kind)
+    return [whole, torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(GLOBAL_BATCH, 3, generator=g, dtype=torch.float64)
+
+
+def _step(model: Any, optimizers: list[torch.optim.Optimizer], x: torch.Tensor,
+          y: torch.Tensor) -> None:
+    for o in optimizers:
+        o.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    for o in optimizers:
+        o.step()
+
+
+def oracle(kind: str = "muon") -> dict[str, Any]:
+    """One process on the global batch: parameters and each optimizer's state by name."""
+    model = make_model()
+    optimizers = make_optimizers(model, kind)
+    for step in range(STEPS):
+        _step(model, optimizers, *batch(step))
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for o in optimizers:
+        for p, entry in o.state.items():
+            state[names[id(p)]] = {k: v.clone() for k, v in entry.items()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": state}
+
+
+def whole_matrix_state(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The state of the parameters this rank owns, by parameter name (full shapes)."""
+    out = {}
+    for slot, owner, master in getattr(optimizer, "plait_slots", []):
+        if master is not None:
+            out[slot.name] = {k: v.clone() for k, v in optimizer.state[master].items()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return out
+
+
+def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
+    """Train under ``strategy`` from replicas that start different; each rank's share of
+    the global batch. Returns the full parameters, the whole-matrix state this rank owns,
+    and the element-wise optimizer's full state by parameter name."""
+    world = plait.world()
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(world.rank)  # construction makes the replicas equal
+    names = [n for n, _ in model.named_parameters()]
+    optimizers = make_optimizers(model, kind)
+    rest_names = [n for n in names if n not in HIDDEN]
+    prepared, optimizers = plait.prepare(model, optimizers, strategy=strategy, **options)
+    n = GLOBAL_BATCH // world.size
+    for step in range(STEPS):
+        x, y = batch(step)
+        _step(prepared, optimizers, x[world.rank * n:(world.rank + 1) * n],
+              y[world.rank * n:(world.rank + 1) * n])
+    if strategy in ("zero3", "fsdp"):
+        params = full_state_dict(prepared)
+        adamw = full_optimizer_state_dict(prepared, optimizers[1])
+    else:
+        params = {k: v.detach().clone() for k, v in prepared.state_dict().items()}
+        adamw = optimizers[1].state_dict()
+    state = whole_matrix_state(optimizers[0])
+    for index, entry in adamw["state"].items():
+        state[rest_names[index]] = {k: v.clone() for k, v in entry.items()
+                                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+    plan = optimizers[0].plait_ownership
+    return {"params": params, "state": state, "owners": plan.owners}
