@@ -56,3 +56,31 @@ def test_muon_and_adamw_equal_one_process(ranks: Any, strategy: str,
     results = ranks(2, fns.train, strategy, "muon", **options, timeout=60)
     _check(results, fns.oracle("muon"))
     assert sorted(results[0]["owners"]) == [0, 1]  # one hidden matrix per rank
+
+
+def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    for r in results:
+        assert set(r["params"]) == set(expected["params"])
+        for name, want in expected["params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=0, atol=TOL, msg=name)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for r in results:
+        state.update(r["state"])
+    assert set(state) == set(expected["state"]) and state
+    for name, entry in expected["state"].items():
+        for key, want in entry.items():
+            torch.testing.assert_close(state[name][key], want, rtol=0, atol=TOL, msg=name + key)
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("tp", {}), ("tp", {"sequence_parallel": True}), ("pipeline", {}), ("cp", {}),
+     ("ep", {})],
+    ids=["tp", "tp-sp", "pipeline", "cp", "ep"],
+)
+def test_gpt_muon_and_adamw_equal_one_process(ranks: Any, strategy: str,
+                                              options: dict[str, Any]) -> None:
+    from tests import whole_matrix_gpt_fns as gpt
+
+    results = ranks(2, gpt.train, strategy, "muon", **options, timeout=90)
+    _check_gpt(results, gpt.oracle("muon", moe=strategy == "ep"))
