@@ -375,6 +375,7 @@ def prepare(
             f"optimizer; several or whole-matrix optimizers are not supported in that mode yet"
         )
     if reproducible:
+        assert not isinstance(optimizer, (list, tuple))
         wrapped, optimizer = _reproducible(strategy, model, optimizer, options, policy)
         if optimizer is not None and tracer is not None:
             _trace_steps(optimizer, tracer)
@@ -386,8 +387,12 @@ def prepare(
                 f"reproducible=True; pass reproducible=True too"
             )
     several = isinstance(optimizer, (list, tuple))
-    if several or whole_matrix or (
-        optimizer is not None and is_whole_matrix(optimizer) and strategy != "none"  # type: ignore[arg-type]
+    if (
+        several
+        or whole_matrix
+        or (
+            optimizer is not None and is_whole_matrix(optimizer) and strategy != "none"  # type: ignore[arg-type]
+        )
     ):
         return _optimizers(strategy, model, optimizer, options, whole_matrix, policy, tracer)
     try:

@@ -15,7 +15,12 @@ from tests import whole_matrix_fns as fns
 TOL = 1e-10
 
 
-def _check(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+def _check(results: list[dict[str, Any]], expected: dict[str, Any], rtol: float = 0.0) -> None:
+    """Parameters within TOL; optimizer state within TOL, plus ``rtol`` times the largest
+    entry for Shampoo, whose
+    inverse fourth roots amplify the last-bit differences of a gradient averaged in another
+    order by their condition number (measured: 6e-9 on entries of size 32 under tp, a
+    relative 2e-10; the parameters still agree within TOL)."""
     for r in results:
         assert set(r["params"]) == set(expected["params"])
         for name, want in expected["params"].items():
@@ -27,7 +32,13 @@ def _check(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
     for name, entry in expected["state"].items():
         assert set(state[name]) == set(entry), name
         for key, want in entry.items():
-            torch.testing.assert_close(state[name][key], want, rtol=0, atol=TOL, msg=name + key)
+            torch.testing.assert_close(
+                state[name][key],
+                want,
+                rtol=0,
+                atol=TOL + rtol * float(want.abs().max()),
+                msg=name + key,
+            )
 
 
 def test_ownership_balances_by_size_deterministically() -> None:
@@ -48,17 +59,23 @@ def test_known_and_declared_optimizers() -> None:
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [("zero1", {}), ("zero2", {}), ("fsdp", {}), ("fsdp", {"offload": OffloadPolicy(params=True, optimizer_state=True)})],
+    [
+        ("zero1", {}),
+        ("zero2", {}),
+        ("fsdp", {}),
+        ("fsdp", {"offload": OffloadPolicy(params=True, optimizer_state=True)}),
+    ],
     ids=["zero1", "zero2", "fsdp", "fsdp-offload"],
 )
-def test_muon_and_adamw_equal_one_process(ranks: Any, strategy: str,
-                                          options: dict[str, Any]) -> None:
+def test_muon_and_adamw_equal_one_process(
+    ranks: Any, strategy: str, options: dict[str, Any]
+) -> None:
     results = ranks(2, fns.train, strategy, "muon", **options, timeout=60)
     _check(results, fns.oracle("muon"))
     assert sorted(results[0]["owners"]) == [0, 1]  # one hidden matrix per rank
 
 
-def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any], rtol: float = 0.0) -> None:
     for r in results:
         assert set(r["params"]) == set(expected["params"])
         for name, want in expected["params"].items():
@@ -69,18 +86,51 @@ def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
     assert set(state) == set(expected["state"]) and state
     for name, entry in expected["state"].items():
         for key, want in entry.items():
-            torch.testing.assert_close(state[name][key], want, rtol=0, atol=TOL, msg=name + key)
+            torch.testing.assert_close(
+                state[name][key],
+                want,
+                rtol=0,
+                atol=TOL + rtol * float(want.abs().max()),
+                msg=name + key,
+            )
 
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [("tp", {}), ("tp", {"sequence_parallel": True}), ("pipeline", {}), ("cp", {}),
-     ("ep", {})],
+    [("tp", {}), ("tp", {"sequence_parallel": True}), ("pipeline", {}), ("cp", {}), ("ep", {})],
     ids=["tp", "tp-sp", "pipeline", "cp", "ep"],
 )
-def test_gpt_muon_and_adamw_equal_one_process(ranks: Any, strategy: str,
-                                              options: dict[str, Any]) -> None:
+def test_gpt_muon_and_adamw_equal_one_process(
+    ranks: Any, strategy: str, options: dict[str, Any]
+) -> None:
     from tests import whole_matrix_gpt_fns as gpt
 
     results = ranks(2, gpt.train, strategy, "muon", **options, timeout=90)
     _check_gpt(results, gpt.oracle("muon", moe=strategy == "ep"))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_adafactor_and_adamw_equal_one_process(ranks: Any, strategy: str) -> None:
+    results = ranks(2, fns.train, strategy, "adafactor", timeout=60)
+    _check(results, fns.oracle("adafactor"))
+
+
+def test_adafactor_under_tp_equals_one_process(ranks: Any) -> None:
+    from tests import whole_matrix_gpt_fns as gpt
+
+    results = ranks(2, gpt.train, "tp", "adafactor", sequence_parallel=True, timeout=90)
+    _check_gpt(results, gpt.oracle("adafactor"))
+
+
+def test_shampoo_from_pytorch_optimizer_under_fsdp_equals_one_process(ranks: Any) -> None:
+    pytest.importorskip("pytorch_optimizer")
+    results = ranks(2, fns.train, "fsdp", "shampoo", timeout=60)
+    _check(results, fns.oracle("shampoo"), rtol=1e-8)
+
+
+def test_shampoo_from_pytorch_optimizer_under_tp_equals_one_process(ranks: Any) -> None:
+    pytest.importorskip("pytorch_optimizer")
+    from tests import whole_matrix_gpt_fns as gpt
+
+    results = ranks(2, gpt.train, "tp", "shampoo", timeout=90)
+    _check_gpt(results, gpt.oracle("shampoo"), rtol=1e-8)

@@ -20,8 +20,13 @@ HIDDEN = ("2.weight", "4.weight")  # the hidden matrices (input and output layer
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 16),
-        nn.Tanh(), nn.Linear(16, 3),
+        nn.Linear(6, 16),
+        nn.Tanh(),
+        nn.Linear(16, 12),
+        nn.Tanh(),
+        nn.Linear(12, 16),
+        nn.Tanh(),
+        nn.Linear(16, 3),
     ).double()
 
 
@@ -35,9 +40,9 @@ def make_optimizers(model: nn.Module, kind: str = "muon") -> list[torch.optim.Op
     elif kind == "adafactor":
         whole = torch.optim.Adafactor(hidden, lr=0.02, weight_decay=0.01)
     elif kind == "shampoo":
-        from tests.shampoo import Shampoo
+        from pytorch_optimizer import Shampoo  # a user's optimizer: declared whole-matrix
 
-        whole = Shampoo(hidden, lr=0.05)
+        whole = Shampoo(hidden, lr=0.05, momentum=0.5)
     else:
         raise ValueError(kind)
     return [whole, torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
@@ -49,8 +54,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(GLOBAL_BATCH, 3, generator=g, dtype=torch.float64)
 
 
-def _step(model: Any, optimizers: list[torch.optim.Optimizer], x: torch.Tensor,
-          y: torch.Tensor) -> None:
+def _step(
+    model: Any, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor
+) -> None:
     for o in optimizers:
         o.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
@@ -68,19 +74,24 @@ def oracle(kind: str = "muon") -> dict[str, Any]:
     state = {}
     for o in optimizers:
         for p, entry in o.state.items():
-            state[names[id(p)]] = {k: v.clone() for k, v in entry.items()
-                                   if isinstance(v, torch.Tensor) and v.dim() > 0}
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "state": state}
+            state[names[id(p)]] = {
+                k: v.clone()
+                for k, v in entry.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "state": state}
 
 
 def whole_matrix_state(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """The state of the parameters this rank owns, by parameter name (full shapes)."""
     out = {}
-    for slot, owner, master in getattr(optimizer, "plait_slots", []):
+    for slot, _owner, master in getattr(optimizer, "plait_slots", []):
         if master is not None:
-            out[slot.name] = {k: v.clone() for k, v in optimizer.state[master].items()
-                              if isinstance(v, torch.Tensor) and v.dim() > 0}
+            out[slot.name] = {
+                k: v.clone()
+                for k, v in optimizer.state[master].items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
     return out
 
 
@@ -96,12 +107,18 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()]
     optimizers = make_optimizers(model, kind)
     rest_names = [n for n in names if n not in HIDDEN]
+    if kind == "shampoo":
+        options["whole_matrix"] = [optimizers[0]]
     prepared, optimizers = plait.prepare(model, optimizers, strategy=strategy, **options)
     n = GLOBAL_BATCH // world.size
     for step in range(STEPS):
         x, y = batch(step)
-        _step(prepared, optimizers, x[world.rank * n:(world.rank + 1) * n],
-              y[world.rank * n:(world.rank + 1) * n])
+        _step(
+            prepared,
+            optimizers,
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
     if strategy in ("zero3", "fsdp"):
         params = full_state_dict(prepared)
         adamw = full_optimizer_state_dict(prepared, optimizers[1])
@@ -110,7 +127,8 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
         adamw = optimizers[1].state_dict()
     state = whole_matrix_state(optimizers[0])
     for index, entry in adamw["state"].items():
-        state[rest_names[index]] = {k: v.clone() for k, v in entry.items()
-                                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+        state[rest_names[index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
     plan = optimizers[0].plait_ownership
     return {"params": params, "state": state, "owners": plan.owners}

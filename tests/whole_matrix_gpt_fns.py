@@ -19,27 +19,42 @@ from plait.models import GPT, GPTConfig
 from plait.models.gpt import MoEConfig
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 14
-HIDDEN = re.compile(r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2)|mlp\.experts\.\d+\.fc[12])\.weight")
+HIDDEN = re.compile(
+    r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2)|mlp\.experts\.\d+\.fc[12])\.weight"
+)
 
 
 def make_gpt(moe: bool = False) -> GPT:
-    moe_config = MoEConfig(num_experts=4, top_k=1, drop_tokens=False, aux_loss_weight=0.0) if moe else None
-    return GPT(GPTConfig(vocab=VOCAB, layers=2, heads=4, width=16, seq_len=SEQ,
-                         dtype=torch.float64, moe=moe_config, moe_every=1))
+    moe_config = (
+        MoEConfig(num_experts=4, top_k=1, drop_tokens=False, aux_loss_weight=0.0) if moe else None
+    )
+    return GPT(
+        GPTConfig(
+            vocab=VOCAB,
+            layers=2,
+            heads=4,
+            width=16,
+            seq_len=SEQ,
+            dtype=torch.float64,
+            moe=moe_config,
+            moe_every=1,
+        )
+    )
 
 
 def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
     hidden = [p for n, p in model.named_parameters() if HIDDEN.fullmatch(n)]
     rest = [p for n, p in model.named_parameters() if not HIDDEN.fullmatch(n)]
     if kind == "muon":
-        whole: torch.optim.Optimizer = torch.optim.Muon(hidden, lr=0.05, momentum=0.9,
-                                                        weight_decay=0.01)
+        whole: torch.optim.Optimizer = torch.optim.Muon(
+            hidden, lr=0.05, momentum=0.9, weight_decay=0.01
+        )
     elif kind == "adafactor":
         whole = torch.optim.Adafactor(hidden, lr=0.02, weight_decay=0.01)
     elif kind == "shampoo":
-        from tests.shampoo import Shampoo
+        from pytorch_optimizer import Shampoo  # a user's optimizer: declared whole-matrix
 
-        whole = Shampoo(hidden, lr=0.05)
+        whole = Shampoo(hidden, lr=0.05, momentum=0.5)
     else:
         raise ValueError(kind)
     return [whole, torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
@@ -58,13 +73,19 @@ def _state(optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> di
         if slots is not None:
             for slot, _, master in slots:
                 if master is not None:
-                    out[slot.name] = {k: v.clone() for k, v in o.state[master].items()
-                                      if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    out[slot.name] = {
+                        k: v.clone()
+                        for k, v in o.state[master].items()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                    }
             continue
         for p, entry in o.state.items():
             if id(p) in names and HIDDEN.fullmatch(names[id(p)]):
-                out[names[id(p)]] = {k: v.clone() for k, v in entry.items()
-                                     if isinstance(v, torch.Tensor) and v.dim() > 0}
+                out[names[id(p)]] = {
+                    k: v.clone()
+                    for k, v in entry.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                }
     return out
 
 
@@ -79,8 +100,10 @@ def oracle(kind: str = "muon", moe: bool = False) -> dict[str, Any]:
         for o in optimizers:
             o.step()
     names = {id(p): n for n, p in model.named_parameters()}
-    return {"params": {k: v.clone() for k, v in model.state_dict().items()},
-            "state": _state(optimizers, names)}
+    return {
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": _state(optimizers, names),
+    }
 
 
 def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
@@ -100,6 +123,8 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
         options.update(mesh=plait.Mesh(cp=w), context="ring")
     elif strategy == "ep":
         options["mesh"] = plait.Mesh(ep=w)
+    if kind == "shampoo":
+        options["whole_matrix"] = [optimizers[0]]
     runner, optimizers = plait.prepare(model, optimizers, strategy=strategy, **options)
     loss_of = loss_fn(runner) if strategy == "tp" else None
     for step in range(STEPS):

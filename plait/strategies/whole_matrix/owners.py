@@ -84,8 +84,9 @@ class OwnershipPlan:
         return out
 
     def describe(self) -> str:
-        lines = [f"whole-matrix ownership over {self.size} ranks (elements per rank: "
-                 f"{self.loads()})"]
+        lines = [
+            f"whole-matrix ownership over {self.size} ranks (elements per rank: {self.loads()})"
+        ]
         for name, n, r in zip(self.names, self.numels, self.owners, strict=True):
             lines.append(f"  rank {r}: {name} ({n} elements)")
         return "\n".join(lines)
@@ -300,7 +301,8 @@ def own(
         groups.append({**hyper, "params": mine})
     rebuilt = type(optimizer)(groups, **constructor)
     pairs = [
-        (s, o, m) for s, o, m in zip(flat, owners, masters, strict=True)
+        (s, o, m)
+        for s, o, m in zip(flat, owners, masters, strict=True)
         if not isinstance(s, KeptSlot)
     ]
 
@@ -315,8 +317,10 @@ def own(
     rebuilt.register_step_pre_hook(collect)
     rebuilt.register_step_post_hook(distribute)
     plan = OwnershipPlan(
-        tuple(s.name for s, _, _ in pairs), tuple(s.shape.numel() for s, _, _ in pairs),
-        tuple(o for _, o, _ in pairs), group.size,
+        tuple(s.name for s, _, _ in pairs),
+        tuple(s.shape.numel() for s, _, _ in pairs),
+        tuple(o for _, o, _ in pairs),
+        group.size,
     )
     object.__setattr__(rebuilt, "plait_ownership", plan)
     object.__setattr__(rebuilt, "plait_slots", pairs)

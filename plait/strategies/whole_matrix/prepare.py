@@ -48,8 +48,19 @@ from plait.strategies.zero import prepare_zero
 
 Optimizer = torch.optim.Optimizer
 REPLICATED = ("none", "naive", "ddp")
-WHOLE_MATRIX_STRATEGIES = ("none", "naive", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp",
-                           "pipeline", "ep", "cp")
+WHOLE_MATRIX_STRATEGIES = (
+    "none",
+    "naive",
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp",
+    "tp",
+    "pipeline",
+    "ep",
+    "cp",
+)
 
 
 def constructor(optimizer: Optimizer) -> dict[str, Any]:
@@ -82,12 +93,18 @@ def prepare_optimizers(
         if strategy not in REPLICATED:
             check_not_refused(o, strategy)
         if o.state and strategy not in REPLICATED:
-            _refuse(strategy, f"the {type(o).__name__} has stepped already; pass optimizers that "
-                    f"have not stepped (load their state after prepare)")
+            _refuse(
+                strategy,
+                f"the {type(o).__name__} has stepped already; pass optimizers that "
+                f"have not stepped (load their state after prepare)",
+            )
     if any(whole) and strategy not in WHOLE_MATRIX_STRATEGIES:
-        _refuse(strategy, f"whole-matrix optimizers ({_names(optimizers, whole)}) are not "
-                f"supported here yet: its optimizer is rebuilt over per-rank pieces of the "
-                f"parameters. Use zero1, zero2, fsdp, tp, pipeline, ep, cp (zero=0) or ddp")
+        _refuse(
+            strategy,
+            f"whole-matrix optimizers ({_names(optimizers, whole)}) are not "
+            f"supported here yet: its optimizer is rebuilt over per-rank pieces of the "
+            f"parameters. Use zero1, zero2, fsdp, tp, pipeline, ep, cp (zero=0) or ddp",
+        )
     if strategy in REPLICATED:
         wrapped, _ = run(model, None, **options)
         return wrapped, list(optimizers)
@@ -109,27 +126,47 @@ def _names(optimizers: Sequence[Optimizer], whole: Sequence[bool]) -> str:
     return ", ".join(type(o).__name__ for o, w in zip(optimizers, whole, strict=True) if w)
 
 
-def _cp(run: Callable[..., Any], model: nn.Module, optimizers: Sequence[Optimizer],
-        whole: Sequence[bool], options: dict[str, Any]) -> tuple[Any, list[Optimizer]]:
+def _cp(
+    run: Callable[..., Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    whole: Sequence[bool],
+    options: dict[str, Any],
+) -> tuple[Any, list[Optimizer]]:
     mesh = options.get("mesh")
-    tp = getattr(mesh, "shape", {}).get("tp", 1) if isinstance(getattr(mesh, "shape", None), dict) else 1
+    tp = (
+        getattr(mesh, "shape", {}).get("tp", 1)
+        if isinstance(getattr(mesh, "shape", None), dict)
+        else 1
+    )
     zero = options.get("zero", 0)
     if zero != 0 or tp > 1:
         if any(whole):
-            _refuse("cp", f"a whole-matrix optimizer ({_names(optimizers, whole)}) with "
-                    f"zero={zero} and tp={tp} is not supported yet; use zero=0 without a tp "
-                    f"dimension (every rank keeps whole parameters), or strategy 'zero2'/'fsdp'")
+            _refuse(
+                "cp",
+                f"a whole-matrix optimizer ({_names(optimizers, whole)}) with "
+                f"zero={zero} and tp={tp} is not supported yet; use zero=0 without a tp "
+                f"dimension (every rank keeps whole parameters), or strategy 'zero2'/'fsdp'",
+            )
         if len(optimizers) > 1:
-            _refuse("cp", f"several optimizers with zero={zero} or a tp dimension are not "
-                    f"supported yet; pass one optimizer")
+            _refuse(
+                "cp",
+                f"several optimizers with zero={zero} or a tp dimension are not "
+                f"supported yet; pass one optimizer",
+            )
         wrapped, optimizer = run(model, optimizers[0], **options)
         return wrapped, [optimizer]
     wrapped, _ = run(model, None, **options)
     return wrapped, list(optimizers)
 
 
-def _zero(stage: int, model: nn.Module, optimizers: Sequence[Optimizer], whole: Sequence[bool],
-          options: dict[str, Any]) -> list[Optimizer]:
+def _zero(
+    stage: int,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    whole: Sequence[bool],
+    options: dict[str, Any],
+) -> list[Optimizer]:
     group = options.get("group") or comm.world()
     names = {id(p): n for n, p in model.named_parameters()}
     out: list[Optimizer] = []
@@ -143,15 +180,23 @@ def _zero(stage: int, model: nn.Module, optimizers: Sequence[Optimizer], whole: 
         ]
         params = [s.param for gs in slots for s in gs]  # type: ignore[attr-defined]
         if group.size > 1:
-            verify_same_parameters([(names.get(id(p), "?"), p) for p in params], group,
-                                   who=f"zero{stage} {type(o).__name__}")
+            verify_same_parameters(
+                [(names.get(id(p), "?"), p) for p in params],
+                group,
+                who=f"zero{stage} {type(o).__name__}",
+            )
             broadcast_tensors(params, group, options.get("algorithm", "auto"))
         out.append(own(o, slots, group, constructor=constructor(o)))
     return out
 
 
-def _fsdp(strategy: str, model: nn.Module, optimizers: Sequence[Optimizer],
-          whole: Sequence[bool], options: dict[str, Any]) -> tuple[nn.Module, list[Optimizer]]:
+def _fsdp(
+    strategy: str,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    whole: Sequence[bool],
+    options: dict[str, Any],
+) -> tuple[nn.Module, list[Optimizer]]:
     groups = [g["params"] for o in optimizers for g in o.param_groups]
     options.setdefault("param_groups", groups)
     sharded = fully_shard(model, **options)
@@ -183,18 +228,27 @@ def _fsdp(strategy: str, model: nn.Module, optimizers: Sequence[Optimizer],
     return sharded, out
 
 
-def _tp(run: Callable[..., Any], model: nn.Module, optimizers: Sequence[Optimizer],
-        whole: Sequence[bool], options: dict[str, Any]) -> tuple[Any, list[Optimizer]]:
+def _tp(
+    run: Callable[..., Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    whole: Sequence[bool],
+    options: dict[str, Any],
+) -> tuple[Any, list[Optimizer]]:
     # deferred: the tensor package imports the models' plans; only tp needs it
     from plait.strategies.tensor.parallelize import group_of_names, rebuild_optimizer
 
     if options.get("mode", "1d") != "1d" and any(whole):
-        _refuse("tp", f"a whole-matrix optimizer ({_names(optimizers, whole)}) with "
-                f"mode={options.get('mode')!r} is not supported yet; use mode='1d'")
+        _refuse(
+            "tp",
+            f"a whole-matrix optimizer ({_names(optimizers, whole)}) with "
+            f"mode={options.get('mode')!r} is not supported yet; use mode='1d'",
+        )
     maps = [group_of_names(o, model) for o in optimizers]
     wrapped, first = run(model, optimizers[0], **options)
-    rebuilt = [first] + [rebuild_optimizer(o, wrapped, m) for o, m in
-                         zip(optimizers[1:], maps[1:], strict=True)]
+    rebuilt = [first] + [
+        rebuild_optimizer(o, wrapped, m) for o, m in zip(optimizers[1:], maps[1:], strict=True)
+    ]
     out = []
     for o, new, w in zip(optimizers, rebuilt, whole, strict=True):
         if w:
@@ -204,9 +258,13 @@ def _tp(run: Callable[..., Any], model: nn.Module, optimizers: Sequence[Optimize
     return wrapped, out
 
 
-def _rebuilt_each(strategy: str, run: Callable[..., Any], model: nn.Module,
-                  optimizers: Sequence[Optimizer], options: dict[str, Any]
-                  ) -> tuple[Any, list[Optimizer]]:
+def _rebuilt_each(
+    strategy: str,
+    run: Callable[..., Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    options: dict[str, Any],
+) -> tuple[Any, list[Optimizer]]:
     """pipeline, ep: the strategy rebuilds the first optimizer (and hooks it); the others
     are rebuilt by the same rule: what this rank still holds, one group per original
     group, a sliced expert weight in the group of the weight it was cut from."""
@@ -219,8 +277,12 @@ def _rebuilt_each(strategy: str, run: Callable[..., Any], model: nn.Module,
         groups = []
         for g in o.param_groups:
             params = [replaced.get(id(p), p) for p in g["params"]]
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [p for p in params if id(p) in held]})
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [p for p in params if id(p) in held],
+                }
+            )
         if strategy == "pipeline":
             groups = [g for g in groups if g["params"]] or [{**groups[0], "params": []}]
         out.append(type(o)(groups, **constructor(o)))

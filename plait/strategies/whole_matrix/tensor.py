@@ -23,16 +23,15 @@ from plait.strategies.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from plait.strategies.whole_matrix.owners import KeptSlot, Slot, SlicedSlot
+from plait.strategies.whole_matrix.owners import KeptSlot, SlicedSlot, Slot
 
 
 def _cut(module: nn.Module, leaf: str) -> tuple[int, int] | None:
     """(dimension, dense size) of ``module``'s parameter ``leaf`` if a parallel layer cut
     it; None if it is whole; raises for a layout that is not one contiguous cut."""
-    group = module.group  # type: ignore[union-attr]
-    n = group.size
+    n: int = module.group.size  # type: ignore[assignment]
     if isinstance(module, ColumnParallelLinear):
-        if module.blocks != 1 or module.transposed or module.part * n != module.out_features:
+        if module.blocks != 1 or module.transposed or int(module.part) * n != module.out_features:
             raise ValueError(_refused(module, "fused, transposed or padded outputs"))
         return 0, module.out_features
     if isinstance(module, RowParallelLinear):
@@ -42,7 +41,7 @@ def _cut(module: nn.Module, leaf: str) -> tuple[int, int] | None:
             raise ValueError(_refused(module, "a transposed weight"))
         return 1, module.in_features
     if isinstance(module, VocabParallelEmbedding):
-        if module.part * n != module.num_embeddings:
+        if int(module.part) * n != module.num_embeddings:
             raise ValueError(_refused(module, "a padded vocabulary"))
         return 0, module.num_embeddings
     raise ValueError(_refused(module, "a layout other than one contiguous cut"))
