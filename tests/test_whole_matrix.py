@@ -134,3 +134,12 @@ def test_shampoo_from_pytorch_optimizer_under_tp_equals_one_process(ranks: Any) 
 
     results = ranks(2, gpt.train, "tp", "shampoo", timeout=90)
     _check_gpt(results, gpt.oracle("shampoo"), rtol=1e-8)
+
+
+def test_state_saved_at_4_ranks_under_zero2_loads_at_2_under_fsdp(ranks: Any) -> None:
+    saved = ranks(4, fns.save_under_zero2, 2, timeout=60)
+    for other in saved[1:]:  # the full state is the same on every rank
+        assert other["muon"]["state"].keys() == saved[0]["muon"]["state"].keys()
+    assert set(saved[0]["muon"]["state"]) == set(fns.HIDDEN)
+    results = ranks(2, fns.load_under_fsdp, saved[0], 2, timeout=60)
+    _check(results, fns.oracle("muon"))

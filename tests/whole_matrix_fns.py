@@ -132,3 +132,97 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
         }
     plan = optimizers[0].plait_ownership
     return {"params": params, "state": state, "owners": plan.owners}
+
+
+def _by_name(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """A plain-format optimizer state dict keyed by parameter names (how checkpoints
+    travel between layouts)."""
+    flat = [n for group in names for n in group]
+    return {
+        "state": {flat[int(i)]: entry for i, entry in state["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": names[j]}
+            for j, g in enumerate(state["param_groups"])
+        ],
+    }
+
+
+def _by_index(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    flat = [n for group in names for n in group]
+    index = {n: i for i, n in enumerate(flat)}
+    return {
+        "state": {index[n]: entry for n, entry in state["state"].items()},
+        "param_groups": [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[n] for n in g["params"]],
+            }
+            for g in state["param_groups"]
+        ],
+    }
+
+
+def save_under_zero2(steps: int) -> dict[str, Any]:
+    """``steps`` steps under zero2 (Muon by ownership, AdamW as ZeroOptimizer); the full
+    model state and both optimizers' full states by parameter name (every rank the same)."""
+    from plait.strategies.whole_matrix.state import (
+        full_optimizer_param_names,
+        full_optimizer_state_dict as whole_state,
+    )
+
+    world = plait.world()
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy="zero2")
+    n = GLOBAL_BATCH // world.size
+    for step in range(steps):
+        x, y = batch(step)
+        _step(
+            prepared,
+            [muon, adamw],
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
+    rest = [[n for n in names if n not in HIDDEN]]
+    return {
+        "model": {k: v.detach().clone() for k, v in prepared.state_dict().items()},
+        "muon": _by_name(whole_state(muon), full_optimizer_param_names(muon)),
+        "adamw": _by_name(adamw.state_dict(), rest),
+    }
+
+
+def load_under_fsdp(saved: dict[str, Any], first: int) -> dict[str, Any]:
+    """Load ``saved`` (from :func:`save_under_zero2` at another world size) under fsdp,
+    train from step ``first`` to STEPS; parameters and owned state as :func:`train`."""
+    from plait.strategies.fsdp.state import full_optimizer_param_names as fsdp_names
+    from plait.strategies.fsdp.state import load_full_optimizer_state_dict
+    from plait.strategies.whole_matrix.state import (
+        full_optimizer_param_names,
+        load_full_optimizer_state_dict as load_whole,
+    )
+
+    world = plait.world()
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy="fsdp")
+    load_whole(muon, _by_index(saved["muon"], full_optimizer_param_names(muon)))
+    load_full_optimizer_state_dict(
+        prepared, adamw, _by_index(saved["adamw"], fsdp_names(prepared, adamw))
+    )
+    n = GLOBAL_BATCH // world.size
+    for step in range(first, STEPS):
+        x, y = batch(step)
+        _step(
+            prepared,
+            [muon, adamw],
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
+    state = whole_matrix_state(muon)
+    adam = full_optimizer_state_dict(prepared, adamw)
+    for index, entry in adam["state"].items():
+        state[[m for m in names if m not in HIDDEN][index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    return {"params": full_state_dict(prepared), "state": state}

@@ -325,4 +325,11 @@ def own(
     object.__setattr__(rebuilt, "plait_ownership", plan)
     object.__setattr__(rebuilt, "plait_slots", pairs)
     object.__setattr__(rebuilt, "plait_group", group)
+    # for the whole state dict (state.py): every parameter, a kept one read from rank 0
+    everything = [
+        (s, 0 if isinstance(s, KeptSlot) else o, m)
+        for s, o, m in zip(flat, owners, masters, strict=True)
+    ]
+    object.__setattr__(rebuilt, "plait_state_slots", everything)
+    object.__setattr__(rebuilt, "plait_group_sizes", [len(gs) for gs in slots])
     return rebuilt
