@@ -59,6 +59,7 @@ from plait.strategies.reproducible.runner import SUPPORTED as REPRODUCIBLE
 from plait.strategies.reproducible.runner import ReproducibleRunner
 from plait.strategies.tensor import prepare_tp as _prepare_tp
 from plait.strategies.whole_matrix import is_whole_matrix, prepare_optimizers
+from plait.strategies.whole_matrix.kinds import is_refused
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -391,7 +392,10 @@ def prepare(
         several
         or whole_matrix
         or (
-            optimizer is not None and is_whole_matrix(optimizer) and strategy != "none"  # type: ignore[arg-type]
+            optimizer is not None
+            and not several
+            and (is_whole_matrix(optimizer) or is_refused(optimizer))  # type: ignore[arg-type]
+            and strategy not in ("none", "naive", "ddp")
         )
     ):
         return _optimizers(strategy, model, optimizer, options, whole_matrix, policy, tracer)

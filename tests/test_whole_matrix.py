@@ -143,3 +143,12 @@ def test_state_saved_at_4_ranks_under_zero2_loads_at_2_under_fsdp(ranks: Any) ->
     assert set(saved[0]["muon"]["state"]) == set(fns.HIDDEN)
     results = ranks(2, fns.load_under_fsdp, saved[0], 2, timeout=60)
     _check(results, fns.oracle("muon"))
+
+
+def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
+    out = ranks(2, fns.refusals, timeout=60)[0]
+    assert "LBFGS" in out["lbfgs"] and "line search" in out["lbfgs"]
+    assert "Muon" in out["cp_zero"] and "zero=2" in out["cp_zero"]
+    assert "Muon" in out["ps"] and "not supported" in out["ps"]
+    assert "whole_matrix=" in out["declared"] and "SGD" in out["declared"]
+    assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]

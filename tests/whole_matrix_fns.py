@@ -167,6 +167,8 @@ def save_under_zero2(steps: int) -> dict[str, Any]:
     model state and both optimizers' full states by parameter name (every rank the same)."""
     from plait.strategies.whole_matrix.state import (
         full_optimizer_param_names,
+    )
+    from plait.strategies.whole_matrix.state import (
         full_optimizer_state_dict as whole_state,
     )
 
@@ -198,6 +200,8 @@ def load_under_fsdp(saved: dict[str, Any], first: int) -> dict[str, Any]:
     from plait.strategies.fsdp.state import load_full_optimizer_state_dict
     from plait.strategies.whole_matrix.state import (
         full_optimizer_param_names,
+    )
+    from plait.strategies.whole_matrix.state import (
         load_full_optimizer_state_dict as load_whole,
     )
 
@@ -226,3 +230,37 @@ def load_under_fsdp(saved: dict[str, Any], first: int) -> dict[str, Any]:
             k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
         }
     return {"params": full_state_dict(prepared), "state": state}
+
+
+def refusals() -> dict[str, str]:
+    """What plait.prepare says to whole-matrix cases it cannot make exact."""
+    from plait.strategies.zero import ZeroOptimizer
+
+    out: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+
+    def opts(model: nn.Module) -> list[torch.optim.Optimizer]:
+        return make_optimizers(model)
+
+    m = make_model()
+    catch("lbfgs", lambda: plait.prepare(m, torch.optim.LBFGS(m.parameters()), strategy="zero2"))
+    m = make_model()
+    catch(
+        "cp_zero",
+        lambda: plait.prepare(
+            m, opts(m), strategy="cp", mesh=plait.Mesh(cp=plait.world().size), zero=2
+        ),
+    )
+    m = make_model()
+    catch("ps", lambda: plait.prepare(m, opts(m), strategy="ps"))
+    m = make_model()
+    stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    catch("declared", lambda: plait.prepare(m, opts(m), strategy="zero2", whole_matrix=[stranger]))
+    m = make_model()
+    catch("zero_direct", lambda: ZeroOptimizer(m.parameters(), torch.optim.Muon))
+    return out

@@ -47,6 +47,11 @@ def is_whole_matrix(
     return bool(_torch_bases(optimizer) & set(KNOWN))
 
 
+def is_refused(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer of :data:`REFUSED` (torch's LBFGS)."""
+    return bool(_torch_bases(optimizer) & set(REFUSED))
+
+
 def check_not_refused(optimizer: torch.optim.Optimizer, strategy: str) -> None:
     """Raise ``ValueError`` for an optimizer of :data:`REFUSED` under ``strategy``."""
     for name in sorted(_torch_bases(optimizer) & set(REFUSED)):

@@ -20,9 +20,13 @@ Per strategy:
   tensor-parallel group on the full matrices
   (:class:`~plait.strategies.whole_matrix.owners.SlicedSlot`).
 
-Refused, by name: a whole-matrix optimizer under ``ps``, ``ptdp``, ``cp`` with ``zero``
-1-3 or a ``tp`` dimension, and tp modes other than ``"1d"``; several optimizers under
-``ps`` and ``ptdp``; ``torch.optim.LBFGS`` under every strategy but none/naive/ddp.
+- ``ptdp`` with one whole-matrix optimizer, ``tp=1`` and ``zero=0``: whole parameters on
+  every rank, so it runs as it is.
+
+Refused, by name: a whole-matrix optimizer under ``ps``, ``ptdp`` with ``tp`` > 1 or
+``zero``, ``cp`` with ``zero`` 1-3 or a ``tp`` dimension, and tp modes other than
+``"1d"``; several optimizers under ``ps`` and ``ptdp``; ``torch.optim.LBFGS`` under every
+strategy but none/naive/ddp.
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def prepare_optimizers(
                 f"the {type(o).__name__} has stepped already; pass optimizers that "
                 f"have not stepped (load their state after prepare)",
             )
+    if strategy == "ptdp" and len(optimizers) == 1 and _ptdp_whole(options):
+        return run(model, optimizers[0], **options)  # tp=1, zero=0: whole parameters
     if any(whole) and strategy not in WHOLE_MATRIX_STRATEGIES:
         _refuse(
             strategy,
@@ -120,6 +126,14 @@ def prepare_optimizers(
         return _rebuilt_each(strategy, run, model, optimizers, options)
     _refuse(strategy, "takes one optimizer, not a list")
     raise AssertionError  # unreachable
+
+
+def _ptdp_whole(options: dict[str, Any]) -> bool:
+    """PTD-P keeps whole parameters (every stage's, every expert's; gradients averaged over
+    the replicas) when nothing splits a matrix: no tensor parallelism and no ZeRO."""
+    shape = getattr(options.get("mesh"), "shape", None)
+    tp = shape.get("tp", 1) if isinstance(shape, dict) else 1
+    return tp == 1 and not options.get("zero", 0)
 
 
 def _names(optimizers: Sequence[Optimizer], whole: Sequence[bool]) -> str:

@@ -78,7 +78,7 @@ def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any
     slots, group = _owned(optimizer, "full_optimizer_state_dict")
     device = comm.world().device if group is None else group.device
     state: dict[int, dict[str, Any]] = {}
-    for index, (slot, owner, master) in enumerate(slots):
+    for index, (_slot, owner, master) in enumerate(slots):
         entry = optimizer.state.get(master, {}) if master is not None else {}
         described = None
         if group.rank == owner:
