@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from plait.plan.memory import owned_state_bytes
 from plait.strategies.fsdp.policies import OffloadPolicy
 from plait.strategies.whole_matrix import is_whole_matrix, ownership
 from tests import whole_matrix_fns as fns
@@ -73,6 +74,12 @@ def test_muon_and_adamw_equal_one_process(
     results = ranks(2, fns.train, strategy, "muon", **options, timeout=60)
     _check(results, fns.oracle("muon"))
     assert sorted(results[0]["owners"]) == [0, 1]  # one hidden matrix per rank
+    # the planner's count of the owned state (Muon: one float64 momentum per element)
+    held = [
+        sum(t.numel() * 8 for n in fns.HIDDEN if n in r["state"] for t in r["state"][n].values())
+        for r in results
+    ]
+    assert held == owned_state_bytes([16 * 12, 12 * 16], 2, state_bytes_per_element=8)
 
 
 def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any], rtol: float = 0.0) -> None:

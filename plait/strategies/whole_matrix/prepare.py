@@ -45,6 +45,7 @@ from plait.strategies.fsdp.prepare import rebuilt_optimizer
 from plait.strategies.fsdp.state import shard_param_groups
 from plait.strategies.fsdp.unit import NAMES_ATTR
 from plait.strategies.fsdp.wrap import fully_shard
+from plait.strategies.tensor.parallelize import group_of_names, rebuild_optimizer
 from plait.strategies.whole_matrix.kinds import check_declared, check_not_refused, is_whole_matrix
 from plait.strategies.whole_matrix.owners import FlatSlot, ReplicatedSlot, Slot, own
 from plait.strategies.whole_matrix.tensor import tensor_slots
@@ -249,9 +250,6 @@ def _tp(
     whole: Sequence[bool],
     options: dict[str, Any],
 ) -> tuple[Any, list[Optimizer]]:
-    # deferred: the tensor package imports the models' plans; only tp needs it
-    from plait.strategies.tensor.parallelize import group_of_names, rebuild_optimizer
-
     if options.get("mode", "1d") != "1d" and any(whole):
         _refuse(
             "tp",
