@@ -159,3 +159,9 @@ def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
     assert "Muon" in out["ps"] and "not supported" in out["ps"]
     assert "whole_matrix=" in out["declared"] and "SGD" in out["declared"]
     assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]
+
+
+def test_checkpoint_save_refuses_an_owned_optimizer_by_name(ranks: Any, tmp_path: Any) -> None:
+    out = ranks(2, fns.checkpoint_refusal, str(tmp_path), timeout=60)
+    assert all("Muon is stepped by parameter ownership" in m for m in out)
+    assert all("full_optimizer_state_dict" in m for m in out)

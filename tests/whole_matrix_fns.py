@@ -264,3 +264,16 @@ def refusals() -> dict[str, str]:
     m = make_model()
     catch("zero_direct", lambda: ZeroOptimizer(m.parameters(), torch.optim.Muon))
     return out
+
+
+def checkpoint_refusal(root: str) -> str:
+    """plait.checkpoint.save of an ownership-stepped optimizer: refused by name."""
+    from plait import checkpoint
+
+    model = make_model()
+    prepared, (muon, _) = plait.prepare(model, make_optimizers(model), strategy="zero2")
+    try:
+        checkpoint.save(root, step=1, model=prepared, optimizer=muon)
+    except NotImplementedError as exc:
+        return str(exc)
+    return ""

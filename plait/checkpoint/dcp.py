@@ -88,6 +88,8 @@ def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> st
     inner = unwrap(model)
     if not isinstance(inner, nn.Module):
         _refuse(who, "PTD-P (prepare(strategy='ptdp'))")
+    if getattr(optimizer, "plait_state_slots", None) is not None:
+        _refuse(who, "an optimizer stepped by parameter ownership (a whole-matrix optimizer)")
     if isinstance(inner, FSDPModule):
         return "fsdp"
     for root in _roots(inner):

@@ -56,8 +56,9 @@ def check_not_refused(optimizer: torch.optim.Optimizer, strategy: str) -> None:
     """Raise ``ValueError`` for an optimizer of :data:`REFUSED` under ``strategy``."""
     for name in sorted(_torch_bases(optimizer) & set(REFUSED)):
         raise ValueError(
-            f"strategy {strategy!r} cannot step {type(optimizer).__name__}: {REFUSED[name]}, "
-            f"so no rank holds what one step reads. Use strategy 'ddp' (every rank keeps the "
+            f"strategy {strategy!r} cannot step {type(optimizer).__name__}: {name} combines "
+            f"elements across every parameter ({REFUSED[name]}), so no rank holds what one "
+            f"step reads. Use strategy 'ddp' (every rank keeps the "
             f"whole model) with it"
         )
 
