@@ -104,8 +104,15 @@ def _check_gpt(results: list[dict[str, Any]], expected: dict[str, Any], rtol: fl
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [("tp", {}), ("tp", {"sequence_parallel": True}), ("pipeline", {}), ("cp", {}), ("ep", {})],
-    ids=["tp", "tp-sp", "pipeline", "cp", "ep"],
+    [
+        ("tp", {}),
+        ("tp", {"sequence_parallel": True}),
+        ("pipeline", {}),
+        ("cp", {}),
+        ("cp", {"zero": 2}),
+        ("ep", {}),
+    ],
+    ids=["tp", "tp-sp", "pipeline", "cp", "cp-zero2", "ep"],
 )
 def test_gpt_muon_and_adamw_equal_one_process(
     ranks: Any, strategy: str, options: dict[str, Any]
@@ -155,7 +162,7 @@ def test_state_saved_at_4_ranks_under_zero2_loads_at_2_under_fsdp(ranks: Any) ->
 def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
     out = ranks(2, fns.refusals, timeout=60)[0]
     assert "LBFGS" in out["lbfgs"] and "line search" in out["lbfgs"]
-    assert "Muon" in out["cp_zero"] and "zero=2" in out["cp_zero"]
+    assert "Muon" in out["cp_zero"] and "zero=3" in out["cp_zero"]
     assert "Muon" in out["ps"] and "not supported" in out["ps"]
     assert "whole_matrix=" in out["declared"] and "SGD" in out["declared"]
     assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]
@@ -165,3 +172,13 @@ def test_checkpoint_save_refuses_an_owned_optimizer_by_name(ranks: Any, tmp_path
     out = ranks(2, fns.checkpoint_refusal, str(tmp_path), timeout=60)
     assert all("Muon is stepped by parameter ownership" in m for m in out)
     assert all("full_optimizer_state_dict" in m for m in out)
+
+
+def test_one_adafactor_under_ptdp_without_tp_runs_as_it_is(ranks: Any) -> None:
+    from tests import whole_matrix_gpt_fns as gpt
+
+    want = gpt.ptdp_adafactor(oracle_only=True)
+    for got in ranks(2, gpt.ptdp_adafactor, timeout=90):
+        assert set(got) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=TOL, msg=name)

@@ -253,7 +253,7 @@ def refusals() -> dict[str, str]:
     catch(
         "cp_zero",
         lambda: plait.prepare(
-            m, opts(m), strategy="cp", mesh=plait.Mesh(cp=plait.world().size), zero=2
+            m, opts(m), strategy="cp", mesh=plait.Mesh(cp=plait.world().size), zero=3
         ),
     )
     m = make_model()

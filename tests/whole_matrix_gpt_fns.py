@@ -152,3 +152,29 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
     roots = list(pipe.stages.values()) if pipe is not None else [inner]
     names = {id(p): n for r in roots for n, p in r.named_parameters()}
     return {"params": checkpoint.full_state_dict(runner), "state": _state(optimizers, names)}
+
+
+def ptdp_adafactor(oracle_only: bool = False) -> dict[str, torch.Tensor]:
+    """One Adafactor over every parameter under ptdp with tp=1 and no ZeRO (whole
+    parameters on every rank: the optimizer runs as it is), or one process."""
+    model = make_gpt()
+    # the matrices only: the key bias's gradient is rounding noise (softmax ignores it), and
+    # Adafactor's normalised step turns any noise into a step of size lr
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    opt = torch.optim.Adafactor([{"params": matrices}, {"params": rest, "lr": 0.0}], lr=0.02)
+    if oracle_only:
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    mesh = plait.Mesh(pp=plait.world().size, dp=1, tp=1)
+    ptdp, opt = plait.prepare(model, opt, strategy="ptdp", mesh=mesh, microbatches=2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        ptdp.step(x, y)
+        opt.step()
+    return ptdp.full_state_dict()  # type: ignore[no-any-return]

@@ -20,13 +20,16 @@ Per strategy:
   tensor-parallel group on the full matrices
   (:class:`~plait.strategies.whole_matrix.owners.SlicedSlot`).
 
+- ``cp`` with ``zero=1`` or ``2`` (no ``tp`` dimension): the recipe's ZeroOptimizer for the
+  first element-wise optimizer, the others as under ``zero1``/``zero2`` on the same
+  gradient group (cp x dp).
 - ``ptdp`` with one whole-matrix optimizer, ``tp=1`` and ``zero=0``: whole parameters on
   every rank, so it runs as it is.
 
-Refused, by name: a whole-matrix optimizer under ``ps``, ``ptdp`` with ``tp`` > 1 or
-``zero``, ``cp`` with ``zero`` 1-3 or a ``tp`` dimension, and tp modes other than
-``"1d"``; several optimizers under ``ps`` and ``ptdp``; ``torch.optim.LBFGS`` under every
-strategy but none/naive/ddp.
+Refused, by name: a whole-matrix optimizer under ``ps``; under ``ptdp`` with ``tp`` > 1
+or ``zero``; under ``cp`` with ``zero=3``, a ``tp`` dimension or only whole-matrix
+optimizers; under tp modes other than ``"1d"``. Several optimizers under ``ps`` and
+``ptdp``; ``torch.optim.LBFGS`` under every strategy but none/naive/ddp.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 
 from plait import comm
 from plait.strategies.consistency import verify_same_parameters
+from plait.strategies.context.recipe import gradient_group
 from plait.strategies.data_parallel.ddp import broadcast_tensors
 from plait.strategies.fsdp.prepare import rebuilt_optimizer
 from plait.strategies.fsdp.state import shard_param_groups
@@ -104,7 +108,8 @@ def prepare_optimizers(
                 f"have not stepped (load their state after prepare)",
             )
     if strategy == "ptdp" and len(optimizers) == 1 and _ptdp_whole(options):
-        return run(model, optimizers[0], **options)  # tp=1, zero=0: whole parameters
+        wrapped, optimizer = run(model, optimizers[0], **options)  # tp=1, no ZeRO: whole
+        return wrapped, [optimizer]
     if any(whole) and strategy not in WHOLE_MATRIX_STRATEGIES:
         _refuse(
             strategy,
@@ -155,6 +160,8 @@ def _cp(
         else 1
     )
     zero = options.get("zero", 0)
+    if zero in (1, 2) and tp == 1 and not all(whole):
+        return _cp_zero(run, model, optimizers, whole, options)
     if zero != 0 or tp > 1:
         if any(whole):
             _refuse(
@@ -173,6 +180,30 @@ def _cp(
         return wrapped, [optimizer]
     wrapped, _ = run(model, None, **options)
     return wrapped, list(optimizers)
+
+
+def _cp_zero(
+    run: Callable[..., Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    whole: Sequence[bool],
+    options: dict[str, Any],
+) -> tuple[Any, list[Optimizer]]:
+    """cp with ZeRO-1/2, no tp: the recipe runs with the first element-wise optimizer (its
+    ZeroOptimizer over cp x dp, the finite check on it); the other optimizers go the
+    zero1/zero2 way on the same gradient group (the parameters are whole on every rank,
+    each rank's gradient is that of its chunks of the sequence)."""
+    first = next(i for i, w in enumerate(whole) if not w)
+    wrapped, prepared = run(model, optimizers[first], **options)
+    zero_options = {"group": gradient_group(options["mesh"])}
+    if "algorithm" in options:
+        zero_options["algorithm"] = options["algorithm"]
+    rest = [(o, w) for i, (o, w) in enumerate(zip(optimizers, whole, strict=True)) if i != first]
+    others = iter(
+        _zero(options["zero"], model, [o for o, _ in rest], [w for _, w in rest], zero_options)
+    )
+    out = [prepared if i == first else next(others) for i in range(len(optimizers))]
+    return wrapped, out
 
 
 def _zero(
