@@ -182,3 +182,22 @@ def test_one_adafactor_under_ptdp_without_tp_runs_as_it_is(ranks: Any) -> None:
         assert set(got) == set(want)
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_hugging_face_llama_muon_under_tp_equals_one_process(
+    ranks: Any, sequence_parallel: bool
+) -> None:
+    pytest.importorskip("transformers")
+    from tests import whole_matrix_gpt_fns as gpt
+
+    want = gpt.llama_muon(False)
+    results = ranks(2, gpt.llama_muon, True, sequence_parallel, timeout=90)
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, value in want["params"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=TOL, msg=name)
+        state.update(r["state"])
+    assert set(state) == set(want["state"]) and len(state) == 14  # 7 matrices x 2 layers
+    for name, value in want["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=TOL, msg=name)

@@ -178,3 +178,46 @@ def ptdp_adafactor(oracle_only: bool = False) -> dict[str, torch.Tensor]:
         ptdp.step(x, y)
         opt.step()
     return ptdp.full_state_dict()  # type: ignore[no-any-return]
+
+
+LLAMA_HIDDEN = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+)
+
+
+def llama_muon(under_tp: bool, sequence_parallel: bool = False) -> dict[str, Any]:
+    """A Hugging Face Llama (tests/hf_tp_fns.py's, float64, 2 kv heads), Muon for its
+    layers' matrices and AdamW for the rest, its own ``labels=`` loss, 3 steps; under
+    ``strategy="tp"`` on the world (its family's plan) or in one process."""
+    from tests.hf_tp_fns import batch as llama_batch
+    from tests.hf_tp_fns import llama
+
+    model = llama(tied=False, kv_heads=2)
+    hidden = [p for n, p in model.named_parameters() if LLAMA_HIDDEN.fullmatch(n)]
+    rest = [p for n, p in model.named_parameters() if not LLAMA_HIDDEN.fullmatch(n)]
+    optimizers: list[torch.optim.Optimizer] = [
+        torch.optim.Muon(hidden, lr=0.05, momentum=0.9, weight_decay=0.01),
+        torch.optim.AdamW(rest, lr=0.01),
+    ]
+    runner: Any = model
+    if under_tp:
+        mesh = plait.Mesh(tp=plait.world().size)
+        runner, optimizers = plait.prepare(
+            model, optimizers, strategy="tp", mesh=mesh, sequence_parallel=sequence_parallel
+        )
+    for step in range(STEPS):
+        ids = llama_batch(step, 0)
+        for o in optimizers:
+            o.zero_grad()
+        runner(input_ids=ids, labels=ids).loss.backward()
+        for o in optimizers:
+            o.step()
+    names = {id(p): n for n, p in runner.named_parameters()}
+    state: dict[str, Any] = {}
+    muon = optimizers[0]
+    for slot, _, master in getattr(muon, "plait_slots", []):
+        if master is not None:
+            state[slot.name] = muon.state[master]["momentum_buffer"].clone()
+    if not under_tp:
+        state = {names[id(p)]: s["momentum_buffer"].clone() for p, s in muon.state.items()}
+    return {"params": checkpoint.full_state_dict(runner), "state": state}
