@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -282,6 +282,32 @@ def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
             if new in out:
                 out[theirs] = out.pop(new)
     return out
+
+
+@overload
+def prepare(
+    module: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    *,
+    strategy: str = "ddp",
+    tracer: Tracer | None = None,
+    model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
+    **options: Any,
+) -> Prepared: ...
+
+
+@overload
+def prepare(
+    module: nn.Module | None = None,
+    optimizer: list[Optimizer] | tuple[Optimizer, ...] = ...,
+    *,
+    strategy: str = "ddp",
+    tracer: Tracer | None = None,
+    model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
+    **options: Any,
+) -> tuple[Any, list[Optimizer]]: ...
 
 
 def prepare(

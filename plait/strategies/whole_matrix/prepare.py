@@ -109,6 +109,7 @@ def prepare_optimizers(
             )
     if strategy == "ptdp" and len(optimizers) == 1 and _ptdp_whole(options):
         wrapped, optimizer = run(model, optimizers[0], **options)  # tp=1, no ZeRO: whole
+        assert optimizer is not None
         return wrapped, [optimizer]
     if any(whole) and strategy not in WHOLE_MATRIX_STRATEGIES:
         _refuse(
