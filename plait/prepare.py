@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -58,6 +58,8 @@ from plait.strategies.reproducible.runner import REFUSED as REPRODUCIBLE_REFUSED
 from plait.strategies.reproducible.runner import SUPPORTED as REPRODUCIBLE
 from plait.strategies.reproducible.runner import ReproducibleRunner
 from plait.strategies.tensor import prepare_tp as _prepare_tp
+from plait.strategies.whole_matrix import is_whole_matrix, prepare_optimizers
+from plait.strategies.whole_matrix.kinds import is_refused
 from plait.strategies.zero import prepare_zero
 from plait.trace import Tracer
 
@@ -282,6 +284,7 @@ def vocabulary(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@overload
 def prepare(
     module: nn.Module | None = None,
     optimizer: Optimizer | None = None,
@@ -289,8 +292,34 @@ def prepare(
     strategy: str = "ddp",
     tracer: Tracer | None = None,
     model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
     **options: Any,
-) -> Prepared:
+) -> Prepared: ...
+
+
+@overload
+def prepare(
+    module: nn.Module | None = None,
+    optimizer: list[Optimizer] | tuple[Optimizer, ...] = ...,
+    *,
+    strategy: str = "ddp",
+    tracer: Tracer | None = None,
+    model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
+    **options: Any,
+) -> tuple[Any, list[Optimizer]]: ...
+
+
+def prepare(
+    module: nn.Module | None = None,
+    optimizer: Optimizer | list[Optimizer] | tuple[Optimizer, ...] | None = None,
+    *,
+    strategy: str = "ddp",
+    tracer: Tracer | None = None,
+    model: nn.Module | None = None,
+    whole_matrix: list[Optimizer] | tuple[Optimizer, ...] = (),
+    **options: Any,
+) -> Any:
     """Wrap ``model`` (and ``optimizer``) for ``strategy``; return both.
 
     ``options`` go to the strategy (for ``"ddp"``: ``group`` (or ``process_group``),
@@ -338,6 +367,14 @@ def prepare(
     runs, ``plan=``, ``mode=``, ``microbatches=``, ``bucket_mb=``; PyTorch's spellings
     (``process_group``, ``device_mesh``, ``bucket_cap_mb``, ``n_microbatches``) are
     accepted. ``model=`` is the deprecated name of ``module``.
+
+    Several optimizers (``prepare(model, [muon, adamw], ...)``, each over its own
+    parameters) come back as a list in the same order, each over what this rank keeps.
+    Whole-matrix optimizers (torch's ``Muon`` and ``Adafactor``, and any named in
+    ``whole_matrix=[...]`` or whose class sets ``plait_whole_matrix = True``) are stepped
+    on whole parameters under every sharded layout, by parameter ownership
+    (:mod:`plait.strategies.whole_matrix`, docs/optimizers.md); ``LBFGS`` is refused by
+    name under every strategy but none/naive/ddp.
     """
     if model is not None:
         if module is not None:
@@ -359,7 +396,13 @@ def prepare(
         options["tracer"] = tracer
     reproducible = options.pop("reproducible", False)
     policy = _mixed_precision(strategy, model, options, reproducible=reproducible)
+    if reproducible and (isinstance(optimizer, (list, tuple)) or whole_matrix):
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}, reproducible=True) takes one element-wise "
+            f"optimizer; several or whole-matrix optimizers are not supported in that mode yet"
+        )
     if reproducible:
+        assert not isinstance(optimizer, (list, tuple))
         wrapped, optimizer = _reproducible(strategy, model, optimizer, options, policy)
         if optimizer is not None and tracer is not None:
             _trace_steps(optimizer, tracer)
@@ -370,6 +413,18 @@ def prepare(
                 f"plait.prepare(strategy={strategy!r}): {key}= is an option of "
                 f"reproducible=True; pass reproducible=True too"
             )
+    several = isinstance(optimizer, (list, tuple))
+    if (
+        several
+        or whole_matrix
+        or (
+            optimizer is not None
+            and not several
+            and (is_whole_matrix(optimizer) or is_refused(optimizer))  # type: ignore[arg-type]
+            and strategy not in ("none", "naive", "ddp")
+        )
+    ):
+        return _optimizers(strategy, model, optimizer, options, whole_matrix, policy, tracer)
     try:
         wrapped, optimizer = STRATEGIES[strategy](model, optimizer, **options)
     except TypeError as exc:
@@ -382,6 +437,35 @@ def prepare(
     if optimizer is not None and tracer is not None:
         _trace_steps(optimizer, tracer)
     return wrapped, optimizer
+
+
+def _optimizers(
+    strategy: str,
+    model: nn.Module,
+    given: Any,
+    options: dict[str, Any],
+    declared: Any,
+    policy: precision.MixedPrecisionPolicy | None,
+    tracer: Tracer | None,
+) -> Any:
+    """Several optimizers, or whole-matrix ones (:func:`prepare_optimizers`): the same
+    return shape as given (a list, or one optimizer)."""
+    several = isinstance(given, (list, tuple))
+    optimizers = list(given) if several else [given]
+    if any(o is None for o in optimizers) or not optimizers:
+        raise TypeError("plait.prepare: the list of optimizers is empty or holds None")
+    if policy is not None:
+        raise ValueError(
+            f"plait.prepare(strategy={strategy!r}): mixed_precision= with several or "
+            f"whole-matrix optimizers is not supported yet; train in full precision"
+        )
+    wrapped, out = prepare_optimizers(
+        strategy, STRATEGIES[strategy], model, optimizers, options, declared=list(declared)
+    )
+    if tracer is not None:
+        for o in out:
+            _trace_steps(o, tracer)
+    return wrapped, (out if several else out[0])
 
 
 def _mixed_precision(

@@ -99,6 +99,8 @@ def _layout(model: Any, optimizer: torch.optim.Optimizer | None, who: str) -> st
     inner = unwrap(model)
     if not isinstance(inner, nn.Module) and pipeline_of(inner) is None:
         _refuse(who, f"a {type(inner).__name__} (no modules, no pipeline stages)")
+    if getattr(optimizer, "plait_state_slots", None) is not None:
+        _refuse(who, "an optimizer stepped by parameter ownership (a whole-matrix optimizer)")
     if isinstance(inner, FSDPModule):
         return "fsdp"
     for root in _roots(inner):

@@ -138,9 +138,25 @@ def _fsdp_optimizer_api(name: str) -> Any:
     return fn
 
 
+def refuse_owned(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """A whole-matrix optimizer stepped by parameter ownership (its state on the owners,
+    over full-shape tensors that are not the model's parameters) is not read or written
+    here yet: refused by name, before anything is written or loaded."""
+    if getattr(optimizer, "plait_state_slots", None) is not None:
+        raise NotImplementedError(
+            f"{who}: this {type(optimizer).__name__} is stepped by parameter ownership "
+            f"(plait.prepare with a whole-matrix optimizer under a sharded strategy); "
+            f"checkpoint.save/load do not take its state yet. Save and load it with "
+            f"plait.strategies.whole_matrix.state.full_optimizer_state_dict / "
+            f"load_full_optimizer_state_dict (keyed by full_optimizer_param_names), and pass "
+            f"the other optimizer to checkpoint.save"
+        )
+
+
 def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The FQNs of each param group of ``optimizer``, in the order of the plain format's
     indices (``state_dict()`` numbers parameters group after group)."""
+    refuse_owned(optimizer, "checkpoint")
     if is_fully_sharded(model):
         return _fully_sharded_groups(model, optimizer)
     names = {id(p): n for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
@@ -169,6 +185,7 @@ def _fully_sharded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The plain-format state dict of the whole (unsharded) optimizer. Collective for
     ZeroOptimizer and fully sharded models."""
+    refuse_owned(optimizer, "checkpoint.save")
     if is_fully_sharded(model):
         return _fsdp_optimizer_api("full_optimizer_state_dict")(  # type: ignore[no-any-return]
             model, optimizer

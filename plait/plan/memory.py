@@ -28,7 +28,7 @@ paper calls those residual states, and they come on top.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +171,24 @@ def estimate(
         total_bytes=params_bytes + grads_bytes + optimizer_bytes,
         formula=" + ".join(terms),
     )
+
+
+def owned_state_bytes(
+    numels: Sequence[int], world_size: int, *, state_bytes_per_element: float
+) -> list[float]:
+    """Optimizer state bytes on each rank for a whole-matrix optimizer (Muon: 4 bytes per
+    element in fp32, its momentum; Shampoo: its preconditioners per element of the matrix)
+    stepped by parameter ownership (:mod:`plait.strategies.whole_matrix.owners`): each rank
+    holds the state of the parameters it owns, dealt by size, so the largest entry is
+    ``max_r sum_{i owned by r} numel_i * bytes`` and not ``P/n``: a matrix is never split.
+    No communication."""
+    # deferred: the planner imports no strategy at module level
+    from plait.strategies.whole_matrix.owners import ownership
+
+    load = [0.0] * world_size
+    for n, rank in zip(numels, ownership(list(numels), world_size), strict=True):
+        load[rank] += n * state_bytes_per_element
+    return load
 
 
 def compare(

@@ -50,11 +50,17 @@ def check_elementwise(optimizer: Optimizer | None, strategy: str) -> None:
     bases = {c.__name__ for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")}
     refused = sorted(bases & set(NOT_ELEMENTWISE))
     if refused:
+        advice = (
+            "Use strategy 'ddp' with it"
+            if refused[0] == "LBFGS"
+            else "Pass it to plait.prepare(model, [it, ...], strategy=...), which steps it "
+            "on whole parameters by ownership"
+        )
         raise ValueError(
             f"strategy {strategy!r} steps the optimizer on flat 1/n parameter shards, "
             f"which is exact only for element-wise optimizers (SGD, Adam, AdamW, ...); "
             f"{refused[0]} combines elements across a parameter, so its step would "
-            f"differ. Use strategy 'ddp' with it"
+            f"differ. {advice}"
         )
     if optimizer.state:
         raise ValueError(

@@ -153,9 +153,15 @@ def check_elementwise(optimizer_class: type[torch.optim.Optimizer]) -> None:
     bases = {c.__name__ for c in optimizer_class.__mro__ if c.__module__.startswith("torch.optim")}
     refused = sorted(bases & set(NOT_ELEMENTWISE))
     if refused:
+        advice = (
+            "Use strategy 'ddp' with it"
+            if refused[0] == "LBFGS"
+            else "Pass it to plait.prepare(model, [it, ...], strategy=...), which steps it "
+            "on whole parameters by ownership"
+        )
         raise ValueError(
             f"ZeroOptimizer: ZeRO-1/2 steps {optimizer_class.__name__} on flat 1/n shards of "
             f"the parameters, which is exact only for element-wise optimizers (SGD, Adam, "
             f"AdamW, RMSprop, Adagrad, ...); {refused[0]} combines elements across a "
-            f"parameter, so its step would differ. Use strategy 'ddp' with it"
+            f"parameter, so its step would differ. {advice}"
         )

@@ -1,0 +1,279 @@
+"""Rank functions for the whole-matrix optimizer tests: a float64 MLP whose hidden 2-D
+weights take Muon (or Adafactor, or Shampoo) and the rest AdamW, as Muon is used, and
+the one-process oracle on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+from plait.strategies.fsdp.state import full_optimizer_state_dict, full_state_dict
+
+GLOBAL_BATCH = 8
+STEPS = 3
+HIDDEN = ("2.weight", "4.weight")  # the hidden matrices (input and output layers take AdamW)
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Tanh(),
+        nn.Linear(16, 12),
+        nn.Tanh(),
+        nn.Linear(12, 16),
+        nn.Tanh(),
+        nn.Linear(16, 3),
+    ).double()
+
+
+def make_optimizers(model: nn.Module, kind: str = "muon") -> list[torch.optim.Optimizer]:
+    hidden = [p for n, p in model.named_parameters() if n in HIDDEN]
+    rest = [p for n, p in model.named_parameters() if n not in HIDDEN]
+    if kind == "muon":
+        whole: torch.optim.Optimizer = torch.optim.Muon(
+            hidden, lr=0.05, momentum=0.9, weight_decay=0.01
+        )
+    elif kind == "adafactor":
+        whole = torch.optim.Adafactor(hidden, lr=0.02, weight_decay=0.01)
+    elif kind == "shampoo":
+        from pytorch_optimizer import Shampoo  # a user's optimizer: declared whole-matrix
+
+        whole = Shampoo(hidden, lr=0.05, momentum=0.5)
+    else:
+        raise ValueError(kind)
+    return [whole, torch.optim.AdamW(rest, lr=0.01, weight_decay=0.01)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(GLOBAL_BATCH, 3, generator=g, dtype=torch.float64)
+
+
+def _step(
+    model: Any, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor
+) -> None:
+    for o in optimizers:
+        o.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    for o in optimizers:
+        o.step()
+
+
+def oracle(kind: str = "muon") -> dict[str, Any]:
+    """One process on the global batch: parameters and each optimizer's state by name."""
+    model = make_model()
+    optimizers = make_optimizers(model, kind)
+    for step in range(STEPS):
+        _step(model, optimizers, *batch(step))
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for o in optimizers:
+        for p, entry in o.state.items():
+            state[names[id(p)]] = {
+                k: v.clone()
+                for k, v in entry.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "state": state}
+
+
+def whole_matrix_state(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The state of the parameters this rank owns, by parameter name (full shapes)."""
+    out = {}
+    for slot, _owner, master in getattr(optimizer, "plait_slots", []):
+        if master is not None:
+            out[slot.name] = {
+                k: v.clone()
+                for k, v in optimizer.state[master].items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+    return out
+
+
+def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
+    """Train under ``strategy`` from replicas that start different; each rank's share of
+    the global batch. Returns the full parameters, the whole-matrix state this rank owns,
+    and the element-wise optimizer's full state by parameter name."""
+    world = plait.world()
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(world.rank)  # construction makes the replicas equal
+    names = [n for n, _ in model.named_parameters()]
+    optimizers = make_optimizers(model, kind)
+    rest_names = [n for n in names if n not in HIDDEN]
+    if kind == "shampoo":
+        options["whole_matrix"] = [optimizers[0]]
+    prepared, optimizers = plait.prepare(model, optimizers, strategy=strategy, **options)
+    n = GLOBAL_BATCH // world.size
+    for step in range(STEPS):
+        x, y = batch(step)
+        _step(
+            prepared,
+            optimizers,
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
+    if strategy in ("zero3", "fsdp"):
+        params = full_state_dict(prepared)
+        adamw = full_optimizer_state_dict(prepared, optimizers[1])
+    else:
+        params = {k: v.detach().clone() for k, v in prepared.state_dict().items()}
+        adamw = optimizers[1].state_dict()
+    state = whole_matrix_state(optimizers[0])
+    for index, entry in adamw["state"].items():
+        state[rest_names[index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    plan = optimizers[0].plait_ownership
+    return {"params": params, "state": state, "owners": plan.owners}
+
+
+def _by_name(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """A plain-format optimizer state dict keyed by parameter names (how checkpoints
+    travel between layouts)."""
+    flat = [n for group in names for n in group]
+    return {
+        "state": {flat[int(i)]: entry for i, entry in state["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": names[j]}
+            for j, g in enumerate(state["param_groups"])
+        ],
+    }
+
+
+def _by_index(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    flat = [n for group in names for n in group]
+    index = {n: i for i, n in enumerate(flat)}
+    return {
+        "state": {index[n]: entry for n, entry in state["state"].items()},
+        "param_groups": [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[n] for n in g["params"]],
+            }
+            for g in state["param_groups"]
+        ],
+    }
+
+
+def save_under_zero2(steps: int) -> dict[str, Any]:
+    """``steps`` steps under zero2 (Muon by ownership, AdamW as ZeroOptimizer); the full
+    model state and both optimizers' full states by parameter name (every rank the same)."""
+    from plait.strategies.whole_matrix.state import (
+        full_optimizer_param_names,
+    )
+    from plait.strategies.whole_matrix.state import (
+        full_optimizer_state_dict as whole_state,
+    )
+
+    world = plait.world()
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy="zero2")
+    n = GLOBAL_BATCH // world.size
+    for step in range(steps):
+        x, y = batch(step)
+        _step(
+            prepared,
+            [muon, adamw],
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
+    rest = [[n for n in names if n not in HIDDEN]]
+    return {
+        "model": {k: v.detach().clone() for k, v in prepared.state_dict().items()},
+        "muon": _by_name(whole_state(muon), full_optimizer_param_names(muon)),
+        "adamw": _by_name(adamw.state_dict(), rest),
+    }
+
+
+def load_under_fsdp(saved: dict[str, Any], first: int) -> dict[str, Any]:
+    """Load ``saved`` (from :func:`save_under_zero2` at another world size) under fsdp,
+    train from step ``first`` to STEPS; parameters and owned state as :func:`train`."""
+    from plait.strategies.fsdp.state import full_optimizer_param_names as fsdp_names
+    from plait.strategies.fsdp.state import load_full_optimizer_state_dict
+    from plait.strategies.whole_matrix.state import (
+        full_optimizer_param_names,
+    )
+    from plait.strategies.whole_matrix.state import (
+        load_full_optimizer_state_dict as load_whole,
+    )
+
+    world = plait.world()
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy="fsdp")
+    load_whole(muon, _by_index(saved["muon"], full_optimizer_param_names(muon)))
+    load_full_optimizer_state_dict(
+        prepared, adamw, _by_index(saved["adamw"], fsdp_names(prepared, adamw))
+    )
+    n = GLOBAL_BATCH // world.size
+    for step in range(first, STEPS):
+        x, y = batch(step)
+        _step(
+            prepared,
+            [muon, adamw],
+            x[world.rank * n : (world.rank + 1) * n],
+            y[world.rank * n : (world.rank + 1) * n],
+        )
+    state = whole_matrix_state(muon)
+    adam = full_optimizer_state_dict(prepared, adamw)
+    for index, entry in adam["state"].items():
+        state[[m for m in names if m not in HIDDEN][index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    return {"params": full_state_dict(prepared), "state": state}
+
+
+def refusals() -> dict[str, str]:
+    """What plait.prepare says to whole-matrix cases it cannot make exact."""
+    from plait.strategies.zero import ZeroOptimizer
+
+    out: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+
+    def opts(model: nn.Module) -> list[torch.optim.Optimizer]:
+        return make_optimizers(model)
+
+    m = make_model()
+    catch("lbfgs", lambda: plait.prepare(m, torch.optim.LBFGS(m.parameters()), strategy="zero2"))
+    m = make_model()
+    catch(
+        "cp_zero",
+        lambda: plait.prepare(
+            m, opts(m), strategy="cp", mesh=plait.Mesh(cp=plait.world().size), zero=3
+        ),
+    )
+    m = make_model()
+    catch("ps", lambda: plait.prepare(m, opts(m), strategy="ps"))
+    m = make_model()
+    stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    catch("declared", lambda: plait.prepare(m, opts(m), strategy="zero2", whole_matrix=[stranger]))
+    m = make_model()
+    catch("zero_direct", lambda: ZeroOptimizer(m.parameters(), torch.optim.Muon))
+    return out
+
+
+def checkpoint_refusal(root: str) -> str:
+    """plait.checkpoint.save of an ownership-stepped optimizer: refused by name."""
+    from plait import checkpoint
+
+    model = make_model()
+    prepared, (muon, _) = plait.prepare(model, make_optimizers(model), strategy="zero2")
+    try:
+        checkpoint.save(root, step=1, model=prepared, optimizer=muon)
+    except NotImplementedError as exc:
+        return str(exc)
+    return ""
