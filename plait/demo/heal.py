@@ -53,7 +53,8 @@ class HealConfig:
     heartbeat_timeout: float = 2.0
     connect_timeout: float = 5.0
     timeout: float = 60.0
-    pace: float = 0.0  # seconds of sleep per micro-batch: room for a replacement to arrive
+    pace: float = 0.0  # seconds of sleep per micro-batch (the benchmark's slower steps)
+    rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -138,6 +139,8 @@ def train_rank(*, slot: int, world: int, address: str, join: bool, config: dict[
     started = time.perf_counter()
     steps: list[float] = []
     while trainer.steps_done < c.steps:
+        if trainer.steps_done == c.rejoin_step and len(trainer.members) < world:
+            trainer.wait_for_replacements(c.timeout)
         t0 = time.perf_counter()
         trainer.step(*batch(c, trainer.steps_done))
         steps.append(time.perf_counter() - t0)
@@ -185,7 +188,7 @@ def run(c: HealConfig, out: str, *, deadline: float = 120.0) -> HealReport:
     kwargs = {"world": c.world, "address": address, "config": asdict(c), "out": out}
     start = time.monotonic()
     dead: set[int] = set()
-    with Ranks() as ranks:
+    with Ranks(preload=(__name__,)) as ranks:
         procs = {s: ranks.spawn(train_rank, slot=s, join=False, **kwargs) for s in range(c.world)}
         while time.monotonic() - start < deadline:
             running = [p for _, p in ranks.started if p.is_alive()]

@@ -26,6 +26,8 @@ tensors: the store only carries these small decisions.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -90,19 +92,44 @@ class Membership:
 
     # --- state of other slots ----------------------------------------------------------
     def beat(self) -> None:
-        """Beat this slot's heartbeat now (while no progress thread runs yet)."""
-        self.store.set(progress.heartbeat_key(self.slot), repr(time.time()))
+        """Beat this slot's heartbeat now (while no progress thread runs yet); the first
+        beat also publishes this process's host and pid."""
+        progress.beat(self.slot)
 
     def dead(self, slot: int, since: float) -> bool:
-        """``slot`` left, or has not beaten for ``heartbeat_timeout`` (a slot that never
-        beat: for ``heartbeat_timeout`` since ``since``)."""
-        if self.store.check([f"{KEY}/left/{slot}"]):
+        """``slot`` left, a replacement asks to take it (so the process that held it is
+        gone; the replacement beats under the same key), or it has not beaten for
+        ``heartbeat_timeout`` (a slot that never beat: for that long since ``since``)."""
+        if self.store.check([f"{KEY}/left/{slot}"]) or self.store.check([f"{KEY}/join/{slot}"]):
+            return True
+        if self._gone_here(slot):
             return True
         key = progress.heartbeat_key(slot)
         now = time.time()
         if not self.store.check([key]):
             return now - since > self.heartbeat_timeout
         return now - float(self.store.get(key).decode()) > self.heartbeat_timeout
+
+    def _gone_here(self, slot: int) -> bool:
+        """``slot``'s process ran on this host and has exited (no need to wait for its
+        heartbeat to go stale): its pid is gone or a zombie."""
+        key = progress.where_key(slot)
+        if not self.store.check([key]):
+            return False
+        host, pid = self.store.get(key).decode().split(" ")[:2]
+        if host != socket.gethostname() or pid == str(os.getpid()):
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError):
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return False
 
     def leave(self) -> None:
         """Say that this slot stops (its own code raised): the others drop it at once."""
@@ -169,6 +196,7 @@ class Membership:
     def request_join(self) -> None:
         """Ask to join at the next step boundary (a replacement's first call)."""
         self.beat()
+        self.store.delete_key(f"{KEY}/left/{self.slot}")  # the process that left is gone
         self.store.set(f"{KEY}/join/{self.slot}", "1")
         self.store.add(f"{KEY}/join/count", 1)
 

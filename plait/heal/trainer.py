@@ -288,6 +288,22 @@ class HealingTrainer:
             self._grow(joiners)
         return self.last_loss
 
+    def wait_for_replacements(self, timeout: float) -> None:
+        """Block at this step boundary until every missing slot has a replacement asking
+        to join (at most ``timeout`` s; raises naming the missing slots), so that the next
+        step admits them all: a job that would rather wait than train at a smaller size.
+        Every member calls it at the same step; it reads the store, no collective."""
+        missing = [s for s in range(self.world) if s not in self.members]
+        start = time.monotonic()
+        while not all(self.store.check([f"plait/heal/join/{s}"]) for s in missing):
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"healing: slot {self.slot}: no replacement asked to join for slots "
+                    f"{missing} within {timeout:.0f} s (start one with PLAIT_HEAL_JOIN=1, "
+                    f"docs/healing.md)"
+                )
+            time.sleep(0.05)
+
     def close(self) -> None:
         """Stop this member's threads (local; call after the last step)."""
         if self.group is not None:
