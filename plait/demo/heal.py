@@ -35,7 +35,8 @@ from plait.heal.trainer import ARRIVED, HEALING, HealingTrainer
 @dataclass
 class HealConfig:
     """One healing run. ``faults``: ``[slot, step, index, how]``: slot ``slot`` dies
-    (``how``: ``"kill"`` SIGKILL, ``"raise"`` an exception) before micro-batch ``index`` of
+    (``how``: ``"kill"`` SIGKILL, ``"raise"`` an exception, ``"stop"`` SIGSTOP: frozen
+    past the heartbeat; it is never replaced, the run ends it) before micro-batch ``index`` of
     step ``step`` (``index`` -1: when it starts healing; -2 with step -1: a replacement on
     arrival). ``rejoin``: start a replacement for each slot that died, as soon as it is
     gone (``rejoin_faults``: faults of the replacements)."""
@@ -112,7 +113,7 @@ def _fault(c: HealConfig, slot: int, faults: list[list[Any]]) -> Any:
             if (step, index) == (at, where) or (index == ARRIVED and where == ARRIVED):
                 if how == "raise":
                     raise RuntimeError(f"slot {slot}: the fault asked for at step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         if index >= 0 and c.pace:
             time.sleep(c.pace)
 
@@ -192,12 +193,12 @@ def run(c: HealConfig, out: str, *, deadline: float = 120.0) -> HealReport:
     with Ranks(preload=(__name__,)) as ranks:
         procs = {s: ranks.spawn(train_rank, slot=s, join=False, **kwargs) for s in range(c.world)}
         while time.monotonic() - start < deadline:
-            running = [p for _, p in ranks.started if p.is_alive()]
+            running = [p for _, p in ranks.started if p.is_alive() and not _stopped(p.pid)]
             if not running:
                 break
             if c.rejoin:
                 for s, p in list(procs.items()):
-                    if s not in dead and not p.is_alive() and p.exitcode != 0:
+                    if s not in dead and not p.is_alive() and p.exitcode:
                         dead.add(s)
                         procs[s] = ranks.spawn(train_rank, slot=s, join=True, **kwargs)
             time.sleep(0.05)
@@ -208,6 +209,14 @@ def run(c: HealConfig, out: str, *, deadline: float = 120.0) -> HealReport:
         finals[f.stem] = np.load(f)
         records.append(json.loads(f.with_suffix(".json").read_text()))
     return HealReport(finals, records, codes, time.monotonic() - start)
+
+
+def _stopped(pid: int | None) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def max_diff(report: HealReport, ref: np.ndarray) -> float:

@@ -55,6 +55,34 @@ HEALING = -1  # the fault hook's index when a member starts healing
 ARRIVED = -2  # ... when a replacement was admitted, before it connects
 
 
+# What a healing job cannot hold: a rank of these owns a part of the model no peer has.
+_UNHEALABLE = {
+    "plait.strategies.tensor": "tensor parallelism (each tp rank holds a slice of the matmuls)",
+    "plait.strategies.pipeline": "pipeline parallelism (each pp rank holds its own stages)",
+    "plait.strategies.context": "context parallelism (each cp rank holds part of the sequence)",
+    "plait.strategies.moe": "expert parallelism (each ep rank holds its own experts)",
+    "plait.strategies.fsdp": "FSDP (each rank holds one shard of the parameters)",
+    "plait.strategies.data_parallel": "a DistributedDataParallel wrapper (healing does the "
+    "data-parallel exchange itself: pass the plain model)",
+}
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    """Refuse, naming the layer, a model a rank of which holds what no peer holds: such a
+    rank cannot be replaced from a live peer, so its failure fails the job as before and
+    ``plait run`` restarts it from the last checkpoint (docs/launching.md)."""
+    for name, sub in module.named_modules():
+        owner = type(sub).__module__
+        for prefix, what in _UNHEALABLE.items():
+            if owner.startswith(prefix) or getattr(sub, "_plait_fsdp_units", None):
+                raise ValueError(
+                    f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. Only "
+                    f"data-parallel replicas heal; a failed rank of this job fails the job, "
+                    f"and `plait run` restarts it from the last checkpoint as without "
+                    f"healing (--max-restarts, docs/launching.md)"
+                )
+
+
 class HealingTrainer:
     """The training step of a data-parallel job that survives its ranks (module docstring).
 
@@ -93,6 +121,7 @@ class HealingTrainer:
                 f"healing: world={world} slots; the blocks of the fixed tree need a power of "
                 f"two (run with -n 2, 4, 8, ...)"
             )
+        _refuse_sharded(module)
         if threads is not None:
             torch.set_num_threads(threads)
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
