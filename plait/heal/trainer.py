@@ -219,6 +219,7 @@ class HealingTrainer:
         self.heals.append(
             {"kind": "shrink", "from": list(old.members), "to": list(self.members),
              "seconds": time.perf_counter() - start, "at_step": self.steps_done,
+             "ended": time.time(),
              "cause": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
         )
 
@@ -235,7 +236,8 @@ class HealingTrainer:
         self._settle(gen)
         self.heals.append(
             {"kind": "grow", "from": list(old.members), "to": list(self.members),
-             "seconds": time.perf_counter() - start, "at_step": self.steps_done, "cause": ""}
+             "seconds": time.perf_counter() - start, "at_step": self.steps_done,
+             "ended": time.time(), "cause": ""}
         )
 
     # --- the step ----------------------------------------------------------------------
