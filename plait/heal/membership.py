@@ -225,6 +225,11 @@ class Membership:
         key = f"{KEY}/admit/{self.slot}"
         start = time.time()
         while not self.store.check([key]):
+            if self.store.check([f"{KEY}/finished"]):
+                raise RuntimeError(
+                    f"healing: replacement slot {self.slot}: the job finished training before "
+                    f"it could join"
+                )
             if time.time() - start > self.timeout:
                 raise TimeoutError(
                     f"healing: replacement slot {self.slot} was not admitted within "
@@ -236,6 +241,10 @@ class Membership:
         number = int(self.store.get(key).decode())
         self.store.delete_key(key)
         return number
+
+    def finish(self) -> None:
+        """Say that training is over (a member that finished): replacements stop waiting."""
+        self.store.set(f"{KEY}/finished", "1")
 
     def current(self) -> Generation | None:
         key = f"{KEY}/current"

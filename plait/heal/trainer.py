@@ -162,6 +162,25 @@ class HealingTrainer:
             expected = tuple(range(world))
             self._settle(self.membership.agree(0, expected, 0, wait_all=True))
 
+    @classmethod
+    def from_env(cls, module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> HealingTrainer:
+        """Built from the launcher's environment: ``RANK`` (the slot), ``WORLD_SIZE`` (the
+        full size), ``MASTER_ADDR:MASTER_PORT`` (the store), ``PLAIT_HEAL_JOIN=1`` for a
+        replacement (``python -m plait.heal.run`` sets them; by hand, see
+        docs/healing.md)."""
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"healing: environment variables {missing} are not set; start the job with "
+                f"`python -m plait.heal.run -n N script.py` (docs/healing.md)"
+            )
+        return cls(
+            module, optimizer, world=int(os.environ["WORLD_SIZE"]),
+            address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            slot=int(os.environ["RANK"]), join=os.environ.get("PLAIT_HEAL_JOIN") == "1",
+            **kwargs,
+        )
+
     # --- generations -------------------------------------------------------------------
     @property
     def members(self) -> tuple[int, ...]:
@@ -337,6 +356,7 @@ class HealingTrainer:
 
     def close(self) -> None:
         """Stop this member's threads (local; call after the last step)."""
+        self.membership.finish()
         if self.group is not None:
             self.group.shutdown()
         progress.stop()
