@@ -49,8 +49,9 @@ WORLD, BATCH, M = 4, 256, 64
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,18 +66,29 @@ def rank_main(*, slot: int, world: int, address: str, join: bool, steps: int, ou
 
     torch.set_num_threads(1)
     model = _model()
-    trainer = HealingTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3),
-                             loss_fn=nn.functional.cross_entropy, microbatch_size=M,
-                             world=world, address=address, slot=slot)
+    trainer = HealingTrainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        loss_fn=nn.functional.cross_entropy,
+        microbatch_size=M,
+        world=world,
+        address=address,
+        slot=slot,
+    )
     host, port = address.rsplit(":", 1)
     os.environ.update(RANK=str(slot), WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=port)
     import torch.distributed as dist
 
     plait.init(backend="gloo", store=dist.PrefixStore("bench-ddp", trainer.store))
     ddp_model = _model()
-    runner, ddp_opt = plait.prepare(ddp_model, torch.optim.Adam(ddp_model.parameters(), lr=1e-3),
-                                    strategy="ddp", reproducible=True, microbatch_size=M,
-                                    loss_fn=nn.functional.cross_entropy)
+    runner, ddp_opt = plait.prepare(
+        ddp_model,
+        torch.optim.Adam(ddp_model.parameters(), lr=1e-3),
+        strategy="ddp",
+        reproducible=True,
+        microbatch_size=M,
+        loss_fn=nn.functional.cross_entropy,
+    )
     times: dict[str, list[float]] = {"heal": [], "repro ddp": []}
     world_group = plait.world()
     for step in range(steps + 3):
@@ -108,8 +120,9 @@ def steady(steps: int) -> dict[str, Any]:
     store, address = start_store()
     with Ranks(preload=("plait",)) as ranks:
         for s in range(WORLD):
-            ranks.spawn(rank_main, slot=s, world=WORLD, address=address, join=False,
-                        steps=steps, out=out)
+            ranks.spawn(
+                rank_main, slot=s, world=WORLD, address=address, join=False, steps=steps, out=out
+            )
         codes = ranks.wait(600)
     if any(c != [0] for c in codes.values()):
         raise RuntimeError(f"benchmark ranks failed: exit codes {codes}")
@@ -127,8 +140,9 @@ def fault_seconds(runs: int) -> list[dict[str, float]]:
     found = []
     for _ in range(runs):
         out = tempfile.mkdtemp(prefix="plait-bench-heal-fault-")
-        c = HealConfig(world=WORLD, steps=6, batch=32, microbatch=4, faults=[[2, 3, 5, "kill"]],
-                       rejoin=False)
+        c = HealConfig(
+            world=WORLD, steps=6, batch=32, microbatch=4, faults=[[2, 3, 5, "kill"]], rejoin=False
+        )
         report = run(c, out, deadline=120)
         struck = float(Path(out, "fault-2-3.txt").read_text())
         ended = max(h["ended"] for r in report.records for h in r["heals"])
@@ -147,8 +161,14 @@ def main() -> None:
     f = fault_seconds(runs)
     load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     fault = statistics.median(x["fault_to_training"] for x in f)
-    result = {"steady": s, "faults": f, "fault_to_training_median_s": fault,
-              "load_before": load_before, "load_after": load_after, "steps": steps}
+    result = {
+        "steady": s,
+        "faults": f,
+        "fault_to_training_median_s": fault,
+        "load_before": load_before,
+        "load_after": load_after,
+        "steps": steps,
+    }
     results = Path(__file__).resolve().parent / "results"
     (results / "heal.json").write_text(json.dumps(result, indent=1) + "\n")
     ratio = s["heal"] / s["repro ddp"]
@@ -160,7 +180,7 @@ def main() -> None:
         "",
         "| 4 ranks, MLP 1.9M params, batch 256, m 64 | median |",
         "|---|---|",
-        f"| step, `plait.prepare(strategy=\"ddp\", reproducible=True)` | {1e3 * s['repro ddp']:.1f} ms |",
+        f'| step, `prepare(strategy="ddp", reproducible=True)` | {1e3 * s["repro ddp"]:.1f} ms |',
         f"| step, `HealingTrainer` | {1e3 * s['heal']:.1f} ms ({ratio:.2f}x) |",
         f"| of which the leader's store read for replacements | {1e6 * s['store_read']:.0f} us "
         f"({100 * s['store_read'] / s['heal']:.2f}% of the step) |",

@@ -32,14 +32,19 @@ def fault(step: int, index: int) -> None:
 
 
 trainer = HealingTrainer.from_env(
-    model, torch.optim.Adam(model.parameters(), lr=1e-2),
-    loss_fn=nn.functional.cross_entropy, microbatch_size=8, fault=fault,
+    model,
+    torch.optim.Adam(model.parameters(), lr=1e-2),
+    loss_fn=nn.functional.cross_entropy,
+    microbatch_size=8,
+    fault=fault,
 )
 while trainer.steps_done < args.steps:
     g = torch.Generator().manual_seed(trainer.steps_done)  # the global batch of this step
     x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
     loss = trainer.step(x, y)
 if trainer.slot == trainer.members[0]:
-    print(f"steps {trainer.steps_done}, members {list(trainer.members)}, loss {loss.item():.4f}, "
-          f"healed {[(h['kind'], h['to']) for h in trainer.heals]}")
+    print(
+        f"steps {trainer.steps_done}, members {list(trainer.members)}, loss {loss.item():.4f}, "
+        f"healed {[(h['kind'], h['to']) for h in trainer.heals]}"
+    )
 trainer.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import threading
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,8 +65,9 @@ def store():
 
 
 def _member(store, slot, world=4, hb=60.0):
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                           timeout=datetime.timedelta(seconds=10))
+    client = dist.TCPStore(
+        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
     return Membership(client, slot=slot, world=world, heartbeat_timeout=hb, timeout=10)
 
 
@@ -114,9 +114,15 @@ def _refused():
 
     model = torch.nn.Sequential(ColumnParallelLinear(4, 4, group=plait.world()))
     try:
-        HealingTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=torch.nn.functional.mse_loss, microbatch_size=1, world=2,
-                       address="127.0.0.1:1", slot=0)
+        HealingTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=torch.nn.functional.mse_loss,
+            microbatch_size=1,
+            world=2,
+            address="127.0.0.1:1",
+            slot=0,
+        )
     except ValueError as exc:
         return str(exc)
     return "not refused"

@@ -17,12 +17,13 @@ def _run(tmp_path, **kw):
     return report, max_diff(report, reference(c))
 
 
-@pytest.mark.parametrize(
-    "slot,step,index", [(0, 0, 0), (3, 1, 7), (1, 4, 3), (2, 2, 4)]
-)
+@pytest.mark.parametrize("slot,step,index", [(0, 0, 0), (3, 1, 7), (1, 4, 3), (2, 2, 4)])
 def test_kill_any_rank_at_any_step_then_rejoin_bitwise(tmp_path, slot, step, index):
     report, diff = _run(
-        tmp_path, faults=[[slot, step, index, "kill"]], rejoin=True, rejoin_step=step + 1,
+        tmp_path,
+        faults=[[slot, step, index, "kill"]],
+        rejoin=True,
+        rejoin_step=step + 1,
         steps=step + 3,
     )
     assert len(report.finals) == 4 and f"slot{slot}-join" in report.finals
@@ -57,8 +58,12 @@ def test_a_second_rank_dies_while_the_first_heals(tmp_path):
 
 def test_a_replacement_that_dies_on_arrival_is_dropped(tmp_path):
     report, diff = _run(
-        tmp_path, faults=[[2, 3, 5, "kill"]], rejoin_faults=[[2, -1, -2, "kill"]],
-        rejoin=True, rejoin_step=4, steps=6,
+        tmp_path,
+        faults=[[2, 3, 5, "kill"]],
+        rejoin_faults=[[2, -1, -2, "kill"]],
+        rejoin=True,
+        rejoin_step=4,
+        steps=6,
     )
     assert sorted(report.finals) == ["slot0", "slot1", "slot3"]
     assert report.codes[2] == [-9, -9]

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.demo.digits import load_digits
 from plait.heal.launch import Ranks, start_store
-from plait.heal.trainer import ARRIVED, HEALING, HealingTrainer
+from plait.heal.trainer import ARRIVED, HealingTrainer
+from plait.models.cnn import DigitsCNN
+from plait.strategies.reproducible import ReproducibleRunner
 
 
 @dataclass
@@ -62,8 +66,6 @@ class HealConfig:
 def _model(c: HealConfig) -> nn.Module:
     torch.manual_seed(c.seed)
     if c.model == "cnn":
-        from plait.models.cnn import DigitsCNN
-
         return DigitsCNN()
     return nn.Sequential(
         nn.Linear(16, 32, dtype=torch.float64), nn.Tanh(), nn.Linear(32, 4, dtype=torch.float64)
@@ -78,8 +80,6 @@ def batch(c: HealConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     global _DIGITS
     if c.model == "cnn":
         if _DIGITS is None:
-            from plait.demo.digits import load_digits
-
             x, y, _, _ = load_digits(c.seed)
             _DIGITS = (x, y)
         x, y = _DIGITS
@@ -122,7 +122,9 @@ def _fault(c: HealConfig, slot: int, faults: list[list[Any]], out: str) -> Any:
     return fault
 
 
-def train_rank(*, slot: int, world: int, address: str, join: bool, config: dict[str, Any], out: str) -> None:
+def train_rank(
+    *, slot: int, world: int, address: str, join: bool, config: dict[str, Any], out: str
+) -> None:
     """One rank of a healing run: train ``config.steps`` steps, write its final parameters
     (``slot<k>[-join].npy``) and its healing records (``.json``) under ``out``."""
     c = HealConfig(**config)
@@ -131,14 +133,25 @@ def train_rank(*, slot: int, world: int, address: str, join: bool, config: dict[
     faults = c.rejoin_faults if join else c.faults
     fault = _fault(c, slot, faults, out)
     if fault is None and c.pace:
+
         def fault(step: int, index: int) -> None:  # noqa: ARG001
             if index >= 0:
                 time.sleep(c.pace)
+
     trainer = HealingTrainer(
-        model, optimizer, loss_fn=nn.functional.cross_entropy, microbatch_size=c.microbatch,
-        world=world, address=address, slot=slot, join=join, reproducible=c.reproducible,
-        heartbeat_timeout=c.heartbeat_timeout, timeout=c.timeout,
-        connect_timeout=c.connect_timeout, fault=fault,
+        model,
+        optimizer,
+        loss_fn=nn.functional.cross_entropy,
+        microbatch_size=c.microbatch,
+        world=world,
+        address=address,
+        slot=slot,
+        join=join,
+        reproducible=c.reproducible,
+        heartbeat_timeout=c.heartbeat_timeout,
+        timeout=c.timeout,
+        connect_timeout=c.connect_timeout,
+        fault=fault,
     )
     started = time.perf_counter()
     steps: list[float] = []
@@ -150,17 +163,21 @@ def train_rank(*, slot: int, world: int, address: str, join: bool, config: dict[
         steps.append(time.perf_counter() - t0)
     name = f"slot{slot}{'-join' if join else ''}"
     np.save(Path(out) / f"{name}.npy", _flat(model))
-    record = {"slot": slot, "join": join, "heals": trainer.heals, "members": list(trainer.members),
-              "seconds": time.perf_counter() - started, "step_seconds": steps,
-              "loss": float(trainer.last_loss)}
+    record = {
+        "slot": slot,
+        "join": join,
+        "heals": trainer.heals,
+        "members": list(trainer.members),
+        "seconds": time.perf_counter() - started,
+        "step_seconds": steps,
+        "loss": float(trainer.last_loss),
+    }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()
 
 
 def reference(c: HealConfig) -> np.ndarray:
     """The same steps in this process: reproducible mode, no strategy (one process)."""
-    from plait.strategies.reproducible import ReproducibleRunner
-
     threads = torch.get_num_threads()
     try:
         model = _model(c)
@@ -230,8 +247,6 @@ def main(args: Any) -> int:
     """``plait demo --kill-rank R --kill-step S`` (see the module docstring): the digits
     CNN (float32) on ``-n`` slots under healing DDP; 0 when it healed and, with
     ``--check``, matched one process (bitwise with ``--reproducible``)."""
-    import tempfile
-
     n = args.nproc or 4
     bad = []
     if args.strategy != "ddp":
@@ -255,8 +270,14 @@ def main(args: Any) -> int:
         return 2
     per = (batch // m) // n
     c = HealConfig(
-        world=n, steps=steps, batch=batch, microbatch=m, lr=args.lr or 1e-3, seed=args.seed,
-        model="cnn", reproducible=args.reproducible,
+        world=n,
+        steps=steps,
+        batch=batch,
+        microbatch=m,
+        lr=args.lr or 1e-3,
+        seed=args.seed,
+        model="cnn",
+        reproducible=args.reproducible,
         faults=[[args.kill_rank, args.kill_step, args.kill_rank * per + min(1, per - 1), "kill"]],
         rejoin=not args.no_rejoin,
         rejoin_step=-1 if args.no_rejoin else min(steps - 1, args.kill_step + 2),

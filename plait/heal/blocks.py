@@ -78,7 +78,7 @@ def block_tree_all_reduce(
         ch.wait(*pending)
         for theirs, buf in recv_bufs.values():
             size = buf.numel() // len(theirs)
-            for v, piece in zip(theirs, buf.split([size] * len(theirs))):
+            for v, piece in zip(theirs, buf.split([size] * len(theirs)), strict=True):
                 got[v] = piece
         summed = tree_sum([got[v] for v in range(world)])
         out_chunks = _chunks(result, n)

@@ -56,6 +56,7 @@ def build(
     prefix = dist.PrefixStore(f"{KEY}/gen{gen.number}/pg", store)
     rank, size = gen.members.index(slot), len(gen.members)
     delta = datetime.timedelta(seconds=connect_timeout)
+    pg: Any
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefix, rank, size, delta)
     elif backend == "nccl":

@@ -1,9 +1,9 @@
 """Start the ranks of a healing job on this machine, a replacement, and the store.
 
 The rendezvous store must outlive every rank (a rank may die; the store may not), so it
-lives in the launching process: :func:`start_store`. :func:`spawn_rank` starts one rank
+lives in the launching process: :func:`start_store`. :meth:`Ranks.spawn` starts one rank
 as a fresh process (``multiprocessing``'s forkserver method: no state of the launcher
-inherited, killable on its own), running ``fn(slot=..., world=..., address=..., join=..., **kwargs)``;
+inherited, killable on its own), running ``fn(slot=..., **kwargs)``;
 :class:`Ranks` keeps them and ends every one it started (:meth:`Ranks.close`), so a test
 or demo leaves no process behind.
 

@@ -43,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plait.heal.run: {a.nproc} ranks, store at {address}", file=sys.stderr, flush=True)
 
     def start(slot: int, join: bool) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, RANK=str(slot), WORLD_SIZE=str(a.nproc), MASTER_ADDR=host,
-                   MASTER_PORT=port, PLAIT_HEAL_JOIN="1" if join else "0")
+        env = dict(
+            os.environ,
+            RANK=str(slot),
+            WORLD_SIZE=str(a.nproc),
+            MASTER_ADDR=host,
+            MASTER_PORT=port,
+            PLAIT_HEAL_JOIN="1" if join else "0",
+        )
         return subprocess.Popen([sys.executable, a.script, *a.args], env=env)
 
     procs = {s: start(s, False) for s in range(a.nproc)}
@@ -59,12 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                 del procs[s]
                 codes[s] = code
                 if code != 0:
-                    print(f"plait.heal.run: rank {s} exited with {code}; the others heal",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"plait.heal.run: rank {s} exited with {code}; the others heal",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     if left > 0:
                         left -= 1
-                        print(f"plait.heal.run: starting a replacement for rank {s}",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"plait.heal.run: starting a replacement for rank {s}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         procs[s] = start(s, True)
             time.sleep(0.1)
     finally:

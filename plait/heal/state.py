@@ -35,7 +35,7 @@ def manifest(optimizer: torch.optim.Optimizer) -> str:
     or value (numbers)."""
     out = []
     for p in _opt_params(optimizer):
-        entry = {}
+        entry: dict[str, list[Any]] = {}
         for k, v in sorted(optimizer.state.get(p, {}).items()):
             if torch.is_tensor(v):
                 entry[k] = ["tensor", list(v.shape), str(v.dtype)]
@@ -56,7 +56,7 @@ def _materialize(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    for p, g in zip(params, saved):
+    for p, g in zip(params, saved, strict=True):
         p.grad = g
 
 
@@ -69,9 +69,9 @@ def adopt_manifest(optimizer: torch.optim.Optimizer, text: str) -> None:
             f"healing: the source's optimizer has {len(wanted)} parameters, this one "
             f"{len(params)}: a replacement must build the same model and optimizer"
         )
-    if any(w and not optimizer.state.get(p) for w, p in zip(wanted, params)):
+    if any(w and not optimizer.state.get(p) for w, p in zip(wanted, params, strict=True)):
         _materialize(optimizer)
-    for i, (w, p) in enumerate(zip(wanted, params)):
+    for i, (w, p) in enumerate(zip(wanted, params, strict=True)):
         state = optimizer.state[p] if w else {}
         if sorted(state) != sorted(w):
             raise ValueError(
@@ -98,7 +98,9 @@ def tensors(
     return out + [rng, cursor]
 
 
-def transfer(group: Group, items: list[torch.Tensor], *, source: int, receivers: tuple[int, ...]) -> None:
+def transfer(
+    group: Group, items: list[torch.Tensor], *, source: int, receivers: tuple[int, ...]
+) -> None:
     """``source`` (a slot) sends ``items`` to every slot of ``receivers``, which receive
     them in place. Collective on ``group``: every member calls it (the others only count
     it). Point-to-point sends, ``len(receivers)`` times the state's bytes out of the source."""
@@ -113,7 +115,7 @@ def transfer(group: Group, items: list[torch.Tensor], *, source: int, receivers:
         elif ch.rank in dst:
             bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
             ch.wait(*[ch.irecv(b, src) for b in bufs])
-            for t, b in zip(items, bufs):
+            for t, b in zip(items, bufs, strict=True):
                 t.copy_(b)
 
     group.run(

@@ -143,7 +143,10 @@ class HealingTrainer:
         progress.configure(host, int(port))
         watchdog.configure(heartbeat_timeout)
         self.membership = Membership(
-            self.store, slot=slot, world=world, heartbeat_timeout=heartbeat_timeout,
+            self.store,
+            slot=slot,
+            world=world,
+            heartbeat_timeout=heartbeat_timeout,
             timeout=timeout,
         )
         self.steps_done = 0
@@ -163,21 +166,28 @@ class HealingTrainer:
             self._settle(self.membership.agree(0, expected, 0, wait_all=True))
 
     @classmethod
-    def from_env(cls, module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> HealingTrainer:
+    def from_env(
+        cls, module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    ) -> HealingTrainer:
         """Built from the launcher's environment: ``RANK`` (the slot), ``WORLD_SIZE`` (the
         full size), ``MASTER_ADDR:MASTER_PORT`` (the store), ``PLAIT_HEAL_JOIN=1`` for a
         replacement (``python -m plait.heal.run`` sets them; by hand, see
         docs/healing.md)."""
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
         if missing:
             raise RuntimeError(
                 f"healing: environment variables {missing} are not set; start the job with "
                 f"`python -m plait.heal.run -n N script.py` (docs/healing.md)"
             )
         return cls(
-            module, optimizer, world=int(os.environ["WORLD_SIZE"]),
+            module,
+            optimizer,
+            world=int(os.environ["WORLD_SIZE"]),
             address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            slot=int(os.environ["RANK"]), join=os.environ.get("PLAIT_HEAL_JOIN") == "1",
+            slot=int(os.environ["RANK"]),
+            join=os.environ.get("PLAIT_HEAL_JOIN") == "1",
             **kwargs,
         )
 
@@ -207,7 +217,11 @@ class HealingTrainer:
     def _enter(self, gen: Generation) -> None:
         self.gen = gen
         self.group = groups.build(
-            self.store, gen, self.slot, backend=self.backend, timeout=self.timeout,
+            self.store,
+            gen,
+            self.slot,
+            backend=self.backend,
+            timeout=self.timeout,
             connect_timeout=self.connect_timeout,
         )
         receivers = gen.members[1:] if gen.number == 0 else gen.receivers
@@ -218,7 +232,9 @@ class HealingTrainer:
             elif self.slot in receivers:
                 state.adopt_manifest(self.optimizer, self.store.get(key).decode())
             rng = torch.get_rng_state()
-            cursor = torch.tensor([float(self.steps_done), float(self.last_loss)], dtype=torch.float64)
+            cursor = torch.tensor(
+                [float(self.steps_done), float(self.last_loss)], dtype=torch.float64
+            )
             items = state.tensors(self.module, self.optimizer, rng, cursor)
             state.transfer(self.group, items, source=gen.source, receivers=receivers)
             if self.slot in receivers:
@@ -236,10 +252,15 @@ class HealingTrainer:
         old = self.gen
         self._settle(self.membership.agree(old.number + 1, old.members, self.steps_done))
         self.heals.append(
-            {"kind": "shrink", "from": list(old.members), "to": list(self.members),
-             "seconds": time.perf_counter() - start, "at_step": self.steps_done,
-             "ended": time.time(),
-             "cause": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            {
+                "kind": "shrink",
+                "from": list(old.members),
+                "to": list(self.members),
+                "seconds": time.perf_counter() - start,
+                "at_step": self.steps_done,
+                "ended": time.time(),
+                "cause": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            }
         )
 
     def _grow(self, mask: int) -> None:
@@ -254,9 +275,15 @@ class HealingTrainer:
         self.group = None
         self._settle(gen)
         self.heals.append(
-            {"kind": "grow", "from": list(old.members), "to": list(self.members),
-             "seconds": time.perf_counter() - start, "at_step": self.steps_done,
-             "ended": time.time(), "cause": ""}
+            {
+                "kind": "grow",
+                "from": list(old.members),
+                "to": list(self.members),
+                "seconds": time.perf_counter() - start,
+                "at_step": self.steps_done,
+                "ended": time.time(),
+                "cause": "",
+            }
         )
 
     # --- the step ----------------------------------------------------------------------
@@ -309,12 +336,15 @@ class HealingTrainer:
                 (loss * scale).backward()
                 losses.push(loss.detach().to(self.dtype).reshape(1))
                 if self.reproducible:
-                    for acc, p in zip(sums, self.params):
+                    for acc, p in zip(sums, self.params, strict=True):
                         acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
             if self.reproducible:
                 grads = [acc.result().reshape(-1) for acc in sums]
             else:  # accumulated in .grad over the block's micro-batches
-                grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+                grads = [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in self.params
+                ]
             extra = torch.tensor([0.0, float(mask if i == 0 else 0)], dtype=self.dtype)
             extra[0] = losses.result().reshape(())
             partials[v] = torch.cat(grads + [extra])
@@ -323,7 +353,9 @@ class HealingTrainer:
                 partials, owned=self.owned, world=world, group=self.group
             )
         else:
-            total = sum(partials[v] for v in mine)
+            total = partials[mine[0]].clone()
+            for v in mine[1:]:
+                total += partials[v]
             if self.group.size > 1:
                 ops.all_reduce(total, group=self.group)
         offset = 0
