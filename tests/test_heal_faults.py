@@ -82,3 +82,90 @@ def test_without_reproducible_mode_the_run_is_within_the_tolerance(tmp_path):
     assert diff < 1e-12
     finals = list(report.finals.values())
     assert all(np.array_equal(f, finals[0]) for f in finals)  # members agree exactly
+
+
+def test_the_demo_command_heals_bitwise():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "demo",
+            "-n",
+            "4",
+            "--reproducible",
+            "--check",
+            "--kill-rank",
+            "2",
+            "--kill-step",
+            "3",
+            "--batch-size",
+            "256",
+            "--microbatch-size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plait demo: healed; 4 ranks finished at size [4]" in proc.stdout
+    assert "max diff 0 (bitwise)" in proc.stdout
+
+
+def test_the_demo_refuses_a_sharded_strategy_by_name():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "demo",
+            "--strategy",
+            "fsdp",
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--strategy fsdp" in proc.stderr and "not healed yet" in proc.stderr
+
+
+def test_plait_heal_run_replaces_a_killed_rank(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.heal.run",
+            "-n",
+            "4",
+            "--replacements",
+            "1",
+            "examples/heal_train.py",
+            "--steps",
+            "3000",
+            "--kill-rank",
+            "2",
+            "--kill-step",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 2 exited with -9; the others heal" in proc.stderr
+    assert "members [0, 1, 2, 3]" in proc.stdout

@@ -360,7 +360,7 @@ class HealingTrainer:
                 ops.all_reduce(total, group=self.group)
         offset = 0
         for p in self.params:
-            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            p.grad = total[offset : offset + p.numel()].view_as(p)  # a view: no copy
             offset += p.numel()
         self.optimizer.step()
         self.steps_done += 1
