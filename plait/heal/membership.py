@@ -100,7 +100,7 @@ class Membership:
         """``slot`` left, a replacement asks to take it (so the process that held it is
         gone; the replacement beats under the same key), or it has not beaten for
         ``heartbeat_timeout`` (a slot that never beat: for that long since ``since``)."""
-        if self.store.check([f"{KEY}/left/{slot}"]) or self.store.check([f"{KEY}/join/{slot}"]):
+        if self.store.check([f"{KEY}/join/{slot}"]) or self._left(slot):
             return True
         if self._gone_here(slot):
             return True
@@ -109,6 +109,18 @@ class Membership:
         if not self.store.check([key]):
             return now - since > self.heartbeat_timeout
         return now - float(self.store.get(key).decode()) > self.heartbeat_timeout
+
+    def _left(self, slot: int) -> bool:
+        """The process now holding ``slot`` said it stops (a ``left`` key written by an
+        earlier process of the slot, one that froze and woke up after its replacement
+        joined, does not count: the key names the pid that wrote it)."""
+        key = f"{KEY}/left/{slot}"
+        if not self.store.check([key]):
+            return False
+        where = progress.where_key(slot)
+        if not self.store.check([where]):
+            return True
+        return self.store.get(key).decode() == self.store.get(where).decode().split(" ")[1]
 
     def _gone_here(self, slot: int) -> bool:
         """``slot``'s process ran on this host and has exited (no need to wait for its
@@ -134,7 +146,7 @@ class Membership:
     def leave(self) -> None:
         """Say that this slot stops (its own code raised): the others drop it at once."""
         try:
-            self.store.set(f"{KEY}/left/{self.slot}", "1")
+            self.store.set(f"{KEY}/left/{self.slot}", str(os.getpid()))
         except Exception:
             pass
 
@@ -218,6 +230,7 @@ class Membership:
         """Tell each joiner the generation it joins (the leader, after the step)."""
         for s in joiners:
             self.store.delete_key(f"{KEY}/join/{s}")
+            self.store.set(f"{KEY}/admitted/{s}", str(number))  # kept: see wait_for_replacements
             self.store.set(f"{KEY}/admit/{s}", str(number))
 
     def wait_admitted(self) -> int:

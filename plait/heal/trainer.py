@@ -152,6 +152,7 @@ class HealingTrainer:
         self.steps_done = 0
         self.last_loss = torch.tensor(float("nan"))
         self.heals: list[dict[str, Any]] = []  # one record per generation change
+        self._entered: Generation | None = None  # the last generation entered in full
         self.group: Group | None = None
         self.gen: Generation
         if join:
@@ -215,6 +216,10 @@ class HealingTrainer:
         )
 
     def _enter(self, gen: Generation) -> None:
+        if self._entered is not None:  # slots lost while they trained: when (agreed numbers)
+            for s in self._entered.members:
+                if s not in gen.members:
+                    self.store.set(f"plait/heal/lost/{s}", str(gen.number))
         self.gen = gen
         self.group = groups.build(
             self.store,
@@ -242,6 +247,7 @@ class HealingTrainer:
                 self.steps_done = int(cursor[0].item())
                 self.last_loss = cursor[1].clone()
         self.owned = blocks.assign(gen.members, self.world)
+        self._entered = gen
 
     def _heal(self, exc: BaseException) -> None:
         start = time.perf_counter()
@@ -372,12 +378,22 @@ class HealingTrainer:
 
     def wait_for_replacements(self, timeout: float) -> None:
         """Block at this step boundary until every missing slot has a replacement asking
-        to join (at most ``timeout`` s; raises naming the missing slots), so that the next
-        step admits them all: a job that would rather wait than train at a smaller size.
+        to join, or had one since it was lost (that died on arrival), at most ``timeout``
+        s (raises naming the missing slots): the next step admits them all, for a job
+        that would rather wait than train at a smaller size.
         Every member calls it at the same step; it reads the store, no collective."""
         missing = [s for s in range(self.world) if s not in self.members]
         start = time.monotonic()
-        while not all(self.store.check([f"plait/heal/join/{s}"]) for s in missing):
+
+        def number(key: str) -> int:
+            return int(self.store.get(key).decode()) if self.store.check([key]) else -1
+
+        def tried(s: int) -> bool:  # asking now, or one was admitted since s was lost
+            if self.store.check([f"plait/heal/join/{s}"]):
+                return True
+            return number(f"plait/heal/admitted/{s}") > number(f"plait/heal/lost/{s}")
+
+        while not all(tried(s) for s in missing):
             if time.monotonic() - start > timeout:
                 raise TimeoutError(
                     f"healing: slot {self.slot}: no replacement asked to join for slots "
