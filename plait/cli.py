@@ -332,6 +332,13 @@ def _slow_worker(text: str | None) -> tuple[int, float] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.kill_rank is not None or args.kill_step is not None:
+        from plait.demo import heal as demo_heal
+
+        if args.kill_rank is None:
+            print("plait demo: --kill-step needs --kill-rank", file=sys.stderr)
+            return 2
+        return demo_heal.main(args)
     if args.tour:
         from plait.demo import tour as demo_tour
 
@@ -682,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also train in one process on the global batch and compare",
     )
+    heal = demo.add_argument_group("healing (docs/healing.md)")
+    heal.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank mid-step")
+    heal.add_argument("--kill-step", type=int, default=None, help="in this step (from 0)")
+    heal.add_argument("--no-rejoin", action="store_true", help="no replacement: end at n - 1")
     demo.set_defaults(func=_demo)
 
     bench_p = sub.add_parser("bench", help="measure")

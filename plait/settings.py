@@ -292,6 +292,7 @@ LAUNCHER_VARIABLES = (
     "PLAIT_FRESH_STORE",
     "PLAIT_RESTART_COUNT",
     "PLAIT_MAX_RESTARTS",
+    "PLAIT_HEAL_JOIN",  # python -m plait.heal.run: "1" for a replacement (docs/healing.md)
 )
 
 

@@ -1,0 +1,103 @@
+"""Which live slot computes which block of the summation tree, and the exchange that
+adds the blocks in the tree's order whatever their owners.
+
+The global batch is ``M`` micro-batches cut into ``world`` blocks of ``M / world`` (the
+job's full size, a power of two dividing ``M``): block ``v`` is micro-batches
+``v*M/world ... (v+1)*M/world - 1``, one whole subtree of the fixed tree
+(:mod:`plait.strategies.reproducible.tree`). While every slot lives, slot ``v`` computes
+block ``v``: the layout of reproducible DDP at ``W = world``. When slots are missing their
+blocks go to the survivors (:func:`assign`), so a survivor may sum more than one subtree;
+the tree's top ``log2(world)`` levels are still added over block index, never over live
+ranks, so the result has the bits of the full world and of one process.
+
+Communication contract of :func:`block_tree_all_reduce` (one collective on the generation's
+group, counted as ``all_reduce`` / ``tree_order/blocks``): with ``n`` members, the flat
+vector is cut into ``n`` chunks; member ``i`` sends member ``j`` its blocks' pieces of chunk
+``j`` (point-to-point), member ``j`` adds the ``world`` pieces of its chunk with ``tree_sum``
+in block order, then sends its summed chunk to every other member. Per member: ``k (n-1)/n``
+of the vector out in the first phase (``k``: blocks it holds) and ``(n-1)/n`` in the
+second; with one block each (``k = 1``) that is ``2(n-1)/n``, the bytes of a ring
+all-reduce. Blocks on every member of the group until done (the group's timeout and
+watchdog).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.comm.group import Channel, Group
+from plait.strategies.reproducible.tree import tree_sum
+
+
+def assign(members: tuple[int, ...], world: int) -> dict[int, list[int]]:
+    """Blocks per member: each live slot keeps its own block; the missing slots' blocks go
+    to the members in turn, those with fewest blocks first (ties: lowest slot)."""
+    if not members:
+        raise ValueError("healing: no live member left to compute the blocks")
+    owned = {s: [s] for s in members}
+    for v in range(world):
+        if v not in owned:
+            least = min(members, key=lambda s: (len(owned[s]), s))
+            owned[least].append(v)
+    return owned
+
+
+def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
+    base, extra = divmod(flat.numel(), n)
+    return list(flat.split([base + (i < extra) for i in range(n)]))
+
+
+def block_tree_all_reduce(
+    partials: dict[int, torch.Tensor], *, owned: dict[int, list[int]], world: int, group: Group
+) -> torch.Tensor:
+    """The sum of every block's partial (``partials``: this member's blocks, flat vectors
+    of one length and dtype), added along the balanced tree over block index; the same
+    bits on every member. ``owned``: :func:`assign` of the group's members."""
+    mine = sorted(partials)
+    sample = partials[mine[0]]
+    if group.size == 1:
+        return tree_sum([partials[v] for v in range(world)])
+    members = group.ranks  # slots, in group-rank order
+    result = torch.empty_like(sample)
+
+    def body(ch: Channel) -> None:
+        n = ch.size
+        pieces = {v: _chunks(partials[v], n) for v in mine}
+        me = ch.rank
+        got: dict[int, torch.Tensor] = {v: pieces[v][me] for v in mine}
+        recv_bufs, pending = {}, []
+        for p in range(n):
+            if p == me:
+                continue
+            theirs = sorted(owned[members[p]])
+            buf = torch.empty(len(theirs) * pieces[mine[0]][me].numel(), dtype=sample.dtype)
+            recv_bufs[p] = (theirs, buf)
+            pending.append(ch.irecv(buf, p))
+            out = torch.cat([pieces[v][p] for v in mine])
+            pending.append(ch.isend(out, p))
+        ch.wait(*pending)
+        for theirs, buf in recv_bufs.values():
+            size = buf.numel() // len(theirs)
+            for v, piece in zip(theirs, buf.split([size] * len(theirs)), strict=True):
+                got[v] = piece
+        summed = tree_sum([got[v] for v in range(world)])
+        out_chunks = _chunks(result, n)
+        out_chunks[me].copy_(summed)
+        pending = []
+        for p in range(n):
+            if p != me:
+                pending.append(ch.irecv(out_chunks[p], p))
+                pending.append(ch.isend(summed, p))
+        ch.wait(*pending)
+
+    nbytes = sample.numel() * sample.element_size()
+    group.run(
+        "all_reduce",
+        "tree_order/blocks",
+        body,
+        async_op=False,
+        payload_bytes=nbytes,
+        signature=f"blocks {str(sample.dtype)[6:]} bytes={nbytes}",
+        desc=f"blocks {mine} of {world}",
+    )
+    return result

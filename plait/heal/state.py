@@ -1,0 +1,129 @@
+"""The training state a live member hands to a replacement (or to a survivor one step
+behind): parameters, buffers, optimizer state, RNG and the data cursor, from live memory.
+
+Nothing is read from a checkpoint: every member of a healing job holds the full
+replicated state (data-parallel replicas), so any one of them can send it. The tensors
+travel point to point on the generation's group (the source sends each receiver every
+tensor, in one fixed order: parameters, buffers, the optimizer's state per parameter in
+key order, the CPU RNG state, the cursor). Plain values of the optimizer state (numbers)
+and the shapes travel as a JSON manifest in the store, so nothing is pickled.
+
+A receiver whose optimizer holds no state yet (a fresh process) first materializes it by
+one step on zero gradients (every entry exists afterwards, with the right shapes); the
+values are then overwritten by what it receives.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.comm.group import Channel, Group
+
+KEY = "plait/heal"
+
+
+def _opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def manifest(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer state's layout: per parameter, each key's shape and dtype (tensors)
+    or value (numbers)."""
+    out = []
+    for p in _opt_params(optimizer):
+        entry: dict[str, list[Any]] = {}
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(v):
+                entry[k] = ["tensor", list(v.shape), str(v.dtype)]
+            elif isinstance(v, (int, float, bool)) or v is None:
+                entry[k] = ["value", v]
+            else:
+                raise TypeError(
+                    f"healing: optimizer state key {k!r} holds a {type(v).__name__}; only "
+                    f"tensors and numbers can be sent to a replacement"
+                )
+        out.append(entry)
+    return json.dumps(out)
+
+
+def _materialize(optimizer: torch.optim.Optimizer) -> None:
+    params = _opt_params(optimizer)
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+
+
+def adopt_manifest(optimizer: torch.optim.Optimizer, text: str) -> None:
+    """Give this optimizer the source's state layout (and plain values)."""
+    wanted = json.loads(text)
+    params = _opt_params(optimizer)
+    if len(wanted) != len(params):
+        raise ValueError(
+            f"healing: the source's optimizer has {len(wanted)} parameters, this one "
+            f"{len(params)}: a replacement must build the same model and optimizer"
+        )
+    if any(w and not optimizer.state.get(p) for w, p in zip(wanted, params, strict=True)):
+        _materialize(optimizer)
+    for i, (w, p) in enumerate(zip(wanted, params, strict=True)):
+        state = optimizer.state[p] if w else {}
+        if sorted(state) != sorted(w):
+            raise ValueError(
+                f"healing: optimizer parameter {i}: the source's state has keys {sorted(w)}, "
+                f"this one {sorted(state)}"
+            )
+        for k, (kind, *rest) in w.items():
+            if kind == "value":
+                state[k] = rest[0]
+            elif list(state[k].shape) != rest[0]:
+                raise ValueError(
+                    f"healing: optimizer parameter {i} state {k!r}: shape {rest[0]} at the "
+                    f"source, {list(state[k].shape)} here"
+                )
+
+
+def tensors(
+    module: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor, cursor: torch.Tensor
+) -> list[torch.Tensor]:
+    """Every tensor of the state, in the order they travel."""
+    out = [p.data for p in module.parameters()] + [b.data for b in module.buffers()]
+    for p in _opt_params(optimizer):
+        out += [v for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
+    return out + [rng, cursor]
+
+
+def transfer(
+    group: Group, items: list[torch.Tensor], *, source: int, receivers: tuple[int, ...]
+) -> None:
+    """``source`` (a slot) sends ``items`` to every slot of ``receivers``, which receive
+    them in place. Collective on ``group``: every member calls it (the others only count
+    it). Point-to-point sends, ``len(receivers)`` times the state's bytes out of the source."""
+    src = group.ranks.index(source)
+    dst = [group.ranks.index(r) for r in receivers]
+    nbytes = sum(t.numel() * t.element_size() for t in items)
+
+    def body(ch: Channel) -> None:
+        if ch.rank == src:
+            pending = [ch.isend(t.contiguous(), d) for d in dst for t in items]
+            ch.wait(*pending)
+        elif ch.rank in dst:
+            bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
+            ch.wait(*[ch.irecv(b, src) for b in bufs])
+            for t, b in zip(items, bufs, strict=True):
+                t.copy_(b)
+
+    group.run(
+        "broadcast",
+        "heal/state",
+        body,
+        async_op=False,
+        payload_bytes=nbytes,
+        signature=f"state from {source} to {list(receivers)} bytes={nbytes}",
+        desc="healing state transfer",
+    )

@@ -1,0 +1,410 @@
+"""A data-parallel training step that heals: a dead rank's blocks go to the survivors,
+a replacement joins at a step boundary, and (reproducible mode) the bits do not move.
+
+``HealingTrainer(model, optimizer, loss_fn=f, microbatch_size=m, world=W, address=
+"host:port", slot=r)`` then ``while trainer.steps_done < steps: trainer.step(*batch(
+trainer.steps_done))`` with the *global* batch of step ``trainer.steps_done`` (the data
+cursor: a replacement receives it with the state). Each step:
+
+1. this member runs the micro-batches of the blocks it owns (:mod:`.blocks`), each loss
+   (the mean over ``m`` samples) scaled by ``1/M``, summing each block's gradients along
+   the fixed tree (:class:`~plait.strategies.reproducible.tree.TreeSum`);
+2. one :func:`~.blocks.block_tree_all_reduce` on the generation's group adds the ``W``
+   block sums in block order (two extra elements ride along: the blocks' loss sums and the
+   leader's mask of replacements asking to join, so neither costs a collective);
+3. every member steps its full optimizer (replicated state, as DDP).
+
+When the exchange raises (a member was killed, raised, or froze past the heartbeat),
+the member abandons the generation's group (:func:`.groups.abandon`), agrees on the next
+generation (:mod:`.membership`), builds its group, receives the state if it is behind
+(:mod:`.state`), and redoes the interrupted step from the parameters before it: the
+optimizer had not stepped, because the exchange comes first. A member that finished the
+step before the failure reached it sends the finished state to those behind instead.
+When the mask names replacements, every member admits them after the step, agrees on
+the grown generation, and the leader sends them the state.
+
+``reproducible=True`` (the default) sums along the tree over block index whatever the
+membership, so the parameters equal the uninterrupted run and one process bitwise.
+``reproducible=False`` sums each member's blocks in arrival order and all-reduces with
+plait's default algorithm over the live members: the sum of the same ``M`` micro-batch
+gradients in another order, within ``M * eps`` relative of the uninterrupted run per
+step (docs/healing.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm import ops, progress, watchdog
+from plait.comm.errors import CollectiveError
+from plait.comm.group import Group
+from plait.heal import blocks, groups, state
+from plait.heal.membership import Excluded, Generation, Membership
+from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
+
+Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
+HEALING = -1  # the fault hook's index when a member starts healing
+ARRIVED = -2  # ... when a replacement was admitted, before it connects
+
+
+# What a healing job cannot hold: a rank of these owns a part of the model no peer has.
+_UNHEALABLE = {
+    "plait.strategies.tensor": "tensor parallelism (each tp rank holds a slice of the matmuls)",
+    "plait.strategies.pipeline": "pipeline parallelism (each pp rank holds its own stages)",
+    "plait.strategies.context": "context parallelism (each cp rank holds part of the sequence)",
+    "plait.strategies.moe": "expert parallelism (each ep rank holds its own experts)",
+    "plait.strategies.fsdp": "FSDP (each rank holds one shard of the parameters)",
+    "plait.strategies.data_parallel": "a DistributedDataParallel wrapper (healing does the "
+    "data-parallel exchange itself: pass the plain model)",
+}
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    """Refuse, naming the layer, a model a rank of which holds what no peer holds: such a
+    rank cannot be replaced from a live peer, so its failure fails the job as before and
+    ``plait run`` restarts it from the last checkpoint (docs/launching.md)."""
+    for name, sub in module.named_modules():
+        owner = type(sub).__module__
+        for prefix, what in _UNHEALABLE.items():
+            if owner.startswith(prefix) or getattr(sub, "_plait_fsdp_units", None):
+                raise ValueError(
+                    f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. Only "
+                    f"data-parallel replicas heal; a failed rank of this job fails the job, "
+                    f"and `plait run` restarts it from the last checkpoint as without "
+                    f"healing (--max-restarts, docs/launching.md)"
+                )
+
+
+class HealingTrainer:
+    """The training step of a data-parallel job that survives its ranks (module docstring).
+
+    ``world``: the job's full size (slots), a power of two; ``slot``: this process's slot;
+    ``join``: this process replaces a dead slot and joins at the next step boundary.
+    ``address``: the rendezvous store (``host:port``, ``MASTER_ADDR:MASTER_PORT``), which
+    must outlive every rank (``plait run`` and :func:`plait.heal.launch.start_store` host
+    it). ``heartbeat_timeout``: seconds of silence after which a rank is dead; ``timeout``:
+    the longest a collective or an agreement waits; ``connect_timeout``: the longest a new
+    generation's group takes to connect. ``fault``: called before every micro-batch with
+    (step, micro-batch index), when healing starts with (step, ``HEALING``) and when a
+    replacement is admitted with (-1, ``ARRIVED``): fault tests and the demo kill or raise
+    there."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        microbatch_size: int,
+        world: int,
+        address: str,
+        slot: int,
+        join: bool = False,
+        backend: str = "gloo",
+        reproducible: bool = True,
+        heartbeat_timeout: float = 2.0,
+        timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        threads: int | None = 1,
+        fault: Fault | None = None,
+    ) -> None:
+        if not is_power_of_two(world):
+            raise LayoutError(
+                f"healing: world={world} slots; the blocks of the fixed tree need a power of "
+                f"two (run with -n 2, 4, 8, ...)"
+            )
+        _refuse_sharded(module)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
+        self.microbatch_size, self.world, self.slot = microbatch_size, world, slot
+        self.backend, self.reproducible, self.fault = backend, reproducible, fault
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"healing: the trainable parameters have dtypes {sorted(map(str, dtypes))}; "
+                f"the exchange carries one flat vector of one dtype"
+            )
+        self.dtype = dtypes.pop()
+        host, port = address.rsplit(":", 1)
+        self.store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+        progress.configure(host, int(port))
+        watchdog.configure(heartbeat_timeout)
+        self.membership = Membership(
+            self.store,
+            slot=slot,
+            world=world,
+            heartbeat_timeout=heartbeat_timeout,
+            timeout=timeout,
+        )
+        self.steps_done = 0
+        self.last_loss = torch.tensor(float("nan"))
+        self.heals: list[dict[str, Any]] = []  # one record per generation change
+        self._entered: Generation | None = None  # the last generation entered in full
+        self.group: Group | None = None
+        self.gen: Generation
+        if join:
+            self.membership.request_join()
+            number = self.membership.wait_admitted()
+            gen = self.membership.agree(number, (), -1, wait_all=True, propose=False)
+            if fault is not None:
+                fault(-1, ARRIVED)
+            self._settle(gen)
+        else:
+            expected = tuple(range(world))
+            self._settle(self.membership.agree(0, expected, 0, wait_all=True))
+
+    @classmethod
+    def from_env(
+        cls, module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    ) -> HealingTrainer:
+        """Built from the launcher's environment: ``RANK`` (the slot), ``WORLD_SIZE`` (the
+        full size), ``MASTER_ADDR:MASTER_PORT`` (the store), ``PLAIT_HEAL_JOIN=1`` for a
+        replacement (``python -m plait.heal.run`` sets them; by hand, see
+        docs/healing.md)."""
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise RuntimeError(
+                f"healing: environment variables {missing} are not set; start the job with "
+                f"`python -m plait.heal.run -n N script.py` (docs/healing.md)"
+            )
+        return cls(
+            module,
+            optimizer,
+            world=int(os.environ["WORLD_SIZE"]),
+            address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            slot=int(os.environ["RANK"]),
+            join=os.environ.get("PLAIT_HEAL_JOIN") == "1",
+            **kwargs,
+        )
+
+    # --- generations -------------------------------------------------------------------
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.gen.members
+
+    def _settle(self, gen: Generation) -> None:
+        """Enter ``gen``, and the next ones while entering fails (a member died during
+        the build or the state transfer)."""
+        for _ in range(2 * self.world + 2):
+            try:
+                self._enter(gen)
+                return
+            except (CollectiveError, RuntimeError, TimeoutError) as exc:
+                if isinstance(exc, Excluded):
+                    raise
+                groups.abandon(self.group, exc)
+                self.group = None
+                gen = self.membership.agree(gen.number + 1, gen.members, self.steps_done)
+        raise RuntimeError(
+            f"healing: slot {self.slot}: {2 * self.world + 2} generations failed one after "
+            f"another (last: {gen.number}, members {list(gen.members)}); giving up"
+        )
+
+    def _enter(self, gen: Generation) -> None:
+        if self._entered is not None:  # slots lost while they trained: when (agreed numbers)
+            for s in self._entered.members:
+                if s not in gen.members:
+                    self.store.set(f"plait/heal/lost/{s}", str(gen.number))
+        self.gen = gen
+        self.group = groups.build(
+            self.store,
+            gen,
+            self.slot,
+            backend=self.backend,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+        )
+        receivers = gen.members[1:] if gen.number == 0 else gen.receivers
+        if receivers:
+            key = f"plait/heal/gen{gen.number}/manifest"
+            if self.slot == gen.source:
+                self.store.set(key, state.manifest(self.optimizer))
+            elif self.slot in receivers:
+                state.adopt_manifest(self.optimizer, self.store.get(key).decode())
+            rng = torch.get_rng_state()
+            cursor = torch.tensor(
+                [float(self.steps_done), float(self.last_loss)], dtype=torch.float64
+            )
+            items = state.tensors(self.module, self.optimizer, rng, cursor)
+            state.transfer(self.group, items, source=gen.source, receivers=receivers)
+            if self.slot in receivers:
+                torch.set_rng_state(rng)
+                self.steps_done = int(cursor[0].item())
+                self.last_loss = cursor[1].clone()
+        self.owned = blocks.assign(gen.members, self.world)
+        self._entered = gen
+
+    def _heal(self, exc: BaseException) -> None:
+        start = time.perf_counter()
+        if self.fault is not None:
+            self.fault(self.steps_done, HEALING)
+        groups.abandon(self.group, exc)
+        self.group = None
+        old = self.gen
+        self._settle(self.membership.agree(old.number + 1, old.members, self.steps_done))
+        self.heals.append(
+            {
+                "kind": "shrink",
+                "from": list(old.members),
+                "to": list(self.members),
+                "seconds": time.perf_counter() - start,
+                "at_step": self.steps_done,
+                "ended": time.time(),
+                "cause": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            }
+        )
+
+    def _grow(self, mask: int) -> None:
+        start = time.perf_counter()
+        joiners = tuple(s for s in range(self.world) if mask >> s & 1)
+        old = self.gen
+        if self.slot == old.members[0]:
+            self.membership.admit(joiners, old.number + 1)
+        gen = self.membership.agree(old.number + 1, old.members + joiners, self.steps_done)
+        assert self.group is not None
+        self.group.shutdown()  # every member finished its last collective on it
+        self.group = None
+        self._settle(gen)
+        self.heals.append(
+            {
+                "kind": "grow",
+                "from": list(old.members),
+                "to": list(self.members),
+                "seconds": time.perf_counter() - start,
+                "at_step": self.steps_done,
+                "ended": time.time(),
+                "cause": "",
+            }
+        )
+
+    # --- the step ----------------------------------------------------------------------
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch ``x, y`` of step :attr:`steps_done`
+        (every member passes the same); returns the global mean loss. Heals and redoes the
+        step if a member dies during it. Collective on the generation's members."""
+        target = self.steps_done
+        while True:
+            try:
+                return self._attempt(x, y)
+            except CollectiveError as exc:
+                try:
+                    self._heal(exc)
+                except BaseException:
+                    self.membership.leave()
+                    raise
+                if self.steps_done > target:  # received the finished step from a peer
+                    return self.last_loss
+            except BaseException:
+                self.membership.leave()
+                raise
+
+    def _attempt(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        m, world = self.microbatch_size, self.world
+        count = x.shape[0] // m
+        if x.shape[0] % m or not is_power_of_two(count) or count % world:
+            raise LayoutError(
+                f"healing: global batch B={x.shape[0]}, microbatch_size m={m}, world "
+                f"W={world}: M=B/m must be a power of two divisible by W (each slot's block "
+                f"of M/W micro-batches is a whole subtree)"
+            )
+        per, scale = count // world, 1.0 / count
+        assert self.group is not None
+        leader = self.slot == self.members[0]
+        mask = self.membership.pending_joins(self.members) if leader else 0
+        mine = sorted(self.owned[self.slot])
+        partials: dict[int, torch.Tensor] = {}
+        for i, v in enumerate(mine):
+            sums = [TreeSum() for _ in self.params]
+            losses = TreeSum()
+            for j in range(per):
+                index = v * per + j
+                if self.fault is not None:
+                    self.fault(self.steps_done, index)
+                if self.reproducible or j == 0:
+                    self.optimizer.zero_grad(set_to_none=True)
+                rows = slice(index * m, (index + 1) * m)
+                loss = self.loss_fn(self.module(x[rows]), y[rows])
+                (loss * scale).backward()
+                losses.push(loss.detach().to(self.dtype).reshape(1))
+                if self.reproducible:
+                    for acc, p in zip(sums, self.params, strict=True):
+                        acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
+            if self.reproducible:
+                grads = [acc.result().reshape(-1) for acc in sums]
+            else:  # accumulated in .grad over the block's micro-batches
+                grads = [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in self.params
+                ]
+            extra = torch.tensor([0.0, float(mask if i == 0 else 0)], dtype=self.dtype)
+            extra[0] = losses.result().reshape(())
+            partials[v] = torch.cat(grads + [extra])
+        if self.reproducible:
+            total = blocks.block_tree_all_reduce(
+                partials, owned=self.owned, world=world, group=self.group
+            )
+        else:
+            total = partials[mine[0]].clone()
+            for v in mine[1:]:
+                total += partials[v]
+            if self.group.size > 1:
+                ops.all_reduce(total, group=self.group)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset : offset + p.numel()].view_as(p)  # a view: no copy
+            offset += p.numel()
+        self.optimizer.step()
+        self.steps_done += 1
+        self.last_loss = total[-2] * scale
+        joiners = int(total[-1].item())
+        if joiners:
+            self._grow(joiners)
+        return self.last_loss
+
+    def wait_for_replacements(self, timeout: float) -> None:
+        """Block at this step boundary until every missing slot has a replacement asking
+        to join, or had one since it was lost (that died on arrival), at most ``timeout``
+        s (raises naming the missing slots): the next step admits them all, for a job
+        that would rather wait than train at a smaller size.
+        Every member calls it at the same step; it reads the store, no collective."""
+        missing = [s for s in range(self.world) if s not in self.members]
+        start = time.monotonic()
+
+        def number(key: str) -> int:
+            return int(self.store.get(key).decode()) if self.store.check([key]) else -1
+
+        def tried(s: int) -> bool:  # asking now, or one was admitted since s was lost
+            if self.store.check([f"plait/heal/join/{s}"]):
+                return True
+            return number(f"plait/heal/admitted/{s}") > number(f"plait/heal/lost/{s}")
+
+        while not all(tried(s) for s in missing):
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"healing: slot {self.slot}: no replacement asked to join for slots "
+                    f"{missing} within {timeout:.0f} s (start one with PLAIT_HEAL_JOIN=1, "
+                    f"docs/healing.md)"
+                )
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop this member's threads (local; call after the last step)."""
+        self.membership.finish()
+        if self.group is not None:
+            self.group.shutdown()
+        progress.stop()

@@ -1,0 +1,165 @@
+"""Healing data-parallel training (plait/heal): the pieces without processes, the block
+exchange on kept ranks, and two whole fault runs (fresh processes: a rank is killed)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.heal import blocks
+from plait.heal.membership import KEY, Excluded, Membership, _decide
+from plait.strategies.reproducible.tree import TreeSum, tree_sum
+
+
+def test_assign_keeps_own_blocks_and_spreads_the_dead_ones():
+    assert blocks.assign((0, 1, 2, 3), 4) == {0: [0], 1: [1], 2: [2], 3: [3]}
+    assert blocks.assign((0, 1, 3), 4) == {0: [0, 2], 1: [1], 3: [3]}
+    assert blocks.assign((1, 3), 8) == {1: [1, 0, 4, 6], 3: [3, 2, 5, 7]}
+    owned = blocks.assign((5,), 8)
+    assert sorted(owned[5]) == list(range(8))
+    with pytest.raises(ValueError, match="no live member"):
+        blocks.assign((), 4)
+
+
+def test_block_sums_in_block_order_equal_the_full_tree():
+    """A survivor that sums two subtrees, then the top levels over block index, gives the
+    bits of the tree over every micro-batch (float32 leaves, where order shows)."""
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1000, generator=g) * 10 ** (i % 5) for i in range(16)]
+    per = 4
+    partials = []
+    for v in range(4):
+        acc = TreeSum()
+        for leaf in leaves[v * per : (v + 1) * per]:
+            acc.push(leaf)
+        partials.append(acc.result())
+    assert torch.equal(tree_sum(partials), tree_sum(leaves))
+    assert not torch.equal(sum(partials[1:], partials[0]), tree_sum(leaves))  # order shows
+
+
+def _exchange(members_blocks: dict[int, list[int]]) -> list[bool]:
+    import plait
+
+    w = plait.world()
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(37, generator=g, dtype=torch.float32) * 1e3 for _ in range(4)]
+    owned = {s: list(v) for s, v in members_blocks.items()}
+    mine = {v: parts[v] for v in owned[w.rank]}
+    out = blocks.block_tree_all_reduce(mine, owned=owned, world=4, group=w)
+    return [torch.equal(out, tree_sum(parts))]
+
+
+def test_block_tree_all_reduce_with_members_holding_two_blocks(ranks):
+    # 2 live ranks of a 4-slot job: each computes its own block and a dead slot's
+    assert ranks(2, _exchange, {0: [0, 3], 1: [1, 2]}) == [[True]] * 2
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+
+
+def _member(store, slot, world=4, hb=60.0):
+    client = dist.TCPStore(
+        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    return Membership(client, slot=slot, world=world, heartbeat_timeout=hb, timeout=10)
+
+
+def test_decision_takes_the_most_advanced_state():
+    gen = _decide(3, {0: 5, 1: 4, 3: 5})
+    assert gen.members == (0, 1, 3) and gen.done == 5
+    assert gen.source == 0 and gen.receivers == (1,)
+
+
+def test_agreement_drops_a_slot_that_left_and_excludes_a_late_one(store):
+    members = [_member(store, s) for s in range(4)]
+    members[2].leave()
+    results = {}
+
+    def agree(m):
+        results[m.slot] = m.agree(1, (0, 1, 2, 3), 7)
+
+    threads = [threading.Thread(target=agree, args=(members[s],)) for s in (0, 1, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert {s: r.members for s, r in results.items()} == {s: (0, 1, 3) for s in (0, 1, 3)}
+    assert members[0].store.check([f"{KEY}/current"])
+    with pytest.raises(Excluded, match="slot 2 is not a member of generation 1"):
+        members[2].agree(1, (0, 1, 2, 3), 7)
+
+
+def test_a_replacement_is_asked_for_once_and_admitted(store):
+    leader, joiner = _member(store, 0), _member(store, 2)
+    assert leader.pending_joins((0, 1, 3)) == 0
+    joiner.request_join()
+    assert leader.pending_joins((0, 1, 3)) == 1 << 2
+    assert leader.dead(2, 0.0)  # a replacement asks for slot 2: the old process is gone
+    leader.admit((2,), 5)
+    assert joiner.wait_admitted() == 5
+    assert leader.pending_joins((0, 1, 2, 3)) == 0
+
+
+def _refused():
+    import plait
+    from plait.heal import HealingTrainer
+    from plait.strategies.tensor.layers import ColumnParallelLinear
+
+    model = torch.nn.Sequential(ColumnParallelLinear(4, 4, group=plait.world()))
+    try:
+        HealingTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=torch.nn.functional.mse_loss,
+            microbatch_size=1,
+            world=2,
+            address="127.0.0.1:1",
+            slot=0,
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_tensor_parallel_ranks_are_refused_and_restart_as_before(ranks):
+    (message,) = ranks(1, _refused)
+    assert "ColumnParallelLinear: tensor parallelism" in message
+    assert "`plait run` restarts it from the last checkpoint" in message
+
+
+# --- whole runs: fresh processes, a rank killed (more in test_heal_faults.py, slow) -----
+def _run(tmp_path, **kw):
+    from plait.demo.heal import HealConfig, max_diff, reference, run
+
+    c = HealConfig(**kw)
+    report = run(c, str(tmp_path), deadline=60)
+    return c, report, max_diff(report, reference(c))
+
+
+def test_a_killed_rank_is_healed_around_bitwise(tmp_path):
+    c, report, diff = _run(tmp_path, faults=[[2, 3, 5, "kill"]], rejoin=False, steps=5)
+    assert report.codes[2] == [-9] and all(report.codes[s] == [0] for s in (0, 1, 3))
+    assert sorted(report.finals) == ["slot0", "slot1", "slot3"]
+    for r in report.records:
+        assert [(h["kind"], h["to"], h["at_step"]) for h in r["heals"]] == [
+            ("shrink", [0, 1, 3], 3)
+        ]
+    assert diff == 0.0  # torch.equal to one process, hence to the uninterrupted run
+
+
+def test_a_replacement_joins_and_the_run_ends_bitwise_at_full_size(tmp_path):
+    c, report, diff = _run(
+        tmp_path, faults=[[1, 2, 2, "kill"]], rejoin=True, rejoin_step=3, steps=5
+    )
+    assert sorted(report.finals) == ["slot0", "slot1-join", "slot2", "slot3"]
+    assert all(r["members"] == [0, 1, 2, 3] for r in report.records)
+    kinds = [h["kind"] for h in report.records[0]["heals"]]
+    assert kinds == ["shrink", "grow"]
+    assert diff == 0.0

@@ -1,0 +1,171 @@
+"""Healing under more faults (fresh processes each; in the slow set, tests/conftest.py):
+a kill at several steps and ranks, a rank that raises, one that freezes past the
+heartbeat, a second death while healing, a replacement that dies on arrival, and the
+tolerance without reproducible mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plait.demo.heal import HealConfig, max_diff, reference, run
+
+
+def _run(tmp_path, **kw):
+    c = HealConfig(**kw)
+    report = run(c, str(tmp_path), deadline=90)
+    return report, max_diff(report, reference(c))
+
+
+@pytest.mark.parametrize("slot,step,index", [(0, 0, 0), (3, 1, 7), (1, 4, 3), (2, 2, 4)])
+def test_kill_any_rank_at_any_step_then_rejoin_bitwise(tmp_path, slot, step, index):
+    report, diff = _run(
+        tmp_path,
+        faults=[[slot, step, index, "kill"]],
+        rejoin=True,
+        rejoin_step=step + 1,
+        steps=step + 3,
+    )
+    assert len(report.finals) == 4 and f"slot{slot}-join" in report.finals
+    assert diff == 0.0
+
+
+def test_a_rank_that_raises_is_dropped_at_once(tmp_path):
+    report, diff = _run(tmp_path, faults=[[0, 1, 0, "raise"]], rejoin=False, steps=4)
+    assert sorted(report.finals) == ["slot1", "slot2", "slot3"]
+    assert report.codes[0] == [1]
+    assert diff == 0.0
+
+
+def test_a_frozen_rank_is_dropped_after_the_heartbeat(tmp_path):
+    report, diff = _run(
+        tmp_path, faults=[[3, 2, 6, "stop"]], rejoin=False, steps=4, heartbeat_timeout=2.0
+    )
+    assert sorted(report.finals) == ["slot0", "slot1", "slot2"]
+    (heal,) = report.records[0]["heals"]
+    assert heal["to"] == [0, 1, 2] and "PeerUnresponsive" in heal["cause"]  # no heartbeat
+    assert diff == 0.0
+
+
+def test_a_second_rank_dies_while_the_first_heals(tmp_path):
+    report, diff = _run(
+        tmp_path, faults=[[1, 3, 2, "kill"], [3, 3, -1, "kill"]], rejoin=False, steps=5
+    )
+    assert sorted(report.finals) == ["slot0", "slot2"]
+    assert [h["to"] for h in report.records[0]["heals"]] == [[0, 2]]
+    assert diff == 0.0
+
+
+def test_a_replacement_that_dies_on_arrival_is_dropped(tmp_path):
+    report, diff = _run(
+        tmp_path,
+        faults=[[2, 3, 5, "kill"]],
+        rejoin_faults=[[2, -1, -2, "kill"]],
+        rejoin=True,
+        rejoin_step=4,
+        steps=6,
+    )
+    assert sorted(report.finals) == ["slot0", "slot1", "slot3"]
+    assert report.codes[2] == [-9, -9]
+    grow = report.records[0]["heals"][-1]
+    assert grow["kind"] == "grow" and grow["to"] == [0, 1, 3]  # it never trained
+    assert diff == 0.0
+
+
+def test_without_reproducible_mode_the_run_is_within_the_tolerance(tmp_path):
+    """Not bitwise: each member adds its blocks' gradients in arrival order, then a ring
+    all-reduce over the live members. float64, 6 Adam steps: within 1e-12."""
+    report, diff = _run(
+        tmp_path, faults=[[2, 3, 5, "kill"]], rejoin=False, steps=6, reproducible=False
+    )
+    assert len(report.finals) == 3
+    assert diff < 1e-12
+    finals = list(report.finals.values())
+    assert all(np.array_equal(f, finals[0]) for f in finals)  # members agree exactly
+
+
+def test_the_demo_command_heals_bitwise():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "demo",
+            "-n",
+            "4",
+            "--reproducible",
+            "--check",
+            "--kill-rank",
+            "2",
+            "--kill-step",
+            "3",
+            "--batch-size",
+            "256",
+            "--microbatch-size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plait demo: healed; 4 ranks finished at size [4]" in proc.stdout
+    assert "max diff 0 (bitwise)" in proc.stdout
+
+
+def test_the_demo_refuses_a_sharded_strategy_by_name():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "demo",
+            "--strategy",
+            "fsdp",
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--strategy fsdp" in proc.stderr and "not healed yet" in proc.stderr
+
+
+def test_plait_heal_run_replaces_a_killed_rank(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.heal.run",
+            "-n",
+            "4",
+            "--replacements",
+            "1",
+            "examples/heal_train.py",
+            "--steps",
+            "3000",
+            "--kill-rank",
+            "2",
+            "--kill-step",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 2 exited with -9; the others heal" in proc.stderr
+    assert "members [0, 1, 2, 3]" in proc.stdout
