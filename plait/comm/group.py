@@ -133,6 +133,9 @@ class Call:
     tag: int = field(init=False)
     # where it was issued (device.origin()): named when a message it sends is refused
     origin: tuple[Any, int] | None = field(default=None, init=False)
+    # on a device backend, the messages started and not yet handed to the backend: the
+    # round an algorithm issues together goes out as one batch (Channel.wait)
+    round: list[_Pending] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.sig and self.group.check:
@@ -165,13 +168,63 @@ class Call:
 
 
 class _Pending:
-    __slots__ = ("work", "peer", "verb", "shm")
+    __slots__ = ("work", "peer", "verb", "shm", "tensor", "member")
 
-    def __init__(self, work: Any, peer: int, verb: str, shm: ShmOp | None = None) -> None:
-        self.work = work
+    def __init__(
+        self,
+        work: Any,
+        peer: int,
+        verb: str,
+        shm: ShmOp | None = None,
+        *,
+        tensor: torch.Tensor | None = None,
+        member: int = -1,
+    ) -> None:
+        self.work = work  # None while it waits in its call's round (device backends)
         self.peer = peer
         self.verb = verb
         self.shm = shm
+        self.tensor = tensor  # kept until the round is started
+        self.member = member  # the peer's group rank
+
+    @property
+    def sends(self) -> bool:
+        return self.verb == "send to"
+
+
+class _RoundWork:
+    """The backend's work for one started round: waits for all of it."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self, timeout: Any = None) -> None:
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def start_round(pg: Any, ops: Sequence[tuple[bool, torch.Tensor, int]], tag: int) -> list[Any]:
+    """Start ``ops`` (sends or receives: ``(sends, tensor, group rank of the peer)``) as one
+    ``torch.distributed.batch_isend_irecv`` on ``pg``: on NCCL one group of operations,
+    which progress together, so two ranks that each send to the other before receiving
+    cannot hold each other's pair stream. The backend's works, to wait for. On ``meta``
+    (PyTorch's fake backend, which moves nothing and has no batches) one by one."""
+    import torch.distributed as dist  # deferred: the comm layer needs it only on devices
+
+    if ops[0][1].device.type == "meta":
+        return [
+            pg.send([t], peer, tag) if sends else pg.recv([t], peer, tag) for sends, t, peer in ops
+        ]
+    batch = [
+        dist.P2POp(dist.isend if sends else dist.irecv, t, group=pg, tag=tag, group_peer=peer)
+        for sends, t, peer in ops
+    ]
+    return list(dist.batch_isend_irecv(batch))
 
 
 class Channel:
@@ -216,6 +269,8 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.isend(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "send to", op)
+            if tuner.is_device_backend(self.group.backend):  # started with its round
+                return self._join_round(tensor, peer, "send to")
             work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:  # the connection to the peer is already gone
             raise self.failure(peer, "send to", exc) from exc
@@ -235,22 +290,78 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.irecv(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "receive from", op)
+            if tuner.is_device_backend(self.group.backend):  # started with its round
+                return self._join_round(tensor, peer, "receive from")
             work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:
             raise self.failure(peer, "receive from", exc) from exc
         return _Pending(work, peer, "receive from")
+
+    # --- rounds (device backends) ---------------------------------------------------------
+    def _join_round(self, tensor: torch.Tensor, peer: int, verb: str) -> _Pending:
+        pending = _Pending(None, peer, verb, tensor=tensor, member=self.members[peer])
+        self.call.round.append(pending)
+        return pending
+
+    def _start_round(self, waited: Sequence[_Pending | None]) -> None:
+        """Hand the backend one batch (:func:`start_round`): every send still held (so a
+        send goes out no later than the first wait after it, keeping the algorithm's
+        order), the receives waited for now with those posted before them from the same
+        peers (a pair's messages match in issue order), then the oldest receives still
+        held until the batch holds as many receives as sends.
+
+        NCCL completes a batch only when all of its operations have, and runs a rank's
+        batches in order. A receive posted ahead (ring algorithms post all of theirs
+        first) and started too early would hold the batch until a send the peer makes only
+        after its next wait; a send whose receive the peer holds back would do the same.
+        Balanced, round k of every rank holds the receives that match its neighbours'
+        round-k sends (tests/test_nccl_rounds.py runs every algorithm under these rules)."""
+        round_ = self.call.round
+        wanted = {id(p) for p in waited if p is not None and p.work is None}
+        if not wanted:
+            return
+        last: dict[int, int] = {}  # peer's group rank -> index of its last waited receive
+        for i, p in enumerate(round_):
+            if id(p) in wanted and not p.sends:
+                last[p.member] = i
+        going = [p for i, p in enumerate(round_) if p.sends or i <= last.get(p.member, -1)]
+        chosen = {id(p) for p in going}
+        owed = sum(p.sends for p in going) - sum(not p.sends for p in going)
+        for p in round_:
+            if owed <= 0:
+                break
+            if not p.sends and id(p) not in chosen:
+                going.append(p)
+                chosen.add(id(p))
+                owed -= 1
+        order = {id(p): i for i, p in enumerate(round_)}
+        going.sort(key=lambda p: order[id(p)])
+        self.call.round = [p for p in round_ if id(p) not in chosen]
+        ops = []
+        for p in going:
+            assert p.tensor is not None
+            ops.append((p.sends, p.tensor, p.member))
+        try:
+            work = _RoundWork(start_round(self.group.pg, ops, self.call.tag))
+        except RuntimeError as exc:
+            raise self.failure(going[0].peer, going[0].verb, exc) from exc
+        for p in going:
+            p.work, p.tensor = work, None
 
     def wait(self, *pending: _Pending | None) -> None:
         """Wait for started sends/receives; raises a named error past the group's timeout.
 
         While it blocks, ``group.waiting`` says on whom, so the watchdog can tell a stall
         on a rank that disagrees, skipped this collective or stopped (heartbeat) apart
-        from a slow one, and end the wait with a named error.
+        from a slow one, and end the wait with a named error. On a device backend the
+        round these messages belong to is started first (:meth:`_start_round`).
         """
         group = self.group
         timeout = group.timeout_delta
         link = group.shm
         on_device = tuner.is_device_backend(group.backend)
+        if self.call.round:
+            self._start_round(pending)
         for p in pending:
             if p is None:
                 continue
@@ -472,6 +583,12 @@ class Group:
             entry = recorder.start(call)
             try:
                 result = body(Channel(call))
+                if call.round:  # a message never waited for: its peer would wait forever
+                    raise RuntimeError(
+                        f"{call.describe()}: the algorithm left {len(call.round)} message(s) "
+                        f"not waited for (first: {call.round[0].verb} channel rank "
+                        f"{call.round[0].peer}); every isend/irecv must be waited for"
+                    )
             except BaseException:
                 recorder.end(entry, "failed")
                 raise
