@@ -269,7 +269,7 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.isend(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "send to", op)
-            if tuner.is_device_backend(self.group.backend):  # started with its round
+            if self._in_rounds():  # started with its round, at the next wait
                 return self._join_round(tensor, peer, "send to")
             work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:  # the connection to the peer is already gone
@@ -290,7 +290,7 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.irecv(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "receive from", op)
-            if tuner.is_device_backend(self.group.backend):  # started with its round
+            if self._in_rounds():  # started with its round, at the next wait
                 return self._join_round(tensor, peer, "receive from")
             work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:
@@ -298,6 +298,13 @@ class Channel:
         return _Pending(work, peer, "receive from")
 
     # --- rounds (device backends) ---------------------------------------------------------
+    def _in_rounds(self) -> bool:
+        """Whether this call's messages wait for their round: a plait algorithm on a
+        device backend. Point-to-point calls (``"p2p"``: the user's send/recv, the
+        pipeline's and ring attention's messages) start at once, as on gloo: they are
+        waited for later, and their peers must not wait for that."""
+        return self.call.algorithm != "p2p" and tuner.is_device_backend(self.group.backend)
+
     def _join_round(self, tensor: torch.Tensor, peer: int, verb: str) -> _Pending:
         pending = _Pending(None, peer, verb, tensor=tensor, member=self.members[peer])
         self.call.round.append(pending)
