@@ -108,6 +108,7 @@ SLOW: dict[str, str] = {
     "tests/test_metrics.py::test_wandb_offline_writes": "wandb in its own process",
     "tests/test_compile.py::test_compiled_forward_has_no_graph_break": "Dynamo, 6 strategies",
     "tests/test_compile.py::test_tensor_parallel_compiled_with_inductor": "a cold inductor build",
+    "tests/test_compile.py::test_ptdp_with_compiled_stages_equals_eager": "Dynamo, 2 meshes",
 }
 
 
