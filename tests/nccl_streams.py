@@ -13,7 +13,7 @@ threads, each a rank with plait's real :class:`~plait.comm.group.Channel` over a
 
 - a message started alone (the process group's ``send``/``recv``: what plait did on every
   backend, and still does on gloo) joins the stream of its pair;
-- a round started by the channel (:func:`plait.comm.group.start_round`, on device
+- a round started by the channel (:func:`plait.comm.rounds.start_round`, on device
   backends) joins its rank's group stream as one batch;
 - an operation can run when the batch or message holding it heads its stream; the k-th
   send from a to b matches the k-th receive at b from a, and both complete (the data is
@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.comm import group as group_module
+from plait.comm import rounds
 from plait.comm.group import Call, Channel
 
 
@@ -244,7 +244,7 @@ def run(
     def start_round(pg: Any, ops: Sequence[tuple[bool, torch.Tensor, int]], tag: int) -> list[Any]:
         return [pg.streams.start(pg.rank, "group", list(ops))]
 
-    monkeypatch.setattr(group_module, "start_round", start_round)
+    monkeypatch.setattr(rounds, "start_round", start_round)
     backend = "nccl-streams" if batched else "gloo"
     outputs: list[Any] = [None] * n
     calls: list[Call | None] = [None] * n

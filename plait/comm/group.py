@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, device, progress, recorder, tuner, watchdog
+from plait.comm import debug, device, progress, recorder, rounds, tuner, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -192,41 +192,6 @@ class _Pending:
         return self.verb == "send to"
 
 
-class _RoundWork:
-    """The backend's work for one started round: waits for all of it."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: Sequence[Any]) -> None:
-        self.works = list(works)
-
-    def wait(self, timeout: Any = None) -> None:
-        for work in self.works:
-            work.wait() if timeout is None else work.wait(timeout)
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-def start_round(pg: Any, ops: Sequence[tuple[bool, torch.Tensor, int]], tag: int) -> list[Any]:
-    """Start ``ops`` (sends or receives: ``(sends, tensor, group rank of the peer)``) as one
-    ``torch.distributed.batch_isend_irecv`` on ``pg``: on NCCL one group of operations,
-    which progress together, so two ranks that each send to the other before receiving
-    cannot hold each other's pair stream. The backend's works, to wait for. On ``meta``
-    (PyTorch's fake backend, which moves nothing and has no batches) one by one."""
-    import torch.distributed as dist  # deferred: the comm layer needs it only on devices
-
-    if ops[0][1].device.type == "meta":
-        return [
-            pg.send([t], peer, tag) if sends else pg.recv([t], peer, tag) for sends, t, peer in ops
-        ]
-    batch = [
-        dist.P2POp(dist.isend if sends else dist.irecv, t, group=pg, tag=tag, group_peer=peer)
-        for sends, t, peer in ops
-    ]
-    return list(dist.batch_isend_irecv(batch))
-
-
 class Channel:
     """Point-to-point messages among some ranks of a group, for one collective call.
 
@@ -311,45 +276,17 @@ class Channel:
         return pending
 
     def _start_round(self, waited: Sequence[_Pending | None]) -> None:
-        """Hand the backend one batch (:func:`start_round`): every send still held (so a
-        send goes out no later than the first wait after it, keeping the algorithm's
-        order), the receives waited for now with those posted before them from the same
-        peers (a pair's messages match in issue order), then the oldest receives still
-        held until the batch holds as many receives as sends.
-
-        NCCL completes a batch only when all of its operations have, and runs a rank's
-        batches in order. A receive posted ahead (ring algorithms post all of theirs
-        first) and started too early would hold the batch until a send the peer makes only
-        after its next wait; a send whose receive the peer holds back would do the same.
-        Balanced, round k of every rank holds the receives that match its neighbours'
-        round-k sends (tests/test_nccl_rounds.py runs every algorithm under these rules)."""
-        round_ = self.call.round
-        wanted = {id(p) for p in waited if p is not None and p.work is None}
-        if not wanted:
+        """Start the messages of the call's round that :func:`.rounds.choose` picks for a
+        wait on ``waited``, as one batch (:func:`.rounds.start_round`)."""
+        going, self.call.round = rounds.choose(self.call.round, waited)
+        if not going:
             return
-        last: dict[int, int] = {}  # peer's group rank -> index of its last waited receive
-        for i, p in enumerate(round_):
-            if id(p) in wanted and not p.sends:
-                last[p.member] = i
-        going = [p for i, p in enumerate(round_) if p.sends or i <= last.get(p.member, -1)]
-        chosen = {id(p) for p in going}
-        owed = sum(p.sends for p in going) - sum(not p.sends for p in going)
-        for p in round_:
-            if owed <= 0:
-                break
-            if not p.sends and id(p) not in chosen:
-                going.append(p)
-                chosen.add(id(p))
-                owed -= 1
-        order = {id(p): i for i, p in enumerate(round_)}
-        going.sort(key=lambda p: order[id(p)])
-        self.call.round = [p for p in round_ if id(p) not in chosen]
         ops = []
         for p in going:
             assert p.tensor is not None
             ops.append((p.sends, p.tensor, p.member))
         try:
-            work = _RoundWork(start_round(self.group.pg, ops, self.call.tag))
+            work = rounds.RoundWork(rounds.start_round(self.group.pg, ops, self.call.tag))
         except RuntimeError as exc:
             raise self.failure(going[0].peer, going[0].verb, exc) from exc
         for p in going:
