@@ -65,8 +65,8 @@ class DynamicLossScaler:
         else:
             for g in self._grads(optimizer):
                 g.div_(self.scale_value)
-                if not torch.isfinite(g).all():
-                    found.fill_(1.0)
+                # on the device: no host read per gradient (one per step, below)
+                found = torch.maximum(found, (~torch.isfinite(g)).any().to(found.dtype))
         group = self.group
         if group is not None or comm.world_or_none() is not None:
             comm.all_reduce(found, "max", group=group)

@@ -211,7 +211,9 @@ def policy_of(module: Any) -> _Autocast | None:
 # strategies whose gradient reduction honours a 16-bit reduce_dtype (and how: see apply)
 REDUCE_16 = ("ddp", "fsdp", "zero3", "none")
 # strategies that take check_finite= (turned off under fp16 unless the caller set it)
-_CHECK_FINITE = ("naive", "ddp", "tp", "ep", "cp", "ptdp")
+_CHECK_FINITE = ("naive", "ddp", "tp", "ep", "cp", "pipeline", "ptdp")
+# strategies whose step scales the loss itself (the scaler passed in as scaler=)
+_SCALES_IN_STEP = ("pipeline", "ptdp")
 _REFUSED = {
     "ps": "the parameter server's workers push float32 gradients and its servers step; "
     "train it in full precision",
@@ -246,12 +248,6 @@ def check(strategy: str, policy: MixedPrecisionPolicy, model: Any) -> None:
             f"{who}: buffer_dtype is honoured by fsdp and zero3 only; under autocast "
             f"buffers stay float32. Leave buffer_dtype None"
         )
-    if policy.param_dtype == torch.float16 and strategy == "pipeline":
-        raise ValueError(
-            f"{who}: fp16 needs a loss scaler inside the pipeline's step, which strategy "
-            f"'pipeline' does not take; use strategy='ptdp' with a pp-only mesh "
-            f"(Mesh(pp=...)), whose step scales the loss, or bf16"
-        )
     if not policy.computes_low or strategy in ("fsdp", "zero3") or not isinstance(model, nn.Module):
         return
     for name, p in model.named_parameters():
@@ -266,7 +262,7 @@ def options_for(strategy: str, policy: MixedPrecisionPolicy, options: dict[str, 
     """The strategy options the policy sets (in place), before the strategy wraps: FSDP's
     units gather in ``param_dtype`` and reduce in ``reduce_dtype``; under fp16 the
     strategies' non-finite checks are off (the scaler skips), unless the caller set them,
-    and PTD-P's step scales its loss with the scaler."""
+    and the pipeline's and PTD-P's steps scale their loss with the scaler."""
     if strategy in ("fsdp", "zero3"):
         for key in ("mp_policy", "mixed_precision"):
             if key in options:
@@ -291,7 +287,7 @@ def options_for(strategy: str, policy: MixedPrecisionPolicy, options: dict[str, 
     if policy.param_dtype == torch.float16:
         if strategy in _CHECK_FINITE:
             options.setdefault("check_finite", None)
-        if strategy == "ptdp":
+        if strategy in _SCALES_IN_STEP:
             options.setdefault("scaler", DynamicLossScaler())
 
 
@@ -322,7 +318,7 @@ def apply(
         hook = bf16_compress_hook if policy.reduce_dtype == torch.bfloat16 else fp16_compress_hook
         runner.register_comm_hook(None, hook)
     if optimizer is not None and policy.param_dtype == torch.float16:
-        scaler = options.get("scaler") if strategy == "ptdp" else None
+        scaler = options.get("scaler") if strategy in _SCALES_IN_STEP else None
         object.__setattr__(optimizer, "_plait_loss_scaler", scaler or DynamicLossScaler())
 
 
@@ -340,7 +336,8 @@ def _pipeline(runner: Any) -> Any:
 def loss_scaler(optimizer: torch.optim.Optimizer) -> DynamicLossScaler:
     """The :class:`~plait.amp.DynamicLossScaler` of an optimizer prepared with
     ``mixed_precision="fp16"``: ``scaler.scale(loss).backward(); scaler.step(optimizer)``
-    (under ``ptdp`` its ``step`` scales the loss itself: call ``scaler.step(optimizer)``).
+    (under ``pipeline`` and ``ptdp`` their ``step`` scales the loss itself: call
+    ``scaler.step(optimizer)`` only).
     Its found-inf flag is all-reduced over every rank, so all skip the same steps."""
     scaler = getattr(optimizer, "_plait_loss_scaler", None)
     if scaler is None:

@@ -153,3 +153,70 @@ def trains_like_eager(strategy: str, backend: str, when: str = "after", steps: i
     mine = checkpoint.full_state_dict(module)
     want = oracle.state_dict()
     return max(float((v.detach() - want[k]).abs().max()) for k, v in mine.items())
+
+
+def ptdp_compiled_like_eager(dims: dict[str, int], backend: str, steps: int = 2) -> dict[str, Any]:
+    """PTD-P (``plait.prepare(strategy="ptdp")``) on the tiny GPT in float64, eager and with
+    every stage module of this rank compiled in place (``stage.compile(backend=...)``, as
+    torchtitan compiles per block: the result is a runner stepped with ``.step()``, not a
+    module). The largest |difference| of the parameters after ``steps`` SGD steps, and
+    ``torch._dynamo.explain`` of this rank's first stage (its breaks, those of plait's
+    making, Dynamo's warnings about plait's code)."""
+    import torch._dynamo
+
+    from plait import checkpoint
+
+    torch._dynamo.reset()
+    if backend == "inductor":
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = 1
+
+    def train(compiled: bool) -> tuple[dict[str, torch.Tensor], Any]:
+        model = tiny_gpt(torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        runner, opt = plait.prepare(
+            model, opt, strategy="ptdp", mesh=plait.Mesh(**dims), microbatches=2
+        )
+        assert opt is not None
+        stages = list(runner.pipe.stages.values())
+        if compiled:
+            for stage in stages:
+                stage.compile(backend=backend)
+        for step in range(steps):
+            x, y = tokens(step)
+            opt.zero_grad()
+            runner.step(x, y)
+            opt.step()
+        return checkpoint.full_state_dict(runner), stages[0]
+
+    from torch._dynamo.utils import counters
+
+    eager, _ = train(False)
+    counters.clear()
+    compiled, stage = train(True)
+    traced = int(counters["stats"]["unique_graphs"])  # graphs Dynamo made while training
+    diff = max(float((v - eager[k]).abs().max()) for k, v in compiled.items())
+    # the explain of one stage forward, on what the stage takes
+    x, _ = tokens()
+    arg = x[:2] if stage.index == 0 else torch.randn(2, 8, 16, dtype=torch.float64)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        explained = torch._dynamo.explain(stage.forward)(arg)
+    breaks = [{"reason": str(b.reason)[:600], "stack": _frames(b)} for b in explained.break_reasons]
+    by_plait = [
+        b for b in breaks if "plait" in b["reason"] or any(PLAIT_DIR in f for f in b["stack"])
+    ]
+    return {
+        "diff": diff,
+        "traced": traced,
+        "graphs": explained.graph_count,
+        "breaks": breaks,
+        "by_plait": by_plait,
+        "warnings": [
+            str(w.message)
+            for w in record
+            if "crc32" in str(w.message) or PLAIT_DIR in str(w.message)
+        ],
+    }

@@ -276,13 +276,15 @@ def fp16_skip(strategy: str, bad_rank: int) -> dict[str, Any]:
     gradients: every rank must skip that step (parameters unchanged) and halve the scale;
     step 1 is clean and every rank steps."""
     world = plait.world()
-    model = gpt() if strategy in ("tp", "ptdp") else mlp()
+    model = gpt() if strategy in ("tp", "pipeline", "ptdp") else mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     options: dict[str, Any] = {}
     if strategy == "tp":
         options["mesh"] = plait.Mesh(tp=world.size)
     if strategy == "ptdp":
         options.update(mesh=plait.Mesh(pp=world.size, dp=1, tp=1), microbatches=2)
+    if strategy == "pipeline":
+        options.update(mesh=plait.Mesh(pp=world.size), microbatches=2)
     runner, opt = plait.prepare(model, opt, strategy=strategy, mixed_precision=FP16, **options)
     assert opt is not None
     scaler = loss_scaler(opt)
@@ -292,7 +294,7 @@ def fp16_skip(strategy: str, bad_rank: int) -> dict[str, Any]:
     for step in range(2):
         before = [p.detach().clone() for p in params]
         opt.zero_grad()
-        if strategy == "ptdp":
+        if strategy in ("pipeline", "ptdp"):
             x, y = gpt_batch(step)
             runner.step(x, y)
         elif strategy == "tp":
@@ -314,6 +316,61 @@ def fp16_skip(strategy: str, bad_rank: int) -> dict[str, Any]:
         out["scale"].append(scaler.scale_value / start)
     out["skipped"] = scaler.skipped_steps
     return out
+
+
+FP16_SCALE = 2.0**8  # fp16's range holds this GPT's gradients times 256: every step steps
+
+
+def pipeline_fp16() -> dict[str, Any]:
+    """``strategy="pipeline"`` under fp16 on pp = world size (2 micro-batches), its loss
+    scaled inside the step, against one process under the same policy that scales each
+    micro-batch's loss (divided by 2) by the same scale and steps through its own scaler."""
+    world = plait.world()
+    model = gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    runner, opt = plait.prepare(
+        model,
+        opt,
+        strategy="pipeline",
+        mesh=plait.Mesh(pp=world.size),
+        microbatches=2,
+        mixed_precision=FP16,
+    )
+    assert opt is not None
+    scaler = loss_scaler(opt)
+    scaler.scale_value = FP16_SCALE
+    seen = Dtypes(runner)
+    losses, stepped = [], []
+    for step in range(STEPS):
+        x, y = gpt_batch(step)
+        opt.zero_grad()
+        losses.append(float(runner.step(x, y)))
+        stepped.append(scaler.step(opt))
+    ref = gpt()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref, ref_opt = plait.prepare(ref, ref_opt, strategy="none", mixed_precision=FP16)
+    assert ref_opt is not None
+    ref_scaler = loss_scaler(ref_opt)
+    ref_scaler.scale_value = FP16_SCALE
+    ref_losses, ref_stepped = [], []
+    for step in range(STEPS):
+        x, y = gpt_batch(step)
+        ref_opt.zero_grad()
+        total = 0.0
+        for part in range(2):
+            loss = ce(ref(_rows(x, part, 2)), _rows(y, part, 2)) / 2
+            ref_scaler.scale(loss).backward()
+            total += float(loss)
+        ref_losses.append(total)
+        ref_stepped.append(ref_scaler.step(ref_opt))
+    return {
+        "plait": checkpoint.full_state_dict(runner),
+        "dtypes": seen.close(),
+        "losses": losses,
+        "stepped": stepped,
+        "chunked": {"state": _state(ref), "losses": ref_losses, "stepped": ref_stepped},
+        "first": _state(gpt()),
+    }
 
 
 def deep_copy_keeps_policy() -> dict[str, Any]:

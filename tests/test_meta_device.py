@@ -121,21 +121,22 @@ def test_fsdp_offload_of_a_meta_model_is_refused_naming_the_setting(fake):
 
 
 # What cannot run on meta: a decision that reads values on the host, by design. Each case
-# stops exactly there (a meta tensor refuses .item()/.tolist()), not at a device refusal.
+# is refused by name where that read would come, with the reason.
 DATA_DEPENDENT = {
-    # expert parallelism: the routing (its draw counter, then the per-expert counts that
-    # size the all-to-all) is read on the host, as in every dropless MoE
-    "ep": (lambda: fns.expert_parallel(**NO_CHECK), "plait/strategies/moe/"),
+    # expert parallelism: the routing (tokens per expert, the all-to-all's split sizes) is
+    # read on the host, as in every dropless MoE
+    "ep": lambda: fns.expert_parallel(**NO_CHECK),
+    "ptdp with ep": lambda: fns.ptdp({"pp": 2, "dp": 1, "tp": 1, "ep": 2}, **NO_CHECK),
 }
 
 
 @pytest.mark.parametrize("case", sorted(DATA_DEPENDENT))
-def test_what_cannot_run_on_meta_stops_at_its_host_read(fake, case):
-    run, where = DATA_DEPENDENT[case]
-    with pytest.raises(RuntimeError, match="cannot be called on meta tensors") as info:
-        run()
-    frames = [entry.path.as_posix() for entry in info.traceback]
-    assert any(where in f for f in frames), frames
+def test_expert_parallelism_on_meta_is_refused_naming_the_routing(fake, case):
+    with pytest.raises(NotImplementedError) as info:
+        DATA_DEPENDENT[case]()
+    text = str(info.value)
+    assert text.startswith("MoE layer (") and "routing tokens on the meta device" in text, text
+    assert "split sizes are the tokens each expert receives" in text, text
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv", "dualpipev"])

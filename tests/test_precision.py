@@ -25,7 +25,9 @@ the same rank (tests/precision_fns.py):
 
 The fp16 loss scaler: one rank plants an inf in a gradient; every rank skips the step,
 keeps its parameters and halves the scale, then steps on a clean batch (ddp, naive,
-fsdp, tp, ptdp).
+fsdp, tp, pipeline, ptdp). Under ``pipeline`` fp16 is also bitwise the one process that
+scales each micro-batch's loss by the same power of two (the scale commutes exactly with
+the arithmetic away from overflow and subnormals, which both runs share).
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ def test_pipeline_bf16_equals_one_process_on_the_same_microbatches(ranks, strate
         _equal(r["plait"], r["chunked"]["state"], strategy)
 
 
+def test_pipeline_fp16_equals_one_process_scaling_the_same_microbatches(ranks):
+    """The loss scaled inside the pipeline's step, the gradients unscaled by the scaler:
+    bitwise the one process that scales each micro-batch's loss by the same power of two."""
+    for r in ranks(2, P.pipeline_fp16):
+        assert "float16" in r["dtypes"], r["dtypes"]  # computed in fp16
+        assert r["stepped"] == r["chunked"]["stepped"] == [True] * P.STEPS, r["stepped"]
+        _equal(r["plait"], r["chunked"]["state"], "pipeline fp16")
+        moved = [k for k in r["first"] if not torch.equal(r["first"][k], r["plait"][k])]
+        assert moved, "pipeline fp16: no parameter moved"
+        assert r["losses"] == pytest.approx(r["chunked"]["losses"], rel=1e-6)
+
+
 @pytest.mark.parametrize("strategy", ["tp", "ep", "cp"])
 def test_split_reductions_stay_within_the_bf16_bound(ranks, strategy):
     for r in ranks(2, P.model_parallel, strategy):
@@ -118,7 +132,8 @@ def test_reproducible_bf16_is_bitwise_one_process(ranks):
 
 
 @pytest.mark.parametrize(
-    "strategy,bad_rank", [("ddp", 1), ("naive", 0), ("fsdp", 1), ("tp", 0), ("ptdp", 0)]
+    "strategy,bad_rank",
+    [("ddp", 1), ("naive", 0), ("fsdp", 1), ("tp", 0), ("pipeline", 0), ("ptdp", 0)],
 )
 def test_fp16_overflow_on_one_rank_skips_everywhere(ranks, strategy, bad_rank):
     for r in ranks(2, P.fp16_skip, strategy, bad_rank):
@@ -197,8 +212,14 @@ def test_refused_by_name_before_anything_is_wrapped():
             "reduce_dtype=torch.bfloat16 is not honoured by strategy 'tp'",
         ),
         "pipeline": (
-            dict(strategy="pipeline", mesh=mesh, microbatches=2, mixed_precision="fp16"),
-            "fp16 needs a loss scaler",
+            dict(
+                strategy="pipeline",
+                mesh=mesh,
+                microbatches=2,
+                mixed_precision="fp16",
+                check_finite="raise",
+            ),
+            "Pass check_finite=None with a loss scaler",
         ),
         "buffers": (
             dict(

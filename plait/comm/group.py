@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.comm import debug, device, progress, recorder, tuner, watchdog
+from plait.comm import debug, device, progress, recorder, rounds, tuner, watchdog
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -133,6 +133,9 @@ class Call:
     tag: int = field(init=False)
     # where it was issued (device.origin()): named when a message it sends is refused
     origin: tuple[Any, int] | None = field(default=None, init=False)
+    # on a device backend, the messages started and not yet handed to the backend: the
+    # round an algorithm issues together goes out as one batch (Channel.wait)
+    round: list[_Pending] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.sig and self.group.check:
@@ -165,13 +168,28 @@ class Call:
 
 
 class _Pending:
-    __slots__ = ("work", "peer", "verb", "shm")
+    __slots__ = ("work", "peer", "verb", "shm", "tensor", "member")
 
-    def __init__(self, work: Any, peer: int, verb: str, shm: ShmOp | None = None) -> None:
-        self.work = work
+    def __init__(
+        self,
+        work: Any,
+        peer: int,
+        verb: str,
+        shm: ShmOp | None = None,
+        *,
+        tensor: torch.Tensor | None = None,
+        member: int = -1,
+    ) -> None:
+        self.work = work  # None while it waits in its call's round (device backends)
         self.peer = peer
         self.verb = verb
         self.shm = shm
+        self.tensor = tensor  # kept until the round is started
+        self.member = member  # the peer's group rank
+
+    @property
+    def sends(self) -> bool:
+        return self.verb == "send to"
 
 
 class Channel:
@@ -216,6 +234,8 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.isend(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "send to", op)
+            if self._in_rounds():  # started with its round, at the next wait
+                return self._join_round(tensor, peer, "send to")
             work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:  # the connection to the peer is already gone
             raise self.failure(peer, "send to", exc) from exc
@@ -235,22 +255,57 @@ class Channel:
             if link is not None and link.reaches(self.members[peer]):
                 op = link.irecv(tensor, self.members[peer], self.call.tag)
                 return _Pending(None, peer, "receive from", op)
+            if self._in_rounds():  # started with its round, at the next wait
+                return self._join_round(tensor, peer, "receive from")
             work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
         except RuntimeError as exc:
             raise self.failure(peer, "receive from", exc) from exc
         return _Pending(work, peer, "receive from")
+
+    # --- rounds (device backends) ---------------------------------------------------------
+    def _in_rounds(self) -> bool:
+        """Whether this call's messages wait for their round: a plait algorithm on a
+        device backend. Point-to-point calls (``"p2p"``: the user's send/recv, the
+        pipeline's and ring attention's messages) start at once, as on gloo: they are
+        waited for later, and their peers must not wait for that."""
+        return self.call.algorithm != "p2p" and tuner.is_device_backend(self.group.backend)
+
+    def _join_round(self, tensor: torch.Tensor, peer: int, verb: str) -> _Pending:
+        pending = _Pending(None, peer, verb, tensor=tensor, member=self.members[peer])
+        self.call.round.append(pending)
+        return pending
+
+    def _start_round(self, waited: Sequence[_Pending | None]) -> None:
+        """Start the messages of the call's round that :func:`.rounds.choose` picks for a
+        wait on ``waited``, as one batch (:func:`.rounds.start_round`)."""
+        going, self.call.round = rounds.choose(self.call.round, waited)
+        if not going:
+            return
+        ops = []
+        for p in going:
+            assert p.tensor is not None
+            ops.append((p.sends, p.tensor, p.member))
+        try:
+            work = rounds.RoundWork(rounds.start_round(self.group.pg, ops, self.call.tag))
+        except RuntimeError as exc:
+            raise self.failure(going[0].peer, going[0].verb, exc) from exc
+        for p in going:
+            p.work, p.tensor = work, None
 
     def wait(self, *pending: _Pending | None) -> None:
         """Wait for started sends/receives; raises a named error past the group's timeout.
 
         While it blocks, ``group.waiting`` says on whom, so the watchdog can tell a stall
         on a rank that disagrees, skipped this collective or stopped (heartbeat) apart
-        from a slow one, and end the wait with a named error.
+        from a slow one, and end the wait with a named error. On a device backend the
+        round these messages belong to is started first (:meth:`_start_round`).
         """
         group = self.group
         timeout = group.timeout_delta
         link = group.shm
         on_device = tuner.is_device_backend(group.backend)
+        if self.call.round:
+            self._start_round(pending)
         for p in pending:
             if p is None:
                 continue
@@ -472,6 +527,12 @@ class Group:
             entry = recorder.start(call)
             try:
                 result = body(Channel(call))
+                if call.round:  # a message never waited for: its peer would wait forever
+                    raise RuntimeError(
+                        f"{call.describe()}: the algorithm left {len(call.round)} message(s) "
+                        f"not waited for (first: {call.round[0].verb} channel rank "
+                        f"{call.round[0].peer}); every isend/irecv must be waited for"
+                    )
             except BaseException:
                 recorder.end(entry, "failed")
                 raise

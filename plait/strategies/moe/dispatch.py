@@ -60,6 +60,21 @@ class Dispatch:
     counts: list[int]
 
 
+def refuse_meta(x: torch.Tensor, who: str) -> None:
+    """Refuse routing on the ``meta`` device, naming ``who`` and why: which expert each
+    token goes to, and so how many rows every rank sends every other in the all-to-alls,
+    is read on the host from the gate's scores (dropless routing agrees no fixed
+    capacity), and a meta tensor holds no values."""
+    if x.is_meta:
+        raise NotImplementedError(
+            f"{who}: routing tokens on the meta device is not supported. The all-to-all's "
+            f"split sizes are the tokens each expert receives, read on the host from the "
+            f"gate's scores (plait's MoE is dropless: no fixed capacity sizes them), and a "
+            f"meta tensor holds no values. Run expert parallelism (strategy 'ep', or ptdp "
+            f"with ep > 1) on a real device; a model without MoE layers steps on meta"
+        )
+
+
 def plan(routing: Routing) -> Dispatch:
     """Sort the kept choices of ``routing`` by (expert, group, position). Local."""
     G, S, _ = routing.expert.shape

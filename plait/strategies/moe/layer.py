@@ -225,6 +225,7 @@ class MoE(nn.Module):
         return capacity(S, self.num_experts, cf, self.min_capacity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe_dispatch.refuse_meta(x, f"MoE layer ({self.num_experts} experts)")
         grouped = self._grouped(x)
         G, S, d = grouped.shape
         logits = self.gate(grouped)  # [G, S, E]

@@ -112,6 +112,7 @@ def _forward_of(plan: MoEPlan, info: StackedExperts) -> Any:
     def forward(
         box: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        moe_dispatch.refuse_meta(hidden, f"expert parallelism on {type(box).__name__}")
         flat = hidden.reshape(-1, hidden.shape[-1])
         chosen = moe_dispatch.plan_top_k(
             top_k_index.reshape(flat.shape[0], -1),

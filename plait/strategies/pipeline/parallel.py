@@ -34,6 +34,12 @@ chunks, stage cut and model fingerprint: a rank that disagrees is named on every
 before any message moves, instead of a deadlock). No gradient all-reduce inside the
 pipeline (combine with data parallelism on another mesh dimension for that).
 
+fp16 (``plait.prepare(..., mixed_precision="fp16")``, or ``scaler=`` and
+``check_finite=None``): the last stage multiplies each micro-batch's loss by the
+:class:`~plait.amp.DynamicLossScaler`'s scale; ``scaler.step(optimizer)`` unscales this
+rank's gradients and all-reduces its found-inf flag (max) over the world, so every stage
+skips the same steps.
+
 Placement (for :func:`plait.clip_grad_norm_`): every parameter a rank keeps is split over
 ``pp`` (stages add up); a tied parameter held by two ranks is also copied over the pair,
 counted once, on the lower pp rank.
@@ -50,6 +56,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from plait.amp import DynamicLossScaler
 from plait.comm import ops
 from plait.comm.device import control_device
 from plait.comm.group import Group
@@ -109,7 +116,11 @@ class PipelineParallel(nn.Module):
     input between forward and backward. ``check_finite``: ``"raise"`` (default, as DDP),
     ``"skip"`` (every rank drops the step's gradients) or None (a loss scaler handles
     overflows): a non-finite stage output or gradient is found on every rank after the backward,
-    naming the rank, stage, micro-batch and parameter.
+    naming the rank, stage, micro-batch and parameter. ``scaler``: a
+    :class:`~plait.amp.DynamicLossScaler` (fp16): the last stage multiplies every
+    micro-batch's loss by its scale (read once per ``step``), ``step`` returns the unscaled
+    loss, and ``scaler.step(optimizer)`` unscales this rank's gradients and skips on every
+    rank alike; it needs ``check_finite=None`` (the scaler decides, not the check).
     """
 
     @accepts_model(method=True)
@@ -130,9 +141,18 @@ class PipelineParallel(nn.Module):
         tracer: Tracer | None = None,
         reproducible: bool = False,
         threads: int | None = 1,
+        scaler: DynamicLossScaler | None = None,
     ) -> None:
         model = module
         super().__init__()
+        if scaler is not None and check_finite is not None:
+            raise ValueError(
+                f"PipelineParallel: scaler= with check_finite={check_finite!r}; the check would "
+                f"raise (or skip alone) on the overflows the scaler is there to skip. Pass "
+                f"check_finite=None with a loss scaler"
+            )
+        self.scaler = scaler
+        self._loss_scale = 1.0  # the scaler's scale during a step (1.0 without one)
         if not isinstance(group, Group):
             shape = getattr(group, "shape", {})
             if isinstance(shape, dict) and shape.get("cp", 1) > 1:
@@ -185,6 +205,8 @@ class PipelineParallel(nn.Module):
                     f"{type(model).__name__}; its plan has no loss"
                 )
             loss_fn = self._plan_loss(plan)
+        if scaler is not None:
+            loss_fn = self._scaled(loss_fn)
         part = partition(
             layers,
             sched.stages,
@@ -284,6 +306,17 @@ class PipelineParallel(nn.Module):
 
         return items_loss
 
+    def _scaled(
+        self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``loss_fn`` times this step's loss scale: the backward of every micro-batch starts
+        from the scaled loss (a power of two: exact away from overflow and subnormals)."""
+
+        def scaled_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(y, target) * self._loss_scale
+
+        return scaled_loss
+
     def _place(self, tied: list[tuple[nn.Parameter, int]]) -> None:
         """Split over pp: every parameter this rank keeps; a tied one also copied over the
         pair of ranks holding it (counted on the lower)."""
@@ -346,12 +379,13 @@ class PipelineParallel(nn.Module):
                 )
         xs = list(inputs.chunk(m))
         ys: list[torch.Tensor | None] = list(targets.chunk(m))
+        self._loss_scale = self.scaler.scale_value if self.scaler is not None else 1.0
         hooks = self.batch_loss
         if hooks is not None:
             hooks.reset(next(self.parameters()).device)
             statistics_pass(self.runtime, xs, hooks, extras)
             hooks.totals = batch_totals(hooks, self.batch_loss_groups)
-            hooks.factor = self.batch_loss_factor
+            hooks.factor = self.batch_loss_factor * self._loss_scale
             hooks.mode = "attach"
         try:
             loss = self.runtime.step(xs, ys, extras)
@@ -365,6 +399,8 @@ class PipelineParallel(nn.Module):
             self._check_finite()
         last = self.schedule.placement[self.schedule.stages - 1]
         ops.broadcast(loss, last, group=self.group)
+        if self._loss_scale != 1.0:
+            loss = loss / self._loss_scale
         if hooks is not None:
             assert hooks.totals is not None
             term = hooks.spec.value(hooks.totals).detach().to(loss)
