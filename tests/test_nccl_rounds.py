@@ -22,6 +22,7 @@ import torch
 from plait.comm import dissemination, ops, ring
 from plait.comm.chunks import split
 from plait.comm.reduce_op import ReduceOp
+from plait.strategies.context.ring import shift
 from tests import nccl_streams
 
 K = 5  # elements per rank's chunk: segments of 2 elements make several rounds per step
@@ -135,3 +136,24 @@ def test_messages_started_one_at_a_time_deadlock(monkeypatch, small_segments):
     print("deadlock without rounds:", hung)
     for collective in ("all_reduce", "reduce_scatter", "all_gather"):
         assert f"ring {collective} n=2" in hung, hung
+
+
+def _ring_shift(channel):
+    """Ring attention's step: send a block to cp rank + 1, receive rank - 1's."""
+    group = channel.group
+    group.seq = 0
+    block = torch.full((3,), float(group.rank), dtype=torch.float64)
+    return shift([block], group, kind="cp_kv", what="move K/V").wait()[0]
+
+
+def test_ring_attention_shift_is_one_round_on_nccl(monkeypatch):
+    """A context-parallel ring shift posts its receive and its send as one round: at 2
+    ranks (previous = next) started one at a time they hang on NCCL's pair stream."""
+    for n in (2, 3, 4):
+        got = nccl_streams.run(n, _ring_shift, batched=True, monkeypatch=monkeypatch)
+        assert got.error is None, f"ring shift at {n} ranks: {got.error}"
+        for r in range(n):
+            assert torch.equal(got.outputs[r], torch.full((3,), float((r - 1) % n)).double())
+        assert got.moved == [24] * n  # each rank delivered its one block
+    alone = nccl_streams.run(2, _ring_shift, batched=False, monkeypatch=monkeypatch)
+    assert alone.error is not None and "no operation can run" in alone.error, alone.error

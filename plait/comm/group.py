@@ -205,10 +205,11 @@ class Channel:
     algorithms do not see which; the byte counters count the same bytes either way.
     """
 
-    __slots__ = ("call", "group", "members", "rank", "size")
+    __slots__ = ("call", "group", "members", "rank", "size", "together")
 
     def __init__(self, call: Call, members: Sequence[int] | None = None) -> None:
         self.call = call
+        self.together = False  # posting messages as one round (post_together)
         self.group = call.group
         self.members = tuple(range(self.group.size)) if members is None else tuple(members)
         self.rank = self.members.index(self.group.rank)
@@ -268,7 +269,28 @@ class Channel:
         device backend. Point-to-point calls (``"p2p"``: the user's send/recv, the
         pipeline's and ring attention's messages) start at once, as on gloo: they are
         waited for later, and their peers must not wait for that."""
-        return self.call.algorithm != "p2p" and tuner.is_device_backend(self.group.backend)
+        on_device = tuner.is_device_backend(self.group.backend)
+        return on_device and (self.together or self.call.algorithm != "p2p")
+
+    def post_together(
+        self,
+        receives: Sequence[tuple[torch.Tensor, int]],
+        sends: Sequence[tuple[torch.Tensor, int]],
+    ) -> list[_Pending | None]:
+        """Post ``receives`` and ``sends`` (``(tensor, channel rank of the peer)`` pairs)
+        at once, without waiting. On a device backend they start now as one round (one
+        ``batch_isend_irecv``): NCCL runs a pair's messages on one stream in issue order,
+        so two ranks that each posted a receive from the other before their send to it would
+        hang (a ring shift on 2 ranks). Elsewhere each starts alone, receives first."""
+        self.together = True
+        try:
+            pending = [self.irecv(t, p) for t, p in receives]
+            pending += [self.isend(t, p) for t, p in sends]
+        finally:
+            self.together = False
+        if self.call.round:
+            self._start_round(pending)
+        return pending
 
     def _join_round(self, tensor: torch.Tensor, peer: int, verb: str) -> _Pending:
         pending = _Pending(None, peer, verb, tensor=tensor, member=self.members[peer])

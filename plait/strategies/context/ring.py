@@ -4,7 +4,10 @@ rank's, both posted at once so the caller can compute while they travel.
 Each shift is one :class:`~plait.comm.group.Call` on the group, so
 ``plait.comm.group_stats()`` counts its bytes under ``(group, name, "p2p")``: ring attention
 uses ``"cp_kv"`` (keys and values in forward and again in backward) and ``"cp_dkv"`` (their
-gradients travelling back to their owner). Messages of one kind between two ranks are
+gradients travelling back to their owner). The receives and sends of a shift are
+posted together (:meth:`~plait.comm.group.Channel.post_together`: one ``batch_isend_irecv`` on a
+device backend, where NCCL's stream per rank pair would otherwise hang a 2-rank ring).
+Messages of one kind between two ranks are
 matched in posting order under one tag per kind; the kinds' tags differ, so a forward and a
 backward shift never match each other. A wait is bounded by the group's timeout and raises
 :class:`RingError` naming this rank, the peer and what it was moving.
@@ -67,5 +70,6 @@ def shift(tensors: list[torch.Tensor], group: Group, *, kind: str, what: str) ->
     sent = [t.detach().contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in sent]
     nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
-    pending = [ch.irecv(t, prev) for t in received] + [ch.isend(t, nxt) for t in sent]
+    # one round on a device backend: on NCCL a 2-rank ring's receive and send share a stream
+    pending = ch.post_together([(t, prev) for t in received], [(t, nxt) for t in sent])
     return Shift(ch, pending, sent, received, f"{what} (to cp rank {nxt}, from cp rank {prev})")
