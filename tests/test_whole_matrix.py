@@ -165,6 +165,7 @@ def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
     assert "Muon" in out["cp_zero"] and "zero=3" in out["cp_zero"]
     assert "Muon" in out["ps"] and "not supported" in out["ps"]
     assert "whole_matrix=" in out["declared"] and "SGD" in out["declared"]
+    assert "several optimizers" in out["ptdp_skip"] and "'skip'" in out["ptdp_skip"]
     assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]
 
 
@@ -201,3 +202,16 @@ def test_hugging_face_llama_muon_under_tp_equals_one_process(
     assert set(state) == set(want["state"]) and len(state) == 14  # 7 matrices x 2 layers
     for name, value in want["state"].items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "tp", "zero"), [(2, 1, 2, 0), (2, 2, 1, 1), (1, 2, 2, 1)],
+    ids=["pp2xtp2", "pp2xdp2-zero1", "dp2xtp2-zero1"],
+)
+def test_muon_and_adamw_under_ptdp_equal_one_process(
+    ranks: Any, pp: int, dp: int, tp: int, zero: int
+) -> None:
+    from tests import whole_matrix_gpt_fns as gpt
+
+    results = ranks(4, gpt.ptdp_muon, pp, dp, tp, zero, timeout=120)
+    _check(results, gpt.oracle("muon"))

@@ -262,6 +262,12 @@ def refusals() -> dict[str, str]:
     stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
     catch("declared", lambda: plait.prepare(m, opts(m), strategy="zero2", whole_matrix=[stranger]))
     m = make_model()
+    mesh = plait.Mesh(pp=1, dp=1, tp=plait.world().size)
+    catch(
+        "ptdp_skip",
+        lambda: plait.prepare(m, opts(m), strategy="ptdp", mesh=mesh, check_finite="skip"),
+    )
+    m = make_model()
     catch("zero_direct", lambda: ZeroOptimizer(m.parameters(), torch.optim.Muon))
     return out
 
