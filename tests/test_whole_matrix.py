@@ -169,10 +169,13 @@ def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
     assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]
 
 
-def test_checkpoint_save_refuses_an_owned_optimizer_by_name(ranks: Any, tmp_path: Any) -> None:
-    out = ranks(2, fns.checkpoint_refusal, str(tmp_path), timeout=60)
-    assert all("Muon is stepped by parameter ownership" in m for m in out)
-    assert all("full_optimizer_state_dict" in m for m in out)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+def test_plait_checkpoint_saved_at_4_under_zero2_loads_at_2_and_continues_exactly(
+    ranks: Any, tmp_path: Any, strategy: str
+) -> None:
+    ranks(4, fns.checkpoint_save, str(tmp_path), 2, timeout=60)
+    results = ranks(2, fns.checkpoint_load, str(tmp_path), strategy, timeout=60)
+    _check(results, fns.oracle("muon"))
 
 
 def test_one_adafactor_under_ptdp_without_tp_runs_as_it_is(ranks: Any) -> None:

@@ -272,14 +272,49 @@ def refusals() -> dict[str, str]:
     return out
 
 
-def checkpoint_refusal(root: str) -> str:
-    """plait.checkpoint.save of an ownership-stepped optimizer: refused by name."""
+def checkpoint_save(root: str, steps: int, strategy: str = "zero2") -> None:
+    """``steps`` steps under ``strategy``, then one :mod:`plait.checkpoint` per optimizer
+    (``root/muon``, ``root/adamw``: save takes one optimizer)."""
     from plait import checkpoint
 
+    world = plait.world()
     model = make_model()
-    prepared, (muon, _) = plait.prepare(model, make_optimizers(model), strategy="zero2")
-    try:
-        checkpoint.save(root, step=1, model=prepared, optimizer=muon)
-    except NotImplementedError as exc:
-        return str(exc)
-    return ""
+    prepared, optimizers = plait.prepare(model, make_optimizers(model), strategy=strategy)
+    n = GLOBAL_BATCH // world.size
+    for step in range(steps):
+        x, y = batch(step)
+        rows = slice(world.rank * n, (world.rank + 1) * n)
+        _step(prepared, optimizers, x[rows], y[rows])
+    for name, o in zip(("muon", "adamw"), optimizers, strict=True):
+        checkpoint.save(f"{root}/{name}", step=steps, model=prepared, optimizer=o)
+
+
+def checkpoint_load(root: str, strategy: str) -> dict[str, Any]:
+    """Load :func:`checkpoint_save`'s checkpoints under ``strategy`` at this world size and
+    train to STEPS; parameters and state as :func:`train`."""
+    from plait import checkpoint
+
+    world = plait.world()
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy=strategy)
+    first = checkpoint.load(f"{root}/muon", model=prepared, optimizer=muon).step
+    checkpoint.load(f"{root}/adamw", model=prepared, optimizer=adamw)
+    n = GLOBAL_BATCH // world.size
+    for step in range(first, STEPS):
+        x, y = batch(step)
+        rows = slice(world.rank * n, (world.rank + 1) * n)
+        _step(prepared, [muon, adamw], x[rows], y[rows])
+    state = whole_matrix_state(muon)
+    sharded = strategy in ("zero3", "fsdp")
+    adam = full_optimizer_state_dict(prepared, adamw) if sharded else adamw.state_dict()
+    for index, entry in adam["state"].items():
+        state[[m for m in names if m not in HIDDEN][index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    params = (
+        full_state_dict(prepared)
+        if sharded
+        else {k: v.detach().clone() for k, v in prepared.state_dict().items()}
+    )
+    return {"params": params, "state": state}
