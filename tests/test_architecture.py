@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.pipeline", 6),
     ("plait.strategies.moe", 6),
     ("plait.strategies.context", 6),
+    ("plait.strategies.whole_matrix", 6),  # steps whole parameters under the strategies above
     ("plait.checkpoint", 7),  # reads and writes every strategy's state
     ("plait.strategies.ps", 8),  # strategies that checkpoint or compose the others
     ("plait.strategies.compose", 8),

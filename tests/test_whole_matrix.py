@@ -208,7 +208,8 @@ def test_hugging_face_llama_muon_under_tp_equals_one_process(
 
 
 @pytest.mark.parametrize(
-    ("pp", "dp", "tp", "zero"), [(2, 1, 2, 0), (2, 2, 1, 1), (1, 2, 2, 1)],
+    ("pp", "dp", "tp", "zero"),
+    [(2, 1, 2, 0), (2, 2, 1, 1), (1, 2, 2, 1)],
     ids=["pp2xtp2", "pp2xdp2-zero1", "dp2xtp2-zero1"],
 )
 def test_muon_and_adamw_under_ptdp_equal_one_process(
