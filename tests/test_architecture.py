@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.ps", 8),  # strategies that checkpoint or compose the others
     ("plait.strategies.compose", 8),
     ("plait.clip", 8),
+    ("plait.clip_several", 8),
     ("plait.models", 9),  # models carry their plans: above the strategies that read them
     ("plait.plan", 9),  # the planner's arithmetic
     ("plait.prepare", 10),  # the front door and what runs on top of everything

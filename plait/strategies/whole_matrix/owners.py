@@ -321,17 +321,37 @@ def own(
         if not isinstance(s, KeptSlot)
     ]
 
-    def collect(opt: Any, args: Any, kwargs: Any) -> None:
+    collected = [False]  # collected before the step (a global clip): the pre-hook skips
+
+    def gather() -> None:
+        if collected[0]:
+            return
         for f in before:
             f()
         for slot, owner, master in pairs:
             slot.collect(owner, group, master)
+        collected[0] = True
+
+    def collect(opt: Any, args: Any, kwargs: Any) -> None:
+        gather()
 
     def distribute(opt: Any, args: Any, kwargs: Any) -> None:
+        collected[0] = False
         for slot, owner, master in pairs:
             slot.distribute(owner, group, master)
         for f in after:
             f()
+
+    zero_grad = rebuilt.zero_grad
+
+    def forget_and_zero(set_to_none: bool = True) -> None:
+        collected[0] = False
+        zero_grad(set_to_none)
+
+    rebuilt.zero_grad = forget_and_zero  # type: ignore[method-assign]
+    # the collect step on its own, before step() (plait.clip_grad_norm_ over several
+    # optimizers: the owners then hold the averaged gradients it measures and scales)
+    object.__setattr__(rebuilt, "plait_collect", gather)
 
     rebuilt.register_step_pre_hook(collect)
     rebuilt.register_step_post_hook(distribute)
