@@ -1,10 +1,15 @@
-"""Whole-matrix optimizers: what parameter ownership costs and saves, on plait's GPT.
+"""Whole-matrix optimizers: what parameter ownership costs and saves, on plait's GPT or
+a Hugging Face Llama.
 
     .venv/bin/python benchmarks/whole_matrix.py                  # worlds 2 and 4, ~3 min
+    .venv/bin/python benchmarks/whole_matrix.py --model llama    # LlamaForCausalLM
     .venv/bin/python benchmarks/whole_matrix.py --worlds 2 --steps 3 --out /tmp/wm  # smoke
 
 Local ranks (``plait.RankPool``, gloo on loopback), one intra-op thread per rank, float32,
-plait's GPT (``--width``, ``--layers``; vocabulary 512, sequence 64, 8 sequences per rank).
+plait's GPT or (``--model llama``) a ``LlamaForCausalLM`` built from its config (4 heads, 2
+key/value heads, MLP width 2x, untied head; random init) (``--width``, ``--layers``;
+vocabulary 512, sequence 64, 8 sequences per rank). Results go to ``whole_matrix.*``
+(GPT) or ``whole_matrix_llama.*``.
 Muon (lr 0.02, momentum 0.95) for the blocks' hidden matrices and AdamW (lr 1e-3) for the
 rest, as Muon is used, or AdamW for everything. Variants, each on every rank from the same
 seed:
@@ -45,16 +50,50 @@ HIDDEN = re.compile(r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))\.weight")
 VOCAB, SEQ, PER_RANK = 512, 64, 8
 
 
-def _build(variant: str, width: int, layers: int) -> tuple[Any, list[torch.optim.Optimizer]]:
+LLAMA_HIDDEN = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+)
+
+
+def _model(kind: str, width: int, layers: int) -> tuple[Any, re.Pattern[str], type]:
+    """The model (same seed on every rank), the names Muon takes, the block class."""
+    torch.manual_seed(0)
+    if kind == "llama":  # a Hugging Face Llama from its config, random init
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config)
+        return model, LLAMA_HIDDEN, type(model.model.layers[0])
     from plait.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab=VOCAB, layers=layers, heads=4, width=width, seq_len=SEQ))
+    return model, HIDDEN, type(model.blocks[0])
+
+
+def _logits(runner: Any, ids: torch.Tensor) -> torch.Tensor:
+    out = runner(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _build(
+    variant: str, width: int, layers: int, kind: str = "gpt"
+) -> tuple[Any, list[torch.optim.Optimizer]]:
+    model, hidden_names, block = _model(kind, width, layers)
     named = list(model.named_parameters())
     if variant.endswith("adamw"):
         optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
     else:
-        hidden = [p for n, p in named if HIDDEN.fullmatch(n)]
-        rest = [p for n, p in named if not HIDDEN.fullmatch(n)]
+        hidden = [p for n, p in named if hidden_names.fullmatch(n)]
+        rest = [p for n, p in named if not hidden_names.fullmatch(n)]
         optimizers = [
             torch.optim.Muon(hidden, lr=0.02, momentum=0.95),
             torch.optim.AdamW(rest, lr=1e-3),
@@ -62,7 +101,7 @@ def _build(variant: str, width: int, layers: int) -> tuple[Any, list[torch.optim
     strategy = variant.split()[0]
     options: dict[str, Any] = {"algorithm": "ring"}
     if strategy == "fsdp":
-        options = {"algorithm": "ring", "wrap": {type(model.blocks[0])}}
+        options = {"algorithm": "ring", "wrap": {block}}
     if strategy == "ddp":
         return plait.DistributedDataParallel(model, algorithm="ring"), optimizers
     runner, out = plait.prepare(model, optimizers, strategy=strategy, **options)
@@ -84,10 +123,10 @@ def _sent() -> int:
     return sum(s.bytes_sent for s in plait.comm.stats().values())
 
 
-def rank_main(width: int, layers: int, steps: int) -> dict[str, Any]:
+def rank_main(width: int, layers: int, steps: int, kind: str = "gpt") -> dict[str, Any]:
     torch.set_num_threads(1)
     world = plait.world()
-    built = {v: _build(v, width, layers) for v in VARIANTS}
+    built = {v: _build(v, width, layers, kind) for v in VARIANTS}
     g = torch.Generator().manual_seed(world.rank)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     sent: dict[str, int] = {}
@@ -101,7 +140,7 @@ def rank_main(width: int, layers: int, steps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             for o in optimizers:
                 o.zero_grad()
-            logits = runner(ids[:, :-1])
+            logits = _logits(runner, ids[:, :-1])
             F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
             for o in optimizers:
                 o.step()
@@ -110,7 +149,7 @@ def rank_main(width: int, layers: int, steps: int) -> dict[str, Any]:
             plait.comm.all_reduce(elapsed, "max")
             if step >= 2:
                 times[v].append(float(elapsed))
-    numel = sum(p.numel() for p in _build("ddp muon", width, layers)[0].parameters())
+    numel = sum(p.numel() for p in _build("ddp muon", width, layers, kind)[0].parameters())
     return {
         "rank": world.rank,
         "numel": numel,
@@ -141,31 +180,37 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--model", default="gpt", choices=["gpt", "llama"], help="plait's GPT or a HF Llama"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     results: dict[str, Any] = {
         "width": args.width,
         "layers": args.layers,
         "steps": args.steps,
+        "model": args.model,
         "cores": os.cpu_count(),
         "worlds": {},
     }
     for world in (int(w) for w in args.worlds.split(",")):
         with plait.RankPool(world) as pool:
             results["worlds"][world] = pool.run(
-                rank_main, args.width, args.layers, args.steps, timeout=1200
+                rank_main, args.width, args.layers, args.steps, args.model, timeout=1200
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "whole_matrix.json").write_text(json.dumps(results, indent=1))
+    stem = "whole_matrix" if args.model == "gpt" else f"whole_matrix_{args.model}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     numel = results["worlds"][next(iter(results["worlds"]))][0]["numel"]
+    what = "plait's GPT" if args.model == "gpt" else "a Hugging Face Llama (random init)"
     text = (
-        f"# Whole-matrix optimizers: state, bytes, time\n\nplait's GPT (width {args.width}, "
+        f"# Whole-matrix optimizers: state, bytes, time\n\n{what} (width {args.width}, "
         f"{args.layers} layers, {numel:,} parameters, float32), 8 sequences of 64 per rank, "
         f"local ranks on {results['cores']} cores, gloo, ring collectives; "
         f"`benchmarks/whole_matrix.py`.\n\n{table(results)}\n"
     )
-    (out / "whole_matrix.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     print(text)
 
 

@@ -12,6 +12,9 @@ Where the gradient lives differs by strategy, so the right clipping call does to
   reduce-scatter in stage 1, reused by ``step()``, and one all-reduce of one element).
 - FSDP / ZeRO-3 (``fully_shard``): each rank holds a shard, in the model;
   ``model.clip_grad_norm_`` (collective: one all-reduce of one element).
+- several optimizers from ``plait.prepare(model, [muon, adamw], strategy="zero1"|"zero2")``:
+  ``clip_grad_norm_(model, [muon, adamw], max_norm)`` clips by the norm over all of them
+  (:mod:`plait.clip_several`).
 - Tensor, pipeline and expert parallelism and their compositions: each parameter carries
   its :class:`~plait.strategies.placement.Placement` (split over which groups, copied over
   which); :func:`~plait.strategies.placement.grad_norm` counts every element once
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait import clip_several as several
 from plait.runtime import world
 from plait.strategies import placement as placement_mod
 
@@ -55,7 +59,11 @@ def clip_grad_norm_(
     if (
         isinstance(parameters, nn.Module)
         and args
-        and (args[0] is None or isinstance(args[0], torch.optim.Optimizer))
+        and (
+            args[0] is None
+            or isinstance(args[0], torch.optim.Optimizer)
+            or (isinstance(args[0], (list, tuple)) and args[0])
+        )
     ):
         optimizer, args = args[0], args[1:]
     if not args:
@@ -66,6 +74,10 @@ def clip_grad_norm_(
     if len(args) > 2:
         raise TypeError(f"clip_grad_norm_: too many positional arguments ({len(args) + 1})")
     model = parameters if isinstance(parameters, nn.Module) else None
+    if isinstance(optimizer, (list, tuple)):
+        return several.clip_grad_norm_(
+            list(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+        )
     if optimizer is not None and hasattr(optimizer, "clip_grad_norm_"):
         return optimizer.clip_grad_norm_(  # type: ignore[no-any-return]
             max_norm, norm_type, error_if_nonfinite=error_if_nonfinite

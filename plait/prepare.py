@@ -454,14 +454,17 @@ def _optimizers(
     optimizers = list(given) if several else [given]
     if any(o is None for o in optimizers) or not optimizers:
         raise TypeError("plait.prepare: the list of optimizers is empty or holds None")
-    if policy is not None:
+    if policy is not None and policy.param_dtype == torch.float16:
         raise ValueError(
-            f"plait.prepare(strategy={strategy!r}): mixed_precision= with several or "
-            f"whole-matrix optimizers is not supported yet; train in full precision"
+            f"plait.prepare(strategy={strategy!r}): mixed_precision= in fp16 with several "
+            f"or whole-matrix optimizers is not supported yet (its loss scaler skips the "
+            f"steps of one optimizer); use bf16"
         )
     wrapped, out = prepare_optimizers(
         strategy, STRATEGIES[strategy], model, optimizers, options, declared=list(declared)
     )
+    if policy is not None:  # bf16: autocast on the forward; masters and state float32
+        precision.apply(strategy, wrapped, None, policy, options)
     if tracer is not None:
         for o in out:
             _trace_steps(o, tracer)

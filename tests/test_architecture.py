@@ -43,10 +43,12 @@ LAYERS: list[tuple[str, int]] = [
     ("plait.strategies.pipeline", 6),
     ("plait.strategies.moe", 6),
     ("plait.strategies.context", 6),
+    ("plait.strategies.whole_matrix", 6),  # steps whole parameters under the strategies above
     ("plait.checkpoint", 7),  # reads and writes every strategy's state
     ("plait.strategies.ps", 8),  # strategies that checkpoint or compose the others
     ("plait.strategies.compose", 8),
     ("plait.clip", 8),
+    ("plait.clip_several", 8),
     ("plait.models", 9),  # models carry their plans: above the strategies that read them
     ("plait.plan", 9),  # the planner's arithmetic
     ("plait.prepare", 10),  # the front door and what runs on top of everything

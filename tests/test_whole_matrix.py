@@ -165,13 +165,18 @@ def test_cases_that_cannot_be_exact_are_refused_by_name(ranks: Any) -> None:
     assert "Muon" in out["cp_zero"] and "zero=3" in out["cp_zero"]
     assert "Muon" in out["ps"] and "not supported" in out["ps"]
     assert "whole_matrix=" in out["declared"] and "SGD" in out["declared"]
+    assert "several optimizers" in out["ptdp_skip"] and "'skip'" in out["ptdp_skip"]
+    assert "fp16" in out["fp16"] and "use bf16" in out["fp16"]
     assert "Muon" in out["zero_direct"] and "plait.prepare(model, [it" in out["zero_direct"]
 
 
-def test_checkpoint_save_refuses_an_owned_optimizer_by_name(ranks: Any, tmp_path: Any) -> None:
-    out = ranks(2, fns.checkpoint_refusal, str(tmp_path), timeout=60)
-    assert all("Muon is stepped by parameter ownership" in m for m in out)
-    assert all("full_optimizer_state_dict" in m for m in out)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+def test_plait_checkpoint_saved_at_4_under_zero2_loads_at_2_and_continues_exactly(
+    ranks: Any, tmp_path: Any, strategy: str
+) -> None:
+    ranks(4, fns.checkpoint_save, str(tmp_path), 2, timeout=60)
+    results = ranks(2, fns.checkpoint_load, str(tmp_path), strategy, timeout=60)
+    _check(results, fns.oracle("muon"))
 
 
 def test_one_adafactor_under_ptdp_without_tp_runs_as_it_is(ranks: Any) -> None:
@@ -201,3 +206,45 @@ def test_hugging_face_llama_muon_under_tp_equals_one_process(
     assert set(state) == set(want["state"]) and len(state) == 14  # 7 matrices x 2 layers
     for name, value in want["state"].items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "tp", "zero"),
+    [(2, 1, 2, 0), (2, 2, 1, 1), (1, 2, 2, 1)],
+    ids=["pp2xtp2", "pp2xdp2-zero1", "dp2xtp2-zero1"],
+)
+def test_muon_and_adamw_under_ptdp_equal_one_process(
+    ranks: Any, pp: int, dp: int, tp: int, zero: int
+) -> None:
+    from tests import whole_matrix_gpt_fns as gpt
+
+    results = ranks(4, gpt.ptdp_muon, pp, dp, tp, zero, timeout=120)
+    _check(results, gpt.oracle("muon"))
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_bf16_muon_and_adamw_equal_one_process_under_the_same_policy(
+    ranks: Any, strategy: str
+) -> None:
+    """bf16 compute, float32 masters and state: bitwise the one process that runs the
+    ranks' row blocks one after the other (tests/test_precision.py's exact comparison)."""
+    for r in ranks(2, fns.bf16, strategy, timeout=60):
+        assert "bfloat16" in r["dtypes"], r["dtypes"]
+        assert list(r["plait"]) == list(r["chunked"])
+        for key, want in r["chunked"].items():
+            assert torch.equal(r["plait"][key], want), (
+                f"{strategy}: {key} differs by {float((r['plait'][key] - want).abs().max()):.3g}"
+            )
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_one_global_clip_over_muon_and_adamw_equals_one_process(ranks: Any, strategy: str) -> None:
+    """plait.clip_grad_norm_(model, [muon, adamw], max_norm): the norm over both
+    optimizers' averaged gradients, every step clipped, as torch's clip on one process."""
+    want = fns.oracle("muon", clip=True)
+    assert all(n > fns.CLIP for n in want["norms"])  # the clip acts on every step
+    results = ranks(2, fns.train, strategy, "muon", clip=True, timeout=60)
+    for r in results:
+        for got, norm in zip(r["norms"], want["norms"], strict=True):
+            assert abs(got - norm) <= TOL * max(1.0, norm)
+    _check(results, want)

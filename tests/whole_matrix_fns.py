@@ -55,21 +55,36 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step(
-    model: Any, optimizers: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor
+    model: Any,
+    optimizers: list[torch.optim.Optimizer],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip: Any = None,
 ) -> None:
     for o in optimizers:
         o.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
+    if clip is not None:
+        clip(model, optimizers)
     for o in optimizers:
         o.step()
 
 
-def oracle(kind: str = "muon") -> dict[str, Any]:
-    """One process on the global batch: parameters and each optimizer's state by name."""
+CLIP = 0.05  # below every step's gradient norm here: the clip scales each step
+
+
+def oracle(kind: str = "muon", clip: bool = False) -> dict[str, Any]:
+    """One process on the global batch: parameters and each optimizer's state by name
+    (``clip``: torch's clip_grad_norm_ to CLIP before each step, its norms in "norms")."""
     model = make_model()
     optimizers = make_optimizers(model, kind)
+    norms: list[float] = []
+
+    def clipped(m: nn.Module, _: Any) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)))
+
     for step in range(STEPS):
-        _step(model, optimizers, *batch(step))
+        _step(model, optimizers, *batch(step), clip=clipped if clip else None)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {}
     for o in optimizers:
@@ -79,7 +94,8 @@ def oracle(kind: str = "muon") -> dict[str, Any]:
                 for k, v in entry.items()
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             }
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "state": state}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "state": state, "norms": norms}
 
 
 def whole_matrix_state(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
@@ -100,6 +116,12 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
     the global batch. Returns the full parameters, the whole-matrix state this rank owns,
     and the element-wise optimizer's full state by parameter name."""
     world = plait.world()
+    clip = options.pop("clip", False)
+    norms: list[float] = []
+
+    def clipped(m: nn.Module, opts: Any) -> None:
+        norms.append(float(plait.clip_grad_norm_(m, opts, CLIP)))
+
     model = make_model()
     with torch.no_grad():
         for p in model.parameters():
@@ -118,6 +140,7 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
             optimizers,
             x[world.rank * n : (world.rank + 1) * n],
             y[world.rank * n : (world.rank + 1) * n],
+            clip=clipped if clip else None,
         )
     if strategy in ("zero3", "fsdp"):
         params = full_state_dict(prepared)
@@ -131,7 +154,7 @@ def train(strategy: str, kind: str = "muon", **options: Any) -> dict[str, Any]:
             k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
         }
     plan = optimizers[0].plait_ownership
-    return {"params": params, "state": state, "owners": plan.owners}
+    return {"params": params, "state": state, "owners": plan.owners, "norms": norms}
 
 
 def _by_name(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
@@ -262,18 +285,100 @@ def refusals() -> dict[str, str]:
     stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
     catch("declared", lambda: plait.prepare(m, opts(m), strategy="zero2", whole_matrix=[stranger]))
     m = make_model()
+    mesh = plait.Mesh(pp=1, dp=1, tp=plait.world().size)
+    catch(
+        "ptdp_skip",
+        lambda: plait.prepare(m, opts(m), strategy="ptdp", mesh=mesh, check_finite="skip"),
+    )
+    m = make_model().float()
+    catch("fp16", lambda: plait.prepare(m, opts(m), strategy="zero2", mixed_precision="fp16"))
+    m = make_model()
     catch("zero_direct", lambda: ZeroOptimizer(m.parameters(), torch.optim.Muon))
     return out
 
 
-def checkpoint_refusal(root: str) -> str:
-    """plait.checkpoint.save of an ownership-stepped optimizer: refused by name."""
+def checkpoint_save(root: str, steps: int, strategy: str = "zero2") -> None:
+    """``steps`` steps under ``strategy``, then one :mod:`plait.checkpoint` per optimizer
+    (``root/muon``, ``root/adamw``: save takes one optimizer)."""
     from plait import checkpoint
 
+    world = plait.world()
     model = make_model()
-    prepared, (muon, _) = plait.prepare(model, make_optimizers(model), strategy="zero2")
-    try:
-        checkpoint.save(root, step=1, model=prepared, optimizer=muon)
-    except NotImplementedError as exc:
-        return str(exc)
-    return ""
+    prepared, optimizers = plait.prepare(model, make_optimizers(model), strategy=strategy)
+    n = GLOBAL_BATCH // world.size
+    for step in range(steps):
+        x, y = batch(step)
+        rows = slice(world.rank * n, (world.rank + 1) * n)
+        _step(prepared, optimizers, x[rows], y[rows])
+    for name, o in zip(("muon", "adamw"), optimizers, strict=True):
+        checkpoint.save(f"{root}/{name}", step=steps, model=prepared, optimizer=o)
+
+
+def checkpoint_load(root: str, strategy: str) -> dict[str, Any]:
+    """Load :func:`checkpoint_save`'s checkpoints under ``strategy`` at this world size and
+    train to STEPS; parameters and state as :func:`train`."""
+    from plait import checkpoint
+
+    world = plait.world()
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    prepared, (muon, adamw) = plait.prepare(model, make_optimizers(model), strategy=strategy)
+    first = checkpoint.load(f"{root}/muon", model=prepared, optimizer=muon).step
+    checkpoint.load(f"{root}/adamw", model=prepared, optimizer=adamw)
+    n = GLOBAL_BATCH // world.size
+    for step in range(first, STEPS):
+        x, y = batch(step)
+        rows = slice(world.rank * n, (world.rank + 1) * n)
+        _step(prepared, [muon, adamw], x[rows], y[rows])
+    state = whole_matrix_state(muon)
+    sharded = strategy in ("zero3", "fsdp")
+    adam = full_optimizer_state_dict(prepared, adamw) if sharded else adamw.state_dict()
+    for index, entry in adam["state"].items():
+        state[[m for m in names if m not in HIDDEN][index]] = {
+            k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    params = (
+        full_state_dict(prepared)
+        if sharded
+        else {k: v.detach().clone() for k, v in prepared.state_dict().items()}
+    )
+    return {"params": params, "state": state}
+
+
+def bf16(strategy: str) -> dict[str, Any]:
+    """Muon for the MLP's hidden matrix and AdamW for the rest under ``strategy`` with
+    ``mixed_precision`` bf16 (float32 masters), each rank its row block; and one process
+    under the same policy on the same row blocks, each block's loss / parts, gradients
+    accumulated in float32 (tests/precision_fns.py's ``chunked`` oracle)."""
+    from tests import precision_fns as P
+
+    world = plait.world()
+
+    def optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+        hidden = [model[2].weight]  # type: ignore[index]
+        rest = [p for p in model.parameters() if p is not model[2].weight]  # type: ignore[index]
+        return [
+            torch.optim.Muon(hidden, lr=0.05, momentum=0.9),
+            torch.optim.AdamW(rest, lr=0.01),
+        ]
+
+    def run(parts: int, rank: int, strategy: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+        model = P.mlp()
+        runner, opts = plait.prepare(
+            model, optimizers(model), strategy=strategy, mixed_precision=P.BF16
+        )
+        seen = P.Dtypes(runner)
+        for step in range(STEPS):
+            x, y = P.mlp_batch(step)
+            for o in opts:
+                o.zero_grad()
+            for part in [rank] if strategy != "none" else range(parts):
+                loss = P.mse(runner(P._rows(x, part, parts)), P._rows(y, part, parts))
+                (loss if strategy != "none" else loss / parts).backward()
+            for o in opts:
+                o.step()
+        return full_state_dict(runner), seen.close()
+
+    got, dtypes = run(world.size, world.rank, strategy)
+    want, _ = run(world.size, 0, "none")
+    return {"plait": got, "chunked": want, "dtypes": dtypes}

@@ -221,3 +221,34 @@ def llama_muon(under_tp: bool, sequence_parallel: bool = False) -> dict[str, Any
     if not under_tp:
         state = {names[id(p)]: s["momentum_buffer"].clone() for p, s in muon.state.items()}
     return {"params": checkpoint.full_state_dict(runner), "state": state}
+
+
+def ptdp_muon(pp: int, dp: int, tp: int, zero: int) -> dict[str, Any]:
+    """Muon for the blocks' matrices and AdamW for the rest under ``strategy="ptdp"`` on
+    ``Mesh(pp=.., dp=.., tp=..)`` (``zero`` over dp), STEPS steps of the global batch;
+    the dense parameters and the Muon momentum this rank owns, by name."""
+    model = make_gpt()
+    optimizers = make_optimizers(model, "muon")
+    mesh = plait.Mesh(pp=pp, dp=dp, tp=tp)
+    ptdp, optimizers = plait.prepare(
+        model, optimizers, strategy="ptdp", mesh=mesh, microbatches=2, zero=zero
+    )
+    for step in range(STEPS):
+        x, y = batch(step)
+        for o in optimizers:
+            o.zero_grad()
+        ptdp.step(x, y)
+        for o in optimizers:
+            o.step()
+    muon = optimizers[0]
+    state: dict[str, Any] = {}
+    for slot, _, master in getattr(muon, "plait_slots", []):
+        if master is not None and muon.state.get(master):
+            state[slot.name] = {"momentum_buffer": muon.state[master]["momentum_buffer"].clone()}
+    if not hasattr(muon, "plait_slots"):  # tp=1, no ZeRO: every rank its stage's, whole
+        names = {id(c.param): c.name for c in ptdp.counted}
+        state = {
+            names[id(p)]: {"momentum_buffer": s["momentum_buffer"].clone()}
+            for p, s in muon.state.items()
+        }
+    return {"params": ptdp.full_state_dict(), "state": state}

@@ -3,7 +3,9 @@ the unwrapped model's parameter names (FQNs), whatever strategy saved or loads i
 
 - model: ``full_state_dict(model)``, the unsharded state dict (tensor key ``model/<fqn>``);
 - optimizer: the plain optimizer's ``state_dict()`` format (ZeroOptimizer's consolidated
-  ``state_dict()``, or the FSDP helper's ``full_optimizer_state_dict``), with parameter
+  ``state_dict()``, the FSDP helper's ``full_optimizer_state_dict``, or, for a
+  whole-matrix optimizer stepped by parameter ownership, the owners' state gathered by
+  :func:`plait.strategies.whole_matrix.full_optimizer_state_dict`), with parameter
   indices replaced by FQNs: tensor state ``optimizer/<fqn>/<key>``, other state and the
   param groups' hyper-parameters as JSON;
 - anything else (per-rank state, ``extra``) as a JSON tree whose tensor leaves are stored
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.checkpoint.full import full_state_dict as full
-from plait.strategies import fsdp
+from plait.strategies import fsdp, whole_matrix
 from plait.strategies.data_parallel.ddp import DistributedDataParallel
 from plait.strategies.data_parallel.naive import NaiveDataParallel
 from plait.strategies.fsdp import FSDPModule
@@ -138,25 +140,19 @@ def _fsdp_optimizer_api(name: str) -> Any:
     return fn
 
 
-def refuse_owned(optimizer: torch.optim.Optimizer, who: str) -> None:
+def owned(optimizer: torch.optim.Optimizer) -> bool:
     """A whole-matrix optimizer stepped by parameter ownership (its state on the owners,
-    over full-shape tensors that are not the model's parameters) is not read or written
-    here yet: refused by name, before anything is written or loaded."""
-    if getattr(optimizer, "plait_state_slots", None) is not None:
-        raise NotImplementedError(
-            f"{who}: this {type(optimizer).__name__} is stepped by parameter ownership "
-            f"(plait.prepare with a whole-matrix optimizer under a sharded strategy); "
-            f"checkpoint.save/load do not take its state yet. Save and load it with "
-            f"plait.strategies.whole_matrix.state.full_optimizer_state_dict / "
-            f"load_full_optimizer_state_dict (keyed by full_optimizer_param_names), and pass "
-            f"the other optimizer to checkpoint.save"
-        )
+    over full-shape tensors that are not the model's parameters): its state is read and
+    written in the plain format by name through
+    :mod:`plait.strategies.whole_matrix.state`, whatever the model's layout."""
+    return getattr(optimizer, "plait_state_slots", None) is not None
 
 
 def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The FQNs of each param group of ``optimizer``, in the order of the plain format's
     indices (``state_dict()`` numbers parameters group after group)."""
-    refuse_owned(optimizer, "checkpoint")
+    if owned(optimizer):
+        return whole_matrix.full_optimizer_param_names(optimizer)
     if is_fully_sharded(model):
         return _fully_sharded_groups(model, optimizer)
     names = {id(p): n for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
@@ -184,8 +180,10 @@ def _fully_sharded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The plain-format state dict of the whole (unsharded) optimizer. Collective for
-    ZeroOptimizer and fully sharded models."""
-    refuse_owned(optimizer, "checkpoint.save")
+    ZeroOptimizer, fully sharded models and an ownership-stepped optimizer (one broadcast
+    per parameter from its owner over the ownership group)."""
+    if owned(optimizer):
+        return whole_matrix.full_optimizer_state_dict(optimizer)
     if is_fully_sharded(model):
         return _fsdp_optimizer_api("full_optimizer_state_dict")(  # type: ignore[no-any-return]
             model, optimizer
@@ -270,6 +268,9 @@ def decode_optimizer(
 def load_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
+    if owned(optimizer):  # each rank keeps the state of what it owns; no communication
+        whole_matrix.load_full_optimizer_state_dict(optimizer, state)
+        return
     if is_fully_sharded(model):
         _fsdp_optimizer_api("load_full_optimizer_state_dict")(model, optimizer, state)
         return

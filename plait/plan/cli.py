@@ -194,6 +194,13 @@ def _add_layout_args(lay: Any) -> None:
     )
     j.add_argument("--precision", default="mixed", help="mixed or fp32")
     j.add_argument("--optimizer", default="adam")
+    j.add_argument(
+        "--whole-matrix",
+        default=None,
+        choices=["muon"],
+        help="the blocks' hidden matrices take this whole-matrix optimizer, its state "
+        "owned whole (plait.prepare(model, [muon, adamw], ...)); --optimizer the rest",
+    )
     j.add_argument("--no-dropout", action="store_true", help="no dropout masks kept")
     s = lay.add_argument_group("search space (comma-separated; default: everything)")
     s.add_argument("--tp", type=_ints, default=None)
@@ -339,6 +346,7 @@ def _search(args: argparse.Namespace) -> Any:
         seq=args.seq or min(model.seq_len, DEFAULT_MAX_SEQ),
         precision=args.precision,
         optimizer=args.optimizer,
+        whole_matrix=args.whole_matrix,
         dropout=not args.no_dropout and not hf_model,
         flash_attention=fused,
     )

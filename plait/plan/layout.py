@@ -48,6 +48,9 @@ class Job:
     seq: int
     precision: str = "mixed"
     optimizer: str = "adam"
+    # "muon": the blocks' hidden matrices take Muon, stepped by parameter ownership
+    # (plait.plan.whole_matrix); None: ``optimizer`` on every parameter
+    whole_matrix: str | None = None
     dropout: bool = True
     # pipeline messages cut over tp and all-gathered by the receiver (PTD-P 4.1, Megatron);
     # False: every tp rank sends the whole activation (plait's compose without SP)
@@ -70,6 +73,8 @@ class Job:
             )
         if self.precision not in PRECISIONS:
             raise LayoutError(f"Job: precision={self.precision!r}; use one of {list(PRECISIONS)}")
+        if self.whole_matrix not in (None, "muon"):
+            raise LayoutError(f"Job: whole_matrix={self.whole_matrix!r}; use 'muon' or None")
 
     @property
     def causal_share(self) -> float:

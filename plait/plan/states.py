@@ -54,8 +54,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from plait.plan import memory
-from plait.plan.layout import Job, Layout
+from plait.plan import memory, whole_matrix
+from plait.plan.layout import Job, Layout, LayoutError
 from plait.plan.model import ModelSpec
 from plait.plan.tensor_costs import grid_of
 
@@ -195,10 +195,54 @@ def rank_states(model: ModelSpec, job: Job, layout: Layout) -> list[ModelStates]
         if job.optimizer in ("adam", "adamw"):
             optim += 4 * counters[r]
             formula += f"; + 4 x {counters[r]} Adam step counters"
+        if job.whole_matrix:
+            optim, formula = _whole_matrix(model, job, layout, r, dense, optim, formula)
         out.append(
             ModelStates(r, dense, expert, params, grads, optim, params + grads + optim, formula)
         )
     return out
+
+
+def _whole_matrix(
+    model: ModelSpec, job: Job, layout: Layout, r: int, dense: int, optim: float, formula: str
+) -> tuple[float, str]:
+    """Pipeline rank ``r``'s optimizer bytes with its blocks' hidden matrices under a
+    whole-matrix optimizer (:mod:`plait.plan.whole_matrix`): their slices leave the job
+    optimizer's count, their owned whole state is added."""
+    if layout.tp_mode != "1d":
+        raise LayoutError(
+            f"whole_matrix={job.whole_matrix!r} with tp_mode={layout.tp_mode!r}: plait steps "
+            f"whole-matrix optimizers under 1D tensor parallelism only"
+        )
+    dense_blocks, moe_blocks, _, _ = rank_contents(model, layout)[r]
+    numels = dense_blocks * whole_matrix.block_matrices(model)
+    numels += moe_blocks * whole_matrix.block_matrices(model, moe=True)
+    sliced = sum(math.ceil(n / layout.tp) for n in numels)
+    rest = memory.estimate(
+        num_params=max(dense - sliced, 1),
+        world_size=layout.replicas,
+        strategy=STAGE_NAMES[layout.zero],
+        optimizer=job.optimizer,
+        precision=job.precision,
+    )
+    full = memory.estimate(
+        num_params=dense,
+        world_size=layout.replicas,
+        strategy=STAGE_NAMES[layout.zero],
+        optimizer=job.optimizer,
+        precision=job.precision,
+    )
+    per = whole_matrix.state_bytes_per_element(job.whole_matrix or "", job.precision)
+    owned = whole_matrix.owned_bytes(
+        numels, tp=layout.tp, replicas=layout.replicas, zero=layout.zero, per=per
+    )
+    optim += rest.optimizer_bytes - full.optimizer_bytes + owned
+    formula += (
+        f"; {job.whole_matrix} on {len(numels)} hidden matrices ({sum(numels):,} elements) "
+        f"owned whole over tp={layout.tp}{' x ' + str(layout.replicas) if layout.zero else ''}:"
+        f" {owned:,.0f} bytes on the largest rank"
+    )
+    return optim, formula
 
 
 def model_states(model: ModelSpec, job: Job, layout: Layout) -> ModelStates:

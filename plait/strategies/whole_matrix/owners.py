@@ -43,7 +43,7 @@ gradient on a rank counts as a zero gradient there (as under ZeRO).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,17 @@ class ReplicatedSlot(Slot):
     def distribute(self, owner: int, group: Group, master: nn.Parameter | None) -> None:
         with torch.no_grad():
             comm.broadcast(self.param.data, owner, group=group)
+
+
+class AveragedSlot(ReplicatedSlot):
+    """A parameter every rank of the group holds whole with the same gradient, already
+    averaged over the group by the strategy (PTD-P's all-reduce over dp): the owner steps
+    it, the others drop their gradient; nothing is communicated before the step, the
+    parameter is broadcast from its owner after it (``N·b``)."""
+
+    def collect(self, owner: int, group: Group, master: nn.Parameter | None) -> None:
+        if group.rank != owner:
+            self.param.grad = None
 
 
 class KeptSlot(Slot):
@@ -272,13 +283,17 @@ def own(
     group: Group,
     *,
     constructor: dict[str, Any],
+    before: Sequence[Callable[[], None]] = (),
+    after: Sequence[Callable[[], None]] = (),
 ) -> torch.optim.Optimizer:
     """A new optimizer of ``optimizer``'s class over the full-shape masters of the
     parameters this rank owns: ``slots[g]`` are the parameters of ``optimizer``'s group
     g (every group kept, with all its entries, even when this rank owns none of it), and
     the step hooks that collect and distribute around each step (module docstring).
-    ``constructor``: the keywords the class's constructor takes. Collective only in
-    ``step()``; the plan is ``result.plait_ownership``."""
+    ``constructor``: the keywords the class's constructor takes; ``before`` / ``after``:
+    called first in the pre-hook and last in the post-hook (a strategy's gradient
+    average, an inner level of ownership). Collective only in ``step()``; the plan is
+    ``result.plait_ownership``."""
     flat = [s for group_slots in slots for s in group_slots]
     dealt = [s for s in flat if not isinstance(s, KeptSlot)]
     dealt_owners = iter(ownership([s.shape.numel() for s in dealt], group.size))
@@ -306,13 +321,37 @@ def own(
         if not isinstance(s, KeptSlot)
     ]
 
-    def collect(opt: Any, args: Any, kwargs: Any) -> None:
+    collected = [False]  # collected before the step (a global clip): the pre-hook skips
+
+    def gather() -> None:
+        if collected[0]:
+            return
+        for f in before:
+            f()
         for slot, owner, master in pairs:
             slot.collect(owner, group, master)
+        collected[0] = True
+
+    def collect(opt: Any, args: Any, kwargs: Any) -> None:
+        gather()
 
     def distribute(opt: Any, args: Any, kwargs: Any) -> None:
+        collected[0] = False
         for slot, owner, master in pairs:
             slot.distribute(owner, group, master)
+        for f in after:
+            f()
+
+    zero_grad = rebuilt.zero_grad
+
+    def forget_and_zero(set_to_none: bool = True) -> None:
+        collected[0] = False
+        zero_grad(set_to_none)
+
+    rebuilt.zero_grad = forget_and_zero  # type: ignore[method-assign]
+    # the collect step on its own, before step() (plait.clip_grad_norm_ over several
+    # optimizers: the owners then hold the averaged gradients it measures and scales)
+    object.__setattr__(rebuilt, "plait_collect", gather)
 
     rebuilt.register_step_pre_hook(collect)
     rebuilt.register_step_post_hook(distribute)

@@ -24,12 +24,17 @@ Per strategy:
   first element-wise optimizer, the others as under ``zero1``/``zero2`` on the same
   gradient group (cp x dp).
 - ``ptdp`` with one whole-matrix optimizer, ``tp=1`` and ``zero=0``: whole parameters on
-  every rank, so it runs as it is.
+  every rank, so it runs as it is; with one element-wise optimizer, PTD-P's own.
+- ``ptdp`` otherwise (several optimizers, or a whole-matrix one with ``tp`` > 1 or
+  ZeRO over dp): PTD-P on a carrier optimizer, each optimizer re-created over this rank's
+  pieces, whole-matrix ones stepped by ownership over tp, and every one by ownership over
+  dp under ZeRO (:mod:`~plait.strategies.whole_matrix.ptdp`).
 
-Refused, by name: a whole-matrix optimizer under ``ps``; under ``ptdp`` with ``tp`` > 1
-or ``zero``; under ``cp`` with ``zero=3``, a ``tp`` dimension or only whole-matrix
-optimizers; under tp modes other than ``"1d"``. Several optimizers under ``ps`` and
-``ptdp``; ``torch.optim.LBFGS`` under every strategy but none/naive/ddp.
+Refused, by name: a whole-matrix optimizer under ``ps``; under ``ptdp`` with a loss
+scaler, ``reproducible=True`` or ``check_finite="skip"``; under ``cp`` with ``zero=3``, a
+``tp`` dimension or only whole-matrix optimizers; under tp modes other than ``"1d"``.
+Several optimizers under ``ps``; ``torch.optim.LBFGS`` under every strategy but
+none/naive/ddp.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from plait.strategies.fsdp.wrap import fully_shard
 from plait.strategies.tensor.parallelize import group_of_names, rebuild_optimizer
 from plait.strategies.whole_matrix.kinds import check_declared, check_not_refused, is_whole_matrix
 from plait.strategies.whole_matrix.owners import FlatSlot, ReplicatedSlot, Slot, own
+from plait.strategies.whole_matrix.ptdp import prepare_ptdp_optimizers
 from plait.strategies.whole_matrix.tensor import tensor_slots
 from plait.strategies.zero import prepare_zero
 
@@ -69,6 +75,7 @@ WHOLE_MATRIX_STRATEGIES = (
     "pipeline",
     "ep",
     "cp",
+    "ptdp",
 )
 
 
@@ -107,10 +114,15 @@ def prepare_optimizers(
                 f"the {type(o).__name__} has stepped already; pass optimizers that "
                 f"have not stepped (load their state after prepare)",
             )
-    if strategy == "ptdp" and len(optimizers) == 1 and _ptdp_whole(options):
-        wrapped, optimizer = run(model, optimizers[0], **options)  # tp=1, no ZeRO: whole
+    if strategy == "ptdp" and len(optimizers) == 1 and (_ptdp_whole(options) or not whole[0]):
+        # PTD-P's own optimizer: element-wise, or whole parameters (tp=1, no ZeRO)
+        wrapped, optimizer = run(model, optimizers[0], **options)
         assert optimizer is not None
         return wrapped, [optimizer]
+    if strategy == "ptdp":
+        return prepare_ptdp_optimizers(
+            run, model, optimizers, whole, options, constructor=constructor
+        )
     if any(whole) and strategy not in WHOLE_MATRIX_STRATEGIES:
         _refuse(
             strategy,

@@ -12,6 +12,7 @@ transposed weight, a multi-query tail, the 2D/2.5D/3D modes) are refused by name
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,18 +57,26 @@ def _refused(module: nn.Module, what: str) -> str:
 
 
 def tensor_slots(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    roots: Sequence[nn.Module] = (),
+    names: Mapping[int, str] | None = None,
 ) -> tuple[list[list[Slot]], Group]:
     """One slot per parameter of each of ``optimizer``'s groups (the parallelized
-    parameters of ``model``), and the tensor-parallel group."""
+    parameters of ``model``, or of the modules ``roots`` when only those hold this rank's
+    parameters: a pipeline's stages, whose parameters ``names`` names by ``id``), and the
+    tensor-parallel group."""
     info: Any = getattr(model, "plait_tensor_parallel", None)
     if info is None:
         raise ValueError("strategy 'tp': the model was not parallelized")
     group: Group = info.group
     where: dict[int, tuple[str, nn.Module, str]] = {}
-    for name, p in model.named_parameters():
-        path, _, leaf = name.rpartition(".")
-        where.setdefault(id(p), (name, model.get_submodule(path) if path else model, leaf))
+    for root in roots or [model]:
+        for name, p in root.named_parameters():
+            path, _, leaf = name.rpartition(".")
+            full = (names or {}).get(id(p), name)
+            where.setdefault(id(p), (full, root.get_submodule(path) if path else root, leaf))
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     slots: list[list[Slot]] = []
     for g in optimizer.param_groups:
