@@ -163,3 +163,35 @@ def test_a_replacement_joins_and_the_run_ends_bitwise_at_full_size(tmp_path):
     kinds = [h["kind"] for h in report.records[0]["heals"]]
     assert kinds == ["shrink", "grow"]
     assert diff == 0.0
+
+
+# --- ZeRO-1/2 under healing: chunks, mirrors, refusals, one whole run -------------------
+def test_zero_chunks_cut_like_the_exchange_and_each_is_mirrored_by_its_predecessor():
+    from plait.heal.zero import bounds, held_chunks
+
+    assert bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert held_chunks(0, 1) == [0]
+    holders = {c: [r for r in range(4) if c in held_chunks(r, 4)] for c in range(4)}
+    assert holders == {0: [0, 3], 1: [0, 1], 2: [1, 2], 3: [2, 3]}  # owner and mirror
+
+
+def test_zero_refuses_what_it_cannot_shard_by_name():
+    from plait.heal.zero import ShardedState
+
+    model = torch.nn.Linear(3, 2)
+    two = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}])
+    with pytest.raises(ValueError, match="2 parameter groups"):
+        ShardedState(two, list(model.parameters()))
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ValueError, match="LBFGS"):
+        ShardedState(lbfgs, list(model.parameters()))
+
+
+def test_a_killed_rank_is_healed_around_bitwise_under_zero1(tmp_path):
+    """Slot 2 dies in step 2: its shard of the Adam state lives on in slot 1's mirror, the
+    survivors re-shard among three and end torch.equal to one process."""
+    c, report, diff = _run(tmp_path, faults=[[2, 2, 5, "kill"]], rejoin=False, steps=3, zero=1)
+    assert report.codes[2] == [-9] and sorted(report.finals) == ["slot0", "slot1", "slot3"]
+    for r in report.records:
+        assert [(h["kind"], h["to"]) for h in r["heals"]] == [("shrink", [0, 1, 3])]
+    assert diff == 0.0
