@@ -200,10 +200,9 @@ def test_zero_two_non_adjacent_deaths_while_healing_bitwise(tmp_path):
 def test_zero_two_ring_neighbours_dying_at_once_fail_loudly(tmp_path):
     """Slots 1 and 2 die in the same step: chunk 2's owner and its mirror are both gone,
     so the state is lost and the survivors stop, naming the chunk (no silent wrong run)."""
-    report, _ = _run(
-        tmp_path, faults=[[1, 2, 2, "kill"], [2, 2, 4, "kill"]], rejoin=False, steps=4, zero=1
-    )
-    assert not report.finals
+    c = HealConfig(faults=[[1, 2, 2, "kill"], [2, 2, 4, "kill"]], rejoin=False, steps=4, zero=1)
+    report = run(c, str(tmp_path), deadline=90)
+    assert not report.finals  # no survivor finished: StateLost, naming chunk 2
     assert report.codes[0] == [1] and report.codes[3] == [1]
 
 
