@@ -195,3 +195,40 @@ def test_a_killed_rank_is_healed_around_bitwise_under_zero1(tmp_path):
     for r in report.records:
         assert [(h["kind"], h["to"]) for h in r["heals"]] == [("shrink", [0, 1, 3])]
     assert diff == 0.0
+
+
+def test_plait_run_heal_refuses_the_restart_options_by_name(capsys):
+    from plait.cli import main
+
+    argv = ["run", "-n", "2", "--heal", "1", "--max-restarts", "2", "examples/heal_train.py"]
+    assert main(argv) == 2
+    assert "--heal does not combine with --max-restarts" in capsys.readouterr().err
+
+
+def test_zero_chunk_steps_equal_the_users_optimizer_and_follow_its_scheduler():
+    """One member (one chunk): the flat chunk's Adam steps, with the lr a scheduler sets on
+    the user's optimizer, give the bits of that optimizer on the model (float32)."""
+    from plait.heal.zero import ShardedState
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.1)
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.1)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5)
+    sharded = ShardedState(opt_b, list(b.parameters()))
+    sharded.start((0,), 0, 0)
+    for step in range(3):
+        total = torch.randn(18, generator=torch.Generator().manual_seed(step))
+        offset = 0
+        for p in a.parameters():
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt_a.step()
+        sharded.step(total, torch.tensor(0.0))
+        sharded.gather(None)  # one member: nothing to send
+        sched_a.step()
+        sched_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)

@@ -221,3 +221,19 @@ def test_the_demo_command_heals_bitwise_under_zero1():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "plait demo: healed; 4 ranks finished at size [4]" in proc.stdout
     assert "max diff 0 (bitwise)" in proc.stdout
+
+
+def test_plait_run_heal_replaces_a_killed_rank(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "run", "-n", "4", "--heal", "1",
+         "examples/heal_train.py", "--steps", "3000", "--kill-rank", "2", "--kill-step", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 2 exited with -9; the others heal" in proc.stderr
+    assert "members [0, 1, 2, 3]" in proc.stdout

@@ -5,7 +5,9 @@ Layout of a generation with ``n`` members (group-rank order = slot order): the f
 of the trainable parameters is cut into ``n`` chunks (sizes as :mod:`.blocks` cuts the
 exchange); member ``i`` owns chunk ``i`` and mirrors chunk ``(i + 1) % n``: it holds one
 optimizer (the user's class and hyperparameters) per chunk over a flat copy of that chunk,
-2/n of the state instead of ZeRO's 1/n (no extra bytes on the wire). The block exchange
+2/n of the state instead of ZeRO's 1/n (no extra bytes on the wire). The user's optimizer
+is the template: its state stays empty, its hyperparameters (a scheduler's lr) are read
+at every step. The block exchange
 already gives every member the full summed gradient, so it steps both chunks from it
 (element-wise optimizers: the update of an element does not depend on the cut, so the
 parameters equal one process bitwise), then :func:`ShardedState.gather` sends every
@@ -83,8 +85,7 @@ class ShardedState:
                 "parameters"
             )
         check_elementwise(type(optimizer))
-        self.cls = type(optimizer)
-        self.hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        self.cls, self.template = type(optimizer), optimizer
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype
@@ -107,12 +108,17 @@ class ShardedState:
 
     def _make(self, values: torch.Tensor, st: dict[str, Any]) -> torch.optim.Optimizer:
         chunk = nn.Parameter(values.clone())
-        opt = self.cls([chunk], **self.hyper)
+        opt = self.cls([chunk], **self.template.defaults)
+        opt.param_groups[0].update(self._hyper())
         if st:
             opt.state[chunk] = {
                 k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()
             }
         return opt
+
+    def _hyper(self) -> dict[str, Any]:
+        """The user's optimizer's hyperparameters now (a scheduler changes its lr)."""
+        return {k: v for k, v in self.template.param_groups[0].items() if k != "params"}
 
     @staticmethod
     def _param(opt: torch.optim.Optimizer) -> torch.Tensor:
@@ -139,7 +145,9 @@ class ShardedState:
                 {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()},
             )
         self.pending = True
+        hyper = self._hyper()
         for c, opt in self.held.items():
+            opt.param_groups[0].update(hyper)
             p = self._param(opt)
             p.grad = total[slice(*spans[c])]
             opt.step()
@@ -159,7 +167,7 @@ class ShardedState:
         self.pending = False
         return self.backup["loss"]
 
-    def gather(self, group: Group) -> None:
+    def gather(self, group: Group | None) -> None:
         """Every member's own chunk to every member; the full parameters into the model.
         Collective on ``group`` (point to point; ``(n-2)/n`` of the parameters each way: the
         neighbour that mirrors a chunk computed it already)."""
@@ -169,6 +177,7 @@ class ShardedState:
         for c, opt in self.held.items():
             flat[slice(*spans[c])].copy_(self._param(opt).detach())
         if n > 1:
+            assert group is not None
             me = group.ranks.index(group.global_rank)
             mine = flat[slice(*spans[me])].clone()
             skip = set(self.held)
