@@ -232,3 +232,25 @@ def test_zero_chunk_steps_equal_the_users_optimizer_and_follow_its_scheduler():
         sched_b.step()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
+
+
+def test_zero_restore_returns_the_chunks_to_before_the_last_step():
+    """What a member one step ahead does when healing: its chunks (values and Adam state)
+    go back bitwise to where they were before its last step, and the loss with them."""
+    from plait.heal.zero import ShardedState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    sharded = ShardedState(torch.optim.Adam(model.parameters(), lr=0.1), list(model.parameters()))
+    sharded.start((0,), 0, 0)
+    g = torch.Generator().manual_seed(0)
+    sharded.step(torch.randn(18, generator=g), torch.tensor(1.0))
+    sharded.gather(None)
+    (opt,) = sharded.held.values()
+    (chunk,) = opt.param_groups[0]["params"]
+    before = chunk.detach().clone(), {k: v.clone() for k, v in opt.state[chunk].items()}
+    sharded.step(torch.randn(18, generator=g), torch.tensor(2.0))
+    assert not torch.equal(chunk, before[0])
+    assert sharded.restore().item() == 2.0  # last_loss as it was before the undone step
+    assert torch.equal(chunk, before[0]) and not sharded.pending
+    assert all(torch.equal(opt.state[chunk][k], v) for k, v in before[1].items())

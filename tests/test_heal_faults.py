@@ -237,3 +237,14 @@ def test_plait_run_heal_replaces_a_killed_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 2 exited with -9; the others heal" in proc.stderr
     assert "members [0, 1, 2, 3]" in proc.stdout
+
+
+@pytest.mark.parametrize("slot", [1, 3])
+def test_zero_a_rank_killed_between_stepping_and_gathering_bitwise(tmp_path, slot):
+    """Killed after stepping its chunks, before sending them: the survivors that had
+    stepped too return to the step before (restore their copy) and redo it."""
+    report, diff = _run(
+        tmp_path, faults=[[slot, 2, -3, "kill"]], rejoin=True, rejoin_step=3, steps=5, zero=1
+    )
+    assert len(report.finals) == 4 and f"slot{slot}-join" in report.finals
+    assert diff == 0.0

@@ -173,6 +173,7 @@ def train_rank(
         "seconds": time.perf_counter() - started,
         "step_seconds": steps,
         "loss": float(trainer.last_loss),
+        "returned": trainer.returned,
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()

@@ -56,6 +56,7 @@ from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
 HEALING = -1  # the fault hook's index when a member starts healing
 ARRIVED = -2  # ... when a replacement was admitted, before it connects
+GATHERING = -3  # ... under zero, after stepping the chunks, before gathering them
 
 
 # What a healing job cannot hold: a rank of these owns a part of the model no peer has.
@@ -99,7 +100,8 @@ class HealingTrainer:
     every member, as DDP), 1 or 2 (sharded: each member holds its chunk and its
     neighbour's, :mod:`.zero`; 2 behaves as 1). ``fault``: called before every micro-batch with
     (step, micro-batch index), when healing starts with (step, ``HEALING``) and when a
-    replacement is admitted with (-1, ``ARRIVED``): fault tests and the demo kill or raise
+    replacement is admitted with (-1, ``ARRIVED``), under zero between stepping the chunks
+    and gathering them with (step, ``GATHERING``): fault tests and the demo kill or raise
     there."""
 
     def __init__(
@@ -150,6 +152,7 @@ class HealingTrainer:
         self.zero = zero
         self.sharded = ShardedState(optimizer, self.params) if zero else None
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
+        self.returned = 0  # zero: times this member went back one step to heal
         host, port = address.rsplit(":", 1)
         self.store = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout)
@@ -278,6 +281,7 @@ class HealingTrainer:
         if self.sharded.held and self.steps_done > target:
             self.last_loss = self.sharded.restore()
             self.steps_done = target
+            self.returned += 1
         joiners = tuple(s for s in gen.members if s not in holders)
         if joiners:
             rng = torch.get_rng_state()
@@ -422,6 +426,8 @@ class HealingTrainer:
         if self.sharded is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.sharded.step(total, self.last_loss)
+            if self.fault is not None:
+                self.fault(self.steps_done, GATHERING)
             self.sharded.gather(self.group)
         else:
             offset = 0
