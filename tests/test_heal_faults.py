@@ -248,3 +248,19 @@ def test_zero_a_rank_killed_between_stepping_and_gathering_bitwise(tmp_path, slo
     )
     assert len(report.finals) == 4 and f"slot{slot}-join" in report.finals
     assert diff == 0.0
+
+
+def test_zero_without_reproducible_mode_is_within_the_tolerance(tmp_path):
+    report, diff = _run(
+        tmp_path,
+        faults=[[2, 3, 5, "kill"]],
+        rejoin=True,
+        rejoin_step=4,
+        steps=6,
+        reproducible=False,
+        zero=2,
+    )
+    assert len(report.finals) == 4
+    assert diff < 1e-12
+    finals = list(report.finals.values())
+    assert all(np.array_equal(f, finals[0]) for f in finals)  # members agree exactly
