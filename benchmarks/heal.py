@@ -153,7 +153,12 @@ def fault_seconds(runs: int, zero: int) -> list[dict[str, float]]:
     for _ in range(runs):
         out = tempfile.mkdtemp(prefix="plait-bench-heal-fault-")
         c = HealConfig(
-            world=WORLD, steps=6, batch=32, microbatch=4, faults=[[2, 3, 5, "kill"]], rejoin=False,
+            world=WORLD,
+            steps=6,
+            batch=32,
+            microbatch=4,
+            faults=[[2, 3, 5, "kill"]],
+            rejoin=False,
             zero=zero,
         )
         report = run(c, out, deadline=120)
@@ -198,7 +203,7 @@ def main() -> None:
         "| 4 ranks, MLP 1.9M params, batch 256, m 64 | median |",
         "|---|---|",
         f'| step, `prepare(strategy="{baseline}", reproducible=True)` | '
-        f'{1e3 * s["repro ddp"]:.1f} ms |',
+        f"{1e3 * s['repro ddp']:.1f} ms |",
         f"| step, `HealingTrainer{f'(zero={args.zero})' if args.zero else ''}` | "
         f"{1e3 * s['heal']:.1f} ms ({ratio:.2f}x) |",
         f"| of which the leader's store read for replacements | {1e6 * s['store_read']:.0f} us "

@@ -207,7 +207,8 @@ def test_plait_run_heal_refuses_the_restart_options_by_name(capsys):
 
 def test_zero_chunk_steps_equal_the_users_optimizer_and_follow_its_lr():
     """One member (one chunk): the flat chunk's Adam steps, with the lr changed on the user's
-    optimizer between steps (as a scheduler does), give the bits of that optimizer on the model (float32)."""
+    optimizer between steps (as a scheduler does), give the bits of that optimizer on the
+    model (float32)."""
     from plait.heal.zero import ShardedState
 
     torch.manual_seed(0)

@@ -49,8 +49,8 @@ from plait.comm import ops, progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, state
-from plait.heal.zero import ShardedState, StateLost
 from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.zero import ShardedState, StateLost
 from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
 
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process

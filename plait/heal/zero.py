@@ -81,8 +81,7 @@ class ShardedState:
             )
         if {id(p) for p in optimizer.param_groups[0]["params"]} != {id(p) for p in params}:
             raise ValueError(
-                "healing zero: the optimizer must hold exactly the model's trainable "
-                "parameters"
+                "healing zero: the optimizer must hold exactly the model's trainable parameters"
             )
         check_elementwise(type(optimizer))
         self.cls, self.template = type(optimizer), optimizer
@@ -111,9 +110,7 @@ class ShardedState:
         opt = self.cls([chunk], **self.template.defaults)
         opt.param_groups[0].update(self._hyper())
         if st:
-            opt.state[chunk] = {
-                k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()
-            }
+            opt.state[chunk] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
         return opt
 
     def _hyper(self) -> dict[str, Any]:
@@ -128,7 +125,9 @@ class ShardedState:
         """A fresh layout from the model's parameters (generation 0: no state yet)."""
         flat = self._flat()
         spans = bounds(self.numel, len(members))
-        self.held = {c: self._make(flat[slice(*spans[c])], {}) for c in held_chunks(rank, len(members))}
+        self.held = {
+            c: self._make(flat[slice(*spans[c])], {}) for c in held_chunks(rank, len(members))
+        }
         self.layout, self.layout_gen, self.backup, self.pending = members, number, None, False
 
     # --- the step ----------------------------------------------------------------------
@@ -297,8 +296,7 @@ class ShardedState:
         for c in held_chunks(rank, len(members)):
             sl = slice(*new_spans[c])
             st = {
-                k: v[sl] if torch.is_tensor(v) and v.dim() == 1 and v.numel() == self.numel
-                else v
+                k: v[sl] if torch.is_tensor(v) and v.dim() == 1 and v.numel() == self.numel else v
                 for k, v in whole.items()
             }
             held[c] = self._make(flat[sl], st)
