@@ -3,6 +3,8 @@ training again.
 
     .venv/bin/python benchmarks/heal.py            # 4 ranks, 30 steps, 3 faults
     .venv/bin/python benchmarks/heal.py --quick    # 10 steps, 1 fault
+    .venv/bin/python benchmarks/heal.py --zero 1   # HealingTrainer(zero=1) against
+                                                   # prepare(strategy="zero1"); heal-zero1.*
 
 Four local ranks (forkserver processes, one intra-op thread each), the job's store in
 this process. Model: an MLP 784-1024-1024-10 (1.9M parameters, float32), Adam, global
@@ -59,7 +61,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 784, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
-def rank_main(*, slot: int, world: int, address: str, join: bool, steps: int, out: str) -> None:
+def rank_main(
+    *, slot: int, world: int, address: str, join: bool, steps: int, out: str, zero: int = 0
+) -> None:
     import plait
     from plait.comm import ops as comm_ops
     from plait.heal import HealingTrainer
@@ -74,6 +78,7 @@ def rank_main(*, slot: int, world: int, address: str, join: bool, steps: int, ou
         world=world,
         address=address,
         slot=slot,
+        zero=zero,
     )
     host, port = address.rsplit(":", 1)
     os.environ.update(RANK=str(slot), WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=port)
@@ -84,7 +89,7 @@ def rank_main(*, slot: int, world: int, address: str, join: bool, steps: int, ou
     runner, ddp_opt = plait.prepare(
         ddp_model,
         torch.optim.Adam(ddp_model.parameters(), lr=1e-3),
-        strategy="ddp",
+        strategy=f"zero{zero}" if zero else "ddp",
         reproducible=True,
         microbatch_size=M,
         loss_fn=nn.functional.cross_entropy,
@@ -115,13 +120,20 @@ def rank_main(*, slot: int, world: int, address: str, join: bool, steps: int, ou
     trainer.close()
 
 
-def steady(steps: int) -> dict[str, Any]:
+def steady(steps: int, zero: int) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="plait-bench-heal-")
     store, address = start_store()
     with Ranks(preload=("plait",)) as ranks:
         for s in range(WORLD):
             ranks.spawn(
-                rank_main, slot=s, world=WORLD, address=address, join=False, steps=steps, out=out
+                rank_main,
+                slot=s,
+                world=WORLD,
+                address=address,
+                join=False,
+                steps=steps,
+                out=out,
+                zero=zero,
             )
         codes = ranks.wait(600)
     if any(c != [0] for c in codes.values()):
@@ -136,12 +148,18 @@ def steady(steps: int) -> dict[str, Any]:
     return result
 
 
-def fault_seconds(runs: int) -> list[dict[str, float]]:
+def fault_seconds(runs: int, zero: int) -> list[dict[str, float]]:
     found = []
     for _ in range(runs):
         out = tempfile.mkdtemp(prefix="plait-bench-heal-fault-")
         c = HealConfig(
-            world=WORLD, steps=6, batch=32, microbatch=4, faults=[[2, 3, 5, "kill"]], rejoin=False
+            world=WORLD,
+            steps=6,
+            batch=32,
+            microbatch=4,
+            faults=[[2, 3, 5, "kill"]],
+            rejoin=False,
+            zero=zero,
         )
         report = run(c, out, deadline=120)
         struck = float(Path(out, "fault-2-3.txt").read_text())
@@ -154,11 +172,12 @@ def fault_seconds(runs: int) -> list[dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2])
     args = parser.parse_args()
     steps, runs = (10, 1) if args.quick else (30, 3)
     load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    s = steady(steps)
-    f = fault_seconds(runs)
+    s = steady(steps, args.zero)
+    f = fault_seconds(runs, args.zero)
     load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     fault = statistics.median(x["fault_to_training"] for x in f)
     result = {
@@ -170,25 +189,30 @@ def main() -> None:
         "steps": steps,
     }
     results = Path(__file__).resolve().parent / "results"
-    (results / "heal.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = f"heal-zero{args.zero}" if args.zero else "heal"
+    baseline = f"zero{args.zero}" if args.zero else "ddp"
+    (results / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     ratio = s["heal"] / s["repro ddp"]
     md = [
         "# Healing: the step when nothing fails, and seconds from a fault to training again",
         "",
-        f"Command: `.venv/bin/python benchmarks/heal.py{' --quick' if args.quick else ''}`; "
+        f"Command: `.venv/bin/python benchmarks/heal.py{' --quick' if args.quick else ''}"
+        f"{f' --zero {args.zero}' if args.zero else ''}`; "
         f"4 local ranks, gloo; load before: `{load_before}`.",
         "",
         "| 4 ranks, MLP 1.9M params, batch 256, m 64 | median |",
         "|---|---|",
-        f'| step, `prepare(strategy="ddp", reproducible=True)` | {1e3 * s["repro ddp"]:.1f} ms |',
-        f"| step, `HealingTrainer` | {1e3 * s['heal']:.1f} ms ({ratio:.2f}x) |",
+        f'| step, `prepare(strategy="{baseline}", reproducible=True)` | '
+        f"{1e3 * s['repro ddp']:.1f} ms |",
+        f"| step, `HealingTrainer{f'(zero={args.zero})' if args.zero else ''}` | "
+        f"{1e3 * s['heal']:.1f} ms ({ratio:.2f}x) |",
         f"| of which the leader's store read for replacements | {1e6 * s['store_read']:.0f} us "
         f"({100 * s['store_read'] / s['heal']:.2f}% of the step) |",
         f"| SIGKILL of rank 2 to training again at 3 ranks ({runs} runs) | {fault:.2f} s |",
         "",
         f"Load after: `{load_after}`",
     ]
-    (results / "heal.md").write_text("\n".join(md) + "\n")
+    (results / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

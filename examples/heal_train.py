@@ -23,6 +23,7 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
 p.add_argument("--rejoin-step", type=int, default=-1, help="wait here for replacements")
+p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="sharded optimizer state")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -41,6 +42,7 @@ trainer = HealingTrainer.from_env(
     loss_fn=nn.functional.cross_entropy,
     microbatch_size=8,
     fault=fault,
+    zero=args.zero,
 )
 while trainer.steps_done < args.steps:
     if trainer.steps_done == args.rejoin_step and len(trainer.members) < trainer.world:

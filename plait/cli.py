@@ -139,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
     if not Path(args.script).exists():
         print(f"plait run: no such script: {args.script}", file=sys.stderr)
         return 2
+    if args.heal is not None:
+        return _run_healing(args, multinode)
     if multinode:
         if args.min_nproc is not None:
             print(
@@ -156,6 +158,32 @@ def _run(args: argparse.Namespace) -> int:
         print(f"plait run: {exc}", file=sys.stderr)
         return 2
     return _run_local(args)
+
+
+def _run_healing(args: argparse.Namespace, multinode: bool) -> int:
+    """``plait run --heal K``: the ranks heal instead of restarting (plait.heal.run: the
+    store hosted here, a rank that dies does not stop the others, at most ``K``
+    replacements join); the script builds ``HealingTrainer.from_env``."""
+    clash = [
+        name
+        for name, on in (
+            ("--nnodes/--master-addr (one machine only)", multinode),
+            ("--max-restarts", args.max_restarts != 0),
+            ("--min-nproc", args.min_nproc is not None),
+        )
+        if on
+    ]
+    if clash:
+        print(
+            f"plait run: --heal does not combine with {', '.join(clash)}: a healing job "
+            f"replaces its dead ranks itself (docs/healing.md)",
+            file=sys.stderr,
+        )
+        return 2
+    from plait.heal import run as heal_run  # deferred: only healing jobs need it
+
+    argv = ["-n", str(args.nproc), "--replacements", str(args.heal), args.script]
+    return heal_run.main(argv + list(args.script_args))
 
 
 def _run_multinode(args: argparse.Namespace) -> int:
@@ -566,6 +594,14 @@ def main(argv: list[str] | None = None) -> int:
         "(needs --max-restarts; default -n: same size)",
     )
     run.add_argument("--grace", type=real(0), default=5.0, help="SIGTERM to SIGKILL, seconds")
+    run.add_argument(
+        "--heal",
+        type=NONNEGATIVE,
+        default=None,
+        metavar="K",
+        help="heal instead of restarting: a dead rank does not stop the others, up to K "
+        "replacements join (the script uses HealingTrainer.from_env; docs/healing.md)",
+    )
     run.add_argument(
         "--heartbeat-timeout",
         type=_heartbeat_timeout,

@@ -163,3 +163,93 @@ def test_a_replacement_joins_and_the_run_ends_bitwise_at_full_size(tmp_path):
     kinds = [h["kind"] for h in report.records[0]["heals"]]
     assert kinds == ["shrink", "grow"]
     assert diff == 0.0
+
+
+# --- ZeRO-1/2 under healing: chunks, mirrors, refusals, one whole run -------------------
+def test_zero_chunks_cut_like_the_exchange_and_each_is_mirrored_by_its_predecessor():
+    from plait.heal.zero import bounds, held_chunks
+
+    assert bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert held_chunks(0, 1) == [0]
+    holders = {c: [r for r in range(4) if c in held_chunks(r, 4)] for c in range(4)}
+    assert holders == {0: [0, 3], 1: [0, 1], 2: [1, 2], 3: [2, 3]}  # owner and mirror
+
+
+def test_zero_refuses_what_it_cannot_shard_by_name():
+    from plait.heal.zero import ShardedState
+
+    model = torch.nn.Linear(3, 2)
+    two = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}])
+    with pytest.raises(ValueError, match="2 parameter groups"):
+        ShardedState(two, list(model.parameters()))
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ValueError, match="LBFGS"):
+        ShardedState(lbfgs, list(model.parameters()))
+
+
+def test_a_killed_rank_is_healed_around_bitwise_under_zero1(tmp_path):
+    """Slot 2 dies in step 2: its shard of the Adam state lives on in slot 1's mirror, the
+    survivors re-shard among three and end torch.equal to one process."""
+    c, report, diff = _run(tmp_path, faults=[[2, 2, 5, "kill"]], rejoin=False, steps=3, zero=1)
+    assert report.codes[2] == [-9] and sorted(report.finals) == ["slot0", "slot1", "slot3"]
+    for r in report.records:
+        assert [(h["kind"], h["to"]) for h in r["heals"]] == [("shrink", [0, 1, 3])]
+    assert diff == 0.0
+
+
+def test_plait_run_heal_refuses_the_restart_options_by_name(capsys):
+    from plait.cli import main
+
+    argv = ["run", "-n", "2", "--heal", "1", "--max-restarts", "2", "examples/heal_train.py"]
+    assert main(argv) == 2
+    assert "--heal does not combine with --max-restarts" in capsys.readouterr().err
+
+
+def test_zero_chunk_steps_equal_the_users_optimizer_and_follow_its_lr():
+    """One member (one chunk): the flat chunk's Adam steps, with the lr changed on the user's
+    optimizer between steps (as a scheduler does), give the bits of that optimizer on the
+    model (float32)."""
+    from plait.heal.zero import ShardedState
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.1)
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.1)
+    sharded = ShardedState(opt_b, list(b.parameters()))
+    sharded.start((0,), 0, 0)
+    for step in range(3):
+        total = torch.randn(18, generator=torch.Generator().manual_seed(step))
+        offset = 0
+        for p in a.parameters():
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt_a.step()
+        sharded.step(total, torch.tensor(0.0))
+        sharded.gather(None)  # one member: nothing to send
+        for opt in (opt_a, opt_b):  # what a scheduler does between steps
+            opt.param_groups[0]["lr"] *= 0.5
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_zero_restore_returns_the_chunks_to_before_the_last_step():
+    """What a member one step ahead does when healing: its chunks (values and Adam state)
+    go back bitwise to where they were before its last step, and the loss with them."""
+    from plait.heal.zero import ShardedState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    sharded = ShardedState(torch.optim.Adam(model.parameters(), lr=0.1), list(model.parameters()))
+    sharded.start((0,), 0, 0)
+    g = torch.Generator().manual_seed(0)
+    sharded.step(torch.randn(18, generator=g), torch.tensor(1.0))
+    sharded.gather(None)
+    (opt,) = sharded.held.values()
+    (chunk,) = opt.param_groups[0]["params"]
+    before = chunk.detach().clone(), {k: v.clone() for k, v in opt.state[chunk].items()}
+    sharded.step(torch.randn(18, generator=g), torch.tensor(2.0))
+    assert not torch.equal(chunk, before[0])
+    assert sharded.restore().item() == 2.0  # last_loss as it was before the undone step
+    assert torch.equal(chunk, before[0]) and not sharded.pending
+    assert all(torch.equal(opt.state[chunk][k], v) for k, v in before[1].items())

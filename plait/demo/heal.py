@@ -61,6 +61,7 @@ class HealConfig:
     timeout: float = 60.0
     pace: float = 0.0  # seconds of sleep per micro-batch (the benchmark's slower steps)
     rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
+    zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -152,6 +153,7 @@ def train_rank(
         timeout=c.timeout,
         connect_timeout=c.connect_timeout,
         fault=fault,
+        zero=c.zero,
     )
     started = time.perf_counter()
     steps: list[float] = []
@@ -171,6 +173,7 @@ def train_rank(
         "seconds": time.perf_counter() - started,
         "step_seconds": steps,
         "loss": float(trainer.last_loss),
+        "returned": trainer.returned,
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()
@@ -245,14 +248,15 @@ def max_diff(report: HealReport, ref: np.ndarray) -> float:
 
 def main(args: Any) -> int:
     """``plait demo --kill-rank R --kill-step S`` (see the module docstring): the digits
-    CNN (float32) on ``-n`` slots under healing DDP; 0 when it healed and, with
+    CNN (float32) on ``-n`` slots under healing DDP (``--strategy zero1/zero2``: sharded
+    optimizer state); 0 when it healed and, with
     ``--check``, matched one process (bitwise with ``--reproducible``)."""
     n = args.nproc or 4
     bad = []
-    if args.strategy != "ddp":
+    if args.strategy not in ("ddp", "zero1", "zero2"):
         bad.append(
-            f"--strategy {args.strategy}: healing runs data-parallel replicas (ddp); zero1, "
-            f"zero2 and fsdp jobs are not healed yet (docs/status.md), tp and pp never are"
+            f"--strategy {args.strategy}: healing runs ddp, zero1 and zero2; fsdp jobs are "
+            f"not healed yet (docs/status.md), tp and pp never are"
         )
     if args.model != "cnn":
         bad.append("--model gpt: the healing demo trains the digits CNN")
@@ -281,6 +285,7 @@ def main(args: Any) -> int:
         faults=[[args.kill_rank, args.kill_step, args.kill_rank * per + min(1, per - 1), "kill"]],
         rejoin=not args.no_rejoin,
         rejoin_step=-1 if args.no_rejoin else min(steps - 1, args.kill_step + 2),
+        zero={"zero1": 1, "zero2": 2}.get(args.strategy, 0),
     )
     out = tempfile.mkdtemp(prefix="plait-heal-")
     print(

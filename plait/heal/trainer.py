@@ -12,7 +12,9 @@ cursor: a replacement receives it with the state). Each step:
 2. one :func:`~.blocks.block_tree_all_reduce` on the generation's group adds the ``W``
    block sums in block order (two extra elements ride along: the blocks' loss sums and the
    leader's mask of replacements asking to join, so neither costs a collective);
-3. every member steps its full optimizer (replicated state, as DDP).
+3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
+   ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
+   members exchange the new parameter chunks (:mod:`.zero`).
 
 When the exchange raises (a member was killed, raised, or froze past the heartbeat),
 the member abandons the generation's group (:func:`.groups.abandon`), agrees on the next
@@ -48,11 +50,13 @@ from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, state
 from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.zero import ShardedState, StateLost
 from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
 
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
 HEALING = -1  # the fault hook's index when a member starts healing
 ARRIVED = -2  # ... when a replacement was admitted, before it connects
+GATHERING = -3  # ... under zero, after stepping the chunks, before gathering them
 
 
 # What a healing job cannot hold: a rank of these owns a part of the model no peer has.
@@ -92,9 +96,12 @@ class HealingTrainer:
     must outlive every rank (``plait run`` and :func:`plait.heal.launch.start_store` host
     it). ``heartbeat_timeout``: seconds of silence after which a rank is dead; ``timeout``:
     the longest a collective or an agreement waits; ``connect_timeout``: the longest a new
-    generation's group takes to connect. ``fault``: called before every micro-batch with
+    generation's group takes to connect. ``zero``: 0 (the optimizer's state replicated on
+    every member, as DDP), 1 or 2 (sharded: each member holds its chunk and its
+    neighbour's, :mod:`.zero`; 2 behaves as 1). ``fault``: called before every micro-batch with
     (step, micro-batch index), when healing starts with (step, ``HEALING``) and when a
-    replacement is admitted with (-1, ``ARRIVED``): fault tests and the demo kill or raise
+    replacement is admitted with (-1, ``ARRIVED``), under zero between stepping the chunks
+    and gathering them with (step, ``GATHERING``): fault tests and the demo kill or raise
     there."""
 
     def __init__(
@@ -115,6 +122,7 @@ class HealingTrainer:
         connect_timeout: float = 10.0,
         threads: int | None = 1,
         fault: Fault | None = None,
+        zero: int = 0,
     ) -> None:
         if not is_power_of_two(world):
             raise LayoutError(
@@ -122,6 +130,11 @@ class HealingTrainer:
                 f"two (run with -n 2, 4, 8, ...)"
             )
         _refuse_sharded(module)
+        if zero not in (0, 1, 2):
+            raise ValueError(
+                f"healing: zero={zero!r}; 0 (replicated optimizer, DDP), 1 or 2 (sharded "
+                f"optimizer state with a neighbour's mirror, docs/healing.md)"
+            )
         if threads is not None:
             torch.set_num_threads(threads)
         self.module, self.optimizer, self.loss_fn = module, optimizer, loss_fn
@@ -136,6 +149,10 @@ class HealingTrainer:
                 f"the exchange carries one flat vector of one dtype"
             )
         self.dtype = dtypes.pop()
+        self.zero = zero
+        self.sharded = ShardedState(optimizer, self.params) if zero else None
+        self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
+        self.returned = 0  # zero: times this member went back one step to heal
         host, port = address.rsplit(":", 1)
         self.store = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout)
@@ -205,7 +222,7 @@ class HealingTrainer:
                 self._enter(gen)
                 return
             except (CollectiveError, RuntimeError, TimeoutError) as exc:
-                if isinstance(exc, Excluded):
+                if isinstance(exc, (Excluded, StateLost)):
                     raise
                 groups.abandon(self.group, exc)
                 self.group = None
@@ -229,6 +246,9 @@ class HealingTrainer:
             timeout=self.timeout,
             connect_timeout=self.connect_timeout,
         )
+        if self.sharded is not None and gen.number > 0:
+            self._enter_sharded(gen)
+            return
         receivers = gen.members[1:] if gen.number == 0 else gen.receivers
         if receivers:
             key = f"plait/heal/gen{gen.number}/manifest"
@@ -246,6 +266,37 @@ class HealingTrainer:
                 torch.set_rng_state(rng)
                 self.steps_done = int(cursor[0].item())
                 self.last_loss = cursor[1].clone()
+        if self.sharded is not None:
+            self.sharded.start(gen.members, gen.members.index(self.slot), gen.number)
+        self.owned = blocks.assign(gen.members, self.world)
+        self._entered = gen
+
+    def _enter_sharded(self, gen: Generation) -> None:
+        """The sharded state's way into ``gen`` (zero=1/2): the members agree on the
+        step they return to (those one step ahead restore their copy), a replacement
+        receives the buffers, RNG and data cursor from the first holder, and the chunks
+        are re-sharded among the members (:mod:`.zero`)."""
+        assert self.sharded is not None and self.group is not None
+        target, holders, old_gen = self.sharded.agree(self.group, self.world, self.steps_done)
+        if self.sharded.held and self.steps_done > target:
+            self.last_loss = self.sharded.restore()
+            self.steps_done = target
+            self.returned += 1
+        joiners = tuple(s for s in gen.members if s not in holders)
+        if joiners:
+            rng = torch.get_rng_state()
+            cursor = torch.tensor(
+                [float(self.steps_done), float(self.last_loss)], dtype=torch.float64
+            )
+            items = [b.data for b in self.module.buffers()] + [rng, cursor]
+            state.transfer(self.group, items, source=holders[0], receivers=joiners)
+            if self.slot in joiners:
+                torch.set_rng_state(rng)
+                self.steps_done = int(cursor[0].item())
+                self.last_loss = cursor[1].clone()
+        self.sharded.reshard(
+            self.group, self.store, holders=holders, old_gen=old_gen, number=gen.number
+        )
         self.owned = blocks.assign(gen.members, self.world)
         self._entered = gen
 
@@ -253,6 +304,8 @@ class HealingTrainer:
         start = time.perf_counter()
         if self.fault is not None:
             self.fault(self.steps_done, HEALING)
+        if self.sharded is not None and self.sharded.pending:  # stepped, not gathered
+            self.last_loss = self.sharded.restore()
         groups.abandon(self.group, exc)
         self.group = None
         old = self.gen
@@ -300,7 +353,13 @@ class HealingTrainer:
         target = self.steps_done
         while True:
             try:
-                return self._attempt(x, y)
+                if self.steps_done < target:  # sharded: returned to the step before
+                    assert self._prev is not None
+                    self._attempt(*self._prev)
+                    continue
+                loss = self._attempt(x, y)
+                self._prev = (x, y)
+                return loss
             except CollectiveError as exc:
                 try:
                     self._heal(exc)
@@ -364,11 +423,18 @@ class HealingTrainer:
                 total += partials[v]
             if self.group.size > 1:
                 ops.all_reduce(total, group=self.group)
-        offset = 0
-        for p in self.params:
-            p.grad = total[offset : offset + p.numel()].view_as(p)  # a view: no copy
-            offset += p.numel()
-        self.optimizer.step()
+        if self.sharded is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.sharded.step(total, self.last_loss)
+            if self.fault is not None:
+                self.fault(self.steps_done, GATHERING)
+            self.sharded.gather(self.group)
+        else:
+            offset = 0
+            for p in self.params:
+                p.grad = total[offset : offset + p.numel()].view_as(p)  # a view: no copy
+                offset += p.numel()
+            self.optimizer.step()
         self.steps_done += 1
         self.last_loss = total[-2] * scale
         joiners = int(total[-1].item())
