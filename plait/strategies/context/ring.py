@@ -5,7 +5,7 @@ Each shift is one :class:`~plait.comm.group.Call` on the group, so
 ``plait.comm.group_stats()`` counts its bytes under ``(group, name, "p2p")``: ring attention
 uses ``"cp_kv"`` (keys and values in forward and again in backward) and ``"cp_dkv"`` (their
 gradients travelling back to their owner). The receives and sends of a shift are
-posted together (:meth:`~plait.comm.group.Channel.post_together`: one ``batch_isend_irecv`` on a
+posted together (:meth:`~plait.comm.channel.Channel.post_together`: one ``batch_isend_irecv`` on a
 device backend, where NCCL's stream per rank pair would otherwise hang a 2-rank ring).
 Messages of one kind between two ranks are
 matched in posting order under one tag per kind; the kinds' tags differ, so a forward and a
