@@ -55,6 +55,7 @@ from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import bucket_is_finite
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.deferred import Deferred, SplitBackward, SplitReport
+from plait.strategies.pipeline.finite import forward_flag
 from plait.strategies.pipeline.messages import (
     META,
     Link,
@@ -114,6 +115,10 @@ class Runtime:
         # output is not finite although its input was (one sum per forward)
         self.watch_forward = watch_forward
         self.nonfinite_forward: tuple[int, int] | None = None
+        # on a device backend (set by the pipeline): no host read per forward; one flag
+        # per watched forward kept on the device instead, (stage, micro-batch, flag)
+        self.flags_on_device = False
+        self.forward_flags: list[tuple[int, int, torch.Tensor]] = []
         self.recompute = recompute
         self.tracer = tracer
         self.link = Link(group, tracer)
@@ -227,6 +232,7 @@ class Runtime:
         device = inputs[0].device  # the stages', where received tensors must land
         loss = torch.zeros((), dtype=torch.float64, device=device)
         self.nonfinite_forward = None
+        self.forward_flags = []
         # tied gradients from earlier steps (accumulation): put aside, so that only this
         # step's contributions are exchanged, then added back
         earlier = [param.grad for param, _ in self.tied]
@@ -343,6 +349,11 @@ class Runtime:
         return loss
 
     def _watch(self, s: int, mb: int, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        if self.flags_on_device:
+            flag = None if y is None else forward_flag(x, y)
+            if flag is not None:
+                self.forward_flags.append((s, mb, flag))
+            return
         if y is None or not y.is_floating_point() or bucket_is_finite(y.detach()):
             return
         if not x.is_floating_point() or bucket_is_finite(x.detach()):
