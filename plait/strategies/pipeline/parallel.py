@@ -293,6 +293,14 @@ class PipelineParallel(nn.Module):
             tied=tied,
             watch_forward=self.check_finite is not None,
         )
+        every = [prm for layer in layers for _, m in layer.modules for prm in m.parameters()]
+        if every and all(prm.is_meta for prm in every):
+            # a meta model: the other ranks' stages run here (on meta) for their shapes
+            self.runtime.shape_stages = {
+                s: Stage(layers[a:b], s, context=context, context_modules=extra)
+                for s, (a, b) in enumerate(part.bounds)
+                if s not in mine
+            }
         # check_finite's flags: on the device where a host read stalls it (:mod:`.finite`)
         self.flags_on_device = tuner.is_device_backend(group.backend)
         self._positions = Positions()

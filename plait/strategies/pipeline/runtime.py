@@ -119,6 +119,9 @@ class Runtime:
         # per watched forward kept on the device instead, (stage, micro-batch, flag)
         self.flags_on_device = False
         self.forward_flags: list[tuple[int, int, torch.Tensor]] = []
+        # a meta model's other stages (set by the pipeline), run on meta only to learn a
+        # later stage's input shape, which a message on the fake backend does not carry
+        self.shape_stages: dict[int, Stage] = {}
         self.recompute = recompute
         self.tracer = tracer
         self.link = Link(group, tracer)
@@ -177,7 +180,9 @@ class Runtime:
                             device=first.device,
                         )
                     )
-                    if meta.is_meta:
+                    if meta.is_meta and self._derivable(s):  # a meta model
+                        incoming = inp[s] = self._derive_shape(first, s, extras)
+                    elif meta.is_meta:
                         raise RuntimeError(
                             f"pipeline: schedule {self.schedule.name!r} places stage {s} on "
                             f"pp rank {self.rank}, whose input shape arrives in a message "
@@ -186,7 +191,8 @@ class Runtime:
                             f"this schedule on real tensors, or use one with one stage per "
                             f"rank (gpipe, 1f1b, zb-h1) on meta"
                         )
-                    incoming = inp[s] = decode_meta(meta)
+                    else:
+                        incoming = inp[s] = decode_meta(meta)
                 x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
                 y = self.stages[s](x, **(extras or {}))
@@ -204,6 +210,21 @@ class Runtime:
                 )
         self.shapes[key] = (out, inp)
         return out, inp
+
+    def _derivable(self, s: int) -> bool:
+        return all(t in self.stages or t in self.shape_stages for t in range(s))
+
+    def _derive_shape(
+        self, first: torch.Tensor, s: int, extras: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Size, torch.dtype]:
+        """Stage ``s``'s input shape and dtype from running stages ``0 .. s-1`` here on the
+        meta device (a meta model: no values, nothing computed), for a message that
+        carries none (the fake backend)."""
+        x = first
+        with torch.no_grad():
+            for t in range(s):
+                x = (self.stages.get(t) or self.shape_stages[t])(x, **(extras or {}))
+        return x.shape, x.dtype
 
     # --- one step -------------------------------------------------------------------------
     def step(
