@@ -49,6 +49,11 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "cp-ulysses": lambda: fns.context_parallel("ulysses", **NO_CHECK),
     "ptdp-tp-pp-dp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2}, **NO_CHECK),
     "ptdp-tp-pp-dp-cp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2, "cp": 2}, **NO_CHECK),
+    # rank 0 also holds stage 2: its input shape (sequence-parallel: the sequence split
+    # over tp) derived on meta from the earlier stages
+    "ptdp-tp-pp-dp-interleaved-sp": lambda: fns.ptdp(
+        {"tp": 2, "pp": 2, "dp": 2}, schedule="interleaved", sequence_parallel=True, **NO_CHECK
+    ),
 }
 
 
