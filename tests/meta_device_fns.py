@@ -31,10 +31,12 @@ import plait
 from plait.models.gpt import GPT, GPTConfig, MoEConfig
 from plait.strategies.context.layout import shard_sequence
 
-# rank 0 holds stage 0 only: its shapes are known locally. Under "interleaved", "zbv" and
-# "dualpipev" it also holds a later stage, whose input shape arrives in a message (read on
-# the host once per input shape): no data moves on the fake backend, so these cannot run.
+# rank 0 holds stage 0 only under these: its shapes are known locally. Under
+# "interleaved", "zbv" and "dualpipev" it also holds a later stage, whose input shape
+# arrives in a message that carries nothing on the fake backend: on a meta model the
+# runtime derives it by running the earlier stages here on meta (the model's own cut).
 FLAT_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+LOOPED_SCHEDULES = ("interleaved", "zbv", "dualpipev")
 WORLD = 32  # tp x pp x dp x ep x cp = 2 x 2 x 2 x 2 x 2 in the ptdp case
 STEPS = 2
 BATCH, SEQ, VOCAB = 4, 16, 64
@@ -169,7 +171,10 @@ def tensor_parallel(sequence_parallel: bool, **options: Any) -> dict[str, Any]:
     return {"off_meta": _on_meta(wrapped.parameters())}
 
 
-def pipeline(schedule: str, *, microbatches: int = 4, **options: Any) -> dict[str, Any]:
+def pipeline(
+    schedule: str, *, microbatches: int = 4, derive: bool = True, **options: Any
+) -> dict[str, Any]:
+    """``derive=False``: without the other ranks' stages, as if they were not on meta."""
     mesh = plait.Mesh(pp=4, ranks=range(4))
     model = gpt(layers=8)
     pipe, opt = plait.prepare(
@@ -178,8 +183,13 @@ def pipeline(schedule: str, *, microbatches: int = 4, **options: Any) -> dict[st
         **options,
     )  # fmt: skip
     assert opt is not None
+    if not derive:
+        pipe.runtime.shape_stages = {}
     _runner_steps(pipe, opt, max(BATCH, microbatches))
-    return {"off_meta": _on_meta(pipe.parameters())}
+    received = {s: (tuple(shape), dtype) for _, inp in pipe.runtime.shapes.values()
+                for s, (shape, dtype) in inp.items()}  # fmt: skip
+    return {"off_meta": _on_meta(pipe.parameters()), "received": received,
+            "stages": sorted(pipe.runtime.stages), "width": model.config.width}  # fmt: skip
 
 
 def expert_parallel(**options: Any) -> dict[str, Any]:

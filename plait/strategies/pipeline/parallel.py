@@ -28,7 +28,8 @@ Face's ``num_items_in_batch``).
 
 Communication on the ``pp`` group: see :mod:`.runtime` for the step's point-to-point
 messages; besides them, per step, one all-reduce of ``4 * p`` int64 (the non-finite check,
-with ``check_finite``) and one broadcast of the loss from the last stage's rank; at wrap
+with ``check_finite``; with its flags on the device, a second of ``p`` int64 on a flagged
+step) and one broadcast of the loss from the last stage's rank; at wrap
 time, one agreement through the rendezvous store (each rank's schedule, micro-batch count,
 chunks, stage cut and model fingerprint: a rank that disagrees is named on every rank
 before any message moves, instead of a deadlock). No gradient all-reduce inside the
@@ -57,14 +58,13 @@ import torch
 from torch import nn
 
 from plait.amp import DynamicLossScaler
-from plait.comm import ops
+from plait.comm import ops, tuner
 from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies import placement
 from plait.strategies.data_parallel.grad_sync import (
     NonFiniteGradientError,
-    bucket_is_finite,
     check_policy,
 )
 from plait.strategies.pipeline.actions import Schedule, ScheduleError
@@ -72,6 +72,12 @@ from plait.strategies.pipeline.agree import agree
 from plait.strategies.pipeline.batch_loss import BatchLossHooks, statistics_pass
 from plait.strategies.pipeline.batch_loss import totals as batch_totals
 from plait.strategies.pipeline.deferred import SplitReport
+from plait.strategies.pipeline.finite import (
+    Positions,
+    fill_on_device,
+    fill_on_host,
+    first_bad_value,
+)
 from plait.strategies.pipeline.plan import (
     PipelinePlan,
     fingerprint,
@@ -287,6 +293,17 @@ class PipelineParallel(nn.Module):
             tied=tied,
             watch_forward=self.check_finite is not None,
         )
+        every = [prm for layer in layers for _, m in layer.modules for prm in m.parameters()]
+        if every and all(prm.is_meta for prm in every):
+            # a meta model: the other ranks' stages run here (on meta) for their shapes
+            self.runtime.shape_stages = {
+                s: Stage(layers[a:b], s, context=context, context_modules=extra)
+                for s, (a, b) in enumerate(part.bounds)
+                if s not in mine
+            }
+        # check_finite's flags: on the device where a host read stalls it (:mod:`.finite`)
+        self.flags_on_device = tuner.is_device_backend(group.backend)
+        self._positions = Positions()
         if reproducible:  # each parameter's micro-batch gradients summed on the fixed tree
             self.runtime.microbatches = for_pipeline(sched.m)
             if threads is not None:
@@ -407,43 +424,45 @@ class PipelineParallel(nn.Module):
             loss = loss + term * self.batch_loss_value_factor
         return loss
 
+    @property
+    def flags_on_device(self) -> bool:
+        """``check_finite``'s flags kept on the device, read on the host once per step (on
+        for device backends; gloo reads per forward and per gradient, cheaper on a CPU)."""
+        return self.runtime.flags_on_device
+
+    @flags_on_device.setter
+    def flags_on_device(self, on: bool) -> None:
+        self.runtime.flags_on_device = on
+
     def _check_finite(self) -> None:
         """Every rank learns where a non-finite value appeared and raises or skips alike.
 
         Per rank: the first (stage, micro-batch) whose forward output was not finite from a
         finite input, and the first parameter (forward order) whose gradient is not finite
         (on that path only, also the first parameter whose value is not finite). Collective:
-        one all-reduce (sum) of ``4 * p`` int64 over the pp group, every step."""
+        one all-reduce (sum) of ``4 * p`` int64 over the pp group, every step; with
+        ``flags_on_device``, the value column goes in a second all-reduce (``p`` int64) on
+        a flagged step only. Host reads: with ``flags_on_device`` one per step (whether
+        anything is flagged), else one per watched forward and per gradient as well."""
         p = self.group.size
         where = control_device((prm for _, prm in self._indexed), self.group)
         flags = torch.zeros(p, 4, dtype=torch.int64, device=where)
         row = flags[self.group.rank]
-        bad_fwd = self.runtime.nonfinite_forward
-        if bad_fwd is not None:
-            row[0], row[1] = bad_fwd[0] + 1, bad_fwd[1] + 1
-        # read as plain tensors: a .grad may be a guarded view (ZeRO-1's local shard)
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            bad_grad = next(
-                (
-                    i
-                    for i, prm in self._indexed
-                    if prm.grad is not None and not bucket_is_finite(prm.grad.reshape(-1))
-                ),
-                None,
-            )
-            if bad_grad is not None:
-                row[2] = bad_grad + 1
-            if bad_fwd is not None or bad_grad is not None:
-                bad_value = next(
-                    (i for i, prm in self._indexed if not bucket_is_finite(prm.reshape(-1))),
-                    None,
-                )
-                if bad_value is not None:
-                    row[3] = bad_value + 1
+        if self.flags_on_device:
+            fill_on_device(row, self.runtime.forward_flags, self._indexed, self._positions)
+        else:
+            fill_on_host(row, self.runtime.nonfinite_forward, self._indexed)
         if p > 1:
             ops.all_reduce(flags, "sum", group=self.group)
-        if not bool(flags.any()):
+        if not bool(flags.any()):  # the one host read per step on a device backend
             return
+        if self.flags_on_device:  # a flagged step: name the bad values too
+            values = torch.zeros(p, dtype=torch.int64, device=where)
+            if bool(row[:3].any()):
+                values[self.group.rank] = first_bad_value(self._indexed)
+            if p > 1:
+                ops.all_reduce(values, "sum", group=self.group)
+            flags[:, 3] = values
         ranks = self.group.ranks
         found = []
         for r, (fs, fmb, g, v) in enumerate(flags.tolist()):

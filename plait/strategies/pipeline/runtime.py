@@ -55,6 +55,7 @@ from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import bucket_is_finite
 from plait.strategies.pipeline.actions import Action, Kind, Schedule
 from plait.strategies.pipeline.deferred import Deferred, SplitBackward, SplitReport
+from plait.strategies.pipeline.finite import forward_flag
 from plait.strategies.pipeline.messages import (
     META,
     Link,
@@ -114,6 +115,13 @@ class Runtime:
         # output is not finite although its input was (one sum per forward)
         self.watch_forward = watch_forward
         self.nonfinite_forward: tuple[int, int] | None = None
+        # on a device backend (set by the pipeline): no host read per forward; one flag
+        # per watched forward kept on the device instead, (stage, micro-batch, flag)
+        self.flags_on_device = False
+        self.forward_flags: list[tuple[int, int, torch.Tensor]] = []
+        # a meta model's other stages (set by the pipeline), run on meta only to learn a
+        # later stage's input shape, which a message on the fake backend does not carry
+        self.shape_stages: dict[int, Stage] = {}
         self.recompute = recompute
         self.tracer = tracer
         self.link = Link(group, tracer)
@@ -172,7 +180,9 @@ class Runtime:
                             device=first.device,
                         )
                     )
-                    if meta.is_meta:
+                    if meta.is_meta and self._derivable(s):  # a meta model
+                        incoming = inp[s] = self._derive_shape(first, s, extras)
+                    elif meta.is_meta:
                         raise RuntimeError(
                             f"pipeline: schedule {self.schedule.name!r} places stage {s} on "
                             f"pp rank {self.rank}, whose input shape arrives in a message "
@@ -181,7 +191,8 @@ class Runtime:
                             f"this schedule on real tensors, or use one with one stage per "
                             f"rank (gpipe, 1f1b, zb-h1) on meta"
                         )
-                    incoming = inp[s] = decode_meta(meta)
+                    else:
+                        incoming = inp[s] = decode_meta(meta)
                 x = torch.zeros(incoming[0], dtype=incoming[1], device=first.device)
             with torch.no_grad():
                 y = self.stages[s](x, **(extras or {}))
@@ -199,6 +210,21 @@ class Runtime:
                 )
         self.shapes[key] = (out, inp)
         return out, inp
+
+    def _derivable(self, s: int) -> bool:
+        return all(t in self.stages or t in self.shape_stages for t in range(s))
+
+    def _derive_shape(
+        self, first: torch.Tensor, s: int, extras: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Size, torch.dtype]:
+        """Stage ``s``'s input shape and dtype from running stages ``0 .. s-1`` here on the
+        meta device (a meta model: no values, nothing computed), for a message that
+        carries none (the fake backend)."""
+        x = first
+        with torch.no_grad():
+            for t in range(s):
+                x = (self.stages.get(t) or self.shape_stages[t])(x, **(extras or {}))
+        return x.shape, x.dtype
 
     # --- one step -------------------------------------------------------------------------
     def step(
@@ -227,6 +253,7 @@ class Runtime:
         device = inputs[0].device  # the stages', where received tensors must land
         loss = torch.zeros((), dtype=torch.float64, device=device)
         self.nonfinite_forward = None
+        self.forward_flags = []
         # tied gradients from earlier steps (accumulation): put aside, so that only this
         # step's contributions are exchanged, then added back
         earlier = [param.grad for param, _ in self.tied]
@@ -343,6 +370,11 @@ class Runtime:
         return loss
 
     def _watch(self, s: int, mb: int, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        if self.flags_on_device:
+            flag = None if y is None else forward_flag(x, y)
+            if flag is not None:
+                self.forward_flags.append((s, mb, flag))
+            return
         if y is None or not y.is_floating_point() or bucket_is_finite(y.detach()):
             return
         if not x.is_floating_point() or bucket_is_finite(x.detach()):
