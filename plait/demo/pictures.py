@@ -179,5 +179,6 @@ def _speed_panels(speed: Any, peak: Any, rows: Sequence[Any]) -> None:
     peak.set_xticks(at)
     peak.set_xticklabels(names, fontsize=8, rotation=15)
     peak.set_ylabel("MiB")
-    peak.set_title("peak memory of the largest rank (plait.metrics: max RSS on a CPU,\n"
-                   "the whole process, not only the layout's tensors)", fontsize=10)  # fmt: skip
+    peak.set_title("largest rank's peak memory (plait.metrics; on a CPU the max RSS since\n"
+                   "its process started: the tour's 4 ranks run every layout in turn,\n"
+                   "so it only grows from layout to layout)", fontsize=9)  # fmt: skip
