@@ -59,6 +59,14 @@ def train_ps(
         if stop_self and stop_self.get(world.rank, (-1, ""))[0] == step:
             import signal
 
+            from plait.strategies.ps.liveness import last_beat
+
+            # a rank that never beat is unknown to the heartbeat monitor (left to its
+            # connection): stop only once this rank's beat is in the store, as a worker
+            # that hangs mid-run would have
+            deadline = time.time() + 30
+            while last_beat(world.rank) is None and time.time() < deadline:
+                time.sleep(0.05)
             with open(stop_self[world.rank][1], "w") as f:
                 f.write(f"{os.getpid()} {time.time()}")
             os.kill(os.getpid(), signal.SIGSTOP)
