@@ -183,7 +183,7 @@ def load_optimizer_state(
             ):
                 flat = entry.get(key)
                 if not isinstance(flat, torch.Tensor) or flat.shape != shard.shape:
-                    flat = torch.zeros(shard.shape, dtype=shard.dtype)
+                    flat = torch.zeros(shard.shape, dtype=shard.dtype, device=shard.device)
                     entry[key] = flat
                 piece = flat[at : at + stop - start]
                 for offsets, sizes, pos in rects:

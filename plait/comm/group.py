@@ -319,6 +319,19 @@ class Started:
         # ``future()``, and the callback completes this one
         self._lock = threading.RLock()
 
+    def then_finish(self, finish: Callable[[], None]) -> Started:
+        """Run ``finish`` after this handle's own ``finish`` when it completes (a caller's
+        copy-back after the backend's); returns this handle."""
+        after = self.finish
+
+        def done() -> None:
+            if after is not None:
+                after()
+            finish()
+
+        self.finish = done
+        return self
+
     def complete(self) -> None:
         """Run ``finish`` (once): the collective has completed (or, on a device, the
         current stream waits for it)."""

@@ -525,16 +525,9 @@ def reduce_scatter(
             inputs, out, finish = prepare()
             if sum(t.numel() for t in inputs) == 0:
                 return Started(None)
-            started = native.start_reduce_scatter(inputs, out.flat, _lowered(rop), g)
-            after = started.finish
-
-            def done() -> None:
-                if after is not None:
-                    after()
-                finish()
-
-            started.finish = done
-            return started
+            return native.start_reduce_scatter(inputs, out.flat, _lowered(rop), g).then_finish(
+                finish
+            )
 
         return g.start_native("reduce_scatter", nbytes, start, signature=sig, desc=desc)
 
@@ -617,16 +610,7 @@ def all_gather(
             chunks, finish = prepare()
             if sum(sizes) == 0:
                 return Started(None, finish)
-            started = native.start_all_gather(chunks, g)
-            after = started.finish
-
-            def done() -> None:
-                if after is not None:
-                    after()
-                finish()
-
-            started.finish = done
-            return started
+            return native.start_all_gather(chunks, g).then_finish(finish)
 
         return g.start_native("all_gather", nbytes, start, signature=sig, desc=desc)
 

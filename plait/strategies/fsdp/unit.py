@@ -271,7 +271,7 @@ class ShardedUnit:
         tree = cfg.microbatches
         side = None
         if tree is None and cfg.side_streams is not None:  # FSDP2's reduce-scatter stream
-            nbytes = grad.numel() * torch.empty(0, dtype=self.reduce_dtype).element_size()
+            nbytes = grad.numel() * self.reduce_dtype.itemsize
             side = cfg.side(cfg.side_streams.reduce_scatter, "reduce_scatter", nbytes)
         if side is not None:
             # made on the compute stream, read on the side stream: not reused before that
