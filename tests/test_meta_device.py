@@ -49,6 +49,15 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "cp-ulysses": lambda: fns.context_parallel("ulysses", **NO_CHECK),
     "ptdp-tp-pp-dp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2}, **NO_CHECK),
     "ptdp-tp-pp-dp-cp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2, "cp": 2}, **NO_CHECK),
+    # expert parallelism with GShard's static capacity: equal all-to-all splits, no host read
+    "ep-padded": lambda: fns.expert_parallel(pad_to_capacity=True, **NO_CHECK),
+    "ptdp-pp-ep-padded": lambda: fns.ptdp(
+        {"pp": 2, "dp": 1, "tp": 1, "ep": 2}, pad_to_capacity=True, **NO_CHECK
+    ),
+    # (plait's MoE layer refuses cp: its groups are whole sequences)
+    "ptdp-tp-pp-dp-ep-padded": lambda: fns.ptdp(
+        {"tp": 2, "pp": 2, "dp": 2, "ep": 2}, pad_to_capacity=True, **NO_CHECK
+    ),
     # rank 0 also holds stage 2: its input shape (sequence-parallel: the sequence split
     # over tp) derived on meta from the earlier stages
     "ptdp-tp-pp-dp-interleaved-sp": lambda: fns.ptdp(
@@ -130,22 +139,45 @@ def test_fsdp_offload_of_a_meta_model_is_refused_naming_the_setting(fake):
 
 
 # What cannot run on meta: a decision that reads values on the host, by design. Each case
-# is refused by name where that read would come, with the reason.
+# is refused by name where that read would come, with the reason and the way out.
 DATA_DEPENDENT = {
-    # expert parallelism: the routing (tokens per expert, the all-to-all's split sizes) is
-    # read on the host, as in every dropless MoE
+    # the dropless dispatch: the routing (tokens per expert, the all-to-all's split sizes)
+    # is read on the host, as in every dropless MoE; pad_to_capacity=True steps (CASES)
     "ep": lambda: fns.expert_parallel(**NO_CHECK),
     "ptdp with ep": lambda: fns.ptdp({"pp": 2, "dp": 1, "tp": 1, "ep": 2}, **NO_CHECK),
 }
 
 
 @pytest.mark.parametrize("case", sorted(DATA_DEPENDENT))
-def test_expert_parallelism_on_meta_is_refused_naming_the_routing(fake, case):
+def test_dropless_expert_parallelism_on_meta_is_refused_naming_the_way_out(fake, case):
     with pytest.raises(NotImplementedError) as info:
         DATA_DEPENDENT[case]()
     text = str(info.value)
     assert text.startswith("MoE layer (") and "routing tokens on the meta device" in text, text
     assert "split sizes are the tokens each expert receives" in text, text
+    assert "pad_to_capacity=True" in text, text
+
+
+def test_a_models_own_router_on_meta_is_refused_naming_the_dropless_routing():
+    """A stacked expert container (Mixtral-style: the model's router decides top-k,
+    dropless) has no capacity to pad to: refused on meta before any host read."""
+    from plait.strategies.moe.dispatch import refuse_meta
+
+    with pytest.raises(NotImplementedError, match="Mixtral, Qwen-MoE: dropless top-k"):
+        refuse_meta(torch.empty(2, 3, device="meta"), "expert parallelism on MixtralExperts")
+
+
+def test_the_padded_moe_steps_on_meta_reading_nothing_on_the_host(fake):
+    """The padded path reads no routing value: its statistics wait on the device, and
+    reading them on meta is refused naming the caller (no value to read)."""
+    comm.reset_stats()
+    out = fns.expert_parallel(pad_to_capacity=True, **NO_CHECK)
+    assert out["off_meta"] == []
+    calls = {key[0] for key, s in comm.stats().items() if s.calls}
+    assert "all_to_all" in calls and "all_gather" not in calls, calls  # no counts gathered
+    layer = out["moe"]
+    with pytest.raises(RuntimeError, match="reads the values of a meta tensor"):
+        _ = layer.last_stats
 
 
 @pytest.mark.parametrize("schedule", fns.LOOPED_SCHEDULES)

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm.device import control_device
+from plait.comm.device import control_device, host_list
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies.consistency import verify_same_parameters
@@ -303,7 +303,8 @@ def _reduce(
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
+        local = [float(q.grad is not None) for q in qs]
+        flags = torch.tensor(local, dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group is not None and group.size > 1:
             seq = group.seq + 1
@@ -315,8 +316,9 @@ def _reduce(
                 ) from exc
         flat.div_(divide)
         offset = 0
-        used = flat[-len(qs) :]
-        for q, has in zip(qs, used.tolist(), strict=True):
+        # which parameters some rank had a gradient for: read on the host (a GPU waits here)
+        used = host_list(flat[-len(qs) :], local)
+        for q, has in zip(qs, used, strict=True):
             n = q.numel()
             if has > 0:
                 q.grad = flat[offset : offset + n].view_as(q).clone()
