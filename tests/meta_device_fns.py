@@ -149,16 +149,26 @@ def _runner_steps(runner: Any, opt: torch.optim.Optimizer, rows: int = BATCH) ->
 
 # --- the cases ----------------------------------------------------------------------------
 def data_parallel(strategy: str, **options: Any) -> dict[str, Any]:
-    """ddp, naive, zero1, zero2, fsdp (options: mixed precision, offload) on Mesh(dp=4)."""
+    """ddp, naive, zero1, zero2, fsdp (options: mixed precision, offload) on Mesh(dp=4).
+
+    FSDP with ``offload_policy``: the shards, their gradients and the optimizer step live
+    on the CPU (the host), compute and every collective on meta; ``off_meta`` then lists
+    the shards that are *not* on the host, and ``host`` where shards and gradients were."""
     mesh = plait.Mesh(dp=4, ranks=range(4))
     model = gpt()
     if strategy == "fsdp":
         options.setdefault("wrap", {type(model.blocks[0])})
+    offload = options.get("offload_policy") is not None
     wrapped, opt = plait.prepare(model, sgd(model), strategy=strategy, mesh=mesh, **options)
     assert opt is not None
     ids, targets = tokens()
     _module_steps(wrapped, opt, lambda: ce(wrapped(ids), targets))
-    return {"off_meta": _on_meta(opt.param_groups[0]["params"])}
+    params = opt.param_groups[0]["params"]
+    if not offload:
+        return {"off_meta": _on_meta(params)}
+    host = [(str(p.device), None if p.grad is None else str(p.grad.device)) for p in params]
+    return {"off_meta": [f"{tuple(p.shape)}{p.device}" for p in params if p.device.type != "cpu"],
+            "host": host}  # fmt: skip
 
 
 def tensor_parallel(sequence_parallel: bool, **options: Any) -> dict[str, Any]:
