@@ -25,7 +25,6 @@ Writes ``<out>/moe_padded.json`` and ``<out>/moe_padded.md``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time

@@ -140,7 +140,7 @@ def test_the_parameter_server_keeps_its_model_on_the_cpu(fake):
 
 
 @pytest.mark.parametrize("mp", [None, BF16], ids=["fp32", "bf16"])
-def test_fsdp_offload_keeps_the_shards_on_the_host_and_hands_collectives_meta(fake, monkeypatch, mp):
+def test_fsdp_offload_keeps_shards_on_the_host_and_collectives_on_meta(fake, monkeypatch, mp):
     """Offloaded shards and their gradients live on the CPU; each unit's shard is copied
     to meta (host to device) before its all-gather, its gradient reduce-scattered on meta
     and brought back to the host (on meta: a host tensor of its size, no values to copy,

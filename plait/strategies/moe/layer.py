@@ -43,9 +43,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from plait import comm
+from plait.comm.device import host_list
 from plait.comm.group import Group
 from plait.strategies.moe import dispatch as moe_dispatch
-from plait.comm.device import host_list
 from plait.strategies.moe import losses, padded
 from plait.strategies.moe.gshard_gate import SECOND_EXPERT_POLICIES, Routing, capacity, route
 from plait.strategies.moe.stats import MoEStats

@@ -95,17 +95,18 @@ def run_experts_padded(
     G, S, k = routing.expert.shape
     E, C = routing.num_experts, routing.capacity
     d = x.shape[-1]
-    p = 1 if group is None else group.size
-    rank = 0 if group is None else group.rank
+    ep = group if group is not None and group.size > 1 else None  # None: all experts here
+    p = 1 if ep is None else ep.size
+    rank = 0 if ep is None else ep.rank
     local = E // p
     width = G * C  # slots per expert from this rank
     slot = slots(routing)
     token = torch.arange(G * S, device=x.device).repeat_interleave(k)
     # rows[slot] = x[token]: kept choices in their slots, the rest on the spill row
     buffer = x.new_zeros(E * width + 1, d).index_copy(0, slot, x[token])[:-1]
-    if p > 1:
+    if ep is not None:
         n = local * width
-        buffer = all_to_all_rows(buffer, [n] * p, [n] * p, group=group, algorithm=algorithm)
+        buffer = all_to_all_rows(buffer, [n] * p, [n] * p, group=ep, algorithm=algorithm)
         # source-major [p, local, G*C, d] -> expert-major [local, p*G*C, d]
         inputs = buffer.view(p, local, width, d).transpose(0, 1).reshape(local, p * width, d)
     else:
@@ -113,10 +114,10 @@ def run_experts_padded(
     apply = _apply(experts)
     # every held expert runs, on every slot: static shapes, a gradient on every rank
     out = torch.stack([apply(rank * local + e, inputs[e]) for e in range(local)])
-    if p > 1:
+    if ep is not None:
         out = out.view(local, p, width, -1).transpose(0, 1).reshape(p * local * width, -1)
         n = local * width
-        out = all_to_all_rows(out, [n] * p, [n] * p, group=group, algorithm=algorithm)
+        out = all_to_all_rows(out, [n] * p, [n] * p, group=ep, algorithm=algorithm)
     else:
         out = out.reshape(E * width, -1)
     out = torch.cat([out, out.new_zeros(1, out.shape[-1])])  # the spill row reads zero
