@@ -26,13 +26,17 @@ def padded_bytes() -> dict[str, Any]:
         moe.gate.weight[0] += 0.8
     expert_parallel(moe, mesh=mesh, algorithm="ring")
     r = mesh.rank("ep")
-    x = global_batch(ROWS * R)[ROWS * r : ROWS * (r + 1)]
-    comm.reset_stats()
-    _loss(moe(x.requires_grad_(True))).backward()
-    sent = {key: (s.calls, s.bytes_sent) for key, s in comm.stats().items() if s.calls}
+    first = {}
+    for step in range(2):  # the first step agrees on (G, C); the second is measured
+        x = global_batch(ROWS * R, step)[ROWS * r : ROWS * (r + 1)]
+        comm.reset_stats()
+        _loss(moe(x.requires_grad_(True))).backward()
+        sent = {key: (s.calls, s.bytes_sent) for key, s in comm.stats().items() if s.calls}
+        first = first or sent
     stats = moe.last_stats
     assert stats is not None
     return {
+        "first": first,
         "sent": sent,
         "capacity": stats.capacity,
         "rows": (stats.rows_out, stats.rows_in),
@@ -40,4 +44,17 @@ def padded_bytes() -> dict[str, Any]:
     }
 
 
-__all__ = ["ROWS", "padded_bytes", "E"]
+def uneven_groups() -> str:
+    """Rank 0 routes 2 sequences, rank 1 one: refused on every rank before the all-to-all."""
+    mesh = plait.Mesh(ep=plait.world().size)
+    torch.manual_seed(3)
+    moe = expert_parallel(MoE(D, **(layer_case("top1") | {"pad_to_capacity": True})), mesh=mesh)
+    rows = 2 if mesh.rank("ep") == 0 else 1
+    try:
+        moe(global_batch(rows))
+    except ValueError as exc:
+        return str(exc)
+    return "NOT REFUSED"
+
+
+__all__ = ["ROWS", "E", "padded_bytes", "uneven_groups"]

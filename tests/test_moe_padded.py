@@ -79,7 +79,10 @@ def test_padded_all_to_alls_send_the_whole_buffers_and_gather_no_counts(ranks):
     results = ranks(2, padded_fns.padded_bytes, timeout=60)
     p, local = 2, padded_fns.E // 2
     for res in results:
-        # no counts gathered (the all-reduces are the gradients' and the finite check's)
+        # the first step agrees on (G, C): one all-gather of 2 int64; after it no counts
+        # are gathered (the all-reduces are the gradients' and the finite check's)
+        gathers = [v for key, v in res["first"].items() if key[0] == "all_gather"]
+        assert [calls for calls, _ in gathers] == [1], res["first"]
         assert not [key for key in res["sent"] if key[0] == "all_gather"], res["sent"]
         calls, sent = res["sent"][("all_to_all", "ring")]
         # G = ROWS groups (sequences) of C slots per expert; each all-to-all sends the other
@@ -88,6 +91,13 @@ def test_padded_all_to_alls_send_the_whole_buffers_and_gather_no_counts(ranks):
         assert calls == 4 and sent == 4 * rows * fns.D * 8, res
         assert res["rows"] == (rows, rows)
         assert res["dropped"] > 0
+
+
+def test_ranks_routing_different_groups_are_refused_naming_each(ranks):
+    for text in ranks(2, padded_fns.uneven_groups, timeout=60):
+        assert text.startswith("MoE layer (4 experts): pad_to_capacity=True needs"), text
+        assert "rank 0: G=2, C=" in text and "rank 1: G=1, C=" in text, text
+        assert "pad_to_capacity=False" in text, text
 
 
 def test_padded_moe_in_ptdp_pp2_ep2_matches_one_process(ranks):

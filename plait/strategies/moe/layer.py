@@ -185,6 +185,7 @@ class MoE(nn.Module):
         self.batch_index = 0
         self._last_stats: MoEStats | None = None
         self._pending_stats: Callable[[], MoEStats] | None = None
+        self._agreed: set[tuple[int, int]] = set()  # (G, C) the ep group agreed on (padded)
 
     @property
     def last_stats(self) -> MoEStats | None:
@@ -325,6 +326,10 @@ class MoE(nn.Module):
         if self.training and self.bias_update_rate > 0:
             self.load_since_update += routed.to(torch.float64)
         self._check_experts()
+        group, shape = self.expert_group, (G, routing.capacity)
+        if group is not None and group.size > 1 and shape not in self._agreed:
+            padded.agree_on_slots(*shape, group, f"MoE layer ({E} experts)")
+            self._agreed.add(shape)
         y = padded.run_experts_padded(
             grouped.reshape(G * S, d),
             routing,

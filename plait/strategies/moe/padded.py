@@ -16,19 +16,21 @@ end, which never travels and reads back zero. Rank ``r`` of the expert-parallel 
 (``p`` ranks) holds experts ``r * E/p .. (r+1) * E/p - 1``, so the buffer is ``p`` equal
 blocks of ``E/p * G * C`` rows, one per destination rank: the all-to-all's splits are
 static. Every rank of ``P`` must route the same ``G`` and ``C`` (equal local batches, as
-plait's strategies cut them).
+plait's strategies cut them): :func:`agree_on_slots` checks it once per new ``(G, C)``.
 
 Communication contract, per MoE layer per step, on ``P``:
 
 ==============  ================================================  ==========================
 step            forward                                           backward
 ==============  ================================================  ==========================
+agreement      once per new ``(G, C)`` of this rank: an all-gather   none
+                of 2 int64, read on the host (:func:`agree_on_slots`)
 dispatch        all-to-all, equal splits of ``E/p * G * C`` rows  the reverse all-to-all of
                 per rank (``plait.comm.all_to_all``)              the gradients
 combine         the reverse all-to-all of the expert outputs      all-to-all (as dispatch)
 ==============  ================================================  ==========================
 
-No counts all-gather. Bytes this rank sends in one step: ``4 (p-1)/p * E * G * C * d *
+No counts all-gather: after the first step of a shape, nothing is read on the host. Bytes this rank sends in one step: ``4 (p-1)/p * E * G * C * d *
 element_size`` (each of the four all-to-alls sends ``E * G * C`` rows less its own block),
 padding included, against the dropless path's ``(2 n_out + 2 n_in) * d * element_size`` of
 kept rows only: with ``capacity_factor`` ``cf`` and top-``k`` routing, at most ``k / cf`` of
@@ -49,6 +51,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from plait import comm
+from plait.comm.device import control_device, host_list
 from plait.comm.group import Group
 from plait.strategies.moe.dispatch import all_to_all_rows
 from plait.strategies.moe.gshard_gate import Routing
@@ -64,6 +68,31 @@ def slots(routing: Routing) -> torch.Tensor:
     row = (routing.expert * G + group) * C + routing.position
     spill = torch.full_like(row, E * G * C)
     return torch.where(routing.kept, row, spill).reshape(-1)
+
+
+def agree_on_slots(groups: int, capacity: int, group: Group, who: str) -> None:
+    """Refuse, on every rank of ``group``, a layout whose ranks route different numbers of
+    groups or capacities (their all-to-all blocks would differ in size: on gloo a size
+    mismatch inside the all-to-all, on NCCL garbage or a hang), naming each rank's values
+    and what to change. Collective: an all-gather of 2 int64 on the group's device, read on
+    the host (on the meta device: this rank's values, the fake backend's result)."""
+    mine = [groups, capacity]
+    where = control_device(group=group)
+    out = torch.empty(group.size * 2, dtype=torch.int64, device=where)
+    comm.all_gather(out, torch.tensor(mine, dtype=torch.int64, device=where), group=group)
+    seen = host_list(out, mine * group.size)
+    pairs = [(seen[2 * i], seen[2 * i + 1]) for i in range(group.size)]
+    if len(set(pairs)) > 1:
+        listed = ", ".join(
+            f"rank {r}: G={g}, C={c}" for r, (g, c) in zip(group.ranks, pairs, strict=True)
+        )
+        raise ValueError(
+            f"{who}: pad_to_capacity=True needs the same groups G and capacity C on every "
+            f"rank of the expert-parallel group {group.name!r} (their all-to-all blocks are "
+            f"E/p*G*C rows), got {listed}; give every rank the same number of sequences of "
+            f"the same length (or set pad_to_capacity=False: the dropless dispatch agrees "
+            f"sizes every step)"
+        )
 
 
 def _apply(
@@ -133,4 +162,4 @@ def per_expert(expert: torch.Tensor, mask: torch.Tensor, experts: int) -> torch.
     return counts.scatter_add_(0, expert.reshape(-1), mask.reshape(-1).to(torch.int64))
 
 
-__all__ = ["per_expert", "run_experts_padded", "slots"]
+__all__ = ["agree_on_slots", "per_expert", "run_experts_padded", "slots"]
