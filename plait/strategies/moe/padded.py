@@ -23,25 +23,26 @@ Communication contract, per MoE layer per step, on ``P``:
 ==============  ================================================  ==========================
 step            forward                                           backward
 ==============  ================================================  ==========================
-agreement      once per new ``(G, C)`` of this rank: an all-gather   none
-                of 2 int64, read on the host (:func:`agree_on_slots`)
+agreement       once per new ``(G, C)`` of this rank: an          none
+                all-gather of 2 int64, read on the host
+                (:func:`agree_on_slots`)
 dispatch        all-to-all, equal splits of ``E/p * G * C`` rows  the reverse all-to-all of
                 per rank (``plait.comm.all_to_all``)              the gradients
 combine         the reverse all-to-all of the expert outputs      all-to-all (as dispatch)
 ==============  ================================================  ==========================
 
-No counts all-gather: after the first step of a shape, nothing is read on the host. Bytes this rank sends in one step: ``4 (p-1)/p * E * G * C * d *
-element_size`` (each of the four all-to-alls sends ``E * G * C`` rows less its own block),
-padding included, against the dropless path's ``(2 n_out + 2 n_in) * d * element_size`` of
-kept rows only: with ``capacity_factor`` ``cf`` and top-``k`` routing, at most ``k / cf`` of
-the slots are filled. Every expert computes on all its ``p * G * C`` rows, empty or not.
+No counts all-gather: after the first call of a shape nothing is read on the host. Bytes
+this rank sends in one step: ``4 (p-1)/p * E * G * C * d * element_size`` (each of the four
+all-to-alls sends the ``(p-1)/p`` of its ``E * G * C`` rows bound for other ranks), padding
+included, against the dropless path's ``(2 n_out + 2 n_in) * d * element_size`` of kept
+rows only: with ``capacity_factor`` ``cf`` and top-``k`` routing, at most ``k / cf`` of the
+slots are filled. Every expert computes on all its ``p * G * C`` rows, empty or not.
 
 Results: the output and the gradients equal the dropless path's to float64 rounding, not
 bitwise: the experts' matrix products run over more rows (the blocking of a GEMM depends on
 its size) and their weight gradients sum over more rows, zeros among them, in another
-order. The routing, the statistics and which rows are dropped are the same.
-Collective over ``group`` when given; with ``group=None``
-every expert is local and nothing is sent.
+order. The routing, the statistics and which rows are dropped are the same. Collective over
+``group`` when given; with ``group=None`` every expert is local and nothing is sent.
 """
 
 from __future__ import annotations
