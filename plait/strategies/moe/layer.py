@@ -184,7 +184,8 @@ class MoE(nn.Module):
         self.expert_group: Group | None = None
         self.batch_index = 0
         self._last_stats: MoEStats | None = None
-        self._pending_stats: Callable[[], MoEStats] | None = None
+        # padded path: (kept, routed, aux, z) on the device, capacity, rows moved each way
+        self._pending_stats: tuple[tuple[torch.Tensor, ...], int, int] | None = None
         self._agreed: set[tuple[int, int]] = set()  # (G, C) the ep group agreed on (padded)
 
     @property
@@ -194,7 +195,17 @@ class MoE(nn.Module):
         read on the host here, on first access (this rank's tokens only: that path
         gathers no counts)."""
         if self._pending_stats is not None:
-            self._last_stats, self._pending_stats = self._pending_stats(), None
+            (kept, routed, aux, z), capacity, moved = self._pending_stats
+            self._last_stats = MoEStats.of(
+                kept=host_list(kept),
+                routed=host_list(routed),
+                capacity=capacity,
+                aux_loss=float(aux),
+                z_loss=float(z),
+                rows_out=moved,
+                rows_in=moved,
+            )
+            self._pending_stats = None
         return self._last_stats
 
     @last_stats.setter
@@ -346,20 +357,7 @@ class MoE(nn.Module):
         p = 1 if self.expert_group is None else self.expert_group.size
         moved = (p - 1) * (E // p) * G * routing.capacity  # rows each way, padding included
         found = (kept, routed, aux.detach(), z.detach())
-
-        def stats() -> MoEStats:
-            k, r, a, zz = found
-            return MoEStats.of(
-                kept=host_list(k),
-                routed=host_list(r),
-                capacity=routing.capacity,
-                aux_loss=float(a),
-                z_loss=float(zz),
-                rows_out=moved,
-                rows_in=moved,
-            )
-
-        self._last_stats, self._pending_stats = None, stats
+        self._last_stats, self._pending_stats = None, (found, routing.capacity, moved)
         return y
 
     def _check_experts(self) -> None:
