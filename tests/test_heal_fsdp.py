@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.heal.fsdp import EXTRA, ShardedParams, held_bytes, spans
+from plait.heal.fsdp import EXTRA, ShardedParams, spans
 from plait.heal.zero import bounds
+from plait.plan.memory import measure
 
 
 def _mlp() -> torch.nn.Module:
@@ -40,8 +41,8 @@ def test_at_rest_a_member_holds_its_chunks_only_and_steps_like_the_users_optimiz
     sharded = ShardedParams(torch.optim.Adam(b.parameters(), lr=0.1), list(b.parameters()))
     sharded.start((0,), 0, 0)
     numel = _numel(b)
-    held = held_bytes(b, sharded)
-    assert held["parameters"] == 0 and held["chunks"] == numel * 8
+    held = measure(sharded)  # the model's parameters freed: only the chunk's bytes
+    assert held.params_bytes == numel * 8 and held.num_params == numel
     with pytest.raises(RuntimeError):
         b(torch.zeros(1, 5, dtype=torch.float64))
     g = torch.Generator().manual_seed(0)
@@ -53,10 +54,10 @@ def test_at_rest_a_member_holds_its_chunks_only_and_steps_like_the_users_optimiz
             offset += p.numel()
         opt_a.step()
         sharded.unshard(None)  # one member: nothing to receive
-        assert held_bytes(b, sharded)["parameters"] == numel * 8
+        assert measure(sharded).params_bytes == 2 * numel * 8  # the model's and the chunk
         sharded.step(total, torch.tensor(0.0))
         sharded.free()
-        assert held_bytes(b, sharded)["parameters"] == 0
+        assert measure(sharded).params_bytes == numel * 8
     sharded.unshard(None)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
@@ -138,12 +139,18 @@ def _gather_after_start() -> dict[str, object]:
     want = [p.detach().clone() for p in model.parameters()]
     sharded = ShardedParams(torch.optim.Adam(model.parameters(), lr=0.1), list(model.parameters()))
     sharded.start(group.ranks, group.rank, 0)
-    at_rest = held_bytes(model, sharded)
+    at_rest = measure(sharded)
     plait.comm.stats(reset=True)
     sharded.unshard(group)
     sent = plait.comm.stats()[("all_gather", "heal/zero")].bytes_sent
     same = all(torch.equal(p, w) for p, w in zip(model.parameters(), want, strict=True))
-    return {"at rest": at_rest, "same": same, "held": sorted(sharded.held), "sent": sent}
+    return {
+        "params bytes": at_rest.params_bytes,
+        "grads bytes": at_rest.grads_bytes,
+        "same": same,
+        "held": sorted(sharded.held),
+        "sent": sent,
+    }
 
 
 def test_members_hold_own_and_mirror_chunks_and_gather_the_rest(ranks):
@@ -154,9 +161,9 @@ def test_members_hold_own_and_mirror_chunks_and_gather_the_rest(ranks):
     out = ranks(4, _gather_after_start)
     for me, r in enumerate(out):
         assert r["same"] and r["held"] == sorted([me, (me + 1) % 4])
-        rest = r["at rest"]
-        assert rest["parameters"] == 0 and rest["gradients"] == 0
-        assert rest["chunks"] == 8 * sum(cut[c][1] - cut[c][0] for c in r["held"])
+        # the model's parameters hold no storage: what is held is the two chunks
+        assert r["params bytes"] == 8 * sum(cut[c][1] - cut[c][0] for c in r["held"])
+        assert r["grads bytes"] == 0
         assert r["sent"] == 2 * 8 * (cut[me][1] - cut[me][0])
 
 
@@ -171,7 +178,15 @@ def _run(tmp_path, **kw):
 
 
 def _params_held_at_rest(report) -> list[int]:
-    return [r["held_bytes"]["parameters"] for r in report.records]
+    """Bytes of parameters each member held after its last step, over those of its two
+    chunks (the model's own freed): 1.0 each."""
+    numel = 16 * 32 + 32 + 32 * 4 + 4  # the demo's float64 MLP
+    cut = bounds(numel, 4)
+    out = []
+    for r in sorted(report.records, key=lambda r: r["slot"]):
+        mine = [r["slot"], (r["slot"] + 1) % 4]
+        out.append(r["held"]["params"] / (8 * sum(cut[c][1] - cut[c][0] for c in mine)))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -190,7 +205,7 @@ def test_whole_job_fsdp_kill_then_rejoin_bitwise(tmp_path, slot, step, index):
         steps=step + 3,
     )
     assert len(report.finals) == 4 and f"slot{slot}-join" in report.finals
-    assert _params_held_at_rest(report) == [0, 0, 0, 0]
+    assert _params_held_at_rest(report) == [1.0] * 4
     assert diff == 0.0
 
 

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from plait.demo.digits import load_digits
-from plait.heal.fsdp import held_bytes
 from plait.heal.launch import Ranks, start_store
 from plait.heal.trainer import ARRIVED, HealingTrainer
 from plait.models.cnn import DigitsCNN
+from plait.plan.memory import measure
 from plait.strategies.reproducible import ReproducibleRunner
 
 
@@ -165,7 +165,7 @@ def train_rank(
         t0 = time.perf_counter()
         trainer.step(*batch(c, trainer.steps_done))
         steps.append(time.perf_counter() - t0)
-    at_rest = held_bytes(model, trainer.sharded)  # before unshard: what the member keeps
+    held = measure(trainer.sharded or model, optimizer)  # at rest: before unshard
     trainer.unshard()  # zero=3: the full parameters, to save them (collective)
     name = f"slot{slot}{'-join' if join else ''}"
     np.save(Path(out) / f"{name}.npy", _flat(model))
@@ -178,7 +178,7 @@ def train_rank(
         "step_seconds": steps,
         "loss": float(trainer.last_loss),
         "returned": trainer.returned,
-        "held_bytes": at_rest,
+        "held": {"params": held.params_bytes, "optimizer": held.optimizer_bytes},
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()

@@ -205,6 +205,22 @@ class ShardedState:
         self._write(flat)
         self.pending = False
 
+    def memory_breakdown(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this member holds, by kind, for :func:`plait.plan.memory.measure`:
+        ``params``: the model's trainable parameters (full under zero=1/2, freed between
+        steps under zero=3: 0 bytes) and the two chunks; ``grads``: the model's gradients
+        alive now; ``optimizer_state``: the chunks' state and the copy of chunks and state
+        made before the last step. Local."""
+        opts = list(self.held.values())
+        kept = list(self.backup["chunks"].values()) if self.backup is not None else []
+        state = [v for o in opts for s in o.state.values() for v in s.values()]
+        state += [t for values, st in kept for t in [values, *st.values()]]
+        return {
+            "params": [*self.params, *(self._param(o) for o in opts)],
+            "grads": [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": [t for t in state if torch.is_tensor(t)],
+        }
+
     # --- healing -----------------------------------------------------------------------
     def agree(self, group: Group, world: int, done: int) -> tuple[int, tuple[int, ...], int]:
         """Among the new generation's members (collective on ``group``, one small
