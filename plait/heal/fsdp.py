@@ -85,6 +85,8 @@ class ShardedParams(ShardedState):
     parameters are freed between steps (module docstring). ``names``: the parameters'
     names, for the messages."""
 
+    what = "the parameters and their optimizer state"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -72,6 +72,8 @@ def held_chunks(rank: int, n: int) -> list[int]:
 class ShardedState:
     """This member's chunks of the optimizer state (module docstring)."""
 
+    what = "the optimizer state"  # what a chunk holds, for the messages
+
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
         if len(optimizer.param_groups) != 1:
             raise ValueError(
@@ -268,7 +270,7 @@ class ShardedState:
             holder = owner if owner in holders else mirror if mirror in holders else None
             if holder is None:
                 raise StateLost(
-                    f"healing zero: chunk {c} of the optimizer state was held by slots "
+                    f"healing zero: chunk {c} of {self.what} was held by slots "
                     f"{owner} (owner) and {mirror} (mirror), both dead: the state is lost; "
                     f"the job must restart from its checkpoint (plait run --max-restarts)"
                 )
