@@ -30,7 +30,8 @@ the heal raises, naming the chunk: such a job restarts from its last checkpoint.
 ZeRO-2 here is ZeRO-1: the exchange is an all-reduce (every member receives the whole
 summed gradient, the tree's order needs the blocks of every member), so the gradient
 memory saving of ZeRO-2 is not kept; ``zero=2`` is accepted for the strategy's name and
-behaves as ``zero=1``.
+behaves as ``zero=1``. ZeRO-3/FSDP (:mod:`.fsdp`) is this layout with the parameters
+sharded too.
 """
 
 from __future__ import annotations
