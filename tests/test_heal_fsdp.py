@@ -75,6 +75,27 @@ def test_a_parameter_that_is_a_view_is_refused_by_name():
         )
 
 
+def test_a_model_wrapped_by_plaits_fsdp_is_refused_with_what_to_do():
+    from plait.heal import HealingTrainer
+    from plait.strategies.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(model)  # one process, no group
+    with pytest.raises(
+        ValueError, match="wrapped by plait's FSDP .*pass the plain model with zero=3"
+    ):
+        HealingTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=torch.nn.functional.mse_loss,
+            microbatch_size=1,
+            world=2,
+            address="127.0.0.1:1",  # refused before it connects
+            slot=0,
+            zero=3,
+        )
+
+
 def _mirror_exchange(owned: dict[int, list[int]], numel: int) -> dict[str, object]:
     import plait
     from plait.heal import blocks

@@ -52,7 +52,11 @@ Peak memory in a step: the full parameters, the full gradients of the blocks bei
 (the tree's accumulators, as under ``zero=0/1``) and the exchange's vector. A per-module
 unit (gathering each top-level module in its forward, freeing it after its backward, as
 plait's FSDP does with hooks) would lower the parameters' part to one unit; it is not
-built here. Frozen parameters (``requires_grad=False``) and buffers stay replicated, in
+built: after a death the members run different numbers of micro-batches (a survivor
+computes the dead slot's block too), so one gather per module per micro-batch would not
+pair up across members, and a module kept gathered over the step's micro-batches is the
+whole model again. It needs gathers issued per step and per module in one agreed order
+(a member with fewer micro-batches keeping its units, or idle gathers), not hooks alone. Frozen parameters (``requires_grad=False``) and buffers stay replicated, in
 full, on every member.
 """
 

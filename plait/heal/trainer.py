@@ -69,8 +69,6 @@ _UNHEALABLE = {
     "plait.strategies.pipeline": "pipeline parallelism (each pp rank holds its own stages)",
     "plait.strategies.context": "context parallelism (each cp rank holds part of the sequence)",
     "plait.strategies.moe": "expert parallelism (each ep rank holds its own experts)",
-    "plait.strategies.fsdp": "a plait FSDP wrapper (healing shards the parameters itself: "
-    "pass the plain model with zero=3)",
     "plait.strategies.data_parallel": "a DistributedDataParallel wrapper (healing does the "
     "data-parallel exchange itself: pass the plain model)",
 }
@@ -81,9 +79,15 @@ def _refuse_sharded(module: nn.Module) -> None:
     rank cannot be replaced from a live peer, so its failure fails the job as before and
     ``plait run`` restarts it from the last checkpoint (docs/launching.md)."""
     for name, sub in module.named_modules():
+        if getattr(sub, "_plait_fsdp_units", None):
+            raise ValueError(
+                f"healing: {name or 'the model'} is wrapped by plait's FSDP "
+                f"({type(sub).__name__}); healing shards the parameters itself: pass the "
+                f"plain model with zero=3 (docs/healing.md)"
+            )
         owner = type(sub).__module__
         for prefix, what in _UNHEALABLE.items():
-            if owner.startswith(prefix) or getattr(sub, "_plait_fsdp_units", None):
+            if owner.startswith(prefix):
                 raise ValueError(
                     f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. Only "
                     f"data-parallel replicas heal; a failed rank of this job fails the job, "
