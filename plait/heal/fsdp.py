@@ -56,8 +56,9 @@ built: after a death the members run different numbers of micro-batches (a survi
 computes the dead slot's block too), so one gather per module per micro-batch would not
 pair up across members, and a module kept gathered over the step's micro-batches is the
 whole model again. It needs gathers issued per step and per module in one agreed order
-(a member with fewer micro-batches keeping its units, or idle gathers), not hooks alone. Frozen parameters (``requires_grad=False``) and buffers stay replicated, in
-full, on every member.
+(a member with fewer micro-batches keeping its units, or idle gathers), not hooks alone.
+Frozen parameters (``requires_grad=False``) and buffers stay replicated, in full, on
+every member.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ class ShardedParams(ShardedState):
 
     # --- the model's parameters: freed, gathered ---------------------------------------
     def free(self) -> None:
-        """Free the model's parameters (storage resized to 0; local, no communication)."""
+        """Free the model's parameters and gradients (storage resized to 0; local, no
+        communication). Called after the step's chunks are stepped it also ends their
+        pending state: the step counts as done there (module docstring, step 3)."""
         for p in self.params:
             p.grad = None
             p.untyped_storage().resize_(0)
