@@ -43,8 +43,10 @@ class HealConfig:
     (``how``: ``"kill"`` SIGKILL, ``"raise"`` an exception, ``"stop"`` SIGSTOP: frozen
     past the heartbeat; it is never replaced, the run ends it) before micro-batch ``index`` of
     step ``step`` (``index`` -1: when it starts healing; -2 with step -1: a replacement on
-    arrival). ``rejoin``: start a replacement for each slot that died, as soon as it is
-    gone (``rejoin_faults``: faults of the replacements)."""
+    arrival; -3 under zero: before gathering the chunks; -4 under zero=3: in the exchange,
+    its chunk summed, before sending it to its mirror). ``rejoin``: start a replacement
+    for each slot that died, as soon as it is gone (``rejoin_faults``: faults of the
+    replacements)."""
 
     world: int = 4
     steps: int = 6

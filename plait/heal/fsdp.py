@@ -63,6 +63,7 @@ every member.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,6 +156,7 @@ class ShardedParams(ShardedState):
         world: int,
         group: Group,
         exact: bool = True,
+        summed: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Free the parameters, then sum the blocks' gradients (``partials``: this member's
         blocks, flat vectors of the gradient and the two extras). Returns a vector of that
@@ -162,7 +164,8 @@ class ShardedParams(ShardedState):
         tree's order: one process's bits) and every other element is NaN: it is never
         read, and would show if it were. Collective on ``group`` (module docstring, step
         2). ``exact=False`` (the trainer's ``reproducible=False``): the sum in arrival
-        order and an all-reduce, whole."""
+        order and an all-reduce, whole. ``summed``: called once this member's chunk is
+        summed, before it goes to the mirror (the fault tests kill there)."""
         self.free()
         mine = sorted(partials)
         sample = partials[mine[0]]
@@ -197,13 +200,15 @@ class ShardedParams(ShardedState):
             for theirs, buf in bufs.values():
                 pieces = buf.split([buf.numel() // len(theirs)] * len(theirs))
                 got.update(zip(theirs, pieces, strict=True))
-            summed = tree_sum([got[v] for v in range(world)])
-            result[slice(*cut[me])].copy_(summed)
+            mine_summed = tree_sum([got[v] for v in range(world)])
+            result[slice(*cut[me])].copy_(mine_summed)
+            if summed is not None:
+                summed()
             before, after = (me - 1) % n, (me + 1) % n
-            pending = [ch.isend(summed, before), ch.irecv(result[slice(*cut[after])], after)]
+            pending = [ch.isend(mine_summed, before), ch.irecv(result[slice(*cut[after])], after)]
             last = n - 1  # the extras' chunk: its owner sends them to whoever lacks them
             if me == last:
-                pending += [ch.isend(summed[-EXTRA:], p) for p in range(n - 2)]
+                pending += [ch.isend(mine_summed[-EXTRA:], p) for p in range(n - 2)]
             elif after != last:
                 pending.append(ch.irecv(result[-EXTRA:], last))
             ch.wait(*pending)

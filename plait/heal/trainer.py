@@ -41,6 +41,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ HEALING = -1  # the fault hook's index when a member starts healing
 ARRIVED = -2  # ... when a replacement was admitted, before it connects
 GATHERING = -3  # ... under zero, before gathering the chunks (zero=1/2: after stepping them;
 # zero=3: at the step's start)
+SUMMED = -4  # ... under zero=3, in the exchange: its chunk summed, not yet sent to its mirror
 
 
 # What a healing job cannot hold: a rank of these owns a part of the model no peer has.
@@ -112,7 +114,8 @@ class HealingTrainer:
     before every micro-batch with (step, micro-batch index), when healing starts with
     (step, ``HEALING``) and when a replacement is admitted with (-1, ``ARRIVED``), under
     zero before gathering the chunks with (step, ``GATHERING``: zero=1/2 after stepping
-    them, zero=3 at the step's start): fault tests and the demo kill or raise there."""
+    them, zero=3 at the step's start), under zero=3 in the exchange with (step,
+    ``SUMMED``): fault tests and the demo kill or raise there."""
 
     def __init__(
         self,
@@ -429,8 +432,14 @@ class HealingTrainer:
             extra[0] = losses.result().reshape(())
             partials[v] = torch.cat(grads + [extra])
         if isinstance(self.sharded, ShardedParams):  # frees the parameters, then sums
+            hook = None if self.fault is None else partial(self.fault, self.steps_done, SUMMED)
             total = self.sharded.exchange(
-                partials, owned=self.owned, world=world, group=self.group, exact=self.reproducible
+                partials,
+                owned=self.owned,
+                world=world,
+                group=self.group,
+                exact=self.reproducible,
+                summed=hook,
             )
         elif self.reproducible:
             total = blocks.block_tree_all_reduce(
