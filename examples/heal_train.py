@@ -23,7 +23,7 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
 p.add_argument("--rejoin-step", type=int, default=-1, help="wait here for replacements")
-p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="sharded optimizer state")
+p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="3: FSDP")
 args = p.parse_args()
 
 torch.manual_seed(0)

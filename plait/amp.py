@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from plait import comm
-from plait.comm.device import control_device
+from plait.comm.device import control_device, read_verdict
 from plait.comm.group import Group
 
 
@@ -61,7 +61,7 @@ class DynamicLossScaler:
         found = torch.zeros(1, device=where)
         unscale = getattr(optimizer, "unscale_grads_", None)
         if callable(unscale):
-            found.fill_(float(unscale(1.0 / self.scale_value)))
+            found.copy_(unscale(1.0 / self.scale_value).reshape(1))  # agreed, on the device
         else:
             for g in self._grads(optimizer):
                 g.div_(self.scale_value)
@@ -70,7 +70,12 @@ class DynamicLossScaler:
         group = self.group
         if group is not None or comm.world_or_none() is not None:
             comm.all_reduce(found, "max", group=group)
-        if found.item() > 0:
+        if (
+            read_verdict(
+                found, who="DynamicLossScaler", setting="fp16 loss scaling", fix="Use bf16"
+            )[0]
+            > 0
+        ):
             self.skipped_steps += 1
             self.clean_steps = 0
             self.scale_value *= self.backoff_factor

@@ -109,6 +109,7 @@ SLOW: dict[str, str] = {
     "tests/test_compile.py::test_compiled_forward_has_no_graph_break": "Dynamo, 6 strategies",
     "tests/test_compile.py::test_tensor_parallel_compiled_with_inductor": "a cold inductor build",
     "tests/test_heal_faults.py::": "healing runs, each 4-5 fresh processes and a fault",
+    "tests/test_heal_fsdp.py::test_whole_job_": "healing FSDP runs: 4-5 processes, a fault",
     "tests/test_compile.py::test_ptdp_with_compiled_stages_equals_eager": "Dynamo, 2 meshes",
 }
 

@@ -120,7 +120,7 @@ def test_the_demo_command_heals_bitwise():
     assert "max diff 0 (bitwise)" in proc.stdout
 
 
-def test_the_demo_refuses_a_sharded_strategy_by_name():
+def test_the_demo_refuses_a_strategy_it_does_not_heal_by_name():
     import subprocess
     import sys
 
@@ -131,7 +131,7 @@ def test_the_demo_refuses_a_sharded_strategy_by_name():
             "plait.cli",
             "demo",
             "--strategy",
-            "fsdp",
+            "ps",
             "--kill-rank",
             "1",
             "--kill-step",
@@ -142,7 +142,7 @@ def test_the_demo_refuses_a_sharded_strategy_by_name():
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "--strategy fsdp" in proc.stderr and "not healed yet" in proc.stderr
+    assert "--strategy ps" in proc.stderr and "ps is not healed" in proc.stderr
 
 
 def test_plait_heal_run_replaces_a_killed_rank(tmp_path):

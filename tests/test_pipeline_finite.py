@@ -35,28 +35,12 @@ def test_device_flags_decide_and_name_as_the_host_path(ranks, where, policy):
 def test_a_meta_pipeline_step_with_the_default_check_reads_the_host_once(monkeypatch):
     """On the fake backend (a device backend) the default ``check_finite="raise"`` keeps
     its flags on ``meta``, where any host read raises; reads are counted here instead
-    (answered "nothing flagged"): one per step, the decision in ``_check_finite``."""
-    import sys
-
-    import torch
-
+    (answered "nothing flagged"): one per step, the verdict of ``_check_finite``."""
     from tests import meta_device_fns as meta
+    from tests.meta_reads import count_host_reads
 
-    reads: list[str] = []
-    real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item
-
-    def counted(real, answer):  # noqa: ANN001, ANN202
-        def read(self):  # noqa: ANN001, ANN202
-            if not self.is_meta:
-                return real(self)
-            reads.append(sys._getframe(1).f_code.co_name)
-            return answer
-
-        return read
-
-    monkeypatch.setattr(torch.Tensor, "__bool__", counted(real_bool, False))
-    monkeypatch.setattr(torch.Tensor, "item", counted(real_item, 0))
+    reads = count_host_reads(monkeypatch)
     with meta.fake_world():
         out = meta.pipeline("1f1b")  # check_finite left at its default, "raise"
     assert out["off_meta"] == []
-    assert reads == ["_check_finite"] * meta.STEPS, reads
+    assert reads == ["read_verdict"] * meta.STEPS, reads

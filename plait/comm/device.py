@@ -133,6 +133,28 @@ def moved(
     return t.to(target, dtype)
 
 
+def read_verdict(
+    t: torch.Tensor, *, who: str, setting: str = "check_finite", fix: str | None = None
+) -> list[Any]:
+    """The values of an agreed verdict (a non-finite flag row, a found-inf flag) on the host:
+    ``t.tolist()``, the one host read per step a check makes (torch's GradScaler and
+    Megatron-LM's found-inf check make the same one; on a GPU it waits for the step's
+    kernels). Every verdict reads zero when all is well. On ``meta`` there are no values
+    to decide on: refused naming ``who``, the ``setting`` that asked for the read and
+    ``fix`` (default: turn the setting off), after the flag's own collectives ran on meta
+    (the meta harness's read counter answers here instead: ``tests/test_meta_device.py``)."""
+    try:
+        return t.reshape(-1).tolist()  # type: ignore[no-any-return]
+    except (RuntimeError, NotImplementedError) as exc:
+        if t.device.type != "meta":
+            raise
+        raise NotImplementedError(
+            f"{who}: {setting} reads one agreed flag per step on the host and a meta tensor "
+            f"holds no values (the flag was made, and its collectives ran, on meta up to "
+            f"here). {fix or f'Pass {setting}=None'} to step a model on the meta device"
+        ) from exc
+
+
 def control_device(like: Any = (), group: Group | None = None) -> torch.device:
     """Where to make a control tensor (a flag, a norm, a count) describing ``like`` (the
     gradients or parameters it is about) for a collective on ``group``: the group's device

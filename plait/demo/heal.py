@@ -33,6 +33,7 @@ from plait.demo.digits import load_digits
 from plait.heal.launch import Ranks, start_store
 from plait.heal.trainer import ARRIVED, HealingTrainer
 from plait.models.cnn import DigitsCNN
+from plait.plan.memory import measure
 from plait.strategies.reproducible import ReproducibleRunner
 
 
@@ -42,8 +43,10 @@ class HealConfig:
     (``how``: ``"kill"`` SIGKILL, ``"raise"`` an exception, ``"stop"`` SIGSTOP: frozen
     past the heartbeat; it is never replaced, the run ends it) before micro-batch ``index`` of
     step ``step`` (``index`` -1: when it starts healing; -2 with step -1: a replacement on
-    arrival). ``rejoin``: start a replacement for each slot that died, as soon as it is
-    gone (``rejoin_faults``: faults of the replacements)."""
+    arrival; -3 under zero: before gathering the chunks; -4 under zero=3: in the exchange,
+    its chunk summed, before sending it to its mirror). ``rejoin``: start a replacement
+    for each slot that died, as soon as it is gone (``rejoin_faults``: faults of the
+    replacements)."""
 
     world: int = 4
     steps: int = 6
@@ -61,7 +64,8 @@ class HealConfig:
     timeout: float = 60.0
     pace: float = 0.0  # seconds of sleep per micro-batch (the benchmark's slower steps)
     rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
-    zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour
+    zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour; 3: the
+    # parameters sharded too (FSDP), freed between steps
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -163,6 +167,8 @@ def train_rank(
         t0 = time.perf_counter()
         trainer.step(*batch(c, trainer.steps_done))
         steps.append(time.perf_counter() - t0)
+    held = measure(trainer.sharded or model, optimizer)  # at rest: before unshard
+    trainer.unshard()  # zero=3: the full parameters, to save them (collective)
     name = f"slot{slot}{'-join' if join else ''}"
     np.save(Path(out) / f"{name}.npy", _flat(model))
     record = {
@@ -174,6 +180,7 @@ def train_rank(
         "step_seconds": steps,
         "loss": float(trainer.last_loss),
         "returned": trainer.returned,
+        "held": {"params": held.params_bytes, "optimizer": held.optimizer_bytes},
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()
@@ -246,17 +253,20 @@ def max_diff(report: HealReport, ref: np.ndarray) -> float:
     return max(float(np.abs(v - ref).max()) for v in report.finals.values())
 
 
+ZERO = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}  # --strategy -> zero
+
+
 def main(args: Any) -> int:
     """``plait demo --kill-rank R --kill-step S`` (see the module docstring): the digits
     CNN (float32) on ``-n`` slots under healing DDP (``--strategy zero1/zero2``: sharded
-    optimizer state); 0 when it healed and, with
-    ``--check``, matched one process (bitwise with ``--reproducible``)."""
+    optimizer state; ``zero3``/``fsdp``: the parameters sharded too); 0 when it healed
+    and, with ``--check``, matched one process (bitwise with ``--reproducible``)."""
     n = args.nproc or 4
     bad = []
-    if args.strategy not in ("ddp", "zero1", "zero2"):
+    if args.strategy not in ZERO:
         bad.append(
-            f"--strategy {args.strategy}: healing runs ddp, zero1 and zero2; fsdp jobs are "
-            f"not healed yet (docs/status.md), tp and pp never are"
+            f"--strategy {args.strategy}: healing runs ddp, zero1, zero2 and zero3/fsdp; "
+            f"{args.strategy} is not healed (docs/healing.md)"
         )
     if args.model != "cnn":
         bad.append("--model gpt: the healing demo trains the digits CNN")
@@ -285,7 +295,7 @@ def main(args: Any) -> int:
         faults=[[args.kill_rank, args.kill_step, args.kill_rank * per + min(1, per - 1), "kill"]],
         rejoin=not args.no_rejoin,
         rejoin_step=-1 if args.no_rejoin else min(steps - 1, args.kill_step + 2),
-        zero={"zero1": 1, "zero2": 2}.get(args.strategy, 0),
+        zero=ZERO[args.strategy],
     )
     out = tempfile.mkdtemp(prefix="plait-heal-")
     print(

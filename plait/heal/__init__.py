@@ -6,6 +6,8 @@ those of the uninterrupted run (docs/healing.md).
 - :mod:`.groups`: each generation's process group, built and abandoned without a hang;
 - :mod:`.blocks`: which slot computes which block of the tree; the block-ordered exchange;
 - :mod:`.state`: the live state a replacement (or a lagging survivor) receives;
+- :mod:`.zero`, :mod:`.fsdp`: sharded state (ZeRO-1/2; FSDP, the parameters too) mirrored
+  on the ring neighbour;
 - :mod:`.trainer`: :class:`HealingTrainer`, the step that heals;
 - :mod:`.launch`: the store and the rank processes on one machine.
 """

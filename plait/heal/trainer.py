@@ -14,7 +14,9 @@ cursor: a replacement receives it with the state). Each step:
    leader's mask of replacements asking to join, so neither costs a collective);
 3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
    ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
-   members exchange the new parameter chunks (:mod:`.zero`).
+   members exchange the new parameter chunks (:mod:`.zero`); with ``zero=3`` the
+   parameters are sharded too: gathered at the step's start, freed after the backward,
+   the exchange gives each member only the two chunks it steps (:mod:`.fsdp`).
 
 When the exchange raises (a member was killed, raised, or froze past the heartbeat),
 the member abandons the generation's group (:func:`.groups.abandon`), agrees on the next
@@ -39,6 +41,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,14 +52,17 @@ from plait.comm import ops, progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, state
+from plait.heal.fsdp import ShardedParams, sharded_state
 from plait.heal.membership import Excluded, Generation, Membership
-from plait.heal.zero import ShardedState, StateLost
+from plait.heal.zero import StateLost
 from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
 
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
 HEALING = -1  # the fault hook's index when a member starts healing
 ARRIVED = -2  # ... when a replacement was admitted, before it connects
-GATHERING = -3  # ... under zero, after stepping the chunks, before gathering them
+GATHERING = -3  # ... under zero, before gathering the chunks (zero=1/2: after stepping them;
+# zero=3: at the step's start)
+SUMMED = -4  # ... under zero=3, in the exchange: its chunk summed, not yet sent to its mirror
 
 
 # What a healing job cannot hold: a rank of these owns a part of the model no peer has.
@@ -65,7 +71,6 @@ _UNHEALABLE = {
     "plait.strategies.pipeline": "pipeline parallelism (each pp rank holds its own stages)",
     "plait.strategies.context": "context parallelism (each cp rank holds part of the sequence)",
     "plait.strategies.moe": "expert parallelism (each ep rank holds its own experts)",
-    "plait.strategies.fsdp": "FSDP (each rank holds one shard of the parameters)",
     "plait.strategies.data_parallel": "a DistributedDataParallel wrapper (healing does the "
     "data-parallel exchange itself: pass the plain model)",
 }
@@ -76,9 +81,15 @@ def _refuse_sharded(module: nn.Module) -> None:
     rank cannot be replaced from a live peer, so its failure fails the job as before and
     ``plait run`` restarts it from the last checkpoint (docs/launching.md)."""
     for name, sub in module.named_modules():
+        if getattr(sub, "_plait_fsdp_units", None):
+            raise ValueError(
+                f"healing: {name or 'the model'} is wrapped by plait's FSDP "
+                f"({type(sub).__name__}); healing shards the parameters itself: pass the "
+                f"plain model with zero=3 (docs/healing.md)"
+            )
         owner = type(sub).__module__
         for prefix, what in _UNHEALABLE.items():
-            if owner.startswith(prefix) or getattr(sub, "_plait_fsdp_units", None):
+            if owner.startswith(prefix):
                 raise ValueError(
                     f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. Only "
                     f"data-parallel replicas heal; a failed rank of this job fails the job, "
@@ -98,11 +109,13 @@ class HealingTrainer:
     the longest a collective or an agreement waits; ``connect_timeout``: the longest a new
     generation's group takes to connect. ``zero``: 0 (the optimizer's state replicated on
     every member, as DDP), 1 or 2 (sharded: each member holds its chunk and its
-    neighbour's, :mod:`.zero`; 2 behaves as 1). ``fault``: called before every micro-batch with
-    (step, micro-batch index), when healing starts with (step, ``HEALING``) and when a
-    replacement is admitted with (-1, ``ARRIVED``), under zero between stepping the chunks
-    and gathering them with (step, ``GATHERING``): fault tests and the demo kill or raise
-    there."""
+    neighbour's, :mod:`.zero`; 2 behaves as 1), 3 (FSDP: the parameters sharded too,
+    freed between steps, :mod:`.fsdp`; :meth:`unshard` gathers them). ``fault``: called
+    before every micro-batch with (step, micro-batch index), when healing starts with
+    (step, ``HEALING``) and when a replacement is admitted with (-1, ``ARRIVED``), under
+    zero before gathering the chunks with (step, ``GATHERING``: zero=1/2 after stepping
+    them, zero=3 at the step's start), under zero=3 in the exchange with (step,
+    ``SUMMED``): fault tests and the demo kill or raise there."""
 
     def __init__(
         self,
@@ -130,10 +143,11 @@ class HealingTrainer:
                 f"two (run with -n 2, 4, 8, ...)"
             )
         _refuse_sharded(module)
-        if zero not in (0, 1, 2):
+        if zero not in (0, 1, 2, 3):
             raise ValueError(
                 f"healing: zero={zero!r}; 0 (replicated optimizer, DDP), 1 or 2 (sharded "
-                f"optimizer state with a neighbour's mirror, docs/healing.md)"
+                f"optimizer state with a neighbour's mirror), 3 (FSDP: the parameters "
+                f"sharded too; docs/healing.md)"
             )
         if threads is not None:
             torch.set_num_threads(threads)
@@ -150,7 +164,7 @@ class HealingTrainer:
             )
         self.dtype = dtypes.pop()
         self.zero = zero
-        self.sharded = ShardedState(optimizer, self.params) if zero else None
+        self.sharded = sharded_state(zero, optimizer, module, self.params)
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
         self.returned = 0  # zero: times this member went back one step to heal
         host, port = address.rsplit(":", 1)
@@ -383,6 +397,10 @@ class HealingTrainer:
             )
         per, scale = count // world, 1.0 / count
         assert self.group is not None
+        if isinstance(self.sharded, ShardedParams):  # zero=3: the parameters for this step
+            if self.fault is not None:
+                self.fault(self.steps_done, GATHERING)
+            self.sharded.unshard(self.group)
         leader = self.slot == self.members[0]
         mask = self.membership.pending_joins(self.members) if leader else 0
         mine = sorted(self.owned[self.slot])
@@ -413,7 +431,17 @@ class HealingTrainer:
             extra = torch.tensor([0.0, float(mask if i == 0 else 0)], dtype=self.dtype)
             extra[0] = losses.result().reshape(())
             partials[v] = torch.cat(grads + [extra])
-        if self.reproducible:
+        if isinstance(self.sharded, ShardedParams):  # frees the parameters, then sums
+            hook = None if self.fault is None else partial(self.fault, self.steps_done, SUMMED)
+            total = self.sharded.exchange(
+                partials,
+                owned=self.owned,
+                world=world,
+                group=self.group,
+                exact=self.reproducible,
+                summed=hook,
+            )
+        elif self.reproducible:
             total = blocks.block_tree_all_reduce(
                 partials, owned=self.owned, world=world, group=self.group
             )
@@ -426,9 +454,12 @@ class HealingTrainer:
         if self.sharded is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.sharded.step(total, self.last_loss)
-            if self.fault is not None:
-                self.fault(self.steps_done, GATHERING)
-            self.sharded.gather(self.group)
+            if isinstance(self.sharded, ShardedParams):
+                self.sharded.free()  # counted done: the next step's start gathers
+            else:
+                if self.fault is not None:
+                    self.fault(self.steps_done, GATHERING)
+                self.sharded.gather(self.group)
         else:
             offset = 0
             for p in self.params:
@@ -441,6 +472,13 @@ class HealingTrainer:
         if joiners:
             self._grow(joiners)
         return self.last_loss
+
+    def unshard(self) -> None:
+        """``zero=3``: gather the full parameters into the model (to read or save them;
+        the next step frees them again after its backward). Collective on the members:
+        every one calls it at the same step. Nothing to do otherwise."""
+        if isinstance(self.sharded, ShardedParams):
+            self.sharded.unshard(self.group)
 
     def wait_for_replacements(self, timeout: float) -> None:
         """Block at this step boundary until every missing slot has a replacement asking

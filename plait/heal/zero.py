@@ -30,7 +30,8 @@ the heal raises, naming the chunk: such a job restarts from its last checkpoint.
 ZeRO-2 here is ZeRO-1: the exchange is an all-reduce (every member receives the whole
 summed gradient, the tree's order needs the blocks of every member), so the gradient
 memory saving of ZeRO-2 is not kept; ``zero=2`` is accepted for the strategy's name and
-behaves as ``zero=1``.
+behaves as ``zero=1``. ZeRO-3/FSDP (:mod:`.fsdp`) is this layout with the parameters
+sharded too.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def held_chunks(rank: int, n: int) -> list[int]:
 
 class ShardedState:
     """This member's chunks of the optimizer state (module docstring)."""
+
+    what = "the optimizer state"  # what a chunk holds, for the messages
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
         if len(optimizer.param_groups) != 1:
@@ -205,6 +208,22 @@ class ShardedState:
         self._write(flat)
         self.pending = False
 
+    def memory_breakdown(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this member holds, by kind, for :func:`plait.plan.memory.measure`:
+        ``params``: the model's trainable parameters (full under zero=1/2, freed between
+        steps under zero=3: 0 bytes) and the two chunks; ``grads``: the model's gradients
+        alive now; ``optimizer_state``: the chunks' state and the copy of chunks and state
+        made before the last step. Local."""
+        opts = list(self.held.values())
+        kept = list(self.backup["chunks"].values()) if self.backup is not None else []
+        state = [v for o in opts for s in o.state.values() for v in s.values()]
+        state += [t for values, st in kept for t in [values, *st.values()]]
+        return {
+            "params": [*self.params, *(self._param(o) for o in opts)],
+            "grads": [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": [t for t in state if torch.is_tensor(t)],
+        }
+
     # --- healing -----------------------------------------------------------------------
     def agree(self, group: Group, world: int, done: int) -> tuple[int, tuple[int, ...], int]:
         """Among the new generation's members (collective on ``group``, one small
@@ -252,7 +271,7 @@ class ShardedState:
             holder = owner if owner in holders else mirror if mirror in holders else None
             if holder is None:
                 raise StateLost(
-                    f"healing zero: chunk {c} of the optimizer state was held by slots "
+                    f"healing zero: chunk {c} of {self.what} was held by slots "
                     f"{owner} (owner) and {mirror} (mirror), both dead: the state is lost; "
                     f"the job must restart from its checkpoint (plait run --max-restarts)"
                 )

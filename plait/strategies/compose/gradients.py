@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.comm import ops
-from plait.comm.device import control_device
+from plait.comm.device import control_device, read_verdict
 from plait.strategies.compose.dense import global_grad_norm, norm_terms, shard_terms
 from plait.strategies.compose.experts import average
 from plait.strategies.compose.reproducible import tree_average
-from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite
+from plait.strategies.data_parallel.grad_sync import NonFiniteGradientError, first_nonfinite_flag
 
 if TYPE_CHECKING:
     from plait.strategies.compose.ptdp import PTDP
@@ -34,19 +34,22 @@ def check_finite(ptdp: PTDP) -> None:
     (``"raise"``) or drops every rank's gradients so that the step leaves the parameters
     unchanged (``"skip"``), on every rank at once, naming the ranks, their pipeline stage
     and the first parameter. Collective: one all-reduce of ``world`` int64 flags per
-    mesh dimension (tp, pp, ep, cp, dp in turn: a sum over the whole mesh)."""
+    mesh dimension (tp, pp, ep, cp, dp in turn: a sum over the whole mesh). Each rank finds
+    its first bad gradient on the device (no host read); the agreed row is read on the host
+    once per step."""
     ranks_of_mesh = list(ptdp.mesh.layout.ranks)
     me = ranks_of_mesh.index(ptdp.mesh.global_rank)
-    first = first_nonfinite((i, c.param.grad) for i, c in enumerate(ptdp.counted))
-    bad = None if first is None else ptdp.counted[first].name
-    where = control_device((c.param for c in ptdp.counted), ptdp.mesh_groups()[0])
-    flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64, device=where)
-    flags[me] = 0 if bad is None else 1
+    place = control_device((c.param for c in ptdp.counted), ptdp.mesh_groups()[0])
+    first = first_nonfinite_flag([c.param.grad for c in ptdp.counted], device=place)
+    flags = torch.zeros(len(ranks_of_mesh), dtype=torch.int64, device=place)
+    flags[me] = first
     for group in ptdp.mesh_groups():
         ops.all_reduce(flags, "sum", group=group, algorithm=ptdp.algorithm)
-    if not bool(flags.any()):
+    agreed = read_verdict(flags, who="ptdp")  # the one host read per step
+    if not any(agreed):
         return
-    ranks = [ranks_of_mesh[i] for i in flags.nonzero().flatten().tolist()]
+    ranks = [ranks_of_mesh[i] for i, v in enumerate(agreed) if v]
+    bad = ptdp.counted[agreed[me] - 1].name if agreed[me] else None
     where = "" if bad is None else f"; on this rank (pipeline rank {ptdp.pp_group.rank}) {bad!r}"
     if ptdp.check_finite == "skip":
         warnings.warn(

@@ -60,15 +60,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.strategies.context.layout import WHO
 from plait.strategies.context.moe import prepare_moe
 from plait.strategies.context.style import context_parallel
 from plait.strategies.data_parallel.grad_sync import (
     NonFiniteGradientError,
+    agree_nonfinite,
     check_policy,
-    first_nonfinite,
-    name_culprits,
+    first_nonfinite_flag,
 )
 from plait.strategies.data_parallel.naive import NaiveDataParallel
 from plait.strategies.fsdp.prepare import prepare_fsdp
@@ -111,7 +112,8 @@ def _mesh_group(mesh: Any, group: Group) -> Group:
 
 class ShardFiniteCheck:
     """An optimizer step pre-hook: is this rank's shard of the averaged gradient finite?
-    The mesh agrees (:func:`name_culprits`: one all-reduce of one int64 per rank) and every
+    The mesh agrees (:func:`agree_nonfinite`: one all-reduce of one int64 per rank, found
+    on the device, read on the host once) and every
     rank raises, naming the ranks whose shards hold inf or NaN. Collective at every step."""
 
     def __init__(self, group: Group, zero: int) -> None:
@@ -125,8 +127,9 @@ class ShardFiniteCheck:
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        local = first_nonfinite(enumerate(self.shards(optimizer)))
-        culprits = name_culprits(local, self.group)
+        shards = self.shards(optimizer)
+        local = first_nonfinite_flag(shards, device=control_device(shards, self.group))
+        culprits = agree_nonfinite(local, self.group, who=f"{WHO} (zero={self.zero})")
         if not culprits:
             return
         ranks = ", ".join(str(r) for r, _ in culprits)

@@ -591,7 +591,8 @@ class DistributedDataParallel(nn.Module):
         not finite; the averaged buckets are bitwise the same on every rank, so every rank
         decides alike). Otherwise every rank names the culprits, then raises or skips."""
         firsts = torch.cat([b.buffer[:1].float() for b in self.buckets])  # dtypes may differ
-        if bool(torch.isfinite(firsts).all()):
+        flagged = (~torch.isfinite(firsts)).any()
+        if not device.read_verdict(flagged, who="DistributedDataParallel")[0]:  # one host read
             return True
         after = next(b.names[0] for b in self.buckets if not torch.isfinite(b.buffer[:1]).all())
         if self.flags_on_device:

@@ -19,13 +19,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from plait import comm
-from plait.comm import progress
+from plait.comm import device, progress
 from plait.comm.errors import CollectiveError, CollectiveTimeout
 from plait.comm.group import Group
 
@@ -146,6 +146,30 @@ def nonfinite_slots(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(high) & torch.isfinite(low))
 
 
+def first_nonfinite_flag(
+    tensors: Sequence[torch.Tensor | None], *, device: torch.device
+) -> torch.Tensor:
+    """``1 + i`` for the first ``tensors[i]`` holding inf or NaN, ``0`` if none: an int64
+    scalar on ``device``, computed with **no host read** and no host-to-device copy (a GPU
+    never waits here; the caller agrees the flag with its peers and reads the verdict once
+    per step). One fused max-abs per tensor (``torch._foreach_norm(ord=inf)``: NaN and inf
+    survive a max, which never overflows, so the answer is exact), then a min over the
+    flagged positions. ``None`` entries and non-floating tensors count as finite."""
+    n = len(tensors)
+    present = [
+        i for i, t in enumerate(tensors) if t is not None and t.is_floating_point() and t.numel()
+    ]
+    if not present:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    norms = torch._foreach_norm([tensors[i].detach() for i in present], float("inf"))  # type: ignore[union-attr]
+    at = dict(zip(present, norms, strict=True))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    every = torch.stack([at[i].to(device, torch.float64) if i in at else zero for i in range(n)])
+    index = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+    first = torch.where(torch.isfinite(every), n + 1, index).min()
+    return torch.where(first > n, 0, first)
+
+
 def first_nonfinite(named: Iterable[tuple[int, torch.Tensor | None]]) -> int | None:
     """The smallest index whose tensor holds inf or NaN (None: all finite)."""
     bad = [
@@ -170,6 +194,22 @@ def name_culprits(local: int | None, group: Group) -> list[tuple[int, int]]:
     if group.size > 1:
         comm.all_reduce(flags, "sum", group=group)
     return [(group.ranks[r], int(v) - 1) for r, v in enumerate(flags.tolist()) if v > 0]
+
+
+def agree_nonfinite(
+    flag: torch.Tensor, group: Group, *, who: str, algorithm: str = "auto"
+) -> list[tuple[int, int]]:
+    """``(global rank, parameter index)`` of every rank of ``group`` whose ``flag`` (from
+    :func:`first_nonfinite_flag`, on the group's device) named a non-finite gradient; empty
+    when every rank's gradients are finite. Collective, every step: one all-reduce (sum) of
+    ``group.size`` int64 on ``group``, then the step's one host read of the agreed row
+    (:func:`plait.comm.device.read_verdict`, refused on meta naming ``who``)."""
+    flags = torch.zeros(group.size, dtype=torch.int64, device=flag.device)
+    flags[group.rank] = flag
+    if group.size > 1:
+        comm.all_reduce(flags, "sum", group=group, algorithm=algorithm)
+    agreed = device.read_verdict(flags, who=who)
+    return [(group.ranks[r], int(v) - 1) for r, v in enumerate(agreed) if v > 0]
 
 
 def nonfinite_message(

@@ -163,17 +163,20 @@ class NaiveDataParallel(nn.Module):
         # first parameter with a non-finite gradient, 0 if none): agreed in one all-reduce
         local = [int(u) for u in self._used] + [0] * g.size
         self._used = [False] * n
-        if self.check_finite is not None:
-            bad = grad_sync.first_nonfinite((i, p.grad) for i, (_, p) in enumerate(self._named))
-            local[n + g.rank] = 0 if bad is None else bad + 1
         where = device.control_device((p for _, p in self._named), g)
         flags = torch.tensor(local, dtype=torch.int32, device=where)
+        if self.check_finite is not None:  # found on the device: no host read per gradient
+            grads = [p.grad for _, p in self._named]
+            flags[n + g.rank] = grad_sync.first_nonfinite_flag(grads, device=where)
         if g.size > 1:
             self._all_reduce(
                 flags, "sum", "all_reduce used flags", "the all-reduce of the used-parameter flags"
             )
         # the teaching version reads its flags on the host every step (DDP does not)
-        agreed = device.host_list(flags, local)
+        if self.check_finite is not None:
+            agreed = device.read_verdict(flags, who=WHO)
+        else:  # on meta the used flags are this rank's own (the fake backend moves nothing)
+            agreed = device.host_list(flags, local)
         culprits = [(g.ranks[r], int(v) - 1) for r, v in enumerate(agreed[n:]) if v > 0]
         if culprits:
             self._nonfinite(culprits)

@@ -59,7 +59,7 @@ from torch import nn
 
 from plait.amp import DynamicLossScaler
 from plait.comm import ops, tuner
-from plait.comm.device import control_device
+from plait.comm.device import control_device, read_verdict
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies import placement
@@ -454,7 +454,8 @@ class PipelineParallel(nn.Module):
             fill_on_host(row, self.runtime.nonfinite_forward, self._indexed)
         if p > 1:
             ops.all_reduce(flags, "sum", group=self.group)
-        if not bool(flags.any()):  # the one host read per step on a device backend
+        who = f"pipeline (group {self.group.name!r})"
+        if not read_verdict(flags.any(), who=who)[0]:  # the one host read per step
             return
         if self.flags_on_device:  # a flagged step: name the bad values too
             values = torch.zeros(p, dtype=torch.int64, device=where)

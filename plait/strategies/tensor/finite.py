@@ -3,9 +3,9 @@
 Under tensor parallelism a rank's gradient is its own: a NaN in one rank's slice of a split
 weight stays on that rank, and the ranks would step apart (one rank's weights NaN, the
 others' fine) until an activation carries it everywhere. Before every ``optimizer.step()``
-each rank looks at its gradients (one sum per tensor; element-wise only when a sum is not
-finite) and the group agrees through one all-reduce of ``t`` int64 values (each rank's
-first bad parameter in its slot): ``"raise"`` raises
+each rank looks at its gradients on their device (one fused max-abs per tensor, no host
+read) and the group agrees through one all-reduce of ``t`` int64 values (each rank's
+first bad parameter in its slot), read on the host once per step: ``"raise"`` raises
 :class:`~plait.strategies.data_parallel.grad_sync.NonFiniteGradientError` on every rank,
 naming each rank and parameter; ``"skip"`` sets every gradient to None on every rank (the
 step leaves the parameters unchanged, ``skipped_steps`` counts it) and warns; ``None``
@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.comm.device import control_device
 from plait.comm.group import Group
 from plait.strategies.data_parallel.grad_sync import (
     NonFiniteGradientError,
+    agree_nonfinite,
     check_policy,
-    first_nonfinite,
-    name_culprits,
+    first_nonfinite_flag,
 )
 
 
@@ -41,15 +42,14 @@ class FiniteCheck:
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        local = first_nonfinite((i, p.grad) for i, (_, p) in enumerate(self.named))
-        culprits = name_culprits(local, self.group)
+        who = f"tensor parallelism (group {self.group.name!r})"
+        place = control_device((p for _, p in self.named), self.group)
+        local = first_nonfinite_flag([p.grad for _, p in self.named], device=place)
+        culprits = agree_nonfinite(local, self.group, who=who)
         if not culprits:
             return
         where = "; ".join(f"rank {r} in parameter {self.named[i][0]!r}" for r, i in culprits)
-        found = (
-            f"tensor parallelism (group {self.group.name!r}): step {self.steps}: non-finite "
-            f"gradient (inf or NaN): {where}"
-        )
+        found = f"{who}: step {self.steps}: non-finite gradient (inf or NaN): {where}"
         if self.policy == "skip":
             for _, p in self.named:
                 p.grad = None
