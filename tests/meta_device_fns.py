@@ -84,14 +84,17 @@ def no_sync() -> Iterator[None]:
 
 
 # --- models and data on meta --------------------------------------------------------------
-def gpt(*, moe: bool = False, layers: int = 4) -> GPT:
+def gpt(*, moe: bool = False, layers: int = 4, pad_to_capacity: bool = False) -> GPT:
+    """``pad_to_capacity``: the MoE layers dispatch through static buffers (the dropless
+    dispatch reads the routing on the host and is refused on meta)."""
+    experts = MoEConfig(num_experts=4, top_k=2, pad_to_capacity=pad_to_capacity)
     config = GPTConfig(
         vocab=VOCAB,
         layers=layers,
         heads=4,
         width=32,
         seq_len=SEQ,
-        moe=MoEConfig(num_experts=4, top_k=2) if moe else None,
+        moe=experts if moe else None,
     )
     with torch.device("meta"):
         return GPT(config)
@@ -146,16 +149,26 @@ def _runner_steps(runner: Any, opt: torch.optim.Optimizer, rows: int = BATCH) ->
 
 # --- the cases ----------------------------------------------------------------------------
 def data_parallel(strategy: str, **options: Any) -> dict[str, Any]:
-    """ddp, naive, zero1, zero2, fsdp (options: mixed precision, offload) on Mesh(dp=4)."""
+    """ddp, naive, zero1, zero2, fsdp (options: mixed precision, offload) on Mesh(dp=4).
+
+    FSDP with ``offload_policy``: the shards, their gradients and the optimizer step live
+    on the CPU (the host), compute and every collective on meta; ``off_meta`` then lists
+    the shards that are *not* on the host, and ``host`` where shards and gradients were."""
     mesh = plait.Mesh(dp=4, ranks=range(4))
     model = gpt()
     if strategy == "fsdp":
         options.setdefault("wrap", {type(model.blocks[0])})
+    offload = options.get("offload_policy") is not None
     wrapped, opt = plait.prepare(model, sgd(model), strategy=strategy, mesh=mesh, **options)
     assert opt is not None
     ids, targets = tokens()
     _module_steps(wrapped, opt, lambda: ce(wrapped(ids), targets))
-    return {"off_meta": _on_meta(opt.param_groups[0]["params"])}
+    params = opt.param_groups[0]["params"]
+    if not offload:
+        return {"off_meta": _on_meta(params)}
+    host = [(str(p.device), None if p.grad is None else str(p.grad.device)) for p in params]
+    return {"off_meta": [f"{tuple(p.shape)}{p.device}" for p in params if p.device.type != "cpu"],
+            "host": host}  # fmt: skip
 
 
 def tensor_parallel(sequence_parallel: bool, **options: Any) -> dict[str, Any]:
@@ -192,14 +205,14 @@ def pipeline(
             "stages": sorted(pipe.runtime.stages), "width": model.config.width}  # fmt: skip
 
 
-def expert_parallel(**options: Any) -> dict[str, Any]:
+def expert_parallel(*, pad_to_capacity: bool = False, **options: Any) -> dict[str, Any]:
     mesh = plait.Mesh(ep=4, ranks=range(4))
-    model = gpt(moe=True)
+    model = gpt(moe=True, pad_to_capacity=pad_to_capacity)
     wrapped, opt = plait.prepare(model, sgd(model), strategy="ep", mesh=mesh, **options)
     assert opt is not None
     ids, targets = tokens()
     _module_steps(wrapped, opt, lambda: ce(wrapped(ids), targets))
-    return {"off_meta": _on_meta(wrapped.parameters())}
+    return {"off_meta": _on_meta(wrapped.parameters()), "moe": wrapped.blocks[1].mlp}
 
 
 def context_parallel(context: str, **options: Any) -> dict[str, Any]:
@@ -216,12 +229,12 @@ def context_parallel(context: str, **options: Any) -> dict[str, Any]:
     return {"off_meta": _on_meta(runner.parameters())}
 
 
-def ptdp(dims: dict[str, int], **options: Any) -> dict[str, Any]:
+def ptdp(dims: dict[str, int], *, pad_to_capacity: bool = False, **options: Any) -> dict[str, Any]:
     size = 1
     for v in dims.values():
         size *= v
     mesh = plait.Mesh(ranks=range(size), **dims)
-    model = gpt(moe=dims.get("ep", 1) > 1, layers=4)
+    model = gpt(moe=dims.get("ep", 1) > 1, layers=4, pad_to_capacity=pad_to_capacity)
     runner, opt = plait.prepare(
         model, sgd(model), strategy="ptdp", mesh=mesh, microbatches=2, **options
     )

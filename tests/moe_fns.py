@@ -58,13 +58,16 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
     return (y * torch.linspace(-1, 1, D, dtype=y.dtype)).pow(2).mean()
 
 
-def layer_vs_oracle(case: str, per_rank: int) -> dict[str, Any]:
-    """Every rank: the oracle (all experts, global batch) and the expert-parallel layer on
-    its slice, two forward/backward passes (two draws); differences out."""
+def layer_vs_oracle(case: str, per_rank: int, pad_to_capacity: bool = False) -> dict[str, Any]:
+    """Every rank: the oracle (all experts, global batch, dropless dispatch) and the
+    expert-parallel layer on its slice (``pad_to_capacity``: its static-capacity dispatch),
+    two forward/backward passes (two draws); differences out."""
     mesh = plait.Mesh(ep=plait.world().size)
     R, r = mesh.size("ep"), mesh.rank("ep")
     oracle = build_layer(case)
-    moe = expert_parallel(build_layer(case), mesh=mesh)
+    layer = build_layer(case)
+    layer.pad_to_capacity = pad_to_capacity
+    moe = expert_parallel(layer, mesh=mesh)
     out: dict[str, Any] = {"y": 0.0, "xgrad": 0.0, "grads": 0.0, "kept": [], "routed": []}
     for step in range(2):
         xg = global_batch(R * per_rank, step).requires_grad_(True)

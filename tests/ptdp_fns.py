@@ -36,6 +36,7 @@ class Case:
     accumulate: int = 1
     schedule: str = "1f1b"
     via_prepare: bool = False  # through prepare_ptdp (plait.prepare's "ptdp") instead
+    pad_to_capacity: bool = False  # MoE dispatch padded to capacity (the oracle: dropless)
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,17 +50,25 @@ class Case:
         parts += [f"clip{self.clip}"] if self.clip is not None else []
         parts += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         parts += [self.schedule] if self.schedule != "1f1b" else []
+        parts += ["padded"] if self.pad_to_capacity else []
         return "x".join(parts)
 
 
-def config(tied: bool, moe: float | None = None) -> GPTConfig:
+def config(tied: bool, moe: float | None = None, pad_to_capacity: bool = False) -> GPTConfig:
     # 2 blocks = 4 pipeline layers (pp <= 4); 4 heads, width 16, 8 tokens: tp 1, 2, 4;
     # vocab 13 is padded under tp. With moe: block 1 is a top-2 GShard MoE of 4 experts
     # (random second expert, auxiliary and z-losses on) with capacity factor ``moe``
     # (4.0: C = S, nothing dropped; 1.0: C = 4 of 8 tokens' 16 choices, some dropped)
     experts = None
     if moe is not None:
-        experts = MoEConfig(num_experts=4, top_k=2, capacity_factor=moe, z_loss_weight=1e-3, seed=7)
+        experts = MoEConfig(
+            num_experts=4,
+            top_k=2,
+            capacity_factor=moe,
+            z_loss_weight=1e-3,
+            seed=7,
+            pad_to_capacity=pad_to_capacity,
+        )
     return GPTConfig(
         vocab=13,
         layers=2,
@@ -112,7 +121,7 @@ def oracle(case: Case) -> dict[str, Any]:
 
 def train(case: Case) -> dict[str, Any]:
     """This rank's part of ``case`` for STEPS optimizer steps; the dense state at the end."""
-    cfg = config(case.tied, case.moe)
+    cfg = config(case.tied, case.moe, case.pad_to_capacity)
     mesh = mesh_of(case)
     model = GPT(cfg)
 

@@ -28,6 +28,10 @@ DEFAULT_CHECK: dict[str, Callable[[], dict[str, Any]]] = {
     "pipeline-1f1b": lambda: fns.pipeline("1f1b"),
     "cp-ring": lambda: fns.context_parallel("ring"),
     "ptdp-tp-pp-dp": lambda: fns.ptdp({"tp": 2, "pp": 2, "dp": 2}),
+    # the MoE padded to capacity (the dropless dispatch reads its routing: refused on meta);
+    # its has-gradient flags are read through host_list, which answers on meta from the
+    # flags this rank made (on a GPU a second read per step, docs/devices.md)
+    "ep-padded": lambda: fns.expert_parallel(pad_to_capacity=True),
 }
 WHO = {
     "ddp": "DistributedDataParallel",
@@ -36,6 +40,7 @@ WHO = {
     "pipeline-1f1b": "pipeline (group",
     "cp-ring": "NaiveDataParallel",  # cp averages its gradients with it (over cp x dp)
     "ptdp-tp-pp-dp": "ptdp",
+    "ep-padded": "expert_parallel",
 }
 
 
@@ -48,8 +53,8 @@ def test_the_default_check_reads_the_host_once_per_step(case, monkeypatch):
     assert reads == ["read_verdict"] * fns.STEPS, f"{case}: host reads {reads}"
 
 
-# the read is read_verdict's in every case (counted above): its refusal, shown for two
-@pytest.mark.parametrize("case", ["cp-ring", "ptdp-tp-pp-dp"])
+# the read is read_verdict's in every case (counted above): its refusal, shown for three
+@pytest.mark.parametrize("case", ["cp-ring", "ptdp-tp-pp-dp", "ep-padded"])
 def test_on_meta_the_verdict_read_is_refused_naming_the_strategy_and_the_setting(case):
     with fns.fake_world(), pytest.raises(NotImplementedError) as info:
         DEFAULT_CHECK[case]()

@@ -118,6 +118,21 @@ def host_list(t: torch.Tensor, local: list[Any] | None = None) -> list[Any]:
     return list(local)
 
 
+def moved(
+    t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``t.to(device, dtype)``, except from ``meta`` to a device that holds data (an
+    offloaded shard's gradient coming back to the host, a clipping factor for it): a meta
+    tensor holds no values and PyTorch refuses to copy out of one, so the result is an
+    uninitialized tensor of ``t``'s shape there. Only a step on the meta device takes that
+    branch (tests/test_meta_device.py: FSDP with offload keeps its shards on the CPU while
+    every collective sees meta); everywhere else this is ``t.to``."""
+    target = torch.device(device)
+    if t.is_meta and target.type != "meta":
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device=target)
+    return t.to(target, dtype)
+
+
 def read_verdict(
     t: torch.Tensor, *, who: str, setting: str = "check_finite", fix: str | None = None
 ) -> list[Any]:

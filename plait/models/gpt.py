@@ -55,6 +55,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     seed: int = 0
     algorithm: str = "auto"
+    pad_to_capacity: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ def _moe(config: GPTConfig) -> nn.Module:
         bias_update_rate=m.bias_update_rate,
         seed=m.seed,
         algorithm=m.algorithm,
+        pad_to_capacity=m.pad_to_capacity,
         dtype=config.dtype,
     )
 

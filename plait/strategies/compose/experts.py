@@ -45,7 +45,6 @@ from plait.comm import ops
 from plait.comm.device import host_list
 from plait.comm.group import Group
 from plait.strategies.moe import stacked
-from plait.strategies.moe.dispatch import refuse_meta
 from plait.strategies.moe.layer import MoE, moe_layers
 from plait.strategies.moe.plan import MoEPlan
 from plait.strategies.tensor.mappings import all_gather_dim
@@ -157,8 +156,7 @@ class MicroBatches:
         for name, moe in self.layers.items():
             self.calls[name] = 0
             if pending == 0:
-                refuse_meta(moe.draw_calls, f"MoE layer ({moe.num_experts} experts) {name!r}")
-                self.draw_base[name] = int(moe.draw_calls)
+                self.draw_base[name] = moe.draw_counter()
 
     def _hook(self, name: str) -> Any:
         def before_forward(moe: nn.Module, args: Sequence[Any]) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from plait import comm
-from plait.comm.device import control_device
+from plait.comm.device import control_device, moved
 
 if TYPE_CHECKING:
     from plait.strategies.fsdp.unit import ShardedUnit
@@ -100,7 +100,7 @@ def _agree_on_inf(args: Any, kwargs: Any) -> None:
     # on the flag's device (NCCL moves CUDA tensors only), read by no one on the host here
     flag = found.detach().float().reshape(1).to(control_device((found,), group), copy=True)
     comm.all_reduce(flag, "max", group=group)
-    found.copy_(flag.reshape(found.shape).to(found.device, found.dtype))
+    found.copy_(moved(flag.reshape(found.shape), found.device, found.dtype))
 
 
 def guard_grad(grad: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
@@ -158,5 +158,5 @@ def clip_units_grad_norm_(
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in plain:
-            g.mul_(coef.to(g.device, g.dtype))
+            g.mul_(moved(coef, g.device, g.dtype))
     return total

@@ -12,6 +12,24 @@ from plait.strategies.fsdp.placeholder import UngatheredParameterError
 from plait.strategies.fsdp.unit import UNITS_ATTR, ShardedUnit
 
 
+def refuse_offloaded_meta(module: nn.Module, who: str) -> None:
+    """Refuse to allocate a model sharded with ``offload_policy`` while it was on meta:
+    its shards already live on the CPU (no values) and it computes on meta, a step
+    without data (the meta harness, docs/devices.md); allocating would move the host
+    shards to the compute device and lose the offload without a word."""
+    for m in module.modules():
+        for unit in m.__dict__.get(UNITS_ATTR, []):
+            if unit.config.shards_on_cpu and unit.config.compute_device.type == "meta":
+                raise ValueError(
+                    f"fully_shard: {who} on a model sharded with offload_policy while on the "
+                    f"meta device (unit {unit.path!r}): its shards are on the CPU and it "
+                    f"computes on meta, a step without data. To train it, materialize the "
+                    f"model on its compute device first, then call fully_shard with "
+                    f"offload_policy (or shard it on meta without offload_policy, then "
+                    f"materialize)"
+                )
+
+
 class FSDPModule(nn.Module):
     """Mixed into the class of every module ``fully_shard`` turns into a unit."""
 
@@ -91,7 +109,9 @@ class FSDPModule(nn.Module):
     def to_empty(self, *, device: Any, recurse: bool = True) -> FSDPModule:
         """Allocate the shards (and buffers) of a model sharded on the meta device; then call
         :meth:`unshard`, initialize (e.g. ``reset_parameters()``), and :meth:`reshard`, or
-        use :func:`~plait.strategies.fsdp.materialize`. No communication."""
+        use :func:`~plait.strategies.fsdp.materialize`. No communication. Refused for
+        units sharded with ``offload_policy`` on meta (:func:`refuse_offloaded_meta`)."""
+        refuse_offloaded_meta(self, "to_empty")
         super().to_empty(device=device, recurse=recurse)
         for m in self.modules():
             for unit in m.__dict__.get(UNITS_ATTR, []):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.strategies.fsdp.module import FSDPModule
+from plait.strategies.fsdp.module import FSDPModule, refuse_offloaded_meta
 from plait.strategies.fsdp.unit import NAMES_ATTR, SHARD_NAME, UNITS_ATTR, ShardedUnit
 
 
@@ -339,6 +339,7 @@ def materialize(
     the same init on the unsharded model. No communication.
     """
     module = _sharded(module, "materialize")
+    refuse_offloaded_meta(module, "materialize")
     if any(u.shard.is_meta for u in module.sharded_units() if u.numel):
         module.to_empty(device=device)
     units = module.sharded_units()

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from plait import comm
 from plait.comm import ops
+from plait.comm.device import moved
 from plait.comm.group import Group, Handle
 from plait.strategies.fsdp import streams
 from plait.strategies.fsdp.grads import guard_grad
@@ -162,7 +163,8 @@ class ShardedUnit:
         start = cfg.rank * self.shard_numel
         shard = flat[start : start + self.shard_numel].clone()
         if cfg.shards_on_cpu:
-            shard = shard.cpu()
+            # a meta model's shard: a host tensor of its size, no values (see moved)
+            shard = moved(shard, "cpu")
             if torch.cuda.is_available():
                 shard = shard.pin_memory()
         return nn.Parameter(shard, requires_grad=self.requires_grad)
@@ -318,7 +320,7 @@ class ShardedUnit:
             if summed is None:
                 return
             reduced = summed
-        grad = reduced.to(self.shard.device, self.shard.dtype)
+        grad = moved(reduced, self.shard.device, self.shard.dtype)  # offloaded: to the host
         if self.shard.grad is None:
             self.shard.grad = guard_grad(grad, self)
         else:

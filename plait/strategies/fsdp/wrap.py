@@ -277,12 +277,6 @@ def fully_shard(
         verify_same_parameters(module.named_parameters(), g, who="fully_shard")
     first = next(module.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    if off is not None and off.shards_on_cpu and device.type == "meta":
-        raise ValueError(
-            "fully_shard: offload_policy keeps the shards in host memory, but the model is on "
-            "the meta device (no data to copy there); materialize it on its compute device "
-            "first, or shard it without offload_policy"
-        )
     config = _Config(
         group=g,
         algorithm=algorithm,

@@ -5,6 +5,8 @@
 - ``losses``: the soft limit: GShard's and Switch's auxiliary losses, the router z-loss,
   auxiliary-loss-free bias balancing.
 - ``dispatch``: dispatch and combine, the all-to-all autograd function.
+- ``padded``: the static-capacity dispatch (``MoE(pad_to_capacity=True)``): GShard's
+  ``[E, G*C, d]`` buffers, equal all-to-all splits, no host read.
 - ``layer``: :class:`MoE`, the layer.
 - ``expert_parallel``: :func:`expert_parallel` / :func:`prepare_ep`, experts split over the
   mesh's ``ep`` group, the rest data parallel.

@@ -61,17 +61,19 @@ class Dispatch:
 
 
 def refuse_meta(x: torch.Tensor, who: str) -> None:
-    """Refuse routing on the ``meta`` device, naming ``who`` and why: which expert each
-    token goes to, and so how many rows every rank sends every other in the all-to-alls,
-    is read on the host from the gate's scores (dropless routing agrees no fixed
-    capacity), and a meta tensor holds no values."""
+    """Refuse dropless routing on the ``meta`` device, naming ``who`` and why: which expert
+    each token goes to, and so how many rows every rank sends every other in the
+    all-to-alls, is read on the host from the gate's scores, and a meta tensor holds no
+    values. plait's MoE layer with ``pad_to_capacity=True`` needs no such read."""
     if x.is_meta:
         raise NotImplementedError(
-            f"{who}: routing tokens on the meta device is not supported. The all-to-all's "
-            f"split sizes are the tokens each expert receives, read on the host from the "
-            f"gate's scores (plait's MoE is dropless: no fixed capacity sizes them), and a "
-            f"meta tensor holds no values. Run expert parallelism (strategy 'ep', or ptdp "
-            f"with ep > 1) on a real device; a model without MoE layers steps on meta"
+            f"{who}: routing tokens on the meta device is not supported by the dropless "
+            f"dispatch. Its all-to-all's split sizes are the tokens each expert receives, "
+            f"read on the host from the gate's scores, and a meta tensor holds no values. "
+            f"plait's MoE layer steps on meta with pad_to_capacity=True (MoE(..., "
+            f"pad_to_capacity=True), MoEConfig(pad_to_capacity=True): buffers padded to the "
+            f"capacity, equal splits); a model's own router (Hugging Face Mixtral, Qwen-MoE: "
+            f"dropless top-k) runs expert parallelism on a real device"
         )
 
 

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm.device import control_device
+from plait.comm.device import control_device, host_list, read_verdict
 from plait.comm.group import Group
 from plait.renames import accepts_model
 from plait.strategies.consistency import verify_same_parameters
@@ -236,8 +236,9 @@ def _reduce_all(info: ExpertParallelInfo) -> None:
     info.backwards += 1
     ordered = [*info.other_params, *info.expert_params]
     before = None
-    if info.check_finite is not None:
-        before = grad_sync.first_nonfinite((i, q.grad) for i, q in enumerate(ordered))
+    if info.check_finite is not None:  # this rank's own gradients, on the device
+        where = control_device((q.grad for q in ordered if q.grad is not None), info.batch_group)
+        before = grad_sync.first_nonfinite_flag([q.grad for q in ordered], device=where)
     # Both reductions are averages over the ranks holding copies, so they leave an
     # already-reduced gradient unchanged: accumulating micro-steps (reduced after every
     # backward, the new local part added on top) sums to the one-process gradient.
@@ -246,31 +247,33 @@ def _reduce_all(info: ExpertParallelInfo) -> None:
     )
     d = 1 if info.dp_group is None else info.dp_group.size
     _reduce(info.expert_params, info.dp_group, d, info.algorithm, "expert")
-    if info.check_finite is not None:
+    if before is not None:
         _check_finite(info, ordered, before)
 
 
 def _check_finite(
-    info: ExpertParallelInfo, ordered: list[nn.Parameter], before: int | None
+    info: ExpertParallelInfo, ordered: list[nn.Parameter], before: torch.Tensor
 ) -> None:
     """Every rank of the batch group raises (or skips) together when any rank's own gradient,
     or any reduced gradient, holds inf or NaN. Collective: one all-reduce (sum) of ``p*d + 1``
     int64 over the batch group: each rank's first non-finite parameter (+1) in its slot,
-    and a count of ranks whose reduced gradients are not finite."""
+    and a count of ranks whose reduced gradients are not finite. The flags are found on the
+    device (``before``: this rank's own gradients, before the reductions); the agreed row is
+    read on the host once per step (:func:`plait.comm.device.read_verdict`, refused by name
+    on meta), the names only on a flagged step."""
     group = info.batch_group
-    after = grad_sync.first_nonfinite((i, q.grad) for i, q in enumerate(ordered))
-    where = control_device((q.grad for q in ordered if q.grad is not None), group)
-    flags = torch.zeros(group.size + 1, dtype=torch.int64, device=where)
-    if before is not None:
-        flags[group.rank] = before + 1
-    flags[-1] = int(after is not None)
+    after = grad_sync.first_nonfinite_flag([q.grad for q in ordered], device=before.device)
+    flags = torch.zeros(group.size + 1, dtype=torch.int64, device=before.device)
+    flags[group.rank] = before
+    flags[-1] = (after > 0).to(torch.int64)
     if group.size > 1:
         comm.all_reduce(flags, "sum", group=group)
-    if not bool(flags.any()):
+    agreed = read_verdict(flags, who=WHO)  # the one host read per step
+    if not any(agreed):
         return
     dense = len(info.other_params)
     culprits = []
-    for r, v in enumerate(flags[:-1].tolist()):
+    for r, v in enumerate(agreed[:-1]):
         if v > 0:
             i = v - 1
             name = (
@@ -282,7 +285,8 @@ def _check_finite(
                 )
             )
             culprits.append((group.ranks[r], name))
-    first_after = "" if after is None else info.names.get(id(ordered[after]), str(after))
+    at = int(after) - 1  # read on a flagged step only
+    first_after = "" if at < 0 else info.names.get(id(ordered[at]), str(at))
     policy = info.check_finite or "raise"
     message = grad_sync.nonfinite_message(WHO, info.backwards, culprits, first_after, policy)
     if policy == "skip":
@@ -303,7 +307,8 @@ def _reduce(
         by_dtype.setdefault(q.dtype, []).append(q)
     for dtype, qs in by_dtype.items():
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in qs]
-        flags = torch.tensor([q.grad is not None for q in qs], dtype=dtype, device=qs[0].device)
+        local = [float(q.grad is not None) for q in qs]
+        flags = torch.tensor(local, dtype=dtype, device=qs[0].device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         if group is not None and group.size > 1:
             seq = group.seq + 1
@@ -315,8 +320,9 @@ def _reduce(
                 ) from exc
         flat.div_(divide)
         offset = 0
-        used = flat[-len(qs) :]
-        for q, has in zip(qs, used.tolist(), strict=True):
+        # which parameters some rank had a gradient for: read on the host (a GPU waits here)
+        used = host_list(flat[-len(qs) :], local)
+        for q, has in zip(qs, used, strict=True):
             n = q.numel()
             if has > 0:
                 q.grad = flat[offset : offset + n].view_as(q).clone()

@@ -12,7 +12,11 @@ choice overflowed (in a residual block it then rides the residual). One step:
    ``C = ceil(S * capacity_factor / E)`` (``eval_capacity_factor`` in eval mode, at least
    ``min_capacity``; ``drop_tokens=False``: ``C = S``, nothing is dropped);
 3. dispatch, experts, combine (:mod:`~plait.strategies.moe.dispatch`); without expert
-   parallelism every expert is local and nothing is sent;
+   parallelism every expert is local and nothing is sent. ``pad_to_capacity=True``:
+   GShard's static ``[E, G*C, d]`` buffers instead (:mod:`~plait.strategies.moe.padded`,
+   Megatron-LM's ``moe_pad_expert_input_to_capacity``): equal all-to-all splits, no
+   counts all-gather and no host read of the routing (so the layer steps on the ``meta``
+   device), at the price of sending and computing the empty slots;
 4. the soft limit: ``aux_loss_weight * aux + z_loss_weight * z`` (:mod:`.losses`) is
    attached to ``y``: its gradient is added in backward as if you had added that term to
    your loss (Megatron's ``MoEAuxLossAutoScaler`` idea), so a training loop needs no
@@ -39,10 +43,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from plait import comm
+from plait.comm.device import host_list
 from plait.comm.group import Group
 from plait.strategies.moe import dispatch as moe_dispatch
-from plait.strategies.moe import losses
-from plait.strategies.moe.gshard_gate import SECOND_EXPERT_POLICIES, capacity, route
+from plait.strategies.moe import losses, padded
+from plait.strategies.moe.gshard_gate import SECOND_EXPERT_POLICIES, Routing, capacity, route
 from plait.strategies.moe.stats import MoEStats
 
 _MASK64 = (1 << 64) - 1
@@ -97,7 +102,10 @@ class MoE(nn.Module):
     (auxiliary-loss-free balancing), ``draw_calls`` (the randomness counter).
 
     ``top_k``: 1 (Switch) or 2 (GShard). ``second_expert``: ``"random"`` | ``"sampling"`` |
-    ``"all"``. ``aux_loss``: ``"gshard"`` | ``"switch"``. Expert parallelism is applied by
+    ``"all"``. ``aux_loss``: ``"gshard"`` | ``"switch"``. ``pad_to_capacity``: dispatch
+    through buffers padded to the capacity (step 3 of the module docstring; output and
+    gradients the same to rounding; :attr:`last_stats` then counts this rank's tokens and is
+    read on the host only when accessed). Expert parallelism is applied by
     :func:`plait.strategies.moe.expert_parallel` (``expert_group``, ``batch_index``).
     """
 
@@ -124,6 +132,7 @@ class MoE(nn.Module):
         groups: int | str = "sequence",
         seed: int = 0,
         algorithm: str = "auto",
+        pad_to_capacity: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -164,6 +173,7 @@ class MoE(nn.Module):
         self.groups = groups
         self.seed = seed
         self.algorithm = algorithm
+        self.pad_to_capacity = pad_to_capacity
         self.gate = nn.Linear(d_model, num_experts, bias=False, dtype=dtype)
         make = expert if expert is not None else (lambda: Expert(d_model, 4 * d_model, dtype))
         self.experts = nn.ModuleDict({str(e): make() for e in range(num_experts)})
@@ -173,7 +183,40 @@ class MoE(nn.Module):
         # set by expert_parallel(): the ep group and this rank's slice of the global batch
         self.expert_group: Group | None = None
         self.batch_index = 0
-        self.last_stats: MoEStats | None = None
+        self._last_stats: MoEStats | None = None
+        # padded path: (kept, routed, aux, z) on the device, capacity, rows moved each way
+        self._pending_stats: tuple[tuple[torch.Tensor, ...], int, int] | None = None
+        self._agreed: set[tuple[int, int]] = set()  # (G, C) the ep group agreed on (padded)
+
+    @property
+    def last_stats(self) -> MoEStats | None:
+        """The last forward's :class:`MoEStats`. Dropless: made in the forward from the
+        counts all-gather. ``pad_to_capacity=True``: kept on the device in the forward and
+        read on the host here, on first access (this rank's tokens only: that path
+        gathers no counts)."""
+        if self._pending_stats is not None:
+            (kept, routed, aux, z), capacity, moved = self._pending_stats
+            self._last_stats = MoEStats.of(
+                kept=host_list(kept),
+                routed=host_list(routed),
+                capacity=capacity,
+                aux_loss=float(aux),
+                z_loss=float(z),
+                rows_out=moved,
+                rows_in=moved,
+            )
+            self._pending_stats = None
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats: MoEStats | None) -> None:
+        self._last_stats, self._pending_stats = stats, None
+
+    def draw_counter(self) -> int:
+        """The value of ``draw_calls`` on the host (on a GPU a read of one int64). On the
+        ``meta`` device it holds none, and the draws it seeds carry none either once moved
+        there: 0."""
+        return 0 if self.draw_calls.is_meta else int(self.draw_calls)
 
     # --- routing --------------------------------------------------------------------------
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +245,7 @@ class MoE(nn.Module):
         """The uniform draws [G, S] or Gumbel noise [G, S, E] of this training call."""
         if not self.training or self.top_k == 1 or self.second_expert == "all":
             return None, None
-        call = int(self.draw_calls)
+        call = self.draw_counter()
         self.draw_calls += 1
         E = self.num_experts
         draws = []
@@ -225,7 +268,8 @@ class MoE(nn.Module):
         return capacity(S, self.num_experts, cf, self.min_capacity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe_dispatch.refuse_meta(x, f"MoE layer ({self.num_experts} experts)")
+        if not self.pad_to_capacity:
+            moe_dispatch.refuse_meta(x, f"MoE layer ({self.num_experts} experts)")
         grouped = self._grouped(x)
         G, S, d = grouped.shape
         logits = self.gate(grouped)  # [G, S, E]
@@ -244,6 +288,8 @@ class MoE(nn.Module):
             gumbel=gumbel,
             bias=self.expert_bias.to(logits.dtype) if use_bias else None,
         )
+        if self.pad_to_capacity:
+            return self._forward_padded(x, grouped, logits, routing)
         plan = moe_dispatch.plan(routing)
         routed = routing.routed_per_expert()
         if self.training and use_bias:
@@ -279,6 +325,41 @@ class MoE(nn.Module):
         )
         return y
 
+    def _forward_padded(
+        self, x: torch.Tensor, grouped: torch.Tensor, logits: torch.Tensor, routing: Routing
+    ) -> torch.Tensor:
+        """Steps 3-5 through static ``[E, G*C, d]`` buffers (:mod:`.padded`): no counts
+        all-gather, no host read; the statistics stay on the device until read."""
+        G, S, d = grouped.shape
+        E = self.num_experts
+        chosen = routing.kept | (routing.position >= routing.capacity)
+        routed = padded.per_expert(routing.expert, chosen, E)
+        if self.training and self.bias_update_rate > 0:
+            self.load_since_update += routed.to(torch.float64)
+        self._check_experts()
+        group, shape = self.expert_group, (G, routing.capacity)
+        if group is not None and group.size > 1 and shape not in self._agreed:
+            padded.agree_on_slots(*shape, group, f"MoE layer ({E} experts)")
+            self._agreed.add(shape)
+        y = padded.run_experts_padded(
+            grouped.reshape(G * S, d),
+            routing,
+            self.experts,
+            group=self.expert_group,
+            algorithm=self.algorithm,
+        ).reshape(x.shape)
+        aux = losses.aux_loss(self.aux_loss, routing.gates, routing.first)
+        z = losses.z_loss(logits)
+        total = self.aux_loss_weight * aux + self.z_loss_weight * z
+        if torch.is_grad_enabled() and total.requires_grad and y.requires_grad:
+            y = _AttachLoss.apply(y, total)
+        kept = padded.per_expert(routing.expert, routing.kept, E)
+        p = 1 if self.expert_group is None else self.expert_group.size
+        moved = (p - 1) * (E // p) * G * routing.capacity  # rows each way, padding included
+        found = (kept, routed, aux.detach(), z.detach())
+        self._last_stats, self._pending_stats = None, (found, routing.capacity, moved)
+        return y
+
     def _check_experts(self) -> None:
         p = 1 if self.expert_group is None else self.expert_group.size
         if len(self.experts) * p != self.num_experts:
@@ -293,6 +374,7 @@ class MoE(nn.Module):
             f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"capacity_factor={self.capacity_factor}, second_expert={self.second_expert!r}, "
             f"aux_loss={self.aux_loss!r}, drop_tokens={self.drop_tokens}"
+            + (", pad_to_capacity=True" if self.pad_to_capacity else "")
         )
 
 

@@ -3,8 +3,11 @@
 Each forward of a :class:`~plait.strategies.moe.MoE` leaves a :class:`MoEStats` in its
 ``last_stats``: counts are over the expert-parallel group when there is one (they come from
 the counts all-gather the dispatch needs anyway: no extra communication), the losses are
-this rank's. :func:`collect` reads them from a model; a training loop appends the result to
-a list, and :func:`plot_tokens_per_expert` draws that list (matplotlib, imported only there).
+this rank's. With ``pad_to_capacity=True`` there is no counts all-gather: the counts are
+this rank's tokens, kept on the device by the forward and read on the host when
+``last_stats`` is accessed. :func:`collect` reads them from a model; a training loop
+appends the result to a list, and :func:`plot_tokens_per_expert` draws that list
+(matplotlib, imported only there).
 """
 
 from __future__ import annotations
