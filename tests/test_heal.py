@@ -58,6 +58,47 @@ def test_block_tree_all_reduce_with_members_holding_two_blocks(ranks):
     assert ranks(2, _exchange, {0: [0, 3], 1: [1, 2]}) == [[True]] * 2
 
 
+def _bucketed(cuts: list[int]) -> list[bool]:
+    """The exchange in pieces (one asynchronous call per bucket, all in flight at once)
+    gives the bits of one call on the whole vector."""
+    import plait
+
+    w = plait.world()
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(41, generator=g, dtype=torch.float32) * 1e3 for _ in range(4)]
+    owned = {0: [0, 3], 1: [1, 2]}
+    total = torch.empty(41)
+    handles = [
+        blocks.start_block_exchange(
+            {v: parts[v][lo:hi] for v in owned[w.rank]},
+            total[lo:hi],
+            owned=owned,
+            world=4,
+            group=w,
+            async_op=True,
+        )
+        for lo, hi in zip(cuts, cuts[1:], strict=False)
+    ]
+    for h in handles:
+        h.wait()
+    return [torch.equal(total, tree_sum(parts))]
+
+
+def test_block_exchange_in_buckets_in_flight_together_equals_the_tree(ranks):
+    assert ranks(2, _bucketed, [0, 1, 20, 33, 41]) == [[True]] * 2
+
+
+def test_buckets_walk_the_parameters_in_reverse_and_the_first_carries_the_extra():
+    from plait.heal.buckets import plan
+
+    cut = plan([4, 3, 5], extra=2, bucket_elements=6)
+    assert [(b.lo, b.hi, b.params) for b in cut] == [(7, 14, [2]), (0, 7, [1, 0])]
+    whole = plan([4, 3, 5], extra=2, bucket_elements=10**9)
+    assert [(b.lo, b.hi, b.params) for b in whole] == [(0, 14, [2, 1, 0])]
+    each = plan([4, 3, 5], extra=2, bucket_elements=1)
+    assert [(b.lo, b.hi) for b in each] == [(7, 14), (4, 7), (0, 4)]
+
+
 @pytest.fixture
 def store():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -152,6 +193,16 @@ def test_a_killed_rank_is_healed_around_bitwise(tmp_path):
             ("shrink", [0, 1, 3], 3)
         ]
     assert diff == 0.0  # torch.equal to one process, hence to the uninterrupted run
+
+
+def test_a_killed_rank_is_healed_around_bitwise_with_one_bucket_per_parameter(tmp_path):
+    """Every parameter its own bucket, each exchanged during the last backward while the
+    next gradients are computed: still torch.equal to one process, through a kill."""
+    c, report, diff = _run(
+        tmp_path, faults=[[1, 2, 3, "kill"]], rejoin=False, steps=4, bucket_mb=1e-6
+    )
+    assert sorted(report.finals) == ["slot0", "slot2", "slot3"]
+    assert diff == 0.0
 
 
 def test_a_replacement_joins_and_the_run_ends_bitwise_at_full_size(tmp_path):

@@ -62,6 +62,7 @@ class HealConfig:
     pace: float = 0.0  # seconds of sleep per micro-batch (the benchmark's slower steps)
     rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
     zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour
+    bucket_mb: float = 25.0  # the exchange's bucket size (reproducible mode)
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -154,6 +155,7 @@ def train_rank(
         connect_timeout=c.connect_timeout,
         fault=fault,
         zero=c.zero,
+        bucket_mb=c.bucket_mb,
     )
     started = time.perf_counter()
     steps: list[float] = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.comm.group import Channel, Group
+from plait.comm.group import COMPLETED, Channel, Group, Handle
 from plait.strategies.reproducible.tree import tree_sum
 
 
@@ -53,12 +53,34 @@ def block_tree_all_reduce(
     """The sum of every block's partial (``partials``: this member's blocks, flat vectors
     of one length and dtype), added along the balanced tree over block index; the same
     bits on every member. ``owned``: :func:`assign` of the group's members."""
+    result = torch.empty_like(partials[min(partials)])
+    start_block_exchange(partials, result, owned=owned, world=world, group=group, async_op=False)
+    return result
+
+
+def start_block_exchange(
+    partials: dict[int, torch.Tensor],
+    out: torch.Tensor,
+    *,
+    owned: dict[int, list[int]],
+    world: int,
+    group: Group,
+    async_op: bool,
+    label: str = "",
+) -> Handle | None:
+    """:func:`block_tree_all_reduce` of ``partials`` into ``out`` (contiguous, their length
+    and dtype); with ``async_op=True`` it runs on the group's communication thread and the
+    :class:`~plait.comm.group.Handle` is returned (its ``wait()`` raises the exchange's
+    :class:`~plait.comm.errors.CollectiveError`). Every element is added in the same order
+    whatever vector it travels in, so exchanging a vector in pieces (one call per bucket,
+    :mod:`.buckets`) gives the bits of one call on the whole. ``label``: named in the
+    collective's description (which bucket)."""
     mine = sorted(partials)
     sample = partials[mine[0]]
     if group.size == 1:
-        return tree_sum([partials[v] for v in range(world)])
+        out.copy_(tree_sum([partials[v] for v in range(world)]))
+        return COMPLETED if async_op else None
     members = group.ranks  # slots, in group-rank order
-    result = torch.empty_like(sample)
 
     def body(ch: Channel) -> None:
         n = ch.size
@@ -73,16 +95,16 @@ def block_tree_all_reduce(
             buf = torch.empty(len(theirs) * pieces[mine[0]][me].numel(), dtype=sample.dtype)
             recv_bufs[p] = (theirs, buf)
             pending.append(ch.irecv(buf, p))
-            out = torch.cat([pieces[v][p] for v in mine])
-            pending.append(ch.isend(out, p))
+            out_piece = torch.cat([pieces[v][p] for v in mine])
+            pending.append(ch.isend(out_piece, p))
         ch.wait(*pending)
         for theirs, buf in recv_bufs.values():
             size = buf.numel() // len(theirs)
             for v, piece in zip(theirs, buf.split([size] * len(theirs)), strict=True):
                 got[v] = piece
-        summed = tree_sum([got[v] for v in range(world)])
-        out_chunks = _chunks(result, n)
-        out_chunks[me].copy_(summed)
+        out_chunks = _chunks(out, n)
+        out_chunks[me].copy_(tree_sum([got[v] for v in range(world)]))
+        summed = out_chunks[me]
         pending = []
         for p in range(n):
             if p != me:
@@ -91,13 +113,12 @@ def block_tree_all_reduce(
         ch.wait(*pending)
 
     nbytes = sample.numel() * sample.element_size()
-    group.run(
+    return group.run(
         "all_reduce",
         "tree_order/blocks",
         body,
-        async_op=False,
+        async_op=async_op,
         payload_bytes=nbytes,
         signature=f"blocks {str(sample.dtype)[6:]} bytes={nbytes}",
-        desc=f"blocks {mine} of {world}",
+        desc=f"blocks {mine} of {world}{f' {label}' if label else ''}",
     )
-    return result
