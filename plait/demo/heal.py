@@ -176,6 +176,8 @@ def train_rank(
         "step_seconds": steps,
         "loss": float(trainer.last_loss),
         "returned": trainer.returned,
+        # the last generation's messages to the members on this host: shared memory?
+        "shared_memory": trainer.group is not None and trainer.group.shm is not None,
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()
