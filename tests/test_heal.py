@@ -254,6 +254,39 @@ def test_a_killed_rank_is_healed_around_bitwise_under_zero1(tmp_path):
     assert diff == 0.0
 
 
+@pytest.mark.parametrize("victim", [1, 3])
+def test_zero_a_member_one_step_ahead_goes_back_and_redoes_the_kept_batch(tmp_path, victim):
+    """Forced: the victim stops after stepping its chunks of step 2, before sending them,
+    and dies only once its predecessor has started step 3. The predecessor needs nothing
+    from the victim in the gather (it mirrors the victim's chunk), so it finished step 2;
+    the two others wait for the victim's chunk and fail. Healing, the predecessor is one
+    whole step ahead: it restores its copy of its chunks, goes back to step 2, redoes it
+    from the batch it kept, then step 3. torch.equal to one process."""
+    from plait.comm import transport
+    from plait.heal.trainer import GATHERING
+
+    if transport.parse_mode(None) == "gloo":
+        pytest.skip(
+            "PLAIT_TRANSPORT=gloo: a gloo send completes only once its peer posted the "
+            "receive, so the predecessor cannot finish the gather while the victim is held "
+            "before it; the forcing needs shared memory (the default on one host)"
+        )
+    ahead = (victim - 1) % 4
+    c, report, diff = _run(
+        tmp_path,
+        faults=[[victim, 2, GATHERING, "kill", [ahead, 3]]],
+        rejoin=False,
+        steps=4,
+        zero=1,
+    )
+    assert sorted(report.finals) == [f"slot{s}" for s in range(4) if s != victim]
+    returned = {r["slot"]: r["returned"] for r in report.records}
+    assert returned == {s: int(s == ahead) for s in range(4) if s != victim}
+    for r in report.records:  # every survivor healed at step 2 (the one ahead went back)
+        assert [(h["kind"], h["at_step"]) for h in r["heals"]] == [("shrink", 2)]
+    assert diff == 0.0
+
+
 def test_plait_run_heal_refuses_the_restart_options_by_name(capsys):
     from plait.cli import main
 
