@@ -117,6 +117,9 @@ class OverlappedExchange:
         )
         self.where = {i: b.index for b in self.buckets for i in b.params}
         self._step: _Step | None = None
+        # (total, last), reused while steps succeed; dropped after a failed one, whose
+        # abandoned buckets may still write into them
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)
         ]
@@ -136,12 +139,17 @@ class OverlappedExchange:
         last): ``earlier``, the member's other blocks' flat partials; ``sums``, the last
         block's per-parameter accumulators holding its other micro-batches; ``extra``, its
         two extra elements."""
-        last = torch.empty(self.numel, dtype=self.dtype)
+        if self._buffers is None:  # kept from step to step: no page faults per step
+            self._buffers = (
+                torch.empty(self.numel, dtype=self.dtype),
+                torch.empty(self.numel, dtype=self.dtype),
+            )
+        total, last = self._buffers
         last[self.offsets[-1] :].copy_(extra)
         for b in self.buckets:
             b.pending = len(b.params)
         self._step = _Step(
-            total=torch.empty(self.numel, dtype=self.dtype),
+            total=total,
             last=last,
             earlier=earlier,
             block=block,
@@ -209,6 +217,9 @@ class OverlappedExchange:
             for h in step.handles:
                 if h is not None:
                     h.wait()
+        except BaseException:
+            self._buffers = None
+            raise
         finally:
             self._step = None
         return step.total
@@ -216,7 +227,7 @@ class OverlappedExchange:
     def disarm(self) -> None:
         """Forget a step that did not finish (its backward raised); a bucket in flight
         ends with the group (the trainer abandons it)."""
-        self._step = None
+        self._step, self._buffers = None, None
 
     def close(self) -> None:
         for h in self._hooks:
