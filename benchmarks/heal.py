@@ -198,7 +198,8 @@ def main() -> None:
         "",
         f"Command: `.venv/bin/python benchmarks/heal.py{' --quick' if args.quick else ''}"
         f"{f' --zero {args.zero}' if args.zero else ''}`; "
-        f"4 local ranks, gloo; load before: `{load_before}`.",
+        f"4 local ranks, transport `{os.environ.get('PLAIT_TRANSPORT') or 'auto'}` (both "
+        f"sides; `auto`: shared memory on one host); load before: `{load_before}`.",
         "",
         "| 4 ranks, MLP 1.9M params, batch 256, m 64 | median |",
         "|---|---|",

@@ -9,9 +9,12 @@ cursor: a replacement receives it with the state). Each step:
 1. this member runs the micro-batches of the blocks it owns (:mod:`.blocks`), each loss
    (the mean over ``m`` samples) scaled by ``1/M``, summing each block's gradients along
    the fixed tree (:class:`~plait.strategies.reproducible.tree.TreeSum`);
-2. one :func:`~.blocks.block_tree_all_reduce` on the generation's group adds the ``W``
-   block sums in block order (two extra elements ride along: the blocks' loss sums and the
-   leader's mask of replacements asking to join, so neither costs a collective);
+2. the block exchange (:mod:`.blocks`) on the generation's group adds the ``W`` block
+   sums in block order, in buckets of ``bucket_mb`` MiB, each started during the last
+   micro-batch's backward as soon as its gradients are final and all waited for before
+   the optimizer step (:mod:`.buckets`; two extra elements ride in the first bucket: the
+   blocks' loss sums and the leader's mask of replacements asking to join, so neither
+   costs a collective);
 3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
    ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
    members exchange the new parameter chunks (:mod:`.zero`).
@@ -45,14 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm import ops, progress, watchdog
+from plait.comm import progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, state
 from plait.heal.buckets import OverlappedExchange
+from plait.heal.compute import BlockCompute
 from plait.heal.membership import Excluded, Generation, Membership
 from plait.heal.zero import ShardedState, StateLost
-from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
+from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
 
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
 HEALING = -1  # the fault hook's index when a member starts healing
@@ -103,7 +107,8 @@ class HealingTrainer:
     (step, micro-batch index), when healing starts with (step, ``HEALING``) and when a
     replacement is admitted with (-1, ``ARRIVED``), under zero between stepping the chunks
     and gathering them with (step, ``GATHERING``): fault tests and the demo kill or raise
-    there."""
+    there. ``bucket_mb``: the exchange's bucket size in MiB (reproducible mode; plait's
+    DDP default), each bucket exchanged during the last backward (:mod:`.buckets`)."""
 
     def __init__(
         self,
@@ -152,9 +157,16 @@ class HealingTrainer:
             )
         self.dtype = dtypes.pop()
         self.zero = zero
-        # reproducible mode: the exchange in buckets, started during the last backward
-        self.exchange = (
-            OverlappedExchange(self.params, bucket_mb=bucket_mb) if reproducible else None
+        self.compute = BlockCompute(  # the micro-batches and the exchange
+            module,
+            optimizer,
+            loss_fn=loss_fn,
+            microbatch_size=microbatch_size,
+            params=self.params,
+            world=world,
+            fault=fault,
+            # reproducible mode: the exchange in buckets, started during the last backward
+            exchange=OverlappedExchange(self.params, bucket_mb=bucket_mb) if reproducible else None,
         )
         self.sharded = ShardedState(optimizer, self.params) if zero else None
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
@@ -391,11 +403,17 @@ class HealingTrainer:
         assert self.group is not None
         leader = self.slot == self.members[0]
         mask = self.membership.pending_joins(self.members) if leader else 0
-        mine = sorted(self.owned[self.slot])
-        if self.reproducible:
-            total = self._blocks_overlapped(x, y, mine, per, scale, mask)
-        else:
-            total = self._blocks_in_arrival_order(x, y, mine, per, scale, mask)
+        total = self.compute.run(
+            x,
+            y,
+            step=self.steps_done,
+            mine=sorted(self.owned[self.slot]),
+            per=per,
+            scale=scale,
+            mask=mask,
+            owned=self.owned,
+            group=self.group,
+        )
         if self.sharded is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.sharded.step(total, self.last_loss)
@@ -414,93 +432,6 @@ class HealingTrainer:
         if joiners:
             self._grow(joiners)
         return self.last_loss
-
-    def _microbatch(
-        self, x: torch.Tensor, y: torch.Tensor, index: int, scale: float, zero: bool
-    ) -> torch.Tensor:
-        """Forward and backward of micro-batch ``index`` (its loss scaled by ``1/M``);
-        returns the unscaled loss, detached, in the exchange's dtype."""
-        if self.fault is not None:
-            self.fault(self.steps_done, index)
-        if zero:
-            self.optimizer.zero_grad(set_to_none=True)
-        m = self.microbatch_size
-        rows = slice(index * m, (index + 1) * m)
-        loss = self.loss_fn(self.module(x[rows]), y[rows])
-        (loss * scale).backward()
-        return loss.detach().to(self.dtype).reshape(1)
-
-    def _extra(self, losses: TreeSum, mask: int) -> torch.Tensor:
-        extra = torch.tensor([0.0, float(mask)], dtype=self.dtype)
-        extra[0] = losses.result().reshape(())
-        return extra
-
-    def _blocks_overlapped(
-        self, x: torch.Tensor, y: torch.Tensor, mine: list[int], per: int, scale: float, mask: int
-    ) -> torch.Tensor:
-        """Reproducible mode: this member's blocks, each summed along the fixed in-block
-        tree; the last micro-batch of the last block exchanges each bucket as soon as its
-        gradients are final (:mod:`.buckets`). Returns the summed flat vector."""
-        assert self.group is not None
-        earlier: dict[int, torch.Tensor] = {}
-        for i, v in enumerate(mine):
-            sums = [TreeSum() for _ in self.params]
-            losses = TreeSum()
-            last = i == len(mine) - 1
-            for j in range(per):
-                index = v * per + j
-                if last and j == per - 1:  # the last backward: the exchange starts in it
-                    if self.fault is not None:
-                        self.fault(self.steps_done, index)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    m = self.microbatch_size
-                    rows = slice(index * m, (index + 1) * m)
-                    loss = self.loss_fn(self.module(x[rows]), y[rows])
-                    losses.push(loss.detach().to(self.dtype).reshape(1))
-                    assert self.exchange is not None
-                    self.exchange.arm(
-                        earlier=earlier,
-                        block=v,
-                        sums=sums,
-                        extra=self._extra(losses, mask if i == 0 else 0),
-                        owned=self.owned,
-                        world=self.world,
-                        group=self.group,
-                    )
-                    try:
-                        (loss * scale).backward()
-                    except BaseException:
-                        self.exchange.disarm()
-                        raise
-                    return self.exchange.finish()
-                losses.push(self._microbatch(x, y, index, scale, zero=True))
-                for acc, p in zip(sums, self.params, strict=True):
-                    acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
-            grads = [acc.result().reshape(-1) for acc in sums]
-            earlier[v] = torch.cat(grads + [self._extra(losses, mask if i == 0 else 0)])
-        raise AssertionError("healing: a member with no block")  # assign gives one each
-
-    def _blocks_in_arrival_order(
-        self, x: torch.Tensor, y: torch.Tensor, mine: list[int], per: int, scale: float, mask: int
-    ) -> torch.Tensor:
-        """``reproducible=False``: each block's gradients accumulated in ``.grad``, the
-        blocks added in order, then plait's default all-reduce after backward."""
-        assert self.group is not None
-        total: torch.Tensor | None = None
-        for i, v in enumerate(mine):
-            losses = TreeSum()
-            for j in range(per):
-                losses.push(self._microbatch(x, y, v * per + j, scale, zero=j == 0))
-            grads = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for p in self.params
-            ]
-            partial = torch.cat(grads + [self._extra(losses, mask if i == 0 else 0)])
-            total = partial if total is None else total.add_(partial)
-        assert total is not None
-        if self.group.size > 1:
-            ops.all_reduce(total, group=self.group)
-        return total
 
     def wait_for_replacements(self, timeout: float) -> None:
         """Block at this step boundary until every missing slot has a replacement asking
@@ -530,8 +461,7 @@ class HealingTrainer:
 
     def close(self) -> None:
         """Stop this member's threads (local; call after the last step)."""
-        if self.exchange is not None:
-            self.exchange.close()
+        self.compute.close()
         self.membership.finish()
         if self.group is not None:
             self.group.shutdown()
