@@ -71,7 +71,8 @@ class BlockCompute:
         self.step = step
         if self.exchange is None:
             return self._arrival_order(x, y, mine, per, scale, mask, group)
-        exchange, earlier = self.exchange, {}
+        exchange = self.exchange
+        earlier: dict[int, torch.Tensor] = {}
         for i, v in enumerate(mine):
             sums, losses, extra = [TreeSum() for _ in self.params], TreeSum(), mask * (i == 0)
             for j in range(per):
