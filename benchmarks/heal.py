@@ -5,6 +5,8 @@ training again.
     .venv/bin/python benchmarks/heal.py --quick    # 10 steps, 1 fault
     .venv/bin/python benchmarks/heal.py --zero 1   # HealingTrainer(zero=1) against
                                                    # prepare(strategy="zero1"); heal-zero1.*
+    .venv/bin/python benchmarks/heal.py --bucket-mb 2   # the healing exchange in buckets
+                                                   # of 2 MiB (DDP keeps 25); heal-bucket2.*
 
 Four local ranks (forkserver processes, one intra-op thread each), the job's store in
 this process. Model: an MLP 784-1024-1024-10 (1.9M parameters, float32), Adam, global
@@ -62,7 +64,15 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rank_main(
-    *, slot: int, world: int, address: str, join: bool, steps: int, out: str, zero: int = 0
+    *,
+    slot: int,
+    world: int,
+    address: str,
+    join: bool,
+    steps: int,
+    out: str,
+    zero: int = 0,
+    bucket_mb: float = 25.0,
 ) -> None:
     import plait
     from plait.comm import ops as comm_ops
@@ -79,6 +89,7 @@ def rank_main(
         address=address,
         slot=slot,
         zero=zero,
+        bucket_mb=bucket_mb,
     )
     host, port = address.rsplit(":", 1)
     os.environ.update(RANK=str(slot), WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=port)
@@ -120,7 +131,7 @@ def rank_main(
     trainer.close()
 
 
-def steady(steps: int, zero: int) -> dict[str, Any]:
+def steady(steps: int, zero: int, bucket_mb: float = 25.0) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="plait-bench-heal-")
     store, address = start_store()
     with Ranks(preload=("plait",)) as ranks:
@@ -134,6 +145,7 @@ def steady(steps: int, zero: int) -> dict[str, Any]:
                 steps=steps,
                 out=out,
                 zero=zero,
+                bucket_mb=bucket_mb,
             )
         codes = ranks.wait(600)
     if any(c != [0] for c in codes.values()):
@@ -173,10 +185,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2])
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
     steps, runs = (10, 1) if args.quick else (30, 3)
     load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    s = steady(steps, args.zero)
+    s = steady(steps, args.zero, args.bucket_mb)
     f = fault_seconds(runs, args.zero)
     load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     fault = statistics.median(x["fault_to_training"] for x in f)
@@ -190,6 +203,8 @@ def main() -> None:
     }
     results = Path(__file__).resolve().parent / "results"
     name = f"heal-zero{args.zero}" if args.zero else "heal"
+    if args.bucket_mb != 25.0:
+        name += f"-bucket{args.bucket_mb:g}"
     baseline = f"zero{args.zero}" if args.zero else "ddp"
     (results / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     ratio = s["heal"] / s["repro ddp"]
@@ -197,14 +212,17 @@ def main() -> None:
         "# Healing: the step when nothing fails, and seconds from a fault to training again",
         "",
         f"Command: `.venv/bin/python benchmarks/heal.py{' --quick' if args.quick else ''}"
-        f"{f' --zero {args.zero}' if args.zero else ''}`; "
-        f"4 local ranks, gloo; load before: `{load_before}`.",
+        f"{f' --zero {args.zero}' if args.zero else ''}"
+        f"{f' --bucket-mb {args.bucket_mb:g}' if args.bucket_mb != 25.0 else ''}`; "
+        f"4 local ranks, transport `{os.environ.get('PLAIT_TRANSPORT') or 'auto'}` (both "
+        f"sides; `auto`: shared memory on one host); load before: `{load_before}`.",
         "",
         "| 4 ranks, MLP 1.9M params, batch 256, m 64 | median |",
         "|---|---|",
         f'| step, `prepare(strategy="{baseline}", reproducible=True)` | '
         f"{1e3 * s['repro ddp']:.1f} ms |",
-        f"| step, `HealingTrainer{f'(zero={args.zero})' if args.zero else ''}` | "
+        f"| step, `HealingTrainer({f'zero={args.zero}, ' if args.zero else ''}"
+        f"bucket_mb={args.bucket_mb:g})` | "
         f"{1e3 * s['heal']:.1f} ms ({ratio:.2f}x) |",
         f"| of which the leader's store read for replacements | {1e6 * s['store_read']:.0f} us "
         f"({100 * s['store_read'] / s['heal']:.2f}% of the step) |",

@@ -185,10 +185,12 @@ def _wait_all(store: Any, group: Group, keys: list[str], what: str) -> list[str]
     return [store.get(k).decode() for k in keys]
 
 
-def attach(group: Group, mode: str) -> None:
+def attach(group: Group, mode: str, *, store: Any = None) -> None:
     """Give ``group`` a shared-memory link to its ranks on this host (``mode`` permitting).
 
     Collective over the group's ranks: every rank must call it, in the same order.
+    ``store``: where the ranks meet (default: the default process group's store; a group
+    made outside ``plait.init``, as healing's generations, passes its own).
     """
     global _cleaned
     if group.size == 1:
@@ -196,7 +198,8 @@ def attach(group: Group, mode: str) -> None:
     fatal = bad_setting() if mode != "gloo" else None
     why = None if mode == "gloo" else fatal or unsupported(group.backend)
     mykey = host_key(me_node(group)) if why is None and mode != "gloo" else ""
-    store, me, n = _store(), group.rank, group.size
+    store = _store() if store is None else store
+    me, n = group.rank, group.size
     gen = (int(store.add(f"plait/shm/{group.name}/joined", 1)) - 1) // n
     base = f"plait/shm/{group.name}/{gen}/"
     # every rank publishes its mode (gloo included): a rank that alone chose another

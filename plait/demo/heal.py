@@ -44,9 +44,10 @@ class HealConfig:
     past the heartbeat; it is never replaced, the run ends it) before micro-batch ``index`` of
     step ``step`` (``index`` -1: when it starts healing; -2 with step -1: a replacement on
     arrival; -3 under zero: before gathering the chunks; -4 under zero=3: in the exchange,
-    its chunk summed, before sending it to its mirror). ``rejoin``: start a replacement
-    for each slot that died, as soon as it is gone (``rejoin_faults``: faults of the
-    replacements)."""
+    its chunk summed, before sending it to its mirror); an optional fifth element
+    ``[other, at]`` holds the fault until slot ``other`` started step ``at``. ``rejoin``:
+    start a replacement for each slot that died, as soon as it is gone (``rejoin_faults``:
+    faults of the replacements)."""
 
     world: int = 4
     steps: int = 6
@@ -66,6 +67,7 @@ class HealConfig:
     rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
     zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour; 3: the
     # parameters sharded too (FSDP), freed between steps
+    bucket_mb: float = 25.0  # the exchange's bucket size (reproducible mode)
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -109,13 +111,21 @@ def _flat(model: nn.Module) -> np.ndarray:
 
 
 def _fault(c: HealConfig, slot: int, faults: list[list[Any]], out: str) -> Any:
-    mine = [(step, index, how) for s, step, index, how in faults if s == slot]
-    if not mine:
+    """This slot's fault hook (None: none to strike, nothing to mark). A fault's optional
+    fifth element ``[other, at]`` holds it until slot ``other`` has started step ``at``
+    (that slot's hook marks it in ``out``): a fault forced after a peer's progress."""
+    mine = [(f[1], f[2], f[3], f[4] if len(f) > 4 else None) for f in faults if f[0] == slot]
+    marks = {f[4][1] for f in faults if len(f) > 4 and f[4][0] == slot}
+    if not mine and not marks:
         return None
 
     def fault(step: int, index: int) -> None:
-        for at, where, how in mine:
+        if step in marks and index >= 0:
+            (Path(out) / f"started-{slot}-{step}.txt").touch()
+        for at, where, how, after in mine:
             if (step, index) == (at, where) or (index == ARRIVED and where == ARRIVED):
+                if after is not None:
+                    _await(Path(out) / f"started-{after[0]}-{after[1]}.txt", c.timeout)
                 # when the fault struck, for the fault-to-training-again time (benchmarks)
                 (Path(out) / f"fault-{slot}-{step}.txt").write_text(repr(time.time()))
                 if how == "raise":
@@ -125,6 +135,14 @@ def _fault(c: HealConfig, slot: int, faults: list[list[Any]], out: str) -> Any:
             time.sleep(c.pace)
 
     return fault
+
+
+def _await(mark: Path, timeout: float) -> None:
+    start = time.monotonic()
+    while not mark.exists():
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"healing demo: {mark.name} did not appear in {timeout:g} s")
+        time.sleep(0.01)
 
 
 def train_rank(
@@ -158,6 +176,7 @@ def train_rank(
         connect_timeout=c.connect_timeout,
         fault=fault,
         zero=c.zero,
+        bucket_mb=c.bucket_mb,
     )
     started = time.perf_counter()
     steps: list[float] = []
@@ -181,6 +200,8 @@ def train_rank(
         "loss": float(trainer.last_loss),
         "returned": trainer.returned,
         "held": {"params": held.params_bytes, "optimizer": held.optimizer_bytes},
+        # the last generation's messages to the members on this host: shared memory?
+        "shared_memory": trainer.group is not None and trainer.group.shm is not None,
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
     trainer.close()

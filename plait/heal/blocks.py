@@ -14,18 +14,23 @@ Communication contract of :func:`block_tree_all_reduce` (one collective on the g
 group, counted as ``all_reduce`` / ``tree_order/blocks``): with ``n`` members, the flat
 vector is cut into ``n`` chunks; member ``i`` sends member ``j`` its blocks' pieces of chunk
 ``j`` (point-to-point), member ``j`` adds the ``world`` pieces of its chunk with ``tree_sum``
-in block order, then sends its summed chunk to every other member. Per member: ``k (n-1)/n``
-of the vector out in the first phase (``k``: blocks it holds) and ``(n-1)/n`` in the
-second; with one block each (``k = 1``) that is ``2(n-1)/n``, the bytes of a ring
-all-reduce. Blocks on every member of the group until done (the group's timeout and
-watchdog).
+in block order (one message per block's piece), then the summed chunks are all-gathered
+(plait's shared-memory all-gather where every member is on this host, else the ring's).
+Per member: ``k (n-1)/n`` of the vector out in the first phase (``k``: blocks it holds)
+and ``(n-1)/n`` in the second; with one block each (``k = 1``) that is ``2(n-1)/n``, the
+bytes of a ring all-reduce. Blocks on every member of the group until done (the group's
+timeout and watchdog), or runs on the group's communication thread
+(:func:`start_block_exchange` with ``async_op=True``; the trainer starts one per bucket
+during the last backward, :mod:`.buckets`). The messages take the group's transport:
+shared memory between members on one host (:func:`.groups.build`), gloo otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from plait.comm.group import Channel, Group
+from plait.comm.group import COMPLETED, Channel, Group, Handle
+from plait.comm.ops import ALGORITHMS, shared
 from plait.strategies.reproducible.tree import tree_sum
 
 
@@ -53,51 +58,63 @@ def block_tree_all_reduce(
     """The sum of every block's partial (``partials``: this member's blocks, flat vectors
     of one length and dtype), added along the balanced tree over block index; the same
     bits on every member. ``owned``: :func:`assign` of the group's members."""
+    result = torch.empty_like(partials[min(partials)])
+    start_block_exchange(partials, result, owned=owned, world=world, group=group, async_op=False)
+    return result
+
+
+def start_block_exchange(
+    partials: dict[int, torch.Tensor],
+    out: torch.Tensor,
+    *,
+    owned: dict[int, list[int]],
+    world: int,
+    group: Group,
+    async_op: bool,
+    label: str = "",
+) -> Handle | None:
+    """:func:`block_tree_all_reduce` of ``partials`` into ``out`` (contiguous, their length
+    and dtype); with ``async_op=True`` it runs on the group's communication thread and the
+    :class:`~plait.comm.group.Handle` is returned (its ``wait()`` raises the exchange's
+    :class:`~plait.comm.errors.CollectiveError`). Every element is added in the same order
+    whatever vector it travels in, so exchanging a vector in pieces (one call per bucket,
+    :mod:`.buckets`) gives the bits of one call on the whole. ``label``: named in the
+    collective's description (which bucket)."""
     mine = sorted(partials)
     sample = partials[mine[0]]
     if group.size == 1:
-        return tree_sum([partials[v] for v in range(world)])
+        out.copy_(tree_sum([partials[v] for v in range(world)]))
+        return COMPLETED if async_op else None
     members = group.ranks  # slots, in group-rank order
-    result = torch.empty_like(sample)
+
+    # the second phase is an all-gather: shared memory's (one write, every member reads)
+    # where all members share this host, else the ring
+    gather = ALGORITHMS["shm" if shared(group) else "ring"].all_gather
 
     def body(ch: Channel) -> None:
-        n = ch.size
+        n, me = ch.size, ch.rank
         pieces = {v: _chunks(partials[v], n) for v in mine}
-        me = ch.rank
         got: dict[int, torch.Tensor] = {v: pieces[v][me] for v in mine}
-        recv_bufs, pending = {}, []
-        for p in range(n):
+        pending = []
+        for p in range(n):  # one message per block's piece: no copy to join them
             if p == me:
                 continue
-            theirs = sorted(owned[members[p]])
-            buf = torch.empty(len(theirs) * pieces[mine[0]][me].numel(), dtype=sample.dtype)
-            recv_bufs[p] = (theirs, buf)
-            pending.append(ch.irecv(buf, p))
-            out = torch.cat([pieces[v][p] for v in mine])
-            pending.append(ch.isend(out, p))
+            for v in sorted(owned[members[p]]):
+                got[v] = torch.empty_like(pieces[mine[0]][me])
+                pending.append(ch.irecv(got[v], p))
+            pending += [ch.isend(pieces[v][p], p) for v in mine]
         ch.wait(*pending)
-        for theirs, buf in recv_bufs.values():
-            size = buf.numel() // len(theirs)
-            for v, piece in zip(theirs, buf.split([size] * len(theirs)), strict=True):
-                got[v] = piece
-        summed = tree_sum([got[v] for v in range(world)])
-        out_chunks = _chunks(result, n)
-        out_chunks[me].copy_(summed)
-        pending = []
-        for p in range(n):
-            if p != me:
-                pending.append(ch.irecv(out_chunks[p], p))
-                pending.append(ch.isend(summed, p))
-        ch.wait(*pending)
+        out_chunks = _chunks(out, n)
+        out_chunks[me].copy_(tree_sum([got[v] for v in range(world)]))
+        gather(ch, out_chunks)  # shared memory's windows where every member is local
 
     nbytes = sample.numel() * sample.element_size()
-    group.run(
+    return group.run(
         "all_reduce",
         "tree_order/blocks",
         body,
-        async_op=False,
+        async_op=async_op,
         payload_bytes=nbytes,
         signature=f"blocks {str(sample.dtype)[6:]} bytes={nbytes}",
-        desc=f"blocks {mine} of {world}",
+        desc=f"blocks {mine} of {world}{f' {label}' if label else ''}",
     )
-    return result

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.comm import progress, watchdog
+from plait.comm import progress, transport, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal.membership import KEY, Generation
@@ -73,14 +73,22 @@ def build(
         # member that died after checking in fails the build, not the first training step
         flag = torch.zeros(1)
         pg.allreduce([flag]).wait(delta)
-    return Group(
+    group = Group(
         pg=pg,
         ranks=gen.members,
         global_rank=slot,
         name=f"heal{gen.number}",
         backend=backend,
-        timeout=timeout,
+        timeout=connect_timeout,  # a member dead during the transport's setup: this long
     )
+    if size > 1:
+        try:
+            transport.attach(group, transport.parse_mode(None), store=prefix)
+        except BaseException:
+            abandon(group, CollectiveError(f"healing: the transport of {group.name} failed"))
+            raise
+    group.timeout, group.timeout_delta = timeout, datetime.timedelta(seconds=timeout)
+    return group
 
 
 def abandon(group: Group | None, error: BaseException) -> None:
@@ -93,6 +101,8 @@ def abandon(group: Group | None, error: BaseException) -> None:
         watchdog.fail(group, failure)
     except Exception:
         pass
+    if group.shm is not None:  # end this rank's local peers' shared-memory waits now
+        group.shm.abort(None)
     pg = group.release()
     try:
         pg.abort()

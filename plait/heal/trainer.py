@@ -9,9 +9,12 @@ cursor: a replacement receives it with the state). Each step:
 1. this member runs the micro-batches of the blocks it owns (:mod:`.blocks`), each loss
    (the mean over ``m`` samples) scaled by ``1/M``, summing each block's gradients along
    the fixed tree (:class:`~plait.strategies.reproducible.tree.TreeSum`);
-2. one :func:`~.blocks.block_tree_all_reduce` on the generation's group adds the ``W``
-   block sums in block order (two extra elements ride along: the blocks' loss sums and the
-   leader's mask of replacements asking to join, so neither costs a collective);
+2. the block exchange (:mod:`.blocks`) on the generation's group adds the ``W`` block
+   sums in block order, in buckets of ``bucket_mb`` MiB, each started during the last
+   micro-batch's backward as soon as its gradients are final and all waited for before
+   the optimizer step (:mod:`.buckets`; two extra elements ride in the first bucket: the
+   blocks' loss sums and the leader's mask of replacements asking to join, so neither
+   costs a collective);
 3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
    ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
    members exchange the new parameter chunks (:mod:`.zero`); with ``zero=3`` the
@@ -48,14 +51,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm import ops, progress, watchdog
+from plait.comm import progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, state
+from plait.heal.buckets import OverlappedExchange
+from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
 from plait.heal.membership import Excluded, Generation, Membership
 from plait.heal.zero import StateLost
-from plait.strategies.reproducible.tree import LayoutError, TreeSum, is_power_of_two
+from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
 
 Fault = Callable[[int, int], None]  # (step, micro-batch index) -> None, may kill the process
 HEALING = -1  # the fault hook's index when a member starts healing
@@ -115,7 +120,9 @@ class HealingTrainer:
     (step, ``HEALING``) and when a replacement is admitted with (-1, ``ARRIVED``), under
     zero before gathering the chunks with (step, ``GATHERING``: zero=1/2 after stepping
     them, zero=3 at the step's start), under zero=3 in the exchange with (step,
-    ``SUMMED``): fault tests and the demo kill or raise there."""
+    ``SUMMED``): fault tests and the demo kill or raise there. ``bucket_mb``: the
+    exchange's bucket size in MiB (reproducible mode, zero < 3; plait's DDP default),
+    each bucket exchanged during the last backward (:mod:`.buckets`)."""
 
     def __init__(
         self,
@@ -136,6 +143,7 @@ class HealingTrainer:
         threads: int | None = 1,
         fault: Fault | None = None,
         zero: int = 0,
+        bucket_mb: float = 25.0,
     ) -> None:
         if not is_power_of_two(world):
             raise LayoutError(
@@ -164,6 +172,21 @@ class HealingTrainer:
             )
         self.dtype = dtypes.pop()
         self.zero = zero
+        self.compute = BlockCompute(  # the micro-batches and the exchange
+            module,
+            optimizer,
+            loss_fn=loss_fn,
+            microbatch_size=microbatch_size,
+            params=self.params,
+            world=world,
+            fault=fault,
+            # reproducible mode: the exchange in buckets, started during the last backward
+            exchange=(
+                OverlappedExchange(self.params, bucket_mb=bucket_mb)
+                if reproducible and zero < 3
+                else None
+            ),
+        )
         self.sharded = sharded_state(zero, optimizer, module, self.params)
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
         self.returned = 0  # zero: times this member went back one step to heal
@@ -404,34 +427,11 @@ class HealingTrainer:
         leader = self.slot == self.members[0]
         mask = self.membership.pending_joins(self.members) if leader else 0
         mine = sorted(self.owned[self.slot])
-        partials: dict[int, torch.Tensor] = {}
-        for i, v in enumerate(mine):
-            sums = [TreeSum() for _ in self.params]
-            losses = TreeSum()
-            for j in range(per):
-                index = v * per + j
-                if self.fault is not None:
-                    self.fault(self.steps_done, index)
-                if self.reproducible or j == 0:
-                    self.optimizer.zero_grad(set_to_none=True)
-                rows = slice(index * m, (index + 1) * m)
-                loss = self.loss_fn(self.module(x[rows]), y[rows])
-                (loss * scale).backward()
-                losses.push(loss.detach().to(self.dtype).reshape(1))
-                if self.reproducible:
-                    for acc, p in zip(sums, self.params, strict=True):
-                        acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
-            if self.reproducible:
-                grads = [acc.result().reshape(-1) for acc in sums]
-            else:  # accumulated in .grad over the block's micro-batches
-                grads = [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in self.params
-                ]
-            extra = torch.tensor([0.0, float(mask if i == 0 else 0)], dtype=self.dtype)
-            extra[0] = losses.result().reshape(())
-            partials[v] = torch.cat(grads + [extra])
         if isinstance(self.sharded, ShardedParams):  # frees the parameters, then sums
+            partials = self.compute.partials(
+                x, y, step=self.steps_done, mine=mine, per=per, scale=scale, mask=mask,
+                reproducible=self.reproducible,
+            )  # fmt: skip
             hook = None if self.fault is None else partial(self.fault, self.steps_done, SUMMED)
             total = self.sharded.exchange(
                 partials,
@@ -441,16 +441,18 @@ class HealingTrainer:
                 exact=self.reproducible,
                 summed=hook,
             )
-        elif self.reproducible:
-            total = blocks.block_tree_all_reduce(
-                partials, owned=self.owned, world=world, group=self.group
-            )
         else:
-            total = partials[mine[0]].clone()
-            for v in mine[1:]:
-                total += partials[v]
-            if self.group.size > 1:
-                ops.all_reduce(total, group=self.group)
+            total = self.compute.run(
+                x,
+                y,
+                step=self.steps_done,
+                mine=mine,
+                per=per,
+                scale=scale,
+                mask=mask,
+                owned=self.owned,
+                group=self.group,
+            )
         if self.sharded is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.sharded.step(total, self.last_loss)
@@ -508,6 +510,7 @@ class HealingTrainer:
 
     def close(self) -> None:
         """Stop this member's threads (local; call after the last step)."""
+        self.compute.close()
         self.membership.finish()
         if self.group is not None:
             self.group.shutdown()
