@@ -197,9 +197,7 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 2
         assert p.returncode == 0, text
     # ranks under one torchrun share its stdout: two RESULT lines may land on one line
     decoder = json.JSONDecoder()
-    results = [
-        decoder.raw_decode(text, m.end())[0] for m in re.finditer(r"RESULT (?=\{)", text)
-    ]
+    results = [decoder.raw_decode(text, m.end())[0] for m in re.finditer(r"RESULT (?=\{)", text)]
     return sorted(results, key=lambda r: r["rank"])
 
 
