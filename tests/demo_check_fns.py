@@ -8,6 +8,7 @@ from typing import Any
 
 import plait
 from plait.demo import digits, gpt, layouts
+from plait.demo.digits import train as digits_train
 
 #: the layout builders gpt.train_rank looks up on plait.demo.layouts when it runs
 BUILDERS = ("tensor_parallel", "pipeline", "composed", "experts", "context")
@@ -56,8 +57,8 @@ def gpt_with_scaled_gradient(config: Any, rank: int, factor: float) -> dict[str,
 def digits_with_scaled_gradient(config: Any, rank: int, factor: float) -> dict[str, Any]:
     """:func:`plait.demo.digits.train_rank` as ``--check`` runs it, with ``rank``'s
     gradients scaled by ``factor`` before the average (the CNN is built by
-    ``digits._model``, hooked here)."""
-    build = digits._model
+    ``plait.demo.digits.train.build_model``, hooked here)."""
+    build = digits_train.build_model
 
     def model(*args: Any) -> Any:
         m = build(*args)
@@ -65,8 +66,8 @@ def digits_with_scaled_gradient(config: Any, rank: int, factor: float) -> dict[s
             scale_gradients(m, factor)
         return m
 
-    digits._model = model  # type: ignore[assignment]
+    digits_train.build_model = model  # type: ignore[assignment]
     try:
         return digits.train_rank(config, check=True)
     finally:
-        digits._model = build  # type: ignore[assignment]
+        digits_train.build_model = build  # type: ignore[assignment]

@@ -8,7 +8,7 @@ all-to-all to whole sequences of ``heads / cp`` heads and back), tensor parallel
 each rank's heads over tp first, and the gradients are averaged over the cp x dp ranks.
 
 The report counts what every rank sent per message kind on its cp group
-(``plait.comm.group_stats``, through :func:`plait.demo.gpt._dimension_bytes`) and compares
+(``plait.comm.group_stats``, through :func:`plait.demo.gpt.train._dimension_bytes`) and compares
 it to :func:`attention_formula`, per rank and per kind; a difference fails the demo.
 """
 
@@ -107,7 +107,7 @@ def attention_formula(c: GPTDemoConfig, *, held_out_rows: int) -> dict[str, int]
 
 
 def counted(bytes_by_dim: dict[str, dict[str, int]], kinds: tuple[str, ...]) -> dict[str, int]:
-    """What one rank's cp row of :func:`~plait.demo.gpt._dimension_bytes` says it sent, per
+    """What one rank's cp row of :func:`~plait.demo.gpt.train._dimension_bytes` says it sent, per
     message kind (its keys are ``kind/algorithm``)."""
     row = bytes_by_dim.get("cp", {})
     return {k: sum(v for key, v in row.items() if key.split("/")[0] == k) for k in kinds}

@@ -23,12 +23,13 @@ success or failure, :meth:`Attempt.close` kills whatever the ranks left running 
 whose environment carries the job's ``PLAIT_JOB_ID``, in any process group or session),
 removes the shared-memory segments its ranks' pids name and its ``plait-run-*`` work
 directory, and says so on stderr.
+
+The store itself is :mod:`plait.launch.host_store`'s; what a rank's process is and what it
+leaves behind, :mod:`plait.launch.processes`'.
 """
 
 from __future__ import annotations
 
-import datetime
-import errno
 import json
 import os
 import shutil
@@ -42,13 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from plait import settings
-from plait.comm import transport
 from plait.launch import lifeline, rendezvous
+from plait.launch.host_store import PortInUse, host_store
+from plait.launch.processes import POLL_S, describe_exit, proc_state, sweep
 
-POLL_S = 0.05
 HEARTBEAT_POLL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = float(settings.HEARTBEAT_TIMEOUT.default or 0)
 HEARTBEAT_KEY = "plait/heartbeat/{rank}"
@@ -64,10 +63,6 @@ def heartbeat_timeout_default() -> float:
     """``PLAIT_HEARTBEAT_TIMEOUT`` (checked: >= 1 s, as the ranks check it), else 5."""
 
     return float(settings.HEARTBEAT_TIMEOUT.read())
-
-
-class PortInUse(RuntimeError):
-    """The launcher could not bind its store's port; the message names port and owner."""
 
 
 @dataclass
@@ -97,92 +92,6 @@ class RankProc:
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-
-def _port_owner(port: int) -> str:
-    """'pid 123 (python)' for the process listening on a local TCP ``port``, if visible."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].split(":")[1], 16) == port:
-                inodes.add(parts[9])
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    comm = (proc / "comm").read_text().strip()
-                    return f"pid {proc.name} ({comm})"
-        except OSError:
-            continue
-    return "another process"
-
-
-def host_store(port: int | None, *, timeout: float = 300.0) -> Any:
-    """A rendezvous store on 127.0.0.1 (a free port unless ``port`` is given)."""
-
-    try:
-        return dist.TCPStore(
-            "127.0.0.1",
-            port or 0,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as exc:
-        text = str(exc).lower()
-        in_use = "in use" in text or "bind" in text or getattr(exc, "errno", 0) == errno.EADDRINUSE
-        if port and in_use:
-            raise PortInUse(
-                f"port {port} on 127.0.0.1 is already in use by {_port_owner(port)}: another "
-                f"job's store? Pick another --master-port, or leave it out (a free port is "
-                f"chosen)"
-            ) from None
-        raise
-
-
-def proc_state(pid: int) -> str:
-    """The kernel's one-letter state of ``pid`` (R, S, T = stopped, Z, ...), or '?'."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            return f"was killed by signal {-code}"
-        return f"was killed by {name}" + (bus_hint() if -code == signal.SIGBUS else "")
-    return f"exited with code {code}"
-
-
-def bus_hint() -> str:
-    """Why a rank may die of SIGBUS: a page of a memory-mapped file that could not be
-    backed, most often a full shared-memory directory; with its free and total bytes."""
-
-    directory = transport.segment_dir()
-    try:
-        st = os.statvfs(directory)
-        room = f"{st.f_bavail * st.f_frsize:,} of {st.f_blocks * st.f_frsize:,} bytes free now"
-    except OSError:
-        room = "not readable"
-    return (
-        f" (a memory-mapped page could not be backed: most often {directory} is full, "
-        f"{room}; plait's segments are reserved at group creation, so look for another "
-        f"mapping, e.g. DataLoader workers' shared tensors, or enlarge {directory})"
-    )
 
 
 class Attempt:
@@ -428,63 +337,9 @@ class Attempt:
 
     def sweep(self) -> tuple[list[str], list[str]]:
         """Kill every process the ranks left behind and remove every shared-memory segment
-        a rank of this attempt created; say so on stderr. Returns (processes, segments).
-
-        A rank's descendants carry the job's ``PLAIT_JOB_ID`` in their environment
-        (whatever their process group or session): those still alive once every rank has
-        exited are SIGCONT+SIGKILLed, whether the job failed or succeeded. A segment of
-        ``PLAIT_SHM_DIR`` (``plait-shm-<pid>-...``) named by a rank's pid was left by a rank
-        killed inside the shared-memory set-up (``plait/comm/transport.py``).
-        """
-
-        killed: list[str] = []
-        for _ in range(5):  # a dying process's children appear as it dies
-            found = leftovers(self.job_id, exclude={os.getpid(), *(r.pid for r in self.ranks)})
-            if not found:
-                break
-            for pid, name in found:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                killed.append(f"pid {pid} ({name})")
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end and any(
-                proc_state(p) not in ("Z", "X", "?") for p, _ in found
-            ):
-                time.sleep(POLL_S)
-        if killed:
-            print(
-                f"plait run: killed {len(killed)} process(es) the ranks left running (their "
-                f"environment carries PLAIT_JOB_ID={self.job_id}): {', '.join(killed)}",
-                file=sys.stderr,
-                flush=True,
-            )
-        directory = self._shm_dir or transport.segment_dir()
-        removed = []
-        pids = {r.pid for r in self.ranks}
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            names = []
-        for name in names:
-            m = transport.STALE_NAME.match(name)
-            if m is None or int(m.group(1)) not in pids:
-                continue
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(os.path.join(directory, name))
-            except OSError:
-                pass
-        if removed:
-            print(
-                f"plait run: removed {len(removed)} shared-memory segment(s) left by ranks "
-                f"that ended inside the shared-memory set-up: {', '.join(removed)}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return killed, removed
+        a rank of this attempt created; say so on stderr. Returns (processes, segments)
+        (:func:`~plait.launch.processes.sweep`)."""
+        return sweep(self.job_id, pids={r.pid for r in self.ranks}, shm_dir=self._shm_dir)
 
 
 def _killpg(r: RankProc, sig: int) -> None:
@@ -500,29 +355,17 @@ def _killpg(r: RankProc, sig: int) -> None:
             pass
 
 
-def leftovers(job_id: str, *, exclude: set[int]) -> list[tuple[int, str]]:
-    """(pid, command name) of every live process whose environment has
-    ``PLAIT_JOB_ID=<job_id>``, except ``exclude`` (Linux ``/proc``; none elsewhere)."""
-    marker = f"PLAIT_JOB_ID={job_id}".encode()
-    found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit() or int(entry) in exclude:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-            with open(f"/proc/{entry}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        if marker in environ and proc_state(int(entry)) not in ("Z", "X", "?"):
-            found.append((int(entry), name))
-    return found
-
-
 def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+# what job.py imports from here; each lives in the module named above
+__all__ = [
+    "Attempt",
+    "Failure",
+    "PortInUse",
+    "RankProc",
+    "describe_exit",
+    "heartbeat_timeout_default",
+    "new_job_id",
+]

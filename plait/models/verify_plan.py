@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.models.infer_find import example_input
 from plait.models.simulate_ranks import RankResult, first_tensor, leaf_input, run_ranks
 from plait.strategies.tensor.parallelize import Style
 from plait.strategies.tensor.plan import AttentionHeads
@@ -53,8 +54,6 @@ def capture(
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """The positional and keyword inputs the model gives each of ``blocks`` on ``example``
     (float64 copies)."""
-    from plait.models.infer import example_input  # deferred: infer imports this module
-
     args, kwargs = example if example is not None else example_input(model)
     held: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 

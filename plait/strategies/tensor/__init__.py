@@ -8,6 +8,10 @@
 - ``plan``: :class:`TensorPlan` (styles by module pattern, :class:`AttentionHeads`), what a
   model family tells :func:`parallelize` (plans live with the models, ``plait/models/``).
 - ``parallelize``: :func:`parallelize` turns a dense model into its tensor-parallel form.
+  Its parts: ``style`` (:class:`Style`, the plan resolved against module paths),
+  ``checks`` (what is refused up front), ``convert`` (each dense module's parallel layer or
+  hooks), ``shards`` (placement, ties, the dense state gathered back), ``optimizer`` (the
+  optimizer rebuilt over the shards).
 - ``agreement``: :func:`check_agreement`, the wrap-time check that every rank holds the
   same dense model and plan.
 - ``finite``: the ``check_finite`` policy (``"raise"``/``"skip"``/None) run before every

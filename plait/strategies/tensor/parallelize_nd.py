@@ -23,7 +23,6 @@ parameters (the embedding table and the head are split differently), dropout.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.strategies.tensor.checks import check_dropout, check_heads
+from plait.strategies.tensor.convert import set_submodule
 from plait.strategies.tensor.cross_entropy_nd import cross_entropy_nd
 from plait.strategies.tensor.grid import MODES, Axis, block, grid_from_mesh
 from plait.strategies.tensor.layers_nd import (
@@ -40,6 +41,9 @@ from plait.strategies.tensor.layers_nd import (
     Placement,
     placement,
 )
+from plait.strategies.tensor.optimizer import group_of_names, rebuild_optimizer
+from plait.strategies.tensor.shards import full_state_dict
+from plait.strategies.tensor.style import Style, resolve_styles
 
 ND_KINDS = MODES
 
@@ -65,8 +69,6 @@ class NdInfo:
 
 def gpt_plan(mode: str, *, layers: int) -> dict[str, Any]:
     """The 2D / 2.5D / 3D plan of a :class:`plait.models.GPT` with ``layers`` blocks (untied)."""
-    from plait.strategies.tensor.parallelize import Style  # deferred: parallelize imports this
-
     if mode not in MODES:
         raise ValueError(f"gpt_plan: mode {mode!r}; use one of {list(MODES)}")
     second = Style(mode, input="swapped") if mode == "3d" else mode
@@ -129,8 +131,7 @@ def parallelize_nd(
 ) -> nn.Module:
     """Turn ``model`` into its 2D / 2.5D / 3D form (module doc). Returns ``model``, changed in
     place. Collective over the mesh."""
-    P = importlib.import_module("plait.strategies.tensor.parallelize")
-    styles = P._resolve(model, plan)
+    styles = resolve_styles(model, plan)
     modes = {s.kind for s in styles.values()}
     if len(modes) != 1 or not modes <= set(MODES):
         raise ValueError(
@@ -140,12 +141,12 @@ def parallelize_nd(
     grid = grid_from_mesh(mesh, mode)
     where = placement(grid)
     try:
-        P._check_heads(model, styles, grid.q)
+        check_heads(model, styles, grid.q)
     except ValueError as exc:
         raise ValueError(
             f"{exc} (under {mode} the grid side q = {grid.q} splits the heads)"
         ) from exc
-    P._check_dropout(model)
+    check_dropout(model)
     _refuse_shared(model)
     for name, module in model.named_modules():
         if list(module.parameters(recurse=False)) and name not in styles:
@@ -171,7 +172,7 @@ def parallelize_nd(
                     f"(input='stream'); put an even number of linears before it"
                 )
             vocab = modules[name].out_features  # type: ignore[assignment]
-        P._set(model, name, new)
+        set_submodule(model, name, new)
 
     index, parts = where.batch_index, where.batch_parts
 
@@ -182,7 +183,7 @@ def parallelize_nd(
     model.register_forward_pre_hook(cut_batch)
     info = NdInfo(mode, where, vocab, algorithm)
     object.__setattr__(model, "plait_tensor_nd", info)
-    object.__setattr__(model, "plait_full_state_dict", lambda: P.full_state_dict(model))
+    object.__setattr__(model, "plait_full_state_dict", lambda: full_state_dict(model))
     return model
 
 
@@ -199,17 +200,16 @@ def prepare_nd(
     class, parameter groups and hyper-parameters; it must not have stepped). ``plan``: the
     model's (``plait.prepare`` looks up a family's, e.g. :func:`gpt_plan` for
     :class:`plait.models.GPT`). Collective over the mesh."""
-    P = importlib.import_module("plait.strategies.tensor.parallelize")
     if plan is None:
         raise ValueError(
             f"tensor-parallel mode {mode!r} needs plan= for a {type(model).__name__} "
             f"(module path -> {mode!r}); no plan is known for its family"
         )
-    groups = None if optimizer is None else P.group_of_names(optimizer, model)
+    groups = None if optimizer is None else group_of_names(optimizer, model)
     parallelize_nd(model, mesh, plan, algorithm=algorithm)
     if optimizer is None:
         return model, None
-    return model, P.rebuild_optimizer(optimizer, model, groups)
+    return model, rebuild_optimizer(optimizer, model, groups)
 
 
 def loss_fn(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -5,7 +5,7 @@ A plan is data, written once per model family (``plait/models/<family>.py`` defi
 
 - ``styles``: module path patterns (``fnmatch``: ``"model.layers.*.self_attn.q_proj"``) ->
   style (``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"``, ``"replicate"`` or a
-  :class:`~plait.strategies.tensor.parallelize.Style`);
+  :class:`~plait.strategies.tensor.style.Style`);
 - ``attention``: one :class:`AttentionHeads` per kind of attention module, saying how many
   query and key/value heads it has, which children project keys and values, and which of
   its attributes hold head counts that must become this rank's counts.
