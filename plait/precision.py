@@ -171,7 +171,7 @@ def _mixed_class(cls: type[nn.Module]) -> type[nn.Module]:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         how: _Autocast = self._plait_autocast  # type: ignore[assignment]
-        return how.run(super(mixed, self).forward, args, kwargs)
+        return how.run(super(mixed, self).forward, args, kwargs)  # type: ignore[arg-type]
 
     mixed = type(f"MixedPrecision{cls.__name__}", (cls,), {"forward": forward})
     mixed.__module__ = cls.__module__
