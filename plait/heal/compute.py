@@ -72,35 +72,32 @@ class BlockCompute:
         if self.exchange is None:
             return self._arrival_order(x, y, mine, per, scale, mask, group)
         exchange = self.exchange
-        earlier: dict[int, torch.Tensor] = {}
-        for i, v in enumerate(mine):
-            sums, losses, extra = [TreeSum() for _ in self.params], TreeSum(), mask * (i == 0)
-            for j in range(per):
-                if i == len(mine) - 1 and j == per - 1:  # the last backward: buckets start
+        *before, (last_i, v) = enumerate(mine)
+        earlier = {
+            u: self._block(x, y, u, per, scale, mask * (i == 0), tree=True) for i, u in before
+        }
+        sums, losses, extra = [TreeSum() for _ in self.params], TreeSum(), mask * (last_i == 0)
 
-                    def arm(v: int = v, sums: list[TreeSum] = sums, mask: int = extra) -> None:
-                        exchange.arm(
-                            earlier=earlier,
-                            block=v,
-                            sums=sums,
-                            extra=self._extra(losses, mask),  # noqa: B023 (called at once)
-                            owned=owned,
-                            world=self.world,
-                            group=group,
-                        )
+        def arm() -> None:  # just before the last backward: the buckets start during it
+            exchange.arm(
+                earlier=earlier,
+                block=v,
+                sums=sums,
+                extra=self._extra(losses, extra),
+                owned=owned,
+                world=self.world,
+                group=group,
+            )
 
-                    try:
-                        self._microbatch(x, y, v * per + j, scale, losses=losses, arm=arm)
-                    except BaseException:
-                        exchange.disarm()
-                        raise
-                    return exchange.finish()
-                self._microbatch(x, y, v * per + j, scale, losses=losses)
-                for acc, p in zip(sums, self.params, strict=True):
-                    acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
-            grads = [acc.result().reshape(-1) for acc in sums]
-            earlier[v] = torch.cat(grads + [self._extra(losses, extra)])
-        raise AssertionError("healing: a member with no block")  # assign gives one each
+        for j in range(per - 1):
+            self._microbatch(x, y, v * per + j, scale, losses=losses)
+            self._push(sums)
+        try:
+            self._microbatch(x, y, v * per + per - 1, scale, losses=losses, arm=arm)
+        except BaseException:
+            exchange.disarm()
+            raise
+        return exchange.finish()
 
     def partials(
         self,
@@ -119,24 +116,10 @@ class BlockCompute:
         the two extra elements), for an exchange the caller runs after backward (zero=3's
         reduce-scatter to the chunks each member steps, :mod:`.fsdp`). Local."""
         self.step = step
-        out: dict[int, torch.Tensor] = {}
-        for i, v in enumerate(mine):
-            sums, losses = [TreeSum() for _ in self.params], TreeSum()
-            for j in range(per):
-                first = reproducible or j == 0
-                self._microbatch(x, y, v * per + j, scale, losses=losses, zero=first)
-                if reproducible:
-                    for acc, p in zip(sums, self.params, strict=True):
-                        acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
-            if reproducible:
-                grads = [acc.result().reshape(-1) for acc in sums]
-            else:  # accumulated in .grad over the block's micro-batches
-                grads = [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in self.params
-                ]
-            out[v] = torch.cat(grads + [self._extra(losses, mask * (i == 0))])
-        return out
+        return {
+            v: self._block(x, y, v, per, scale, mask * (i == 0), tree=reproducible)
+            for i, v in enumerate(mine)
+        }
 
     def _arrival_order(
         self,
@@ -150,19 +133,36 @@ class BlockCompute:
     ) -> torch.Tensor:
         total: torch.Tensor | None = None
         for i, v in enumerate(mine):
-            losses = TreeSum()
-            for j in range(per):
-                self._microbatch(x, y, v * per + j, scale, losses=losses, zero=j == 0)
-            grads = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for p in self.params
-            ]
-            partial = torch.cat(grads + [self._extra(losses, mask * (i == 0))])
+            partial = self._block(x, y, v, per, scale, mask * (i == 0), tree=False)
             total = partial if total is None else total.add_(partial)
         assert total is not None
         if group.size > 1:
             ops.all_reduce(total, group=group)
         return total
+
+    def _block(
+        self, x: torch.Tensor, y: torch.Tensor, v: int, per: int, scale: float, mask: int,
+        *, tree: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Block ``v`` as one flat vector: its gradients summed along the fixed in-block
+        tree (``tree``), else accumulated in ``.grad``; then the two extra elements."""
+        sums, losses = [TreeSum() for _ in self.params], TreeSum()
+        for j in range(per):
+            self._microbatch(x, y, v * per + j, scale, losses=losses, zero=tree or j == 0)
+            if tree:
+                self._push(sums)
+        if tree:
+            grads = [acc.result().reshape(-1) for acc in sums]
+        else:
+            grads = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for p in self.params
+            ]
+        return torch.cat(grads + [self._extra(losses, mask)])
+
+    def _push(self, sums: list[TreeSum]) -> None:
+        for acc, p in zip(sums, self.params, strict=True):
+            acc.push(p.grad if p.grad is not None else torch.zeros_like(p))
 
     def _microbatch(
         self,

@@ -305,11 +305,7 @@ class MoE(nn.Module):
             group=self.expert_group,
             algorithm=self.algorithm,
         ).reshape(x.shape)
-        aux = losses.aux_loss(self.aux_loss, routing.gates, routing.first)
-        z = losses.z_loss(logits)
-        total = self.aux_loss_weight * aux + self.z_loss_weight * z
-        if torch.is_grad_enabled() and total.requires_grad and y.requires_grad:
-            y = _AttachLoss.apply(y, total)
+        y, aux, z = self._attach_losses(y, logits, routing)
         kept = counts[:, : self.num_experts]
         p = kept.shape[0]
         r = 0 if self.expert_group is None else self.expert_group.rank
@@ -324,6 +320,18 @@ class MoE(nn.Module):
             rows_in=int(kept[:, held].sum() - kept[r, held].sum()),
         )
         return y
+
+    def _attach_losses(
+        self, y: torch.Tensor, logits: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The auxiliary (load-balancing) and z losses of this call, their weighted sum
+        attached to ``y`` so that backward adds their gradients: ``(y, aux, z)``."""
+        aux = losses.aux_loss(self.aux_loss, routing.gates, routing.first)
+        z = losses.z_loss(logits)
+        total = self.aux_loss_weight * aux + self.z_loss_weight * z
+        if torch.is_grad_enabled() and total.requires_grad and y.requires_grad:
+            y = _AttachLoss.apply(y, total)
+        return y, aux, z
 
     def _forward_padded(
         self, x: torch.Tensor, grouped: torch.Tensor, logits: torch.Tensor, routing: Routing
@@ -348,11 +356,7 @@ class MoE(nn.Module):
             group=self.expert_group,
             algorithm=self.algorithm,
         ).reshape(x.shape)
-        aux = losses.aux_loss(self.aux_loss, routing.gates, routing.first)
-        z = losses.z_loss(logits)
-        total = self.aux_loss_weight * aux + self.z_loss_weight * z
-        if torch.is_grad_enabled() and total.requires_grad and y.requires_grad:
-            y = _AttachLoss.apply(y, total)
+        y, aux, z = self._attach_losses(y, logits, routing)
         kept = padded.per_expert(routing.expert, routing.kept, E)
         p = 1 if self.expert_group is None else self.expert_group.size
         moved = (p - 1) * (E // p) * G * routing.capacity  # rows each way, padding included
