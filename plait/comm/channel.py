@@ -368,13 +368,19 @@ class Channel:
             whom = f"rank {self.global_rank(peer)}"
         text = str(exc)
         error = self._failure(peer, verb, exc, whom, text)
-        if group.shm is not None:  # end the waits of this rank's local peers too
-            group.shm.abort(None if peer is None else self.global_rank(peer))
+        culprit = None if peer is None else self.global_rank(peer)
         if isinstance(error, CollectiveTimeout):
-            # tell the other ranks (whose connections to this one the timeout closed) why
-            watchdog.fail(group, error)
-        else:
-            recorder.dump(f"{type(error).__name__}: {error}")
+            # Tell the other ranks why before ending their waits (watchdog.fail publishes,
+            # then closes): a local peer woken by this rank's abort word reads this verdict
+            # and names the rank that never came, not this rank's abort.
+            culprit = error.missing[0] if error.missing else culprit
+            watchdog.fail(group, error, culprit=culprit)
+            if group.shm is not None:  # (fail closes only the first time)
+                group.shm.abort(culprit)
+            return error
+        if group.shm is not None:  # end the waits of this rank's local peers too
+            group.shm.abort(culprit)
+        recorder.dump(f"{type(error).__name__}: {error}")
         return error
 
     def _failure(

@@ -376,9 +376,12 @@ def _read_verdict(g: Group, call: Call) -> CollectiveError | None:
     return CollectiveError(message)
 
 
-def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
+def fail(
+    g: Group, error: CollectiveError, *, publish: bool = True, culprit: int | None = None
+) -> None:
     """Record ``error`` on ``g``, tell the other ranks (``publish``), dump the recorder,
-    and end the wait."""
+    and end the wait (``culprit``: the global rank the shared-memory abort word names;
+    this rank when None)."""
     with _fail_lock:
         if g.failure is not None:
             return
@@ -406,15 +409,15 @@ def fail(g: Group, error: CollectiveError, *, publish: bool = True) -> None:
     except Exception:
         pass
     recorder.dump(f"{type(error).__name__}: {error}")
-    close(g)
+    close(g, culprit=culprit)
 
 
-def close(g: Group) -> None:
+def close(g: Group, *, culprit: int | None = None) -> None:
     """Close this rank's connections of ``g``: every pending operation on them fails."""
     from plait.comm.group import RESERVED_TAG  # deferred: group imports watchdog
 
     if g.shm is not None:  # the shared-memory peers' waits end on this rank's abort word
-        g.shm.abort(None)
+        g.shm.abort(culprit)
     scratch = torch.zeros(1, dtype=torch.uint8)
     for r in range(g.size):
         if r == g.rank:
