@@ -278,6 +278,18 @@ class Mesh:
         for name in self.layout.names:
             self._groups[(name,)] = self._create((name,))
 
+    # Told apart in the store's keys from another mesh over the same ranks (a mesh made
+    # without the world's process group, plait.heal.store_mesh, names its incarnation).
+    tag = ""
+
+    def _agree(self, text: str) -> None:
+        """Compare ``text`` with every rank's before creating groups (the world's store)."""
+        agree_on_mesh(text, self._timeout)
+
+    def _carried(self) -> dict[str, object]:
+        """What a submesh inherits beyond the fields ``submesh`` sets (subclasses)."""
+        return {}
+
     def _create(self, dims: tuple[str, ...]) -> Group | None:
         """Create the groups along ``dims``; collective over the world."""
         mine: Group | None = None
@@ -360,9 +372,10 @@ class Mesh:
         flat = tuple(order)
         if len(flat) > 1:
             # the root mesh's fingerprint: a submesh's own layout differs across ranks
-            agree_on_mesh(f"{self._print}.submesh{flat}", self._timeout)
+            self._agree(f"{self._print}.submesh{flat}")
         group = self._create(flat) if len(flat) > 1 else self._groups[flat]
-        sub = object.__new__(Mesh)
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self._carried())
         members = self.layout.group_of(self.global_rank, *order)
         sub.layout = Layout(flat, tuple(self.layout.size(d) for d in flat), tuple(members))
         sub.global_rank = self.global_rank

@@ -50,11 +50,42 @@ def build(
     backend: str,
     timeout: float,
     connect_timeout: float,
+    members: tuple[int, ...] | None = None,
+    label: str = "",
 ) -> Group:
     """This slot's group of generation ``gen``. Collective on the members: every one
-    calls it, and it returns once all connected (at most ``connect_timeout`` s)."""
-    prefix = dist.PrefixStore(f"{KEY}/gen{gen.number}/pg", store)
-    rank, size = gen.members.index(slot), len(gen.members)
+    calls it, and it returns once all connected (at most ``connect_timeout`` s).
+    ``members``: the slots of the group (default: the generation's), ``label``: what
+    tells the group apart from the generation's other groups (whole model-parallel
+    replicas: one group per position, ``.p<q>``; named ``heal<n><label>``)."""
+    members = gen.members if members is None else members
+    prefix = dist.PrefixStore(f"{KEY}/gen{gen.number}/pg{label}", store)
+    return make(
+        prefix,
+        members,
+        slot,
+        name=f"heal{gen.number}{label}",
+        backend=backend,
+        timeout=timeout,
+        connect_timeout=connect_timeout,
+    )
+
+
+def make(
+    prefix: Any,
+    members: tuple[int, ...],
+    slot: int,
+    *,
+    name: str,
+    backend: str,
+    timeout: float,
+    connect_timeout: float,
+) -> Group:
+    """A plait :class:`~plait.comm.group.Group` named ``name`` over ``members`` (global
+    ranks, this process's ``slot`` among them), its backend made from the store ``prefix``
+    (no default process group involved) with plait's transport. Collective on the members,
+    at most ``connect_timeout`` s; ``timeout`` bounds its collectives afterwards."""
+    rank, size = members.index(slot), len(members)
     delta = datetime.timedelta(seconds=connect_timeout)
     pg: Any
     if backend == "gloo":
@@ -75,9 +106,9 @@ def build(
         pg.allreduce([flag]).wait(delta)
     group = Group(
         pg=pg,
-        ranks=gen.members,
+        ranks=members,
         global_rank=slot,
-        name=f"heal{gen.number}",
+        name=name,
         backend=backend,
         timeout=connect_timeout,  # a member dead during the transport's setup: this long
     )

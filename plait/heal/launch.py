@@ -32,6 +32,27 @@ def start_store(host: str = "127.0.0.1") -> tuple[Any, str]:
     return store, f"{host}:{store.port}"
 
 
+def environment() -> dict[str, Any]:
+    """A healing rank's settings from the launcher's environment: ``RANK`` (its slot),
+    ``WORLD_SIZE`` (the job's full size), ``MASTER_ADDR:MASTER_PORT`` (the store) and
+    ``PLAIT_HEAL_JOIN=1`` for a replacement (``python -m plait.heal.run`` sets them; by
+    hand: docs/healing.md). Raises naming the variables that are missing."""
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            f"healing: environment variables {missing} are not set; start the job with "
+            f"`python -m plait.heal.run -n N script.py` (docs/healing.md)"
+        )
+    return {
+        "world": int(os.environ["WORLD_SIZE"]),
+        "address": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        "slot": int(os.environ["RANK"]),
+        "join": os.environ.get("PLAIT_HEAL_JOIN") == "1",
+    }
+
+
 def _entry(fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     fn(**kwargs)

@@ -19,8 +19,14 @@ or raised) or when replacements ask to join at a step boundary:
    slot that sends that state and the slots that must receive it.
 
 A rank left out of a decision it did not take part in (it froze past the heartbeat and
-woke up) raises :class:`Excluded` naming its slot and the generation. Nothing here moves
-tensors: the store only carries these small decisions.
+woke up) raises :class:`Excluded` naming its slot and the generation.
+
+With ``replica_size = P > 1`` (whole model-parallel replicas, :mod:`.replicas`) slots come
+in replicas of ``P`` (slots ``rP .. rP+P-1``) and membership is decided per replica: a
+replica one slot of which is dead is out whole (its other slots are not waited for, and
+raise :class:`Excluded` if they check in), a replica whose slots all checked in is in.
+
+Nothing here moves tensors: the store only carries these small decisions.
 """
 
 from __future__ import annotations
@@ -79,13 +85,21 @@ class Membership:
     ``timeout``: the longest any agreement may take before it raises."""
 
     def __init__(
-        self, store: Any, *, slot: int, world: int, heartbeat_timeout: float, timeout: float
+        self,
+        store: Any,
+        *,
+        slot: int,
+        world: int,
+        heartbeat_timeout: float,
+        timeout: float,
+        replica_size: int = 1,
     ) -> None:
         if not 0 <= slot < world:
             raise ValueError(f"healing: slot {slot} is not in 0..{world - 1} (world={world})")
         self.store = store
         self.slot = slot
         self.world = world
+        self.replica_size = replica_size
         self.heartbeat_timeout = heartbeat_timeout
         self.timeout = timeout
         self._joins_seen = 0
@@ -175,13 +189,24 @@ class Membership:
             if self.store.check([decided]):
                 return self._accept(Generation.from_json(self.store.get(decided)))
             present: dict[int, int] = {}
-            undecided = []
+            undecided, dead = [], set()
             for s in expected:
                 if self.store.check([f"{base}/in/{s}"]):
                     present[s] = int(self.store.get(f"{base}/in/{s}").decode())
                 elif wait_all or not self.dead(s, start):
                     undecided.append(s)
+                else:
+                    dead.add(s)
+            if self.replica_size > 1:  # a replica with a dead slot is out, whole
+                lost = {s // self.replica_size for s in dead}
+                undecided = [s for s in undecided if s // self.replica_size not in lost]
+                present = {s: d for s, d in present.items() if s // self.replica_size not in lost}
             if propose and not undecided:
+                if not present:
+                    raise RuntimeError(
+                        f"healing: slot {self.slot}: generation {number}: every replica lost "
+                        f"a rank (dead: slots {sorted(dead)}); nothing is left to train"
+                    )
                 proposal = _decide(number, present)
                 won = self.store.compare_set(decided, "", proposal.to_json())
                 return self._accept(Generation.from_json(won))
@@ -195,6 +220,13 @@ class Membership:
             time.sleep(POLL_S)
 
     def _accept(self, gen: Generation) -> Generation:
+        if self.slot not in gen.members and self.replica_size > 1:
+            raise Excluded(
+                f"healing: slot {self.slot} is not a member of generation {gen.number} "
+                f"(members {list(gen.members)}): its replica (slots "
+                f"{self._replica_slots()}) lost a rank, so the whole replica leaves; start "
+                f"the replica again as a replacement"
+            )
         if self.slot not in gen.members:
             raise Excluded(
                 f"healing: slot {self.slot} is not a member of generation {gen.number} "
@@ -203,6 +235,10 @@ class Membership:
             )
         self.store.set(f"{KEY}/current", gen.to_json())
         return gen
+
+    def _replica_slots(self) -> list[int]:
+        first = self.slot - self.slot % self.replica_size
+        return list(range(first, first + self.replica_size))
 
     # --- growing back ------------------------------------------------------------------
     def request_join(self) -> None:
@@ -254,6 +290,30 @@ class Membership:
         number = int(self.store.get(key).decode())
         self.store.delete_key(key)
         return number
+
+    def wait_for_replacements(self, members: tuple[int, ...], timeout: float) -> None:
+        """Block until every slot not in ``members`` has a replacement asking to join, or
+        had one admitted since it was lost (it died on arrival), at most ``timeout`` s
+        (raises naming the missing slots). Reads the store only."""
+        missing = [s for s in range(self.world) if s not in members]
+        start = time.monotonic()
+
+        def number(key: str) -> int:
+            return int(self.store.get(key).decode()) if self.store.check([key]) else -1
+
+        def tried(s: int) -> bool:  # asking now, or one was admitted since s was lost
+            if self.store.check([f"{KEY}/join/{s}"]):
+                return True
+            return number(f"{KEY}/admitted/{s}") > number(f"{KEY}/lost/{s}")
+
+        while not all(tried(s) for s in missing):
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"healing: slot {self.slot}: no replacement asked to join for slots "
+                    f"{missing} within {timeout:.0f} s (start one with PLAIT_HEAL_JOIN=1, "
+                    f"docs/healing.md)"
+                )
+            time.sleep(POLL_S)
 
     def finish(self) -> None:
         """Say that training is over (a member that finished): replacements stop waiting."""

@@ -92,31 +92,54 @@ def tensors(
     module: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor, cursor: torch.Tensor
 ) -> list[torch.Tensor]:
     """Every tensor of the state, in the order they travel."""
-    out = [p.data for p in module.parameters()] + [b.data for b in module.buffers()]
+    return tensors_of(list(module.parameters()), list(module.buffers()), optimizer, rng, cursor)
+
+
+def tensors_of(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    rng: torch.Tensor,
+    cursor: torch.Tensor,
+) -> list[torch.Tensor]:
+    """:func:`tensors` of a model given by its parameters and buffers (a model-parallel
+    rank's shards)."""
+    out = [p.data for p in params] + [b.data for b in buffers]
     for p in _opt_params(optimizer):
         out += [v for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
     return out + [rng, cursor]
 
 
 def transfer(
-    group: Group, items: list[torch.Tensor], *, source: int, receivers: tuple[int, ...]
-) -> None:
+    group: Group,
+    items: list[torch.Tensor],
+    *,
+    source: int,
+    receivers: tuple[int, ...],
+    apply: bool = True,
+) -> list[torch.Tensor] | None:
     """``source`` (a slot) sends ``items`` to every slot of ``receivers``, which receive
-    them in place. Collective on ``group``: every member calls it (the others only count
+    them in place (``apply=False``: into new tensors, returned on a receiver, for the
+    caller to apply once every part of its state arrived: :func:`apply_received`; None
+    elsewhere). Collective on ``group``: every member calls it (the others only count
     it). Point-to-point sends, ``len(receivers)`` times the state's bytes out of the source."""
     src = group.ranks.index(source)
     dst = [group.ranks.index(r) for r in receivers]
     nbytes = sum(t.numel() * t.element_size() for t in items)
+    received: list[torch.Tensor] | None = None
 
     def body(ch: Channel) -> None:
+        nonlocal received
         if ch.rank == src:
             pending = [ch.isend(t.contiguous(), d) for d in dst for t in items]
             ch.wait(*pending)
         elif ch.rank in dst:
             bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
             ch.wait(*[ch.irecv(b, src) for b in bufs])
-            for t, b in zip(items, bufs, strict=True):
-                t.copy_(b)
+            if apply:
+                apply_received(items, bufs)
+            else:
+                received = bufs
 
     group.run(
         "broadcast",
@@ -127,3 +150,10 @@ def transfer(
         signature=f"state from {source} to {list(receivers)} bytes={nbytes}",
         desc="healing state transfer",
     )
+    return received
+
+
+def apply_received(items: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+    """Write what :func:`transfer` received into the state's tensors (local)."""
+    for t, b in zip(items, received, strict=True):
+        t.copy_(b)

@@ -41,7 +41,6 @@ step (docs/healing.md).
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -54,7 +53,7 @@ from torch import nn
 from plait.comm import progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
-from plait.heal import blocks, groups, state
+from plait.heal import blocks, groups, launch, state
 from plait.heal.buckets import OverlappedExchange
 from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
@@ -228,21 +227,14 @@ class HealingTrainer:
         full size), ``MASTER_ADDR:MASTER_PORT`` (the store), ``PLAIT_HEAL_JOIN=1`` for a
         replacement (``python -m plait.heal.run`` sets them; by hand, see
         docs/healing.md)."""
-        missing = [
-            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-        ]
-        if missing:
-            raise RuntimeError(
-                f"healing: environment variables {missing} are not set; start the job with "
-                f"`python -m plait.heal.run -n N script.py` (docs/healing.md)"
-            )
+        env = launch.environment()
         return cls(
             module,
             optimizer,
-            world=int(os.environ["WORLD_SIZE"]),
-            address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            slot=int(os.environ["RANK"]),
-            join=os.environ.get("PLAIT_HEAL_JOIN") == "1",
+            world=env["world"],
+            address=env["address"],
+            slot=env["slot"],
+            join=env["join"],
             **kwargs,
         )
 
@@ -488,25 +480,7 @@ class HealingTrainer:
         s (raises naming the missing slots): the next step admits them all, for a job
         that would rather wait than train at a smaller size.
         Every member calls it at the same step; it reads the store, no collective."""
-        missing = [s for s in range(self.world) if s not in self.members]
-        start = time.monotonic()
-
-        def number(key: str) -> int:
-            return int(self.store.get(key).decode()) if self.store.check([key]) else -1
-
-        def tried(s: int) -> bool:  # asking now, or one was admitted since s was lost
-            if self.store.check([f"plait/heal/join/{s}"]):
-                return True
-            return number(f"plait/heal/admitted/{s}") > number(f"plait/heal/lost/{s}")
-
-        while not all(tried(s) for s in missing):
-            if time.monotonic() - start > timeout:
-                raise TimeoutError(
-                    f"healing: slot {self.slot}: no replacement asked to join for slots "
-                    f"{missing} within {timeout:.0f} s (start one with PLAIT_HEAL_JOIN=1, "
-                    f"docs/healing.md)"
-                )
-            time.sleep(0.05)
+        self.membership.wait_for_replacements(self.members, timeout)
 
     def close(self) -> None:
         """Stop this member's threads (local; call after the last step)."""

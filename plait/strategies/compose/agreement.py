@@ -27,11 +27,12 @@ def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) ->
     mesh's ranks, through the rendezvous store (three digests per rank; the lists only on
     a mismatch)."""
     ranks = list(mesh.layout.ranks)
+    tag = getattr(mesh, "tag", "")  # a mesh of a healing replica: its incarnation
     timeout = mesh.group(mesh.names[0]).timeout
     common = {"ranks": ranks, "me": mesh.global_rank, "timeout": timeout, "who": "ptdp"}
     agree(
         [f"{k}: {v}" for k, v in settings.items()],
-        label=f"ptdp-settings{ranks}",
+        label=f"ptdp-settings{tag}{ranks}",
         what="setting",
         problem="the ranks were given different settings",
         advice="Every rank must call compose / prepare(strategy='ptdp') with the same mesh, "
@@ -40,7 +41,7 @@ def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) ->
     )
     agree(
         describe_parameters(model.named_parameters()),
-        label=f"ptdp-structure{ranks}",
+        label=f"ptdp-structure{tag}{ranks}",
         what="parameter",
         problem="the ranks built different models",
         advice="Every rank must build the same model (same modules, order, shapes, dtypes).",
@@ -48,7 +49,7 @@ def check_agreement(model: nn.Module, settings: Mapping[str, Any], mesh: Any) ->
     )
     agree(
         fingerprint_lines(model.state_dict().items()),
-        label=f"ptdp-weights{ranks}",
+        label=f"ptdp-weights{tag}{ranks}",
         what="tensor",
         problem="the ranks' models start from different weights",
         advice="Build the model with the same seed on every rank (torch.manual_seed before "

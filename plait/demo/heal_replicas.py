@@ -1,0 +1,204 @@
+"""A healing PTD-P job end to end: ``R`` replicas of plait's GPT, each a ``pp x tp`` mesh
+of its own, one rank killed, its replica replaced (:mod:`plait.heal.replicas`).
+
+``plait demo --strategy ptdp -n 4 --pp 2 --reproducible --check --kill-rank 3
+--kill-step 2`` runs it: two replicas of two pipeline stages; rank 3 (replica 1's second
+stage) kills itself at step 2, rank 2 (its first stage) finds its replica lost and leaves,
+replica 0 trains on alone (both blocks of the global batch), a replacement replica (two
+new processes) joins at a step boundary and the job ends at full size. ``--check``
+compares the final parameters with the same job run without the fault (``max diff 0
+(bitwise)``) and with one process training the dense GPT on the same global batches
+(float64: within rounding, the layouts differ).
+
+:func:`train_rank` is what each rank runs (the tests run it too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from plait.heal.launch import Ranks, start_store
+from plait.heal.replicas import ReplicaTrainer
+from plait.heal.trainer import ARRIVED
+from plait.models import GPT, GPTConfig
+from plait.strategies.compose import compose
+from plait.strategies.reproducible.tree import tree_sum
+
+
+@dataclass
+class ReplicaConfig:
+    """One healing PTD-P run: ``replicas`` replicas of ``pp x tp`` ranks; ``faults``:
+    ``[rank, step, block, how]`` (``how``: ``"kill"`` or ``"raise"``; ``block`` -2 with
+    step -1: a replacement on arrival); ``rejoin``: start a replacement replica once every
+    rank of a lost one is gone (``rejoin_faults``: faults of the replacements)."""
+
+    replicas: int = 2
+    pp: int = 2
+    tp: int = 1
+    steps: int = 5
+    batch: int = 8
+    microbatches: int = 2  # per block (each replica's share of the global batch)
+    lr: float = 1e-2
+    faults: list[list[Any]] = field(default_factory=list)
+    rejoin: bool = True
+    rejoin_faults: list[list[Any]] = field(default_factory=list)
+    rejoin_step: int = -1  # the survivors wait for their replacements at this step (-1: no)
+    heartbeat_timeout: float = 5.0
+    connect_timeout: float = 10.0
+    timeout: float = 60.0
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.size
+
+
+def gpt_config() -> GPTConfig:
+    """A small GPT in float64: 2 blocks (4 pipeline layers), 4 heads of width 4."""
+    return GPTConfig(vocab=13, layers=2, heads=4, width=16, seq_len=8, dtype=torch.float64)
+
+
+def batch(c: ReplicaConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same on every rank and in the reference)."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, gpt_config().vocab, (c.batch, gpt_config().seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _build(c: ReplicaConfig) -> Any:
+    def build(mesh: Any) -> Any:
+        model = GPT(gpt_config())  # the config's seed: the same weights on every rank
+        optimizer = torch.optim.Adam(model.parameters(), lr=c.lr)
+        return compose(model, optimizer, mesh=mesh, microbatches=c.microbatches)
+
+    return build
+
+
+def _fault(rank: int, faults: list[list[Any]], out: str) -> Any:
+    mine = [(f[1], f[2], f[3]) for f in faults if f[0] == rank]
+    if not mine:
+        return None
+
+    def fault(step: int, index: int) -> None:
+        for at, where, how in mine:
+            if (step, index) == (at, where) or (index == ARRIVED and where == ARRIVED):
+                (Path(out) / f"fault-{rank}-{step}.txt").write_text(repr(time.time()))
+                if how == "raise":
+                    raise RuntimeError(f"rank {rank}: the fault asked for at step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return fault
+
+
+def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], out: str) -> None:
+    """One rank of the job: train, then write its final parameters (the dense GPT's state
+    as this rank's replica holds it, ``rank<k>[-join].npy``) and its records (``.json``)."""
+    c = ReplicaConfig(**config)
+    trainer = ReplicaTrainer(
+        _build(c),
+        replica={"pp": c.pp, "tp": c.tp},
+        world=c.world,
+        address=address,
+        rank=slot,
+        join=join,
+        heartbeat_timeout=c.heartbeat_timeout,
+        timeout=c.timeout,
+        connect_timeout=c.connect_timeout,
+        fault=_fault(slot, c.rejoin_faults if join else c.faults, out),
+    )
+    started = time.perf_counter()
+    losses = []
+    while trainer.steps_done < c.steps:
+        if trainer.steps_done == c.rejoin_step and len(trainer.members) < c.world:
+            trainer.wait_for_replacements(c.timeout)
+        losses.append(float(trainer.step(*batch(c, trainer.steps_done))))
+    dense = trainer.model.full_state_dict()  # collective over the replica's mesh
+    name = f"rank{slot}{'-join' if join else ''}"
+    flat = torch.cat([v.reshape(-1).double() for _, v in sorted(dense.items())])
+    np.save(Path(out) / f"{name}.npy", flat.numpy())
+    record = {
+        "rank": slot,
+        "join": join,
+        "heals": trainer.heals,
+        "members": list(trainer.members),
+        "losses": losses,
+        "seconds": time.perf_counter() - started,
+    }
+    (Path(out) / f"{name}.json").write_text(json.dumps(record))
+    trainer.close()
+
+
+def reference(c: ReplicaConfig) -> np.ndarray:
+    """One process, the dense GPT: each step the mean over the ``R`` blocks of each
+    block's mean-loss gradient (summed along the tree over blocks), then Adam."""
+    model = GPT(gpt_config())
+    optimizer = torch.optim.Adam(model.parameters(), lr=c.lr)
+    rows = c.batch // c.replicas
+    for step in range(c.steps):
+        x, y = batch(c, step)
+        parts = []
+        for v in range(c.replicas):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(x[v * rows : (v + 1) * rows])
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y[v * rows : (v + 1) * rows].reshape(-1)
+            ).backward()
+            parts.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = tree_sum([g[i] for g in parts]) / c.replicas
+        optimizer.step()
+    state = model.state_dict()
+    return torch.cat([v.reshape(-1).double() for _, v in sorted(state.items())]).numpy()
+
+
+@dataclass
+class ReplicaReport:
+    finals: dict[str, np.ndarray]
+    records: list[dict[str, Any]]
+    codes: dict[int, list[int | None]]
+    seconds: float
+
+
+def run(c: ReplicaConfig, out: str, *, deadline: float = 180.0) -> ReplicaReport:
+    """Run the job; returns every rank's final parameters and records that trained to the
+    end. Every process started is ended before it returns."""
+    os.makedirs(out, exist_ok=True)
+    store, address = start_store()
+    kwargs = {"address": address, "config": asdict(c), "out": out}
+    start = time.monotonic()
+    with Ranks(preload=(__name__,)) as ranks:
+        procs = {s: ranks.spawn(train_rank, slot=s, join=False, **kwargs) for s in range(c.world)}
+        replaced: set[int] = set()
+        while time.monotonic() - start < deadline:
+            if not any(p.is_alive() for _, p in ranks.started):
+                break
+            if c.rejoin:  # a lost replica whose every rank is gone: start it again, whole
+                for r in range(c.replicas):
+                    slots = range(r * c.size, (r + 1) * c.size)
+                    gone = all(not procs[s].is_alive() for s in slots)
+                    if r not in replaced and gone and any(procs[s].exitcode for s in slots):
+                        replaced.add(r)
+                        for s in slots:
+                            procs[s] = ranks.spawn(train_rank, slot=s, join=True, **kwargs)
+            time.sleep(0.05)
+        left = [p for _, p in ranks.started if p.is_alive()]
+        codes = ranks.wait(max(0.0, deadline - (time.monotonic() - start)) if left else 0.0)
+    del store
+    finals, records = {}, []
+    for f in sorted(Path(out).glob("rank*.npy")):
+        finals[f.stem] = np.load(f)
+        records.append(json.loads(f.with_suffix(".json").read_text()))
+    return ReplicaReport(finals, records, codes, time.monotonic() - start)
