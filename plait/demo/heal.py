@@ -282,6 +282,10 @@ def main(args: Any) -> int:
     CNN (float32) on ``-n`` slots under healing DDP (``--strategy zero1/zero2``: sharded
     optimizer state; ``zero3``/``fsdp``: the parameters sharded too); 0 when it healed
     and, with ``--check``, matched one process (bitwise with ``--reproducible``)."""
+    if args.pp > 1 or (args.tp or 1) > 1:  # model-parallel replicas (the dp of PTD-P)
+        from plait.demo import heal_replicas  # deferred: only this demo needs it
+
+        return heal_replicas.main(args)
     n = args.nproc or 4
     bad = []
     if args.strategy not in ZERO:

@@ -1,11 +1,11 @@
 """A healing PTD-P job end to end: ``R`` replicas of plait's GPT, each a ``pp x tp`` mesh
 of its own, one rank killed, its replica replaced (:mod:`plait.heal.replicas`).
 
-``plait demo --strategy ptdp -n 4 --pp 2 --reproducible --check --kill-rank 3
---kill-step 2`` runs it: two replicas of two pipeline stages; rank 3 (replica 1's second
-stage) kills itself at step 2, rank 2 (its first stage) finds its replica lost and leaves,
-replica 0 trains on alone (both blocks of the global batch), a replacement replica (two
-new processes) joins at a step boundary and the job ends at full size. ``--check``
+``plait demo -n 4 --pp 2 --check --kill-rank 3 --kill-step 2`` runs it: two replicas of
+two pipeline stages; rank 3 (replica 1's second stage) kills itself at step 2, rank 2 (its
+first stage) finds its replica lost and leaves, replica 0 trains on alone (both blocks of
+the global batch), a replacement replica (two new processes) joins at a step boundary and
+the job ends at full size. ``--check``
 compares the final parameters with the same job run without the fault (``max diff 0
 (bitwise)``) and with one process training the dense GPT on the same global batches
 (float64: within rounding, the layouts differ).
@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from plait.heal.launch import Ranks, start_store
-from plait.heal.replicas import ReplicaTrainer
+from plait.heal.replicas import ReplicaLost, ReplicaTrainer
 from plait.heal.trainer import ARRIVED
 from plait.models import GPT, GPTConfig
 from plait.strategies.compose import compose
@@ -121,10 +123,14 @@ def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], o
     )
     started = time.perf_counter()
     losses = []
-    while trainer.steps_done < c.steps:
-        if trainer.steps_done == c.rejoin_step and len(trainer.members) < c.world:
-            trainer.wait_for_replacements(c.timeout)
-        losses.append(float(trainer.step(*batch(c, trainer.steps_done))))
+    try:
+        while trainer.steps_done < c.steps:
+            if trainer.steps_done == c.rejoin_step and len(trainer.members) < c.world:
+                trainer.wait_for_replacements(c.timeout)
+            losses.append(float(trainer.step(*batch(c, trainer.steps_done))))
+    except ReplicaLost as exc:  # this rank's replica lost a rank: it leaves (exit 1)
+        print(f"rank {slot}: {str(exc)[:160]}...", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     dense = trainer.model.full_state_dict()  # collective over the replica's mesh
     name = f"rank{slot}{'-join' if join else ''}"
     flat = torch.cat([v.reshape(-1).double() for _, v in sorted(dense.items())])
@@ -202,3 +208,75 @@ def run(c: ReplicaConfig, out: str, *, deadline: float = 180.0) -> ReplicaReport
         finals[f.stem] = np.load(f)
         records.append(json.loads(f.with_suffix(".json").read_text()))
     return ReplicaReport(finals, records, codes, time.monotonic() - start)
+
+
+def main(args: Any) -> int:
+    """``plait demo -n N --pp P [--tp T] --kill-rank R --kill-step S [--check]``: the job
+    of the module docstring; 0 when it healed and, with ``--check``, ended bitwise equal to
+    the uninterrupted job (and within float64 rounding of one process)."""
+    n, pp, tp = args.nproc or 4, args.pp, args.tp or 1
+    size = pp * tp
+    replicas = n // size if n % size == 0 else 0
+    steps = args.steps or 6
+    bad = []
+    if replicas < 2 or replicas & (replicas - 1):
+        bad.append(
+            f"-n {n} with --pp {pp} --tp {tp}: {n} ranks in replicas of {size} must make a "
+            f"power of two >= 2 replicas (the tree's blocks)"
+        )
+    if not 0 <= args.kill_rank < n:
+        bad.append(f"--kill-rank {args.kill_rank}: must be a rank in 0..{n - 1}")
+    if args.kill_step is None or not 0 <= args.kill_step < steps - 1:
+        bad.append(f"--kill-step {args.kill_step}: a step in 0..{steps - 2} (--steps {steps})")
+    if bad:
+        print("plait demo: " + "; ".join(bad), file=sys.stderr)
+        return 2
+    victim = args.kill_rank // size
+    c = ReplicaConfig(
+        replicas=replicas,
+        pp=pp,
+        tp=tp,
+        steps=steps,
+        batch=4 * replicas,
+        faults=[[args.kill_rank, args.kill_step, victim, "kill"]],
+        rejoin=not args.no_rejoin,
+        rejoin_step=-1 if args.no_rejoin else min(steps - 1, args.kill_step + 2),
+    )
+    print(
+        f"plait demo: {replicas} replicas of plait's GPT, each pp={pp} x tp={tp} "
+        f"({n} ranks, float64, {steps} steps); rank {args.kill_rank} (replica {victim}) is "
+        f"killed (SIGKILL) in step {args.kill_step}"
+        + ("" if args.no_rejoin else "; a replacement replica joins")
+    )
+    report = run(c, tempfile.mkdtemp(prefix="plait-heal-ptdp-"), deadline=300.0)
+    first = min(report.records, key=lambda r: (r["join"], r["rank"])) if report.records else None
+    for h in first["heals"] if first else []:
+        print(
+            f"  {h['kind']}: ranks {h['from']} -> {h['to']} at step {h['at_step']} in "
+            f"{h['seconds']:.2f} s" + (f" ({h['cause'][:90]}...)" if h["cause"] else "")
+        )
+    healed = any(h["kind"] == "shrink" for r in report.records for h in r["heals"])
+    sizes = sorted({len(r["members"]) for r in report.records})
+    print(
+        f"plait demo: {'healed' if healed else 'did NOT heal'}; {len(report.finals)} ranks "
+        f"finished at size {sizes} in {report.seconds:.1f} s"
+    )
+    ok = healed and len(report.finals) >= n - size
+    if args.check:
+        clean = ReplicaConfig(replicas=replicas, pp=pp, tp=tp, steps=steps, batch=c.batch)
+        clean.rejoin = False
+        whole = run(clean, tempfile.mkdtemp(prefix="plait-heal-ptdp-clean-"), deadline=300.0)
+        base = next(iter(whole.finals.values()), None)
+        diff = (
+            max(float(np.abs(v - base).max()) for v in report.finals.values())
+            if base is not None and report.finals
+            else float("inf")
+        )
+        one = float(np.abs(base - reference(c)).max()) if base is not None else float("inf")
+        print(
+            f"plait demo: --check against the uninterrupted job: max diff {diff:g} "
+            f"({'bitwise' if diff == 0 else 'NOT bitwise'}); that job against one process: "
+            f"{one:.1e} (float64, another layout's rounding)"
+        )
+        ok = ok and diff == 0 and one < 1e-10
+    return 0 if ok else 1
