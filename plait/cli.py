@@ -141,6 +141,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if args.heal is not None:
         return _run_healing(args, multinode)
+    if args.replica_size != 1:
+        print(
+            "plait run: --replica-size is for a healing job: add --heal K (docs/healing.md)",
+            file=sys.stderr,
+        )
+        return 2
     if multinode:
         if args.min_nproc is not None:
             print(
@@ -182,7 +188,8 @@ def _run_healing(args: argparse.Namespace, multinode: bool) -> int:
         return 2
     from plait.heal import run as heal_run  # deferred: only healing jobs need it
 
-    argv = ["-n", str(args.nproc), "--replacements", str(args.heal), args.script]
+    argv = ["-n", str(args.nproc), "--replacements", str(args.heal)]
+    argv += ["--replica-size", str(args.replica_size), args.script]
     return heal_run.main(argv + list(args.script_args))
 
 
@@ -601,6 +608,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="heal instead of restarting: a dead rank does not stop the others, up to K "
         "replacements join (the script uses HealingTrainer.from_env; docs/healing.md)",
+    )
+    run.add_argument(
+        "--replica-size",
+        type=POSITIVE,
+        default=1,
+        metavar="P",
+        help="with --heal: ranks per model-parallel replica (PTD-P's pp x tp x cp; the "
+        "script uses ReplicaTrainer.from_env): a replica heals whole",
     )
     run.add_argument(
         "--heartbeat-timeout",

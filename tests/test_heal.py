@@ -169,10 +169,10 @@ def _refused():
     return "not refused"
 
 
-def test_tensor_parallel_ranks_are_refused_and_restart_as_before(ranks):
+def test_tensor_parallel_ranks_are_refused_naming_the_replica_trainer(ranks):
     (message,) = ranks(1, _refused)
     assert "ColumnParallelLinear: tensor parallelism" in message
-    assert "`plait run` restarts it from the last checkpoint" in message
+    assert "plait.heal.ReplicaTrainer" in message and "--max-restarts" in message
 
 
 # --- whole runs: fresh processes, a rank killed (more in test_heal_faults.py, slow) -----

@@ -152,8 +152,9 @@ class ReplicaTrainer:
             prefix=incarnation,
             ranks=range(first, first + size),
             rank=rank,
-            dp=1,
-            **replica,
+            # every dimension PTD-P reads (a missing one would make compose build a world
+            # mesh); the data-parallel one is 1: the replicas are the data parallelism
+            **{"pp": 1, "tp": 1, **replica, "dp": 1},
             **common,  # type: ignore[arg-type]
         )
         # every rank of the replica: the per-step agreement (and the state's)

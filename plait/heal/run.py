@@ -1,5 +1,5 @@
-"""``python -m plait.heal.run -n 4 [--replacements K] script.py args``: a healing job on
-this machine.
+"""``python -m plait.heal.run -n 4 [--replacements K] [--replica-size P] script.py args``:
+a healing job on this machine.
 
 Hosts the rendezvous store (it must outlive every rank) and starts ``n`` ranks, each
 ``python script.py args`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
@@ -9,7 +9,10 @@ Unlike ``plait run``, a rank that dies does not stop the others: they heal. With
 times in all, with ``PLAIT_HEAL_JOIN=1``: it joins at the next step boundary. The job's
 exit code is 0 when a rank trained to the end (exit 0: the others healed around the
 ones that died), 1 otherwise; ranks still running when it stops get SIGTERM, then
-SIGKILL.
+SIGKILL. ``--replica-size P``: the ranks form model-parallel replicas of ``P``
+(:class:`~plait.heal.replicas.ReplicaTrainer`): when one dies the others of its replica
+leave too (they exit non-zero) and each is started again, so the replica comes back whole
+(count ``P`` replacements per lost replica).
 
 A replacement by hand (another terminal, the job's store address printed at start)::
 
@@ -32,11 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plait.heal.run")
     parser.add_argument("-n", "--nproc", type=int, required=True)
     parser.add_argument("--replacements", type=int, default=0)
+    parser.add_argument("--replica-size", type=int, default=1)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     a = parser.parse_args(argv)
-    if a.nproc < 1 or a.nproc & (a.nproc - 1):
-        print(f"plait.heal.run: -n {a.nproc}: a power of two (the tree's blocks)", file=sys.stderr)
+    size = a.replica_size
+    replicas = a.nproc // size if size >= 1 and a.nproc % size == 0 else 0
+    if replicas < 1 or replicas & (replicas - 1):
+        print(
+            f"plait.heal.run: -n {a.nproc} in replicas of {size}: the number of replicas must "
+            f"be a whole power of two (the tree's blocks)",
+            file=sys.stderr,
+        )
         return 2
     store, address = start_store()
     host, port = address.rsplit(":", 1)

@@ -82,8 +82,8 @@ _UNHEALABLE = {
 
 def _refuse_sharded(module: nn.Module) -> None:
     """Refuse, naming the layer, a model a rank of which holds what no peer holds: such a
-    rank cannot be replaced from a live peer, so its failure fails the job as before and
-    ``plait run`` restarts it from the last checkpoint (docs/launching.md)."""
+    rank cannot be replaced from a live peer of its own position here; its whole replica
+    can (:class:`~plait.heal.replicas.ReplicaTrainer`)."""
     for name, sub in module.named_modules():
         if getattr(sub, "_plait_fsdp_units", None):
             raise ValueError(
@@ -94,11 +94,14 @@ def _refuse_sharded(module: nn.Module) -> None:
         owner = type(sub).__module__
         for prefix, what in _UNHEALABLE.items():
             if owner.startswith(prefix):
+                if prefix.endswith("data_parallel"):
+                    raise ValueError(f"healing: {name or 'the model'} is {what}")
                 raise ValueError(
-                    f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. Only "
-                    f"data-parallel replicas heal; a failed rank of this job fails the job, "
-                    f"and `plait run` restarts it from the last checkpoint as without "
-                    f"healing (--max-restarts, docs/launching.md)"
+                    f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. "
+                    f"HealingTrainer heals ranks that each hold the whole model; a model cut "
+                    f"over ranks heals by whole replicas: build it on the replica's mesh "
+                    f"with plait.heal.ReplicaTrainer (docs/healing.md), or without healing "
+                    f"`plait run` restarts it from the last checkpoint (--max-restarts)"
                 )
 
 
