@@ -179,3 +179,40 @@ def test_job_a_tensor_parallel_replica_heals_too_and_a_raise_counts_as_a_death(t
     assert report.codes[1][0] == 1 and report.codes[0][0] == 1
     assert sorted(report.finals) == ["rank0-join", "rank1-join", "rank2", "rank3"]
     assert _equal_everywhere(report, whole)
+
+
+def test_job_a_second_replica_lost_while_the_first_heals_still_ends_bitwise(tmp_path):
+    """Rank 5 (replica 2) is killed in step 2; rank 3 (replica 1) dies as it starts
+    healing: replicas 0 and 3 go on with two blocks each."""
+    report, whole = _job(
+        tmp_path,
+        replicas=4,
+        batch=16,
+        faults=[[5, 2, 2, "kill"], [3, 2, -1, "kill"]],
+        rejoin=False,
+        steps=4,
+    )
+    assert sorted(report.finals) == ["rank0", "rank1", "rank6", "rank7"]
+    assert all(r["members"] == [0, 1, 6, 7] for r in report.records)
+    assert _equal_everywhere(report, whole)
+
+
+def test_job_a_frozen_rank_and_a_replacement_dead_on_arrival(tmp_path):
+    """Rank 3 freezes (SIGSTOP) in step 1: its replica-mate and the position-1 peer find
+    it by the heartbeat, the replica leaves; the replacement's rank 3 dies on arrival: the
+    survivors' grown generation fails to connect and they go on alone, bitwise."""
+    report, whole = _job(
+        tmp_path,
+        faults=[[3, 1, 1, "stop"]],
+        rejoin_faults=[[3, -1, -2, "kill"]],
+        rejoin=True,
+        rejoin_step=2,
+        steps=4,
+        heartbeat_timeout=2.0,
+        connect_timeout=5.0,
+    )
+    assert sorted(report.finals) == ["rank0", "rank1"]
+    assert all(r["members"] == [0, 1] for r in report.records)
+    causes = [h["cause"] for r in report.records for h in r["heals"] if h["kind"] == "shrink"]
+    assert any("PeerUnresponsive" in c or "CollectiveError" in c for c in causes), causes
+    assert _equal_everywhere(report, whole)

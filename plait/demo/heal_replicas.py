@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from plait.demo.heal import _stopped
 from plait.heal.launch import Ranks, start_store
 from plait.heal.replicas import ReplicaLost, ReplicaTrainer
 from plait.heal.trainer import ARRIVED
@@ -40,8 +41,9 @@ from plait.strategies.reproducible.tree import tree_sum
 @dataclass
 class ReplicaConfig:
     """One healing PTD-P run: ``replicas`` replicas of ``pp x tp`` ranks; ``faults``:
-    ``[rank, step, block, how]`` (``how``: ``"kill"`` or ``"raise"``; ``block`` -2 with
-    step -1: a replacement on arrival); ``rejoin``: start a replacement replica once every
+    ``[rank, step, block, how]`` (``how``: ``"kill"``, ``"raise"`` or ``"stop"``: SIGSTOP,
+    frozen past the heartbeat, never replaced, ended by the run; ``block`` -2 with step -1:
+    a replacement on arrival); ``rejoin``: start a replacement replica once every
     rank of a lost one is gone (``rejoin_faults``: faults of the replacements)."""
 
     replicas: int = 2
@@ -100,7 +102,7 @@ def _fault(rank: int, faults: list[list[Any]], out: str) -> Any:
                 (Path(out) / f"fault-{rank}-{step}.txt").write_text(repr(time.time()))
                 if how == "raise":
                     raise RuntimeError(f"rank {rank}: the fault asked for at step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
     return fault
 
@@ -189,18 +191,19 @@ def run(c: ReplicaConfig, out: str, *, deadline: float = 180.0) -> ReplicaReport
         procs = {s: ranks.spawn(train_rank, slot=s, join=False, **kwargs) for s in range(c.world)}
         replaced: set[int] = set()
         while time.monotonic() - start < deadline:
-            if not any(p.is_alive() for _, p in ranks.started):
+            if not any(p.is_alive() and not _stopped(p.pid) for _, p in ranks.started):
                 break
             if c.rejoin:  # a lost replica whose every rank is gone: start it again, whole
                 for r in range(c.replicas):
                     slots = range(r * c.size, (r + 1) * c.size)
-                    gone = all(not procs[s].is_alive() for s in slots)
-                    if r not in replaced and gone and any(procs[s].exitcode for s in slots):
+                    gone = all(not procs[s].is_alive() or _stopped(procs[s].pid) for s in slots)
+                    failed = any(procs[s].exitcode or _stopped(procs[s].pid) for s in slots)
+                    if r not in replaced and gone and failed:
                         replaced.add(r)
                         for s in slots:
                             procs[s] = ranks.spawn(train_rank, slot=s, join=True, **kwargs)
             time.sleep(0.05)
-        left = [p for _, p in ranks.started if p.is_alive()]
+        left = [p for _, p in ranks.started if p.is_alive() and not _stopped(p.pid)]
         codes = ranks.wait(max(0.0, deadline - (time.monotonic() - start)) if left else 0.0)
     del store
     finals, records = {}, []
