@@ -60,6 +60,10 @@ class ReplicaConfig:
     heartbeat_timeout: float = 5.0
     connect_timeout: float = 10.0
     timeout: float = 60.0
+    width: int = 16  # the GPT's (benchmarks/heal_replicas.py trains a larger one)
+    layers: int = 2
+    seq_len: int = 8
+    dtype: str = "float64"
 
     @property
     def size(self) -> int:
@@ -70,21 +74,30 @@ class ReplicaConfig:
         return self.replicas * self.size
 
 
-def gpt_config() -> GPTConfig:
-    """A small GPT in float64: 2 blocks (4 pipeline layers), 4 heads of width 4."""
-    return GPTConfig(vocab=13, layers=2, heads=4, width=16, seq_len=8, dtype=torch.float64)
+def gpt_config(c: ReplicaConfig) -> GPTConfig:
+    """The job's GPT: by default small, in float64 (2 blocks = 4 pipeline layers, 4 heads
+    of width 4, vocabulary 13)."""
+    return GPTConfig(
+        vocab=13,
+        layers=c.layers,
+        heads=4,
+        width=c.width,
+        seq_len=c.seq_len,
+        dtype=getattr(torch, c.dtype),
+    )
 
 
 def batch(c: ReplicaConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (the same on every rank and in the reference)."""
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, gpt_config().vocab, (c.batch, gpt_config().seq_len + 1), generator=g)
+    cfg = gpt_config(c)
+    ids = torch.randint(0, cfg.vocab, (c.batch, cfg.seq_len + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
 
 def _build(c: ReplicaConfig) -> Any:
     def build(mesh: Any) -> Any:
-        model = GPT(gpt_config())  # the config's seed: the same weights on every rank
+        model = GPT(gpt_config(c))  # the config's seed: the same weights on every rank
         optimizer = torch.optim.Adam(model.parameters(), lr=c.lr)
         return compose(model, optimizer, mesh=mesh, microbatches=c.microbatches)
 
@@ -124,12 +137,14 @@ def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], o
         fault=_fault(slot, c.rejoin_faults if join else c.faults, out),
     )
     started = time.perf_counter()
-    losses = []
+    losses, seconds = [], []
     try:
         while trainer.steps_done < c.steps:
             if trainer.steps_done == c.rejoin_step and len(trainer.members) < c.world:
                 trainer.wait_for_replacements(c.timeout)
+            t0 = time.perf_counter()
             losses.append(float(trainer.step(*batch(c, trainer.steps_done))))
+            seconds.append(time.perf_counter() - t0)
     except ReplicaLost as exc:  # this rank's replica lost a rank: it leaves (exit 1)
         print(f"rank {slot}: {str(exc)[:160]}...", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -143,6 +158,7 @@ def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], o
         "heals": trainer.heals,
         "members": list(trainer.members),
         "losses": losses,
+        "step_seconds": seconds,
         "seconds": time.perf_counter() - started,
     }
     (Path(out) / f"{name}.json").write_text(json.dumps(record))
@@ -152,7 +168,7 @@ def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], o
 def reference(c: ReplicaConfig) -> np.ndarray:
     """One process, the dense GPT: each step the mean over the ``R`` blocks of each
     block's mean-loss gradient (summed along the tree over blocks), then Adam."""
-    model = GPT(gpt_config())
+    model = GPT(gpt_config(c))
     optimizer = torch.optim.Adam(model.parameters(), lr=c.lr)
     rows = c.batch // c.replicas
     for step in range(c.steps):
