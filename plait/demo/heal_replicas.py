@@ -180,12 +180,16 @@ def reference(c: ReplicaConfig) -> np.ndarray:
             F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), y[v * rows : (v + 1) * rows].reshape(-1)
             ).backward()
-            parts.append([p.grad.clone() for p in model.parameters()])
+            parts.append([_grad(p) for p in model.parameters()])
         for i, p in enumerate(model.parameters()):
             p.grad = tree_sum([g[i] for g in parts]) / c.replicas
         optimizer.step()
     state = model.state_dict()
     return torch.cat([v.reshape(-1).double() for _, v in sorted(state.items())]).numpy()
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.clone() if p.grad is not None else torch.zeros_like(p)
 
 
 @dataclass

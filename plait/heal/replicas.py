@@ -145,17 +145,19 @@ class ReplicaTrainer:
             self.membership.request_join()
             number = self.membership.wait_admitted()
         first = self.index * size
-        common = dict(backend=backend, timeout=timeout, connect_timeout=connect_timeout)
         incarnation = f"plait/heal/replica{self.index}/{'gen' + str(number) if join else 'start'}"
+        # every dimension PTD-P reads (a missing one would make compose build a world
+        # mesh); the data-parallel one is 1: the replicas are the data parallelism
+        dims = {"pp": 1, "tp": 1, **replica, "dp": 1}
         self.mesh = StoreMesh(
             self.store,
             prefix=incarnation,
             ranks=range(first, first + size),
             rank=rank,
-            # every dimension PTD-P reads (a missing one would make compose build a world
-            # mesh); the data-parallel one is 1: the replicas are the data parallelism
-            **{"pp": 1, "tp": 1, **replica, "dp": 1},
-            **common,  # type: ignore[arg-type]
+            backend=backend,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            **dims,
         )
         # every rank of the replica: the per-step agreement (and the state's)
         self.replica_group = groups.make(
@@ -163,7 +165,9 @@ class ReplicaTrainer:
             tuple(range(first, first + size)),
             rank,
             name=f"{incarnation}.all",
-            **common,  # type: ignore[arg-type]
+            backend=backend,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
         )
         self.model = build(self.mesh)
         self.optimizer: torch.optim.Optimizer = self.model.optimizer
