@@ -111,6 +111,7 @@ class ShardedParams(ShardedState):
                     f"Give each parameter its own storage, or use zero=1"
                 )
         self.gathered = True  # the model holds its parameters until start() frees them
+        self.peak = 0  # the most parameter bytes held at once since reset (note_peak)
 
     # --- the model's parameters: freed, gathered ---------------------------------------
     def free(self) -> None:
@@ -129,6 +130,13 @@ class ShardedParams(ShardedState):
                 storage.resize_(p.numel() * p.element_size())
         super()._write(flat)
         self.gathered = True
+        self.note_peak(extra=flat.untyped_storage().nbytes())
+        self._flat_buffer = None  # not kept between steps (zero=1 keeps it): at rest 2/n
+
+    def note_peak(self, *, extra: int = 0) -> None:
+        """Raise :attr:`peak` to the parameter bytes the model's storages hold now, plus
+        ``extra`` (a gather's buffer). Local."""
+        self.peak = max(self.peak, held_bytes(self.params) + extra)
 
     def unshard(self, group: Group | None) -> None:
         """The full parameters into the model, from the members' chunks (module
@@ -224,6 +232,11 @@ class ShardedParams(ShardedState):
             desc=f"blocks {mine} of {world} to own + mirror chunks",
         )
         return result
+
+
+def held_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of the parameters' storages allocated now (a freed one counts 0). Local."""
+    return sum(p.untyped_storage().nbytes() for p in params)
 
 
 def sharded_state(

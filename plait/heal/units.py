@@ -176,7 +176,6 @@ class UnitGathers:
         self.count = 0  # unit gathers this step
         self.cursor = len(self.order)  # position in this micro-batch's order
         self.left: list[int] = [len(u.params) for u in self.units]
-        self.peak = 0  # the most parameter bytes held at once since reset_peak
         for i, u in enumerate(self.units):
             assert u.module is not None
             u.module.register_forward_pre_hook(partial(self._pre_forward, i))
@@ -220,9 +219,6 @@ class UnitGathers:
                 f"skipped by the model's control flow, or without a gradient?); gather the "
                 f"whole model with wrap=None"
             )
-
-    def reset_peak(self) -> None:
-        self.peak = 0
 
     # --- hooks -------------------------------------------------------------------------
     def _expect(self, i: int, where: str) -> None:
@@ -326,9 +322,4 @@ class UnitGathers:
                 signature=f"zero unit {unit.name} bytes={nbytes}",
                 desc=f"healing zero=3: unit {unit.name}{' (idle)' if mine_idle else ''}",
             )
-        self.peak = max(self.peak, held_bytes(sh.params))
-
-
-def held_bytes(params: list[nn.Parameter]) -> int:
-    """Bytes of the parameters' storages allocated now (a freed one counts 0). Local."""
-    return sum(p.untyped_storage().nbytes() for p in params)
+        sh.note_peak()
