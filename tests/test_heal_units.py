@@ -149,7 +149,9 @@ def _steps(owned: dict[int, list[int]], wraps: list[object]) -> dict[str, object
 
 
 def _unit_bytes() -> list[int]:
-    return [8 * sum(p.numel() for p in m.parameters()) for m in _model() if isinstance(m, nn.Linear)]
+    return [
+        8 * sum(p.numel() for p in m.parameters()) for m in _model() if isinstance(m, nn.Linear)
+    ]
 
 
 def test_per_unit_equals_the_whole_model_path_and_one_process_and_holds_two_units_at_most(ranks):

@@ -123,10 +123,11 @@ class HealingTrainer:
     them, zero=3 at the step's start), under zero=3 in the exchange with (step,
     ``SUMMED``): fault tests and the demo kill or raise there. ``bucket_mb``: the
     exchange's bucket size in MiB (reproducible mode, zero < 3; plait's DDP default),
-    each bucket exchanged during the last backward (:mod:`.buckets`). ``wrap`` (``zero=3``): the units
-    gathered one at a time during the step (:mod:`.units`; plait FSDP's vocabulary:
-    ``"children"``, the top-level modules, a set or tuple of module classes, or a list of
-    modules), or None: the whole model gathered at the step's start (:mod:`.fsdp`)."""
+    each bucket exchanged during the last backward (:mod:`.buckets`). ``wrap``
+    (``zero=3``): the units gathered one at a time during the step (:mod:`.units`; plait
+    FSDP's vocabulary: ``"children"``, the top-level modules, the default; a set or tuple
+    of module classes; a list of modules), or None: the whole model gathered at the
+    step's start (:mod:`.fsdp`)."""
 
     def __init__(
         self,

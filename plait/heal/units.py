@@ -70,7 +70,7 @@ def select(module: nn.Module, wrap: Wrap | Sequence[nn.Module]) -> list[nn.Modul
             raise ValueError(f"healing zero=3: wrap={wrap!r}; the only name is {CHILDREN!r}")
         return [c for c in module.children() if any(p.requires_grad for p in c.parameters())]
     if isinstance(wrap, (set, frozenset, tuple)) and all(isinstance(c, type) for c in wrap):
-        classes, chosen, inside = tuple(wrap), [], set()
+        classes, chosen, inside = tuple(wrap), [], set[int]()
         for m in module.modules():  # pre-order: the outermost first
             if id(m) in inside:
                 continue
@@ -184,9 +184,7 @@ class UnitGathers:
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
 
     # --- the step ----------------------------------------------------------------------
-    def begin(
-        self, group: Group, *, owned: dict[int, list[int]], per: int
-    ) -> None:
+    def begin(self, group: Group, *, owned: dict[int, list[int]], per: int) -> None:
         """The step's start: the root unit gathered (one collective on ``group``, every
         member at once), the rounds set from ``owned`` (blocks per slot) and ``per``
         (micro-batches per block)."""
@@ -309,7 +307,9 @@ class UnitGathers:
                     if q != (me - 1) % n and q not in idle:  # the predecessor mirrors it
                         pending += [ch.isend(own[c0:c1], q) for _, _, _, c0, c1 in cut[me]]
                     if not mine_idle and q not in sh.held:
-                        pending += [ch.irecv(p.data.view(-1)[lo:hi], q) for p, lo, hi, _, _ in cut[q]]
+                        pending += [
+                            ch.irecv(p.data.view(-1)[lo:hi], q) for p, lo, hi, _, _ in cut[q]
+                        ]
                 ch.wait(*pending)
 
             nbytes = unit.numel * sh.params[0].element_size()
