@@ -23,6 +23,23 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
+class _Scaled(nn.Module):
+    """A parameter of the root's own (the root unit: gathered for the whole step) and a
+    frozen one (replicated, never gathered) around the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.scale = nn.Parameter(torch.full((4,), 0.5, dtype=torch.float64))
+        self.shift = nn.Parameter(torch.ones(4, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale + self.shift
+
+
+MODELS = {"mlp": _model, "scaled": _Scaled}
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return (
@@ -84,7 +101,9 @@ def test_wrap_without_zero3_is_refused():
         )
 
 
-def _steps(owned: dict[int, list[int]], wraps: list[object]) -> dict[str, object]:
+def _steps(
+    owned: dict[int, list[int]], wraps: list[object], kind: str = "mlp"
+) -> dict[str, object]:
     """``STEPS`` Adam steps of the trainer's zero=3 path on this pool's group, once per
     entry of ``wraps`` (None: the whole model at the step's start), ``owned``: blocks per
     group rank (a pool of 3 ranks plays the survivors of a 4-slot job)."""
@@ -97,9 +116,9 @@ def _steps(owned: dict[int, list[int]], wraps: list[object]) -> dict[str, object
     group = plait.world()
     out: dict[str, object] = {}
     for wrap in wraps:
-        model = _model()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        params = list(model.parameters())
+        model = MODELS[kind]()
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        params = [p for p in model.parameters() if p.requires_grad]
         sharded = ShardedParams(opt, params)
         units = None if wrap is None else UnitGathers(sharded, model, wrap=wrap, slot=group.rank)
         compute = BlockCompute(
@@ -139,8 +158,8 @@ def _steps(owned: dict[int, list[int]], wraps: list[object]) -> dict[str, object
             sharded.free()
         sharded.unshard(group)
         out[repr(wrap)] = {"flat": _flat(model), "peaks": peaks, "sent": sent}
-    reference = _model()
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    reference = MODELS[kind]()
+    ref_opt = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     runner = ReproducibleRunner(
         reference, ref_opt, loss_fn=nn.functional.cross_entropy, microbatch_size=M
     )
@@ -213,3 +232,12 @@ def test_a_forward_that_calls_the_units_out_of_the_listed_order_is_refused_at_on
     for message in ranks(2, _out_of_order):
         assert "the forward reached unit 0 where unit 6 was due" in message
         assert "wrap=[...]" in message
+
+
+def test_a_root_parameter_is_kept_for_the_step_and_a_frozen_one_stays_replicated(ranks):
+    """wrap={nn.Linear} inside a module with a trainable parameter of its own (the root
+    unit) and a frozen one: torch.equal to the whole-model path and to one process."""
+    out = ranks(2, _steps, {0: [0, 1], 1: [2, 3]}, [(nn.Linear,), None], "scaled")
+    for r in out:
+        assert torch.equal(r[repr((nn.Linear,))]["flat"], r["None"]["flat"])
+        assert torch.equal(r["None"]["flat"], r["one process"])
