@@ -71,7 +71,7 @@ def test_units_are_chosen_in_plaits_fsdp_vocabulary_and_never_nest():
         select(model, 100)  # type: ignore[arg-type]
 
 
-def test_tied_parameters_across_units_are_refused_by_name():
+def test_tied_parameters_across_units_and_a_wrap_that_selects_nothing_are_refused():
     from plait.heal.fsdp import ShardedParams
     from plait.heal.units import UnitGathers
 
@@ -81,6 +81,8 @@ def test_tied_parameters_across_units_are_refused_by_name():
     sharded = ShardedParams(torch.optim.SGD(params, lr=0.1), params)
     with pytest.raises(ValueError, match=r"parameter 1.weight is in units 0 and 1 \(tied"):
         UnitGathers(sharded, model, wrap=CHILDREN, slot=0)
+    with pytest.raises(ValueError, match="selects no module holding trainable parameters"):
+        UnitGathers(sharded, model, wrap={nn.Conv2d}, slot=0)
 
 
 def test_wrap_without_zero3_is_refused():

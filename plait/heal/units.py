@@ -1,6 +1,7 @@
 """Healing FSDP gathered one unit at a time (``HealingTrainer(zero=3, wrap=...)``): each
 unit's parameters exist in full only around its forward and its backward, so a step's
-peak holds one or two units, not the model.
+peak holds the largest unit (and the root unit), not the model. A model with no
+top-level module holding parameters is all root unit under the default: the whole model.
 
 Units are chosen as plait's FSDP chooses them (``wrap``, :func:`select`): ``"children"``
 (the top-level modules that hold trainable parameters), a set or tuple of module classes
@@ -166,6 +167,11 @@ class UnitGathers:
                 params.append((p, *offsets[id(p)]))
             if params:
                 self.units.append(Unit(names[id(m)], m, params))
+        if not self.units and wrap != CHILDREN:
+            raise ValueError(
+                f"healing zero=3: wrap={wrap!r} selects no module holding trainable "
+                f"parameters; name the modules to gather one at a time, or pass wrap=None"
+            )
         rest = [(p, *offsets[id(p)]) for p in sharded.params if id(p) not in claimed]
         self.root = Unit("(root)", None, rest)
         self.order = gather_order(len(self.units))
