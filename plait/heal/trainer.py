@@ -18,8 +18,9 @@ cursor: a replacement receives it with the state). Each step:
 3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
    ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
    members exchange the new parameter chunks (:mod:`.zero`); with ``zero=3`` the
-   parameters are sharded too: gathered at the step's start, freed after the backward,
-   the exchange gives each member only the two chunks it steps (:mod:`.fsdp`).
+   parameters are sharded too: gathered one unit at a time around each unit's forward
+   and backward (:mod:`.units`; ``wrap=None``: the whole model at the step's start),
+   and the exchange gives each member only the two chunks it steps (:mod:`.fsdp`).
 
 When the exchange raises (a member was killed, raised, or froze past the heartbeat),
 the member abandons the generation's group (:func:`.groups.abandon`), agrees on the next
