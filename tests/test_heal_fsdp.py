@@ -206,8 +206,7 @@ def _run(tmp_path, **kw):
 def _params_held_at_rest(report) -> list[int]:
     """Bytes of parameters each member held after its last step, over those of its two
     chunks (the model's own freed): 1.0 each."""
-    numel = 16 * 32 + 32 + 32 * 4 + 4  # the demo's float64 MLP
-    cut = bounds(numel, 4)
+    cut = bounds(NUMEL, 4)
     out = []
     for r in sorted(report.records, key=lambda r: r["slot"]):
         mine = [r["slot"], (r["slot"] + 1) % 4]
@@ -215,18 +214,37 @@ def _params_held_at_rest(report) -> list[int]:
     return out
 
 
+NUMEL = 16 * 32 + 32 + 32 * 4 + 4  # the demo's float64 MLP: two nn.Linear units
+LARGEST_UNIT = 8 * (16 * 32 + 32)
+
+
 def test_a_killed_rank_is_healed_around_bitwise_under_fsdp(tmp_path):
     """In make test (the rest of the whole runs are in the slow set): slot 2 dies in step
-    2; its parameter chunk and state live on in slot 1's mirror, the survivors re-shard
-    among three, hold no full parameter at rest and end torch.equal to one process."""
-    report, diff = _run(tmp_path, faults=[[2, 2, 5, "kill"]], rejoin=False, steps=3)
+    2, inside the gathers of one unit at a time (the default); its parameter chunk and
+    state live on in slot 1's mirror, the survivors re-shard among three (slot 0 computes
+    two blocks, the others idle through its second round), hold no full parameter at rest,
+    at most the largest unit in a step, and end torch.equal to one process."""
+    report, diff = _run(tmp_path, faults=[[2, 2, 5, "kill"]], rejoin=False, steps=4)
     assert report.codes[2] == [-9] and sorted(report.finals) == ["slot0", "slot1", "slot3"]
-    cut = bounds(16 * 32 + 32 + 32 * 4 + 4, 3)  # the demo's float64 MLP among three
+    cut = bounds(NUMEL, 3)  # among three
     for r in report.records:
         assert [(h["kind"], h["to"]) for h in r["heals"]] == [("shrink", [0, 1, 3])]
         rank = [0, 1, 3].index(r["slot"])  # it holds chunks rank and rank + 1 of 3
         chunks = sum(cut[c][1] - cut[c][0] for c in (rank, (rank + 1) % 3))
         assert r["held"]["params"] == 8 * chunks  # the model's own parameters freed
+        assert r["peaks"][-1] == LARGEST_UNIT  # step 3 (step 2 re-shards: the model once)
+    assert diff == 0.0
+
+
+def test_whole_job_fsdp_whole_model_gather_heals_bitwise_too(tmp_path):
+    """wrap=None: the whole model gathered at each step's start (its flat vector and the
+    parameters: twice the model at the peak); a kill and a replacement, torch.equal."""
+    report, diff = _run(
+        tmp_path, faults=[[1, 1, 2, "kill"]], rejoin=True, rejoin_step=2, steps=4, wrap=None
+    )
+    assert len(report.finals) == 4 and "slot1-join" in report.finals
+    assert all(r["peaks"][-1] == 2 * 8 * NUMEL for r in report.records)
+    assert _params_held_at_rest(report) == [1.0] * 4
     assert diff == 0.0
 
 

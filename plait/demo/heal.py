@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from plait.demo.digits import load_digits
+from plait.heal.fsdp import ShardedParams
 from plait.heal.launch import Ranks, start_store
 from plait.heal.trainer import ARRIVED, HealingTrainer
 from plait.models.cnn import DigitsCNN
@@ -68,6 +69,7 @@ class HealConfig:
     zero: int = 0  # 1 or 2: sharded optimizer state, mirrored on the ring neighbour; 3: the
     # parameters sharded too (FSDP), freed between steps
     bucket_mb: float = 25.0  # the exchange's bucket size (reproducible mode)
+    wrap: str | None = "children"  # zero=3: one unit at a time; None: the whole model
 
 
 def _model(c: HealConfig) -> nn.Module:
@@ -177,15 +179,20 @@ def train_rank(
         fault=fault,
         zero=c.zero,
         bucket_mb=c.bucket_mb,
+        wrap=c.wrap if c.zero == 3 else "children",
     )
     started = time.perf_counter()
     steps: list[float] = []
+    peaks: list[int] = []  # zero=3: the most parameter bytes held in each step
     while trainer.steps_done < c.steps:
         if trainer.steps_done == c.rejoin_step and len(trainer.members) < world:
             trainer.wait_for_replacements(c.timeout)
         t0 = time.perf_counter()
+        if isinstance(trainer.sharded, ShardedParams):
+            trainer.sharded.peak = 0
         trainer.step(*batch(c, trainer.steps_done))
         steps.append(time.perf_counter() - t0)
+        peaks.append(getattr(trainer.sharded, "peak", 0))
     held = measure(trainer.sharded or model, optimizer)  # at rest: before unshard
     trainer.unshard()  # zero=3: the full parameters, to save them (collective)
     name = f"slot{slot}{'-join' if join else ''}"
@@ -197,6 +204,7 @@ def train_rank(
         "members": list(trainer.members),
         "seconds": time.perf_counter() - started,
         "step_seconds": steps,
+        "peaks": peaks,
         "loss": float(trainer.last_loss),
         "returned": trainer.returned,
         "held": {"params": held.params_bytes, "optimizer": held.optimizer_bytes},

@@ -14,14 +14,19 @@ optimizer's reference to it stay), so at rest a member holds ``2/n`` of the para
 A parameter used while freed raises (its data is not allocated), never reads stale
 values.
 
-One step (the whole model is one unit: every parameter is gathered for the step's
-forward and backward, freed once the last backward is done):
+One step. By default (``HealingTrainer(zero=3)``, ``wrap="children"``) the parameters
+are gathered **one unit at a time** (:mod:`.units`: each top-level module before its
+forward and again before its backward, freed after each; every member runs as many rounds
+of micro-batches as the member with the most blocks, idle where it has none, so the
+gathers pair up after a death). With ``wrap=None`` the whole model is one unit:
 
 1. :meth:`ShardedParams.unshard` at the step's start: every member sends its own chunk to
    the members that do not hold it (the neighbour that mirrors it has it already), point
    to point on the generation's group, counted as ``all_gather`` / ``heal/zero``:
    ``(n-2)/n`` of the parameters out and in per member. The storage is re-allocated and
-   the full flat vector written into the model.
+   the full flat vector written into the model (the flat vector is freed then; zero=1/2
+   keep theirs between steps). Per unit, the same messages restricted to the unit
+   (``heal/zero_unit``), ``2U-1`` gathers per micro-batch.
 2. The micro-batches of this member's blocks (the trainer), then
    :meth:`ShardedParams.exchange`: it frees the parameters (the backward is done), then
    adds the blocks' gradients in the fixed tree's order and gives each member only the
@@ -48,15 +53,14 @@ full parameters into the model for the moment: here they are freed again at once
 replacement receives its chunks from the live holders, and two ring neighbours dying in
 the same step lose a chunk (:class:`~.zero.StateLost`).
 
-Peak memory in a step: the full parameters, the full gradients of the blocks being summed
-(the tree's accumulators, as under ``zero=0/1``) and the exchange's vector. A per-module
-unit (gathering each top-level module in its forward, freeing it after its backward, as
-plait's FSDP does with hooks) would lower the parameters' part to one unit; it is not
-built: after a death the members run different numbers of micro-batches (a survivor
-computes the dead slot's block too), so one gather per module per micro-batch would not
-pair up across members, and a module kept gathered over the step's micro-batches is the
-whole model again. It needs gathers issued per step and per module in one agreed order
-(a member with fewer micro-batches keeping its units, or idle gathers), not hooks alone.
+Peak memory in a step (:attr:`ShardedParams.peak` counts the parameters' part): per unit,
+the largest unit (plus the root unit: the parameters in no unit, kept for the step);
+with ``wrap=None`` the full parameters and the gather's flat vector (2x the parameters for
+the moment of the gather). Either way the full gradients of the blocks being summed (the
+tree's accumulators, as under ``zero=0/1``) and the exchange's vector: the gradients are
+not reduce-scattered per unit (the exchange needs every block's whole sum after the last
+backward). Per unit sends more: ``K * per * (2U-1)`` unit gathers per step against one
+gather of the model (benchmarks/heal_fsdp.py).
 Frozen parameters (``requires_grad=False``) and buffers stay replicated, in full, on
 every member.
 """
@@ -111,6 +115,7 @@ class ShardedParams(ShardedState):
                     f"Give each parameter its own storage, or use zero=1"
                 )
         self.gathered = True  # the model holds its parameters until start() frees them
+        self.peak = 0  # the most parameter bytes held at once since reset (note_peak)
 
     # --- the model's parameters: freed, gathered ---------------------------------------
     def free(self) -> None:
@@ -129,6 +134,13 @@ class ShardedParams(ShardedState):
                 storage.resize_(p.numel() * p.element_size())
         super()._write(flat)
         self.gathered = True
+        self.note_peak(extra=flat.untyped_storage().nbytes())
+        self._flat_buffer = None  # not kept between steps (zero=1 keeps it): at rest 2/n
+
+    def note_peak(self, *, extra: int = 0) -> None:
+        """Raise :attr:`peak` to the parameter bytes the model's storages hold now, plus
+        ``extra`` (a gather's buffer). Local."""
+        self.peak = max(self.peak, held_bytes(self.params) + extra)
 
     def unshard(self, group: Group | None) -> None:
         """The full parameters into the model, from the members' chunks (module
@@ -224,6 +236,11 @@ class ShardedParams(ShardedState):
             desc=f"blocks {mine} of {world} to own + mirror chunks",
         )
         return result
+
+
+def held_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of the parameters' storages allocated now (a freed one counts 0). Local."""
+    return sum(p.untyped_storage().nbytes() for p in params)
 
 
 def sharded_state(

@@ -18,8 +18,9 @@ cursor: a replacement receives it with the state). Each step:
 3. every member steps its full optimizer (replicated state, as DDP); with ``zero=1`` or
    ``2`` it steps its chunk of the state and a mirror of its ring neighbour's, and the
    members exchange the new parameter chunks (:mod:`.zero`); with ``zero=3`` the
-   parameters are sharded too: gathered at the step's start, freed after the backward,
-   the exchange gives each member only the two chunks it steps (:mod:`.fsdp`).
+   parameters are sharded too: gathered one unit at a time around each unit's forward
+   and backward (:mod:`.units`; ``wrap=None``: the whole model at the step's start),
+   and the exchange gives each member only the two chunks it steps (:mod:`.fsdp`).
 
 When the exchange raises (a member was killed, raised, or froze past the heartbeat),
 the member abandons the generation's group (:func:`.groups.abandon`), agrees on the next
@@ -58,6 +59,7 @@ from plait.heal.buckets import OverlappedExchange
 from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
 from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.units import CHILDREN, UnitGathers, Wrap
 from plait.heal.zero import StateLost
 from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
 
@@ -124,7 +126,11 @@ class HealingTrainer:
     them, zero=3 at the step's start), under zero=3 in the exchange with (step,
     ``SUMMED``): fault tests and the demo kill or raise there. ``bucket_mb``: the
     exchange's bucket size in MiB (reproducible mode, zero < 3; plait's DDP default),
-    each bucket exchanged during the last backward (:mod:`.buckets`)."""
+    each bucket exchanged during the last backward (:mod:`.buckets`). ``wrap``
+    (``zero=3``): the units gathered one at a time during the step (:mod:`.units`; plait
+    FSDP's vocabulary: ``"children"``, the top-level modules, the default; a set or tuple
+    of module classes; a list of modules), or None: the whole model gathered at the
+    step's start (:mod:`.fsdp`)."""
 
     def __init__(
         self,
@@ -146,6 +152,7 @@ class HealingTrainer:
         fault: Fault | None = None,
         zero: int = 0,
         bucket_mb: float = 25.0,
+        wrap: Wrap | list[nn.Module] | None = CHILDREN,
     ) -> None:
         if not is_power_of_two(world):
             raise LayoutError(
@@ -158,6 +165,11 @@ class HealingTrainer:
                 f"healing: zero={zero!r}; 0 (replicated optimizer, DDP), 1 or 2 (sharded "
                 f"optimizer state with a neighbour's mirror), 3 (FSDP: the parameters "
                 f"sharded too; docs/healing.md)"
+            )
+        if zero != 3 and wrap != CHILDREN and wrap is not None:
+            raise ValueError(
+                f"healing: wrap={wrap!r} chooses the units zero=3 gathers one at a time; "
+                f"zero={zero} keeps the parameters whole: drop wrap, or use zero=3"
             )
         if threads is not None:
             torch.set_num_threads(threads)
@@ -190,6 +202,11 @@ class HealingTrainer:
             ),
         )
         self.sharded = sharded_state(zero, optimizer, module, self.params)
+        self.units = (  # zero=3: gathered unit by unit, else whole at the step's start
+            UnitGathers(self.sharded, module, wrap=wrap, slot=slot)
+            if isinstance(self.sharded, ShardedParams) and wrap is not None
+            else None
+        )
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # the last step's batch
         self.returned = 0  # zero: times this member went back one step to heal
         host, port = address.rsplit(":", 1)
@@ -418,7 +435,10 @@ class HealingTrainer:
         if isinstance(self.sharded, ShardedParams):  # zero=3: the parameters for this step
             if self.fault is not None:
                 self.fault(self.steps_done, GATHERING)
-            self.sharded.unshard(self.group)
+            if self.units is not None:
+                self.units.begin(self.group, owned=self.owned, per=per)
+            else:
+                self.sharded.unshard(self.group)
         leader = self.slot == self.members[0]
         mask = self.membership.pending_joins(self.members) if leader else 0
         mine = sorted(self.owned[self.slot])
@@ -427,6 +447,10 @@ class HealingTrainer:
                 x, y, step=self.steps_done, mine=mine, per=per, scale=scale, mask=mask,
                 reproducible=self.reproducible,
             )  # fmt: skip
+            if self.units is not None:  # the rounds of a member with fewer blocks: idle
+                most = max(len(b) for b in self.owned.values())
+                self.units.idle(most - len(mine))
+                self.units.finish()
             hook = None if self.fault is None else partial(self.fault, self.steps_done, SUMMED)
             total = self.sharded.exchange(
                 partials,
