@@ -110,7 +110,7 @@ SLOW: dict[str, str] = {
     "tests/test_compile.py::test_tensor_parallel_compiled_with_inductor": "a cold inductor build",
     "tests/test_heal_faults.py::": "healing runs, each 4-5 fresh processes and a fault",
     "tests/test_heal_fsdp.py::test_whole_job_": "healing FSDP runs: 4-5 processes, a fault",
-    "tests/test_heal_replicas.py::test_job_": "healing PTD-P: 4-6 processes, a fault, and a clean run",
+    "tests/test_heal_replicas.py::test_job_": "healing PTD-P: 4-8 processes, a fault, a clean run",
     "tests/test_compile.py::test_ptdp_with_compiled_stages_equals_eager": "Dynamo, 2 meshes",
 }
 
