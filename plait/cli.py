@@ -168,12 +168,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_healing(args: argparse.Namespace, multinode: bool) -> int:
     """``plait run --heal K``: the ranks heal instead of restarting (plait.heal.run: the
-    store hosted here, a rank that dies does not stop the others, at most ``K``
-    replacements join); the script builds ``HealingTrainer.from_env``."""
+    store hosted by node 0's launcher, a rank that dies does not stop the others, at most
+    ``K`` replacements join on each machine); the script builds
+    ``HealingTrainer.from_env`` (``ReplicaTrainer.from_env`` with ``--replica-size``).
+    Several machines: ``--nnodes N --node-rank r --master-addr A --master-port P`` on
+    each, as without healing (no torchrun: the launchers are plait's own)."""
     clash = [
         name
         for name, on in (
-            ("--nnodes/--master-addr (one machine only)", multinode),
+            ("--nnodes MIN:MAX (elastic rendezvous)", ":" in str(args.nnodes)),
             ("--max-restarts", args.max_restarts != 0),
             ("--min-nproc", args.min_nproc is not None),
         )
@@ -189,8 +192,12 @@ def _run_healing(args: argparse.Namespace, multinode: bool) -> int:
     from plait.heal import run as heal_run  # deferred: only healing jobs need it
 
     argv = ["-n", str(args.nproc), "--replacements", str(args.heal)]
-    argv += ["--replica-size", str(args.replica_size), args.script]
-    return heal_run.main(argv + list(args.script_args))
+    argv += ["--replica-size", str(args.replica_size)]
+    if multinode:
+        argv += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+        argv += ["--master-addr", args.master_addr or "127.0.0.1"]
+        argv += ["--master-port", str(args.master_port or 29500)]
+    return heal_run.main(argv + [args.script] + list(args.script_args))
 
 
 def _run_multinode(args: argparse.Namespace) -> int:

@@ -300,3 +300,36 @@ def test_zero_without_reproducible_mode_is_within_the_tolerance(tmp_path):
     assert diff < 1e-12
     finals = list(report.finals.values())
     assert all(np.array_equal(f, finals[0]) for f in finals)  # members agree exactly
+
+
+def test_plait_run_heal_on_two_machines_replaces_a_killed_rank(tmp_path):
+    """Two launchers (``--nnodes 2``, on this host's loopback): node 0 hosts the store and
+    waits for node 1 before closing it; a rank of node 1 is killed, node 1's launcher
+    starts its replacement, the job ends at full size and both launchers exit 0."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    script = ["examples/heal_train.py", "--steps", "40", "--kill-rank", "3"]
+    script += ["--kill-step", "5", "--rejoin-step", "15"]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "plait.cli", "run", "-n", "2", "--heal", "1", *common]
+            + ["--node-rank", str(node), *script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in launchers]
+    text = "\n".join(o + e for o, e in outs)
+    assert [p.returncode for p in launchers] == [0, 0], text
+    assert "ranks 2..3 of 4 on this machine (node 1 of 2)" in outs[1][1]
+    assert "rank 3 exited with -9; the others heal" in outs[1][1]
+    assert "starting a replacement for rank 3" in outs[1][1]
+    assert "members [0, 1, 2, 3]" in outs[0][0]  # rank 0 prints, on node 0

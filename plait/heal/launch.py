@@ -23,13 +23,20 @@ from typing import Any
 import torch.distributed as dist
 
 
-def start_store(host: str = "127.0.0.1") -> tuple[Any, str]:
-    """A TCPStore server in this process on a free port; returns it and ``host:port``.
-    Keep the returned object alive as long as the job runs."""
+def start_store(host: str = "127.0.0.1", port: int = 0) -> tuple[Any, str]:
+    """A TCPStore server in this process on ``port`` (0: a free one); returns it and
+    ``host:port`` (``host``: the address the ranks reach it at). Keep the returned object
+    alive as long as the job runs."""
     store = dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
     return store, f"{host}:{store.port}"
+
+
+def connect_store(host: str, port: int, timeout: float = 300.0) -> Any:
+    """A client of the job's store at ``host:port`` (another machine's launcher hosts it),
+    waiting for it at most ``timeout`` s."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
 
 def environment() -> dict[str, Any]:
