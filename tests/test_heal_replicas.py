@@ -104,6 +104,26 @@ def test_replica_settings_are_checked_before_any_process_group():
         )
 
 
+def test_layers_that_draw_random_numbers_are_named():
+    """A survivor computing a lost replica's block draws its own numbers: said at once."""
+    import torch
+
+    from plait.heal.replicas import _warn_random
+    from plait.moe import MoE
+
+    with pytest.warns(UserWarning, match=r"Dropout\(p=0.1\)"):
+        _warn_random(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)), 0)
+    moe = MoE(8, num_experts=2, top_k=2, second_expert="random")
+    with pytest.warns(UserWarning, match="second_expert='random'"):
+        _warn_random(torch.nn.Sequential(moe), 0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_random(torch.nn.Sequential(torch.nn.Dropout(0.0)), 0)
+        _warn_random(torch.nn.Sequential(MoE(8, num_experts=2, second_expert="all")), 0)
+
+
 # --- whole jobs: fresh processes (slow) ---------------------------------------------------
 _UNINTERRUPTED: dict[tuple[int, ...], np.ndarray] = {}
 
@@ -113,10 +133,16 @@ def _job(tmp_path, **kw):
 
     c = ReplicaConfig(**kw)
     report = run(c, str(tmp_path / "faulted"), deadline=240)
-    key = (c.replicas, c.pp, c.tp, c.steps, c.batch)
+    key = (c.replicas, c.pp, c.tp, c.ep, c.steps, c.batch)
     if key not in _UNINTERRUPTED:  # the same job without a fault (once per layout)
         clean = ReplicaConfig(
-            replicas=c.replicas, pp=c.pp, tp=c.tp, steps=c.steps, batch=c.batch, rejoin=False
+            replicas=c.replicas,
+            pp=c.pp,
+            tp=c.tp,
+            ep=c.ep,
+            steps=c.steps,
+            batch=c.batch,
+            rejoin=False,
         )
         whole = run(clean, str(tmp_path / "uninterrupted"), deadline=240)
         assert all(codes == [0] for codes in whole.codes.values()), whole.codes
@@ -215,4 +241,14 @@ def test_job_a_frozen_rank_and_a_replacement_dead_on_arrival(tmp_path):
     assert all(r["members"] == [0, 1] for r in report.records)
     causes = [h["cause"] for r in report.records for h in r["heals"] if h["kind"] == "shrink"]
     assert any("PeerUnresponsive" in c or "CollectiveError" in c for c in causes), causes
+    assert _equal_everywhere(report, whole)
+
+
+def test_job_experts_split_over_ep_inside_a_replica_heal_bitwise(tmp_path):
+    """Replicas of ep=2 (the GPT's MoE block's 4 experts split over 2 ranks): rank 3 is
+    killed in step 1, its replica replaced; bitwise to the uninterrupted job."""
+    report, whole = _job(
+        tmp_path, pp=1, ep=2, faults=[[3, 1, 1, "kill"]], rejoin=True, rejoin_step=2, steps=4
+    )
+    assert sorted(report.finals) == ["rank0", "rank1", "rank2-join", "rank3-join"]
     assert _equal_everywhere(report, whole)

@@ -34,6 +34,7 @@ from plait.heal.launch import Ranks, start_store
 from plait.heal.replicas import ReplicaLost, ReplicaTrainer
 from plait.heal.trainer import ARRIVED
 from plait.models import GPT, GPTConfig
+from plait.models.gpt import MoEConfig
 from plait.strategies.compose import compose
 from plait.strategies.reproducible.tree import tree_sum
 
@@ -49,6 +50,7 @@ class ReplicaConfig:
     replicas: int = 2
     pp: int = 2
     tp: int = 1
+    ep: int = 1  # > 1: the GPT's second block is a MoE of 4 experts split over ep
     steps: int = 5
     batch: int = 8
     microbatches: int = 2  # per block (each replica's share of the global batch)
@@ -67,7 +69,12 @@ class ReplicaConfig:
 
     @property
     def size(self) -> int:
-        return self.pp * self.tp
+        return self.pp * self.tp * self.ep
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """One replica's mesh dimensions."""
+        return {"pp": self.pp, "tp": self.tp, **({"ep": self.ep} if self.ep > 1 else {})}
 
     @property
     def world(self) -> int:
@@ -76,8 +83,16 @@ class ReplicaConfig:
 
 def gpt_config(c: ReplicaConfig) -> GPTConfig:
     """The job's GPT: by default small, in float64 (2 blocks = 4 pipeline layers, 4 heads
-    of width 4, vocabulary 13)."""
+    of width 4, vocabulary 13); with ``ep > 1`` its second block a MoE of 4 experts, top-2
+    with every second choice kept (no random draw: a block's routing is the same whoever
+    computes it) and room for every token."""
+    experts = (
+        MoEConfig(num_experts=4, top_k=2, capacity_factor=4.0, second_expert="all", seed=7)
+        if c.ep > 1
+        else None
+    )
     return GPTConfig(
+        moe=experts,
         vocab=13,
         layers=c.layers,
         heads=4,
@@ -126,7 +141,7 @@ def train_rank(*, slot: int, address: str, join: bool, config: dict[str, Any], o
     c = ReplicaConfig(**config)
     trainer = ReplicaTrainer(
         _build(c),
-        replica={"pp": c.pp, "tp": c.tp},
+        replica=c.shape,
         world=c.world,
         address=address,
         rank=slot,
