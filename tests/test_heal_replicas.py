@@ -133,13 +133,14 @@ def _job(tmp_path, **kw):
 
     c = ReplicaConfig(**kw)
     report = run(c, str(tmp_path / "faulted"), deadline=240)
-    key = (c.replicas, c.pp, c.tp, c.ep, c.steps, c.batch)
+    key = (c.replicas, c.pp, c.tp, c.ep, c.cp, c.steps, c.batch)
     if key not in _UNINTERRUPTED:  # the same job without a fault (once per layout)
         clean = ReplicaConfig(
             replicas=c.replicas,
             pp=c.pp,
             tp=c.tp,
             ep=c.ep,
+            cp=c.cp,
             steps=c.steps,
             batch=c.batch,
             rejoin=False,
@@ -251,4 +252,11 @@ def test_job_experts_split_over_ep_inside_a_replica_heal_bitwise(tmp_path):
         tmp_path, pp=1, ep=2, faults=[[3, 1, 1, "kill"]], rejoin=True, rejoin_step=2, steps=4
     )
     assert sorted(report.finals) == ["rank0", "rank1", "rank2-join", "rank3-join"]
+    assert _equal_everywhere(report, whole)
+
+
+def test_job_context_parallel_replicas_heal_bitwise(tmp_path):
+    """Replicas of cp=2 (each sequence split over 2 ranks, ring attention)."""
+    report, whole = _job(tmp_path, pp=1, cp=2, faults=[[2, 2, 1, "kill"]], rejoin=False, steps=4)
+    assert sorted(report.finals) == ["rank0", "rank1"]
     assert _equal_everywhere(report, whole)

@@ -35,7 +35,7 @@ from plait.heal.replicas import ReplicaLost, ReplicaTrainer
 from plait.heal.trainer import ARRIVED
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import MoEConfig
-from plait.strategies.compose import compose
+from plait.prepare import prepare
 from plait.strategies.reproducible.tree import tree_sum
 
 
@@ -51,6 +51,7 @@ class ReplicaConfig:
     pp: int = 2
     tp: int = 1
     ep: int = 1  # > 1: the GPT's second block is a MoE of 4 experts split over ep
+    cp: int = 1  # > 1: every sequence split over cp ranks (ring attention)
     steps: int = 5
     batch: int = 8
     microbatches: int = 2  # per block (each replica's share of the global batch)
@@ -69,12 +70,13 @@ class ReplicaConfig:
 
     @property
     def size(self) -> int:
-        return self.pp * self.tp * self.ep
+        return self.pp * self.tp * self.ep * self.cp
 
     @property
     def shape(self) -> dict[str, int]:
         """One replica's mesh dimensions."""
-        return {"pp": self.pp, "tp": self.tp, **({"ep": self.ep} if self.ep > 1 else {})}
+        extra = {d: n for d, n in (("ep", self.ep), ("cp", self.cp)) if n > 1}
+        return {"pp": self.pp, "tp": self.tp, **extra}
 
     @property
     def world(self) -> int:
@@ -114,7 +116,10 @@ def _build(c: ReplicaConfig) -> Any:
     def build(mesh: Any) -> Any:
         model = GPT(gpt_config(c))  # the config's seed: the same weights on every rank
         optimizer = torch.optim.Adam(model.parameters(), lr=c.lr)
-        return compose(model, optimizer, mesh=mesh, microbatches=c.microbatches)
+        ptdp, _ = prepare(
+            model, optimizer, strategy="ptdp", mesh=mesh, microbatches=c.microbatches
+        )  # the plans of the model's family (and cp's position module)
+        return ptdp
 
     return build
 
