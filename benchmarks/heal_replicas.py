@@ -8,13 +8,13 @@ Four local ranks: two replicas of two pipeline stages (``pp=2``), plait's GPT (4
 width 128, 64 tokens, vocabulary 13, float32), Adam, a global batch of 16 sequences, 2
 micro-batches per replica. One intra-op thread per rank.
 
-1. **Step when nothing fails**: ``heal``: :class:`plait.heal.ReplicaTrainer` (each
-   replica's pipeline step on its block, then the tree-ordered block exchange per position
-   and the replica's agreement all-reduce); ``ptdp``: ``plait.compose`` on
-   ``Mesh(pp=2, dp=2)`` under ``plait.spawn`` (the same model, batch and micro-batches;
-   its dp all-reduce of the gradients). Jobs alternate, heal then ptdp, each round; the
-   step time is the slowest rank's, median over the steps after the first two, then the
-   median over rounds.
+1. **Step when nothing fails**, side by side in the same four processes (under
+   ``plait.spawn``), taking turns step by step: ``heal``: :class:`plait.heal.ReplicaTrainer`
+   (each replica's pipeline step on its block, then the tree-ordered block exchange per
+   position and the replica's agreement all-reduce); ``ptdp``: ``plait.compose`` on the
+   world's ``Mesh(pp=2, dp=2)`` (the same model, batch and micro-batches; its dp
+   all-reduce of the gradients). The step time is the slowest rank's, median over a
+   round's steps after its first two, then the median over rounds.
 2. **Fault to training again**: rank 3 (replica 1's second stage) SIGKILLs itself in step
    3; the seconds from the kill (the wall time it wrote just before) to the moment the last
    survivor has agreed on the new membership, built its position group and starts redoing
@@ -43,14 +43,17 @@ import torch  # noqa: E402
 
 import plait  # noqa: E402
 from plait.demo.heal_replicas import ReplicaConfig, batch, gpt_config, run  # noqa: E402
+from plait.heal import ReplicaTrainer  # noqa: E402
 from plait.models import GPT  # noqa: E402
 from plait.strategies.compose import compose  # noqa: E402
 
 SHAPE = {"width": 128, "layers": 4, "seq_len": 64, "dtype": "float32", "batch": 16}
 
 
-def _ptdp_rank(config: dict[str, Any]) -> list[float]:
-    """One rank of plait's PTD-P without healing on Mesh(pp, dp): its step times."""
+def _side_by_side(config: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """One rank: plait's PTD-P on the world's Mesh(pp, dp) and a ReplicaTrainer (its own
+    replica meshes, on the same store) in the same process, taking turns step by step
+    (so both see the same load); this rank's step times of each."""
     torch.set_num_threads(1)
     c = ReplicaConfig(**config)
     model = GPT(gpt_config(c))
@@ -60,13 +63,36 @@ def _ptdp_rank(config: dict[str, Any]) -> list[float]:
         mesh=plait.Mesh(pp=c.pp, dp=c.replicas, tp=c.tp),
         microbatches=c.microbatches,
     )
-    times = []
-    for step in range(c.steps):
+
+    def build(mesh: Any) -> Any:
+        replica_model = GPT(gpt_config(c))
+        return compose(
+            replica_model,
+            torch.optim.Adam(replica_model.parameters(), lr=c.lr),
+            mesh=mesh,
+            microbatches=c.microbatches,
+        )
+
+    trainer = ReplicaTrainer(
+        build,
+        replica=c.shape,
+        world=c.world,
+        address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=plait.world().rank,
+        threads=1,
+    )
+    times: dict[str, list[float]] = {"heal": [], "ptdp": []}
+    for step in range(c.steps * rounds):
+        x, y = batch(c, step)
+        t0 = time.perf_counter()
+        trainer.step(x, y)
+        times["heal"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ptdp.optimizer.zero_grad()
-        ptdp.step(*batch(c, step))
+        ptdp.step(x, y)
         ptdp.optimizer.step()
-        times.append(time.perf_counter() - t0)
+        times["ptdp"].append(time.perf_counter() - t0)
+    trainer.close()
     return times
 
 
@@ -82,12 +108,15 @@ def main() -> None:
     rounds, steps = (1, 6) if a.quick else (3, 12)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     clean = ReplicaConfig(steps=steps, rejoin=False, **SHAPE)
-    heal, base = [], []
-    for _ in range(rounds):
-        report = run(clean, tempfile.mkdtemp(prefix="heal-replicas-"), deadline=600)
-        heal.append(_slowest([r["step_seconds"] for r in report.records]))
-        times = plait.spawn(_ptdp_rank, world_size=clean.world, args=(vars(clean),), timeout=600)
-        base.append(_slowest(times))
+    per_rank = plait.spawn(
+        _side_by_side, world_size=clean.world, args=(vars(clean), rounds), timeout=900
+    )
+    heal = [
+        _slowest([t["heal"][r * steps : (r + 1) * steps] for t in per_rank]) for r in range(rounds)
+    ]
+    base = [
+        _slowest([t["ptdp"][r * steps : (r + 1) * steps] for t in per_rank]) for r in range(rounds)
+    ]
     faulted = ReplicaConfig(
         steps=steps,
         faults=[[3, 3, 1, "kill"]],
