@@ -108,7 +108,7 @@ def test_layers_that_draw_random_numbers_are_named():
     """A survivor computing a lost replica's block draws its own numbers: said at once."""
     import torch
 
-    from plait.heal.replicas import _warn_random
+    from plait.heal.model_checks import warn_random as _warn_random
     from plait.moe import MoE
 
     with pytest.warns(UserWarning, match=r"Dropout\(p=0.1\)"):

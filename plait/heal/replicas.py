@@ -61,7 +61,6 @@ from __future__ import annotations
 import datetime
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,6 +72,7 @@ from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, launch, state
 from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.model_checks import buffers_of, warn_random
 from plait.heal.store_mesh import StoreMesh
 from plait.heal.trainer import ARRIVED, HEALING, Fault
 from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
@@ -171,10 +171,10 @@ class ReplicaTrainer:
             connect_timeout=connect_timeout,
         )
         self.model = build(self.mesh)
-        _warn_random(self.model, rank)
+        warn_random(self.model, rank)
         self.optimizer: torch.optim.Optimizer = self.model.optimizer
         self.params = list(self.model.parameters())
-        self.buffers = _buffers(self.model)
+        self.buffers = buffers_of(self.model)
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(
@@ -492,42 +492,3 @@ class ReplicaTrainer:
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-
-
-def _modules(model: Any) -> list[torch.nn.Module]:
-    if isinstance(model, torch.nn.Module):
-        return list(model.modules())
-    stages = getattr(getattr(model, "pipe", None), "stages", None) or {}
-    return [m for stage in stages.values() for m in stage.modules()]
-
-
-def _warn_random(model: Any, rank: int) -> None:
-    """Say which layers draw random numbers in the forward: a survivor that computes a
-    lost replica's block draws its own, not the ones the lost replica would have drawn,
-    so the run is no longer bitwise the uninterrupted one after a fault (it stays a
-    correct run with other draws)."""
-    drawing = []
-    for m in _modules(model):
-        if isinstance(m, torch.nn.Dropout) and m.p > 0:
-            drawing.append(f"{type(m).__name__}(p={m.p})")
-        policy = getattr(m, "second_expert", None)
-        if policy in ("random", "sampling") and getattr(m, "top_k", 1) > 1:
-            drawing.append(f"{type(m).__name__}(second_expert={policy!r})")
-    if drawing and rank == 0:
-        warnings.warn(
-            f"healing: {sorted(set(drawing))} draw random numbers in the forward: after a "
-            f"replica is lost the survivors draw their own for its blocks, so the run is not "
-            f"bitwise the uninterrupted one (dropout 0, second_expert='all' keep it)",
-            stacklevel=3,
-        )
-
-
-def _buffers(model: Any) -> list[torch.Tensor]:
-    """The model's buffers (a module's, or those of a PTD-P model's stages)."""
-    if isinstance(model, torch.nn.Module):
-        return list(model.buffers())
-    pipe = getattr(model, "pipe", None)
-    stages = getattr(pipe, "stages", None)
-    if stages is None:
-        return []
-    return [b for stage in stages.values() for b in stage.buffers()]

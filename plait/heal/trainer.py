@@ -59,6 +59,7 @@ from plait.heal.buckets import OverlappedExchange
 from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
 from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.model_checks import refuse_sharded
 from plait.heal.units import CHILDREN, UnitGathers, Wrap
 from plait.heal.zero import StateLost
 from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
@@ -69,42 +70,6 @@ ARRIVED = -2  # ... when a replacement was admitted, before it connects
 GATHERING = -3  # ... under zero, before gathering the chunks (zero=1/2: after stepping them;
 # zero=3: at the step's start)
 SUMMED = -4  # ... under zero=3, in the exchange: its chunk summed, not yet sent to its mirror
-
-
-# What a healing job cannot hold: a rank of these owns a part of the model no peer has.
-_UNHEALABLE = {
-    "plait.strategies.tensor": "tensor parallelism (each tp rank holds a slice of the matmuls)",
-    "plait.strategies.pipeline": "pipeline parallelism (each pp rank holds its own stages)",
-    "plait.strategies.context": "context parallelism (each cp rank holds part of the sequence)",
-    "plait.strategies.moe": "expert parallelism (each ep rank holds its own experts)",
-    "plait.strategies.data_parallel": "a DistributedDataParallel wrapper (healing does the "
-    "data-parallel exchange itself: pass the plain model)",
-}
-
-
-def _refuse_sharded(module: nn.Module) -> None:
-    """Refuse, naming the layer, a model a rank of which holds what no peer holds: such a
-    rank cannot be replaced from a live peer of its own position here; its whole replica
-    can (:class:`~plait.heal.replicas.ReplicaTrainer`)."""
-    for name, sub in module.named_modules():
-        if getattr(sub, "_plait_fsdp_units", None):
-            raise ValueError(
-                f"healing: {name or 'the model'} is wrapped by plait's FSDP "
-                f"({type(sub).__name__}); healing shards the parameters itself: pass the "
-                f"plain model with zero=3 (docs/healing.md)"
-            )
-        owner = type(sub).__module__
-        for prefix, what in _UNHEALABLE.items():
-            if owner.startswith(prefix):
-                if prefix.endswith("data_parallel"):
-                    raise ValueError(f"healing: {name or 'the model'} is {what}")
-                raise ValueError(
-                    f"healing: {name or 'the model'} is a {type(sub).__name__}: {what}. "
-                    f"HealingTrainer heals ranks that each hold the whole model; a model cut "
-                    f"over ranks heals by whole replicas: build it on the replica's mesh "
-                    f"with plait.heal.ReplicaTrainer (docs/healing.md), or without healing "
-                    f"`plait run` restarts it from the last checkpoint (--max-restarts)"
-                )
 
 
 class HealingTrainer:
@@ -159,7 +124,7 @@ class HealingTrainer:
                 f"healing: world={world} slots; the blocks of the fixed tree need a power of "
                 f"two (run with -n 2, 4, 8, ...)"
             )
-        _refuse_sharded(module)
+        refuse_sharded(module)
         if zero not in (0, 1, 2, 3):
             raise ValueError(
                 f"healing: zero={zero!r}; 0 (replicated optimizer, DDP), 1 or 2 (sharded "
