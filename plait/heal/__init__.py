@@ -12,7 +12,8 @@ reproducible mode the parameters are bitwise those of the uninterrupted run
 - :mod:`.trainer`: :class:`HealingTrainer`, the step that heals;
 - :mod:`.replicas`, :mod:`.store_mesh`: :class:`ReplicaTrainer`, the dp dimension of PTD-P
   (a replica is a whole pp x tp x cp group, on a mesh of its own made from the store);
-- :mod:`.launch`: the store and the rank processes on one machine.
+- :mod:`.model_checks`: what the trainers read from the model (refusals, warnings, buffers);
+- :mod:`.launch`, :mod:`.run`: the store and the rank processes, one launcher per machine.
 """
 
 from plait.heal.membership import Excluded, Generation, Membership
