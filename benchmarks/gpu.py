@@ -47,8 +47,10 @@ the time budget". Sections run in order of value (``--sections`` picks some):
 - ``healing``: healing jobs (``benchmarks/gpu_heal.py``) of 2 fresh processes with the model
   on the device: without a fault within 1e-9 of one process on the CPU, then under
   ``zero=0``, ``1`` and ``3`` with slot 1 killed mid-step and replaced: every final
-  parameter equal (``torch.equal``) to the job without the fault. NCCL where each rank has a
-  GPU, else gloo with CUDA tensors (staged through host);
+  parameter equal (``torch.equal``) to the job without the fault; then ReplicaTrainer (2
+  replicas of 2 pipeline stages, 4 processes) with rank 3 killed and its replica replaced,
+  bitwise to the same job without the fault. NCCL where each rank has a GPU, else gloo
+  with CUDA tensors (staged through host);
 - ``shared_gpu``: whether NCCL accepts several ranks on the one GPU (NCCL 2.5+ refuses:
   "Duplicate GPU detected"), which is why the multi-rank checks use gloo there;
 - ``comm``: plait's collectives (``plait.bench.measure_rank``, what ``benchmarks/comm.py``
@@ -422,6 +424,46 @@ def healing_section(run: Run) -> None:
             return data
 
         run.check("healing", name, fault_job)
+    ptdp_section(run, backend)
+
+
+def ptdp_section(run: Run, backend: str) -> None:
+    """Whole replicas (ReplicaTrainer, 2 replicas of 2 pipeline stages) on the device: the
+    job with rank 3 killed and its replica replaced, bitwise to the job without it."""
+    from benchmarks import gpu_heal
+
+    rank, step, _ = gpu_heal.REPLICA_KILL
+    where = f"{gpu_heal.REPLICAS} replicas x pp={gpu_heal.PP}, {backend}, {run.device}"
+
+    def body() -> dict[str, Any]:
+        kwargs = dict(device=run.device, backend=backend)
+        clean = gpu_heal.run_replica_job(kill=None, timeout=run.limit(90.0), **kwargs)
+        hurt = gpu_heal.run_replica_job(
+            kill=gpu_heal.REPLICA_KILL, timeout=run.limit(90.0), **kwargs
+        )
+        ref = clean["rank0"]["params"]
+        found = sorted(set().union(*(r["devices"] for r in [*clean.values(), *hurt.values()])))
+        data = {
+            "devices": found,
+            "heals": {k: r["heals"] for k, r in hurt.items()},
+            "max_abs_diff": gpu_heal.max_diff(hurt, ref),
+            "clean_agree": gpu_heal.bitwise(clean, ref),
+        }
+        if found != [run.device]:
+            raise Outcome("fail", f"parameters on {found}, expected {run.device}", data)
+        if not data["clean_agree"]:
+            raise Outcome("fail", "the replicas of the job without a fault disagree", data)
+        if hurt["rank0"]["heals"][:1] != ["shrink"] or "grow" not in hurt["rank0"]["heals"]:
+            raise Outcome("fail", f"rank 0 healed {hurt['rank0']['heals']}", data)
+        if not gpu_heal.bitwise(hurt, ref):
+            raise Outcome(
+                "fail", f"differs from the job without a fault by {data['max_abs_diff']:.3g}",
+                data,
+            )  # fmt: skip
+        return data
+
+    name = f"ReplicaTrainer: rank {rank} killed at step {step}, its replica replaced ({where})"
+    run.check("healing", name, body)
 
 
 def shared_gpu(run: Run) -> None:

@@ -257,17 +257,17 @@ class ShardedState:
             vec[world + 1] = -self.layout_gen
             vec[world + 2] = -done
         ops.all_reduce(vec, "max", group=group)
-        vec = torch.tensor(vec.tolist(), dtype=torch.float64)  # one host read, at a heal
-        if vec[world] < 0:
+        got = vec.tolist()  # one host read, at a heal
+        if got[world] < 0:
             raise StateLost("healing zero: no member holds any state to re-shard")
-        if vec[world] != -vec[world + 1]:
+        if got[world] != -got[world + 1]:
             raise StateLost(
                 f"healing zero: the members hold chunks of different layouts (generations "
-                f"{int(-vec[world + 1])} and {int(vec[world])}): a member died while the "
+                f"{int(-got[world + 1])} and {int(got[world])}): a member died while the "
                 f"state was being re-sharded; the job must restart from its checkpoint"
             )
-        holders = tuple(s for s in range(world) if vec[s] > 0)
-        return int(-vec[world + 2]), holders, int(vec[world])
+        holders = tuple(s for s in range(world) if got[s] > 0)
+        return int(-got[world + 2]), holders, int(got[world])
 
     def reshard(
         self, group: Group, store: Any, *, holders: tuple[int, ...], old_gen: int, number: int
