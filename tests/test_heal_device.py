@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,3 +113,38 @@ def test_the_exchange_and_state_buffers_follow_the_parameters_device() -> None:
         exchange.close()
     sharded = ShardedState(torch.optim.Adam(params, lr=0.1), params)
     assert sharded.device.type == "meta"
+
+
+def _through_host_copies() -> list[Any]:
+    """The block exchange (two members, one holding two blocks) with every receive of
+    the channel staged as a CUDA tensor's is on gloo: into a host buffer, copied into the
+    destination at the wait."""
+    import plait
+    from plait.comm.channel import Channel
+    from plait.heal import blocks
+    from plait.strategies.reproducible.tree import tree_sum
+
+    w = plait.world()
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(37, generator=g, dtype=torch.float64) * 1e3 for _ in range(4)]
+    owned = {0: [0, 3], 1: [1, 2]}
+    staged: list[int] = []
+    original = Channel._staged
+
+    def every(self: Channel, tensor: torch.Tensor) -> bool:
+        staged.append(tensor.numel())
+        return True
+
+    Channel._staged = every  # type: ignore[method-assign]
+    link, w.shm = w.shm, None  # the process group's transport (gloo), where staging is
+    try:
+        mine = {v: parts[v] for v in owned[w.rank]}
+        out = blocks.block_tree_all_reduce(mine, owned=owned, world=4, group=w)
+    finally:
+        Channel._staged = original  # type: ignore[method-assign]
+        w.shm = link
+    return [torch.equal(out, tree_sum(parts)), len(staged) > 0]
+
+
+def test_a_staged_receive_lands_in_its_tensor_at_the_wait(ranks: Any) -> None:
+    assert ranks(2, _through_host_copies) == [[True, True]] * 2
