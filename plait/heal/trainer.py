@@ -124,7 +124,10 @@ class HealingTrainer:
     them, zero=3 at the step's start), under zero=3 in the exchange with (step,
     ``SUMMED``): fault tests and the demo kill or raise there. ``bucket_mb``: the
     exchange's bucket size in MiB (reproducible mode, zero < 3; plait's DDP default),
-    each bucket exchanged during the last backward (:mod:`.buckets`)."""
+    each bucket exchanged during the last backward (:mod:`.buckets`). ``backend``:
+    ``"gloo"`` (the parameters on the CPU, or on CUDA: the messages are staged through the
+    host) or ``"nccl"`` (the parameters on this rank's GPU, made the current device); every
+    tensor the trainer hands a collective is made on the parameters' device."""
 
     def __init__(
         self,
