@@ -44,6 +44,13 @@ the time budget". Sections run in order of value (``--sections`` picks some):
 - ``checkpoint``: FSDP on the ranks saves with ``plait.checkpoint.save``; DDP at the same
   world size and a plain model on one rank load it (reshard) bitwise, parameters on the
   device;
+- ``healing``: healing jobs (``benchmarks/gpu_heal.py``) of 2 fresh processes with the model
+  on the device: without a fault within 1e-9 of one process on the CPU, then under
+  ``zero=0``, ``1`` and ``3`` with slot 1 killed mid-step and replaced: every final
+  parameter equal (``torch.equal``) to the job without the fault; then ReplicaTrainer (2
+  replicas of 2 pipeline stages, 4 processes) with rank 3 killed and its replica replaced,
+  bitwise to the same job without the fault. NCCL where each rank has a GPU, else gloo
+  with CUDA tensors (staged through host);
 - ``shared_gpu``: whether NCCL accepts several ranks on the one GPU (NCCL 2.5+ refuses:
   "Duplicate GPU detected"), which is why the multi-rank checks use gloo there;
 - ``comm``: plait's collectives (``plait.bench.measure_rank``, what ``benchmarks/comm.py``
@@ -99,6 +106,7 @@ SECTIONS = (  # in order of value: what a cut run must have measured first
     "overhead",
     "memory",
     "checkpoint",
+    "healing",
     "shared_gpu",
     "comm",
     "cuda_tests",
@@ -346,6 +354,116 @@ def init_section(run: Run) -> None:
         return facts
 
     run.check("init", f"plait.init() chooses the backend; collectives on {run.device}", body)
+
+
+def healing_section(run: Run) -> None:
+    """Healing jobs on the device: a clean one against the CPU oracle, then one with a
+    rank killed and replaced per ``zero``, bitwise to the clean one (benchmarks/gpu_heal.py)."""
+    from benchmarks import gpu_heal
+
+    enough = run.device == "cuda" and torch.cuda.device_count() >= gpu_heal.WORLD
+    backend = "nccl" if enough else "gloo"
+    clean: dict[str, Any] = {}
+
+    def devices(records: dict[str, dict[str, Any]]) -> list[str]:
+        found = sorted(set().union(*(r["devices"] for r in records.values())))
+        if found != [run.device]:
+            raise Outcome("fail", f"parameters on {found}, expected {run.device}")
+        return found
+
+    def clean_job() -> dict[str, Any]:
+        records = gpu_heal.run_job(
+            device=run.device, backend=backend, zero=0, kill=None, timeout=run.limit(90.0)
+        )
+        ref = gpu_heal.reference()
+        diff = gpu_heal.max_diff(records, ref)
+        data = {
+            "devices": devices(records),
+            "backend": backend,
+            "max_abs_diff": diff,
+            "tolerance": FLOAT64_TOL,
+            "bitwise_to_cpu": gpu_heal.bitwise(records, ref),
+        }
+        if diff > FLOAT64_TOL:
+            raise Outcome("fail", f"parameters differ from one process by {diff:.3g}", data)
+        clean["records"] = records
+        return data
+
+    where = f"{gpu_heal.WORLD} slots, {backend}, {run.device}"
+    run.check("healing", f"no fault ({where}) against one process", clean_job)
+    slot, step, index = gpu_heal.KILL
+    for zero in gpu_heal.ZEROS:
+        name = f"zero={zero}: slot {slot} killed at step {step}, replaced ({where})"
+        if "records" not in clean:
+            run.skip("healing", name, "the job without a fault did not pass: nothing to compare")
+            continue
+
+        def fault_job(zero: int = zero) -> dict[str, Any]:
+            records = gpu_heal.run_job(
+                device=run.device,
+                backend=backend,
+                zero=zero,
+                kill=gpu_heal.KILL,
+                timeout=run.limit(90.0),
+            )
+            ref = clean["records"]["slot0"]["params"]
+            data = {
+                "devices": devices(records),
+                "heals": {k: r["heals"] for k, r in records.items()},
+                "members": {k: r["members"] for k, r in records.items()},
+                "max_abs_diff": gpu_heal.max_diff(records, ref),
+            }
+            survivor = records["slot0"]["heals"]
+            if survivor[:1] != ["shrink"] or "grow" not in survivor:
+                raise Outcome("fail", f"slot 0 healed {survivor}, expected shrink then grow", data)
+            if not gpu_heal.bitwise(records, ref):
+                raise Outcome(
+                    "fail", f"differs from the job without a fault by {data['max_abs_diff']:.3g}",
+                    data,
+                )  # fmt: skip
+            return data
+
+        run.check("healing", name, fault_job)
+    ptdp_section(run, backend)
+
+
+def ptdp_section(run: Run, backend: str) -> None:
+    """Whole replicas (ReplicaTrainer, 2 replicas of 2 pipeline stages) on the device: the
+    job with rank 3 killed and its replica replaced, bitwise to the job without it."""
+    from benchmarks import gpu_heal
+
+    rank, step, _ = gpu_heal.REPLICA_KILL
+    where = f"{gpu_heal.REPLICAS} replicas x pp={gpu_heal.PP}, {backend}, {run.device}"
+
+    def body() -> dict[str, Any]:
+        kwargs = dict(device=run.device, backend=backend)
+        clean = gpu_heal.run_replica_job(kill=None, timeout=run.limit(90.0), **kwargs)
+        hurt = gpu_heal.run_replica_job(
+            kill=gpu_heal.REPLICA_KILL, timeout=run.limit(90.0), **kwargs
+        )
+        ref = clean["rank0"]["params"]
+        found = sorted(set().union(*(r["devices"] for r in [*clean.values(), *hurt.values()])))
+        data = {
+            "devices": found,
+            "heals": {k: r["heals"] for k, r in hurt.items()},
+            "max_abs_diff": gpu_heal.max_diff(hurt, ref),
+            "clean_agree": gpu_heal.bitwise(clean, ref),
+        }
+        if found != [run.device]:
+            raise Outcome("fail", f"parameters on {found}, expected {run.device}", data)
+        if not data["clean_agree"]:
+            raise Outcome("fail", "the replicas of the job without a fault disagree", data)
+        if hurt["rank0"]["heals"][:1] != ["shrink"] or "grow" not in hurt["rank0"]["heals"]:
+            raise Outcome("fail", f"rank 0 healed {hurt['rank0']['heals']}", data)
+        if not gpu_heal.bitwise(hurt, ref):
+            raise Outcome(
+                "fail", f"differs from the job without a fault by {data['max_abs_diff']:.3g}",
+                data,
+            )  # fmt: skip
+        return data
+
+    name = f"ReplicaTrainer: rank {rank} killed at step {step}, its replica replaced ({where})"
+    run.check("healing", name, body)
 
 
 def shared_gpu(run: Run) -> None:
@@ -689,6 +807,7 @@ RUNNERS: dict[str, Callable[[Run], None]] = {
     "overhead": overhead_section,
     "memory": memory_section,
     "checkpoint": checkpoint_section,
+    "healing": healing_section,
     "shared_gpu": shared_gpu,
     "comm": comm_section,
     "cuda_tests": cuda_tests,

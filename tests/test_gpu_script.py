@@ -85,6 +85,25 @@ def test_quick_comm_and_cuda_tests_run_on_cpu(tmp_path: Path) -> None:
     assert cuda["status"] == "skip" and "needs a CUDA device" in cuda["reason"]
 
 
+@pytest.mark.timeout(240)
+def test_quick_healing_runs_on_cpu(tmp_path: Path) -> None:
+    code, payload, md = _run(tmp_path, "healing")
+    assert code == 0, [r for r in payload["results"] if r["status"] == "fail"]
+    clean, *faults = _by_section(payload, "healing")
+    assert clean["status"] == "pass" and clean["data"]["max_abs_diff"] == 0.0  # CPU: bitwise
+    *faults, ptdp = faults
+    assert [f["name"].split(":")[0] for f in faults] == ["zero=0", "zero=1", "zero=3"]
+    assert ptdp["name"].startswith("ReplicaTrainer") and ptdp["status"] == "pass"
+    assert ptdp["data"]["max_abs_diff"] == 0.0 and ptdp["data"]["clean_agree"]
+    assert sorted(ptdp["data"]["heals"]) == ["rank0", "rank1", "rank2-join", "rank3-join"]
+    for f in faults:
+        assert f["status"] == "pass" and f["data"]["max_abs_diff"] == 0.0
+        assert f["data"]["devices"] == ["cpu"]
+        assert f["data"]["heals"]["slot0"] == ["shrink", "grow"]
+        assert sorted(f["data"]["members"]) == ["slot0", "slot1-join"]
+    assert "| healing | zero=0: slot 1 killed at step 1, replaced" in md
+
+
 # --- the verdicts, without processes ------------------------------------------------------------
 def _rank(diff: float, keys: list[str], devices: list[str]) -> dict[str, Any]:
     return {"max_abs_diff": diff, "keys": keys, "all_keys": ["a", "b"], "devices": devices}
@@ -250,7 +269,8 @@ def _torch_only_folder(folder: Path) -> None:
 _IMPORTS = """
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
-import benchmarks.gpu, benchmarks.gpu_ranks
+import benchmarks.gpu, benchmarks.gpu_ranks, benchmarks.gpu_heal
+import plait.heal.trainer, plait.heal.launch  # what the healing section's ranks import
 import plait.checkpoint, plait.plan, plait.strategies.tensor  # what the ranks import later
 import torch.distributed.fsdp, torch.distributed.device_mesh
 print("imported", len(sys.modules), "modules")

@@ -7,7 +7,9 @@ memory for a rank on this host, the process group otherwise; on a device backend
 algorithm's messages go out in rounds, :mod:`plait.comm.rounds`). Algorithms (``ring.py``,
 ``tree.py``, ...) never see the process group, so what they send is what the counters say
 they sent (:func:`stats`, :func:`group_stats`). :class:`~plait.comm.group.Group` issues the
-calls.
+calls. A CUDA tensor handed to a channel of a gloo group travels through a host copy (gloo
+moves host memory only; shared memory copies device memory itself): a body written on
+channels, as the healing exchanges are, runs on a CUDA model over gloo unchanged.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class Call:
 
 
 class _Pending:
-    __slots__ = ("work", "peer", "verb", "shm", "tensor", "member")
+    __slots__ = ("work", "peer", "verb", "shm", "tensor", "member", "staged")
 
     def __init__(
         self,
@@ -167,6 +169,9 @@ class _Pending:
         self.shm = shm
         self.tensor = tensor  # kept until the round is started
         self.member = member  # the peer's group rank
+        # a CUDA message on a host backend (gloo): (the host copy it travels in, the CUDA
+        # tensor a receive is copied back into at its wait, None for a send)
+        self.staged: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def sends(self) -> bool:
@@ -218,10 +223,14 @@ class Channel:
                 return _Pending(None, peer, "send to", op)
             if self._in_rounds():  # started with its round, at the next wait
                 return self._join_round(tensor, peer, "send to")
-            work = self.group.pg.send([tensor], self.members[peer], self.call.tag)
+            host = tensor.cpu() if self._staged(tensor) else tensor
+            work = self.group.pg.send([host], self.members[peer], self.call.tag)
         except RuntimeError as exc:  # the connection to the peer is already gone
             raise self.failure(peer, "send to", exc) from exc
-        return _Pending(work, peer, "send to")
+        pending = _Pending(work, peer, "send to")
+        if host is not tensor:
+            pending.staged = (host, None)  # alive until the send completes
+        return pending
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> _Pending | None:
         """Start receiving into ``tensor`` (contiguous) from channel rank ``peer``."""
@@ -239,10 +248,22 @@ class Channel:
                 return _Pending(None, peer, "receive from", op)
             if self._in_rounds():  # started with its round, at the next wait
                 return self._join_round(tensor, peer, "receive from")
-            work = self.group.pg.recv([tensor], self.members[peer], self.call.tag)
+            staged = self._staged(tensor)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype) if staged else tensor
+            work = self.group.pg.recv([host], self.members[peer], self.call.tag)
         except RuntimeError as exc:
             raise self.failure(peer, "receive from", exc) from exc
-        return _Pending(work, peer, "receive from")
+        pending = _Pending(work, peer, "receive from")
+        if staged:
+            pending.staged = (host, tensor)  # copied into ``tensor`` at its wait
+        return pending
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` travels through a host copy: a CUDA tensor on a host backend
+        (gloo moves host memory only). Shared memory needs none (its copies are torch
+        ``copy_`` calls, which read and write device memory); a device backend moves it
+        where it is."""
+        return tensor.is_cuda and not tuner.is_device_backend(self.group.backend)
 
     # --- rounds (device backends) ---------------------------------------------------------
     def _in_rounds(self) -> bool:
@@ -330,6 +351,8 @@ class Channel:
                     p.work.wait()
                 else:
                     p.work.wait(timeout)
+                if p.staged is not None and p.staged[1] is not None:
+                    p.staged[1].copy_(p.staged[0])  # a staged receive: back to the device
             except RuntimeError as exc:
                 raise self.failure(p.peer, p.verb, exc) from exc
             finally:

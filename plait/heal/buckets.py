@@ -106,6 +106,7 @@ class OverlappedExchange:
             raise ValueError(f"healing: bucket_mb must be positive, got {bucket_mb}")
         self.params = params
         self.dtype = params[0].dtype
+        self.device = params[0].device  # the buffers the buckets travel in live here
         self.sizes = [p.numel() for p in params]
         self.offsets = [0]
         for n in self.sizes:
@@ -141,8 +142,8 @@ class OverlappedExchange:
         two extra elements."""
         if self._buffers is None:  # kept from step to step: no page faults per step
             self._buffers = (
-                torch.empty(self.numel, dtype=self.dtype),
-                torch.empty(self.numel, dtype=self.dtype),
+                torch.empty(self.numel, dtype=self.dtype, device=self.device),
+                torch.empty(self.numel, dtype=self.dtype, device=self.device),
             )
         total, last = self._buffers
         last[self.offsets[-1] :].copy_(extra)

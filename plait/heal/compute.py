@@ -189,7 +189,7 @@ class BlockCompute:
         (loss * scale).backward()
 
     def _extra(self, losses: TreeSum, mask: int) -> torch.Tensor:
-        extra = torch.tensor([0.0, float(mask)], dtype=self.dtype)
+        extra = torch.tensor([0.0, float(mask)], dtype=self.dtype, device=self.params[0].device)
         extra[0] = losses.result().reshape(())
         return extra
 

@@ -203,8 +203,8 @@ class ShardedParams(ShardedState):
                 if p == me:
                     continue
                 theirs = sorted(owned[members[p]])
-                size = cut[me][1] - cut[me][0]
-                bufs[p] = (theirs, torch.empty(len(theirs) * size, dtype=sample.dtype))
+                size = len(theirs) * (cut[me][1] - cut[me][0])
+                bufs[p] = (theirs, torch.empty(size, dtype=sample.dtype, device=sample.device))
                 pending.append(ch.irecv(bufs[p][1], p))
                 out = torch.cat([partials[v][slice(*cut[p])] for v in mine])
                 pending.append(ch.isend(out, p))

@@ -280,7 +280,7 @@ class ReplicaTrainer:
         if received is not None:
             items, bufs = received
             state.apply_received(items, bufs)
-            torch.set_rng_state(items[-2].cpu())
+            state.set_rng_state(items[-2], self.device)
             self.steps_done = int(items[-1][0].item())
             self.last_loss = items[-1][1].clone()
         self.owned = blocks.assign(self.live_replicas(), self.replicas)
@@ -296,7 +296,7 @@ class ReplicaTrainer:
             self.store.set(key, state.manifest(self.optimizer))
         elif self.rank in receivers:
             state.adopt_manifest(self.optimizer, self.store.get(key).decode())
-        rng = torch.get_rng_state().to(self.device)
+        rng = state.rng_state(self.device)
         cursor = torch.tensor(
             [float(self.steps_done), float(self.last_loss)], dtype=torch.float64, device=self.device
         )

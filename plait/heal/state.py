@@ -5,8 +5,12 @@ Nothing is read from a checkpoint: every member of a healing job holds the full
 replicated state (data-parallel replicas), so any one of them can send it. The tensors
 travel point to point on the generation's group (the source sends each receiver every
 tensor, in one fixed order: parameters, buffers, the optimizer's state per parameter in
-key order, the CPU RNG state, the cursor). Plain values of the optimizer state (numbers)
-and the shapes travel as a JSON manifest in the store, so nothing is pickled.
+key order, the RNG state, the cursor), each on the parameters' device (a CPU tensor of
+the state, as Adam's ``step``, is moved there for the wire and lands on the CPU again).
+The RNG state is the CPU generator's, and the current CUDA device's when the model is on
+CUDA (:func:`rng_state`: a replacement draws what its peer would). Plain values of the
+optimizer state (numbers) and the shapes travel as a JSON manifest in the store, so
+nothing is pickled.
 
 A receiver whose optimizer holds no state yet (a fresh process) first materializes it by
 one step on zero gradients (every entry exists afterwards, with the right shapes); the
@@ -110,6 +114,24 @@ def tensors_of(
     return out + [rng, cursor]
 
 
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The random state a replacement takes, as bytes on ``device`` (the parameters'): the
+    CPU generator's, then, on CUDA, that device's generator's. Local."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts).to(device)
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    """Set the generators from :func:`rng_state`'s bytes (one host copy). Local."""
+    host = state.cpu()
+    size = torch.get_rng_state().numel()
+    torch.set_rng_state(host[:size].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(host[size:].clone(), device)
+
+
 def transfer(
     group: Group,
     items: list[torch.Tensor],
@@ -122,8 +144,11 @@ def transfer(
     them in place (``apply=False``: into new tensors, returned on a receiver, for the
     caller to apply once every part of its state arrived: :func:`apply_received`; None
     elsewhere). Collective on ``group``: every member calls it (the others only count
-    it). Point-to-point sends, ``len(receivers)`` times the state's bytes out of the source."""
+    it). Point-to-point sends, ``len(receivers)`` times the state's bytes out of the source.
+    Every message is on the device of ``items[0]`` (the parameters'): an item elsewhere (a
+    CPU scalar of the optimizer state) is copied there to travel and back where it lives."""
     src = group.ranks.index(source)
+    wire = items[0].device
     dst = [group.ranks.index(r) for r in receivers]
     nbytes = sum(t.numel() * t.element_size() for t in items)
     received: list[torch.Tensor] | None = None
@@ -131,10 +156,11 @@ def transfer(
     def body(ch: Channel) -> None:
         nonlocal received
         if ch.rank == src:
-            pending = [ch.isend(t.contiguous(), d) for d in dst for t in items]
+            out = [t.to(wire).contiguous() for t in items]
+            pending = [ch.isend(t, d) for d in dst for t in out]
             ch.wait(*pending)
         elif ch.rank in dst:
-            bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in items]
+            bufs = [torch.empty(t.shape, dtype=t.dtype, device=wire) for t in items]
             ch.wait(*[ch.irecv(b, src) for b in bufs])
             if apply:
                 apply_received(items, bufs)

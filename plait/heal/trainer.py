@@ -95,7 +95,10 @@ class HealingTrainer:
     (``zero=3``): the units gathered one at a time during the step (:mod:`.units`; plait
     FSDP's vocabulary: ``"children"``, the top-level modules, the default; a set or tuple
     of module classes; a list of modules), or None: the whole model gathered at the
-    step's start (:mod:`.fsdp`)."""
+    step's start (:mod:`.fsdp`). ``backend``: ``"gloo"`` (the parameters on the CPU, or
+    on CUDA: the messages are staged through the host) or ``"nccl"`` (the parameters on
+    this rank's GPU, made the current device); every tensor the trainer hands a
+    collective is made on the parameters' device."""
 
     def __init__(
         self,
@@ -150,6 +153,7 @@ class HealingTrainer:
                 f"the exchange carries one flat vector of one dtype"
             )
         self.dtype = dtypes.pop()
+        self.device = self._device(backend)  # every tensor a collective carries lives here
         self.zero = zero
         self.compute = BlockCompute(  # the micro-batches and the exchange
             module,
@@ -188,7 +192,7 @@ class HealingTrainer:
             timeout=timeout,
         )
         self.steps_done = 0
-        self.last_loss = torch.tensor(float("nan"))
+        self.last_loss = torch.tensor(float("nan"), device=self.device)
         self.heals: list[dict[str, Any]] = []  # one record per generation change
         self._entered: Generation | None = None  # the last generation entered in full
         self.group: Group | None = None
@@ -203,6 +207,48 @@ class HealingTrainer:
         else:
             expected = tuple(range(world))
             self._settle(self.membership.agree(0, expected, 0, wait_all=True))
+
+    def _device(self, backend: str) -> torch.device:
+        """The parameters' one device; refused where the backend cannot move its tensors.
+        On NCCL the current CUDA device becomes the parameters' (the generation's
+        communicator and plait's control tensors are made there)."""
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(
+                f"healing: slot {self.slot}: the trainable parameters are on "
+                f"{sorted(map(str, devices))}; the exchange carries one flat vector on one "
+                f"device (move the model with .to(device))"
+            )
+        device = devices.pop()
+        if backend == "nccl":
+            if device.type != "cuda":
+                raise ValueError(
+                    f"healing: slot {self.slot}: backend='nccl' moves CUDA tensors only and "
+                    f"the parameters are on {device}; move the model to this rank's GPU "
+                    f"(model.cuda(local_rank)) or use backend='gloo'"
+                )
+            torch.cuda.set_device(device)
+        elif device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"healing: slot {self.slot}: the parameters are on {device}; backend="
+                f"{backend!r} moves CPU and CUDA tensors (CUDA staged through the host)"
+            )
+        return device
+
+    def _rng_and_cursor(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a member behind receives besides the model's state, on the device: the
+        random state (the CPU's and, on CUDA, the device's: :func:`.state.rng_state`) and
+        the data cursor (steps done, last loss)."""
+        cursor = torch.tensor(
+            [float(self.steps_done), float(self.last_loss)], dtype=torch.float64,
+            device=self.device,
+        )  # fmt: skip
+        return state.rng_state(self.device), cursor
+
+    def _take_rng_and_cursor(self, rng: torch.Tensor, cursor: torch.Tensor) -> None:
+        state.set_rng_state(rng, self.device)
+        self.steps_done = int(cursor[0].item())  # one host read, at a heal
+        self.last_loss = cursor[1].clone()
 
     @classmethod
     def from_env(
@@ -270,16 +316,11 @@ class HealingTrainer:
                 self.store.set(key, state.manifest(self.optimizer))
             elif self.slot in receivers:
                 state.adopt_manifest(self.optimizer, self.store.get(key).decode())
-            rng = torch.get_rng_state()
-            cursor = torch.tensor(
-                [float(self.steps_done), float(self.last_loss)], dtype=torch.float64
-            )
+            rng, cursor = self._rng_and_cursor()
             items = state.tensors(self.module, self.optimizer, rng, cursor)
             state.transfer(self.group, items, source=gen.source, receivers=receivers)
             if self.slot in receivers:
-                torch.set_rng_state(rng)
-                self.steps_done = int(cursor[0].item())
-                self.last_loss = cursor[1].clone()
+                self._take_rng_and_cursor(rng, cursor)
         if self.sharded is not None:
             self.sharded.start(gen.members, gen.members.index(self.slot), gen.number)
         self.owned = blocks.assign(gen.members, self.world)
@@ -298,16 +339,11 @@ class HealingTrainer:
             self.returned += 1
         joiners = tuple(s for s in gen.members if s not in holders)
         if joiners:
-            rng = torch.get_rng_state()
-            cursor = torch.tensor(
-                [float(self.steps_done), float(self.last_loss)], dtype=torch.float64
-            )
-            items = [b.data for b in self.module.buffers()] + [rng, cursor]
+            rng, cursor = self._rng_and_cursor()
+            items = [rng, *(b.data for b in self.module.buffers()), cursor]
             state.transfer(self.group, items, source=holders[0], receivers=joiners)
             if self.slot in joiners:
-                torch.set_rng_state(rng)
-                self.steps_done = int(cursor[0].item())
-                self.last_loss = cursor[1].clone()
+                self._take_rng_and_cursor(rng, cursor)
         self.sharded.reshard(
             self.group, self.store, holders=holders, old_gen=old_gen, number=gen.number
         )

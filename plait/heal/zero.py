@@ -101,6 +101,7 @@ class ShardedState:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype
+        self.device = params[0].device  # every tensor the chunks' collectives carry
         self.layout: tuple[int, ...] = ()  # the slots of the generation the chunks follow
         self.layout_gen = -1
         self.held: dict[int, torch.optim.Optimizer] = {}
@@ -192,7 +193,7 @@ class ShardedState:
         n = len(self.layout)
         spans = bounds(self.numel, n)
         if self._flat_buffer is None:  # kept from step to step (see step)
-            self._flat_buffer = torch.empty(self.numel, dtype=self.dtype)
+            self._flat_buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         flat = self._flat_buffer
         for c, opt in self.held.items():
             flat[slice(*spans[c])].copy_(self._param(opt).detach())
@@ -249,23 +250,24 @@ class ShardedState:
         holders (slots that hold chunks of the old layout) and the old layout's
         generation number."""
         holds = bool(self.held)
-        vec = torch.full((world + 3,), -1e300, dtype=torch.float64)
+        vec = torch.full((world + 3,), -1e300, dtype=torch.float64, device=self.device)
         if holds:
             vec[group.global_rank] = 1.0
             vec[world] = self.layout_gen
             vec[world + 1] = -self.layout_gen
             vec[world + 2] = -done
         ops.all_reduce(vec, "max", group=group)
-        if vec[world] < 0:
+        got = vec.tolist()  # one host read, at a heal
+        if got[world] < 0:
             raise StateLost("healing zero: no member holds any state to re-shard")
-        if vec[world] != -vec[world + 1]:
+        if got[world] != -got[world + 1]:
             raise StateLost(
                 f"healing zero: the members hold chunks of different layouts (generations "
-                f"{int(-vec[world + 1])} and {int(vec[world])}): a member died while the "
+                f"{int(-got[world + 1])} and {int(got[world])}): a member died while the "
                 f"state was being re-sharded; the job must restart from its checkpoint"
             )
-        holders = tuple(s for s in range(world) if vec[s] > 0)
-        return int(-vec[world + 2]), holders, int(vec[world])
+        holders = tuple(s for s in range(world) if got[s] > 0)
+        return int(-got[world + 2]), holders, int(got[world])
 
     def reshard(
         self, group: Group, store: Any, *, holders: tuple[int, ...], old_gen: int, number: int
@@ -282,7 +284,7 @@ class ShardedState:
             old = tuple(json.loads(store.get(layout_key).decode()))
         n_old = len(old)
         spans = bounds(self.numel, n_old)
-        flat = torch.empty(self.numel, dtype=self.dtype)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         full: dict[str, Any] = {}
         for c in range(n_old):
             owner, mirror = old[c], old[(c - 1) % n_old]
@@ -299,8 +301,8 @@ class ShardedState:
                 p = self._param(opt)
                 st = opt.state.get(p, {})
                 items = [p.detach()] + [v for _, v in sorted(st.items()) if torch.is_tensor(v)]
-                layout = [
-                    [k, "tensor", list(v.shape), str(v.dtype)[6:]]
+                layout = [  # where each tensor lives (Adam's step: the CPU), as the holder
+                    [k, "tensor", list(v.shape), str(v.dtype)[6:], v.device.type == "cpu"]
                     if torch.is_tensor(v)
                     else [k, "value", v]
                     for k, v in sorted(st.items())
@@ -308,8 +310,11 @@ class ShardedState:
                 store.set(key, json.dumps(layout))
             else:
                 layout = json.loads(store.get(key).decode())
-                items = [torch.empty(spans[c][1] - spans[c][0], dtype=self.dtype)] + [
-                    torch.empty(e[2], dtype=getattr(torch, e[3]))
+                size = spans[c][1] - spans[c][0]
+                items = [torch.empty(size, dtype=self.dtype, device=self.device)] + [
+                    torch.empty(
+                        e[2], dtype=getattr(torch, e[3]), device="cpu" if e[4] else self.device
+                    )
                     for e in layout
                     if e[1] == "tensor"
                 ]
