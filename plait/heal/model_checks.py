@@ -86,3 +86,32 @@ def buffers_of(model: Any) -> list[torch.Tensor]:
     if stages is None:
         return []
     return [b for stage in stages.values() for b in stage.buffers()]
+
+
+def params_device(params: list[nn.Parameter], *, backend: str, who: str) -> torch.device:
+    """The parameters' one device; refused (naming ``who``) where they are on several or
+    where the backend cannot move their tensors. On NCCL the current CUDA device becomes
+    the parameters' (a generation's communicator and the control tensors are made
+    there)."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(
+            f"healing: {who}: the trainable parameters are on "
+            f"{sorted(map(str, devices))}; the exchange carries one flat vector on one "
+            f"device (move the model with .to(device))"
+        )
+    device = devices.pop()
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ValueError(
+                f"healing: {who}: backend='nccl' moves CUDA tensors only and "
+                f"the parameters are on {device}; move the model to this rank's GPU "
+                f"(model.cuda(local_rank)) or use backend='gloo'"
+            )
+        torch.cuda.set_device(device)
+    elif device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"healing: {who}: the parameters are on {device}; backend="
+            f"{backend!r} moves CPU and CUDA tensors (CUDA staged through the host)"
+        )
+    return device

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,7 +73,7 @@ from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, launch, state
 from plait.heal.membership import Excluded, Generation, Membership
-from plait.heal.model_checks import buffers_of, warn_random
+from plait.heal.model_checks import buffers_of, params_device, warn_random
 from plait.heal.store_mesh import StoreMesh
 from plait.heal.trainer import ARRIVED, HEALING, Fault
 from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
@@ -146,6 +147,10 @@ class ReplicaTrainer:
             self.membership.request_join()
             number = self.membership.wait_admitted()
         first = self.index * size
+        if backend == "nccl":  # the mesh's communicators are made on this rank's GPU
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+            )
         incarnation = f"plait/heal/replica{self.index}/{'gen' + str(number) if join else 'start'}"
         # every dimension PTD-P reads (a missing one would make compose build a world
         # mesh); the data-parallel one is 1: the replicas are the data parallelism
@@ -182,7 +187,8 @@ class ReplicaTrainer:
                 f"the exchange carries one flat vector of one dtype"
             )
         self.dtype = dtypes.pop()
-        self.device = self.params[0].device  # every tensor a collective carries lives here
+        # every tensor a collective carries lives here (on NCCL: the current CUDA device)
+        self.device = params_device(self.params, backend=backend, who=f"rank {rank}")
         self.steps_done = 0
         self.last_loss = torch.tensor(float("nan"))
         self.heals: list[dict[str, Any]] = []

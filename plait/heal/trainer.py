@@ -59,7 +59,7 @@ from plait.heal.buckets import OverlappedExchange
 from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
 from plait.heal.membership import Excluded, Generation, Membership
-from plait.heal.model_checks import refuse_sharded
+from plait.heal.model_checks import params_device, refuse_sharded
 from plait.heal.units import CHILDREN, UnitGathers, Wrap
 from plait.heal.zero import StateLost
 from plait.strategies.reproducible.tree import LayoutError, is_power_of_two
@@ -209,31 +209,8 @@ class HealingTrainer:
             self._settle(self.membership.agree(0, expected, 0, wait_all=True))
 
     def _device(self, backend: str) -> torch.device:
-        """The parameters' one device; refused where the backend cannot move its tensors.
-        On NCCL the current CUDA device becomes the parameters' (the generation's
-        communicator and plait's control tensors are made there)."""
-        devices = {p.device for p in self.params}
-        if len(devices) != 1:
-            raise ValueError(
-                f"healing: slot {self.slot}: the trainable parameters are on "
-                f"{sorted(map(str, devices))}; the exchange carries one flat vector on one "
-                f"device (move the model with .to(device))"
-            )
-        device = devices.pop()
-        if backend == "nccl":
-            if device.type != "cuda":
-                raise ValueError(
-                    f"healing: slot {self.slot}: backend='nccl' moves CUDA tensors only and "
-                    f"the parameters are on {device}; move the model to this rank's GPU "
-                    f"(model.cuda(local_rank)) or use backend='gloo'"
-                )
-            torch.cuda.set_device(device)
-        elif device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"healing: slot {self.slot}: the parameters are on {device}; backend="
-                f"{backend!r} moves CPU and CUDA tensors (CUDA staged through the host)"
-            )
-        return device
+        """The parameters' one device (:func:`.model_checks.params_device`)."""
+        return params_device(self.params, backend=backend, who=f"slot {self.slot}")
 
     def _rng_and_cursor(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What a member behind receives besides the model's state, on the device: the
