@@ -103,6 +103,9 @@ class Membership:
         self.heartbeat_timeout = heartbeat_timeout
         self.timeout = timeout
         self._joins_seen = 0
+        # host and pid published now: a process killed before its progress thread's first
+        # beat is still found dead by pid at once, not after the heartbeat timeout
+        self.beat()
 
     # --- state of other slots ----------------------------------------------------------
     def beat(self) -> None:
