@@ -179,3 +179,7 @@ def _finish_nodes(store: Any, node: int, nnodes: int, ok: bool) -> bool:
                 done[n] = "1"
         time.sleep(0.2)
     return "0" in done.values()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
