@@ -335,3 +335,34 @@ def _decide(number: int, present: dict[int, int]) -> Generation:
     source = min(s for s in members if present[s] == done)
     receivers = tuple(s for s in members if present[s] < done)
     return Generation(number, members, done, source, receivers)
+
+
+def heal_record(
+    kind: str, old: Generation, new: Generation, *, at_step: int, start: float,
+    cause: BaseException | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One entry of a trainer's ``heals``: ``kind`` ("shrink" or "grow") from ``old`` to
+    ``new`` at ``at_step``, ``seconds`` since ``start`` (``time.perf_counter``), the wall
+    time it ``ended`` and its ``cause`` (the first line of the error, "" for a grow)."""
+    text = "" if cause is None else str(cause)
+    return {
+        "kind": kind,
+        "from": list(old.members),
+        "to": list(new.members),
+        "seconds": time.perf_counter() - start,
+        "at_step": at_step,
+        "ended": time.time(),
+        "cause": ""
+        if cause is None
+        else f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}",
+    }
+
+
+def mark_lost(store: Any, old: Generation | None, new: Generation) -> None:
+    """Record, for each slot of ``old`` missing from ``new``, the generation that lost it
+    (``plait/heal/lost/<slot>``: what ``wait_for_replacements`` compares with)."""
+    if old is None:
+        return
+    for s in old.members:
+        if s not in new.members:
+            store.set(f"{KEY}/lost/{s}", str(new.number))

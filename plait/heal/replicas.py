@@ -72,7 +72,7 @@ from plait.comm import ops, progress, watchdog
 from plait.comm.errors import CollectiveError
 from plait.comm.group import Group
 from plait.heal import blocks, groups, launch, state
-from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.membership import Excluded, Generation, Membership, heal_record, mark_lost
 from plait.heal.model_checks import buffers_of, params_device, warn_random
 from plait.heal.store_mesh import StoreMesh
 from plait.heal.trainer import ARRIVED, HEALING, Fault
@@ -248,10 +248,7 @@ class ReplicaTrainer:
         """Build this position's group of ``gen`` and receive the state if behind. Every
         rank of the replica agrees that all of this worked before anything is applied, so
         the replica enters the generation whole or not at all."""
-        if self._entered is not None:  # slots lost while they trained: when
-            for s in self._entered.members:
-                if s not in gen.members:
-                    self.store.set(f"plait/heal/lost/{s}", str(gen.number))
+        mark_lost(self.store, self._entered, gen)  # slots lost while they trained: when
         self.gen = gen
         q = self.position
         mine = tuple(s for s in gen.members if s % self.size == q)
@@ -373,17 +370,7 @@ class ReplicaTrainer:
 
     def _record(self, kind: str, old: Generation, start: float, exc: BaseException | None) -> None:
         self.heals.append(
-            {
-                "kind": kind,
-                "from": list(old.members),
-                "to": list(self.members),
-                "seconds": time.perf_counter() - start,
-                "at_step": self.steps_done,
-                "ended": time.time(),
-                "cause": ""
-                if exc is None
-                else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            }
+            heal_record(kind, old, self.gen, at_step=self.steps_done, start=start, cause=exc)
         )
 
     # --- the step ----------------------------------------------------------------------

@@ -58,7 +58,7 @@ from plait.heal import blocks, groups, launch, state
 from plait.heal.buckets import OverlappedExchange
 from plait.heal.compute import BlockCompute
 from plait.heal.fsdp import ShardedParams, sharded_state
-from plait.heal.membership import Excluded, Generation, Membership
+from plait.heal.membership import Excluded, Generation, Membership, heal_record, mark_lost
 from plait.heal.model_checks import params_device, refuse_sharded
 from plait.heal.units import CHILDREN, UnitGathers, Wrap
 from plait.heal.zero import StateLost
@@ -270,10 +270,7 @@ class HealingTrainer:
         )
 
     def _enter(self, gen: Generation) -> None:
-        if self._entered is not None:  # slots lost while they trained: when (agreed numbers)
-            for s in self._entered.members:
-                if s not in gen.members:
-                    self.store.set(f"plait/heal/lost/{s}", str(gen.number))
+        mark_lost(self.store, self._entered, gen)  # slots lost while they trained: when
         self.gen = gen
         self.group = groups.build(
             self.store,
@@ -338,15 +335,7 @@ class HealingTrainer:
         old = self.gen
         self._settle(self.membership.agree(old.number + 1, old.members, self.steps_done))
         self.heals.append(
-            {
-                "kind": "shrink",
-                "from": list(old.members),
-                "to": list(self.members),
-                "seconds": time.perf_counter() - start,
-                "at_step": self.steps_done,
-                "ended": time.time(),
-                "cause": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            }
+            heal_record("shrink", old, self.gen, at_step=self.steps_done, start=start, cause=exc)
         )
 
     def _grow(self, mask: int) -> None:
@@ -361,15 +350,7 @@ class HealingTrainer:
         self.group = None
         self._settle(gen)
         self.heals.append(
-            {
-                "kind": "grow",
-                "from": list(old.members),
-                "to": list(self.members),
-                "seconds": time.perf_counter() - start,
-                "at_step": self.steps_done,
-                "ended": time.time(),
-                "cause": "",
-            }
+            heal_record("grow", old, self.gen, at_step=self.steps_done, start=start, cause=None)
         )
 
     # --- the step ----------------------------------------------------------------------
